@@ -1,0 +1,38 @@
+# kvgate: the two Quick start commands are `make demo` and `make test`; both create or reuse .venv.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test lint typecheck unit bench envoy-config clean
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q -e '.[dev]'
+	@if ! command -v wrk >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1 && [ "$$(id -u)" = 0 ]; then \
+		(apt-get update -qq && apt-get install -y -qq wrk) >/dev/null 2>&1 || echo "note: wrk not installed; benchmarks use the built-in load generator"; fi
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/kvgate demo
+
+test: $(STAMP) lint typecheck
+	$(BIN)/kvgate envoy-config --check
+	$(BIN)/python -m pytest -q -p no:cacheprovider
+
+lint: $(STAMP)
+	$(BIN)/ruff check .
+
+typecheck: $(STAMP)
+	$(BIN)/mypy
+
+bench: $(STAMP)
+	$(BIN)/kvgate bench overhead
+	$(BIN)/kvgate bench overhead --stream
+
+envoy-config: $(STAMP)
+	$(BIN)/kvgate envoy-config --write
+
+clean:
+	rm -rf $(VENV) .kvgate-run .pytest_cache .mypy_cache .ruff_cache *.egg-info

@@ -1,0 +1,225 @@
+"""kvgate's configuration: one YAML file, validated on load.
+
+Validation errors name the field by its path in the file (``tenants[2].max_concurrent``) so that a
+person can fix the file without reading this module.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+Mode = Literal["enforce", "shadow"]
+_NAME = r"^[a-z0-9][a-z0-9_.-]{0,62}$"
+_SHA256 = re.compile(r"^[0-9a-f]{64}$")
+
+PositiveInt = Annotated[int, Field(ge=1)]
+PositiveFloat = Annotated[float, Field(gt=0)]
+
+
+class ConfigError(Exception):
+    """A config file that cannot be used; the message names the file and each bad field."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class Quota(_Strict):
+    """Per-tenant limits. ``None`` means unlimited for that dimension."""
+
+    max_concurrent: PositiveInt | None = None
+    requests_per_minute: PositiveFloat | None = None
+    request_burst: PositiveInt | None = Field(
+        default=None, description="bucket size for requests; default: one minute's worth"
+    )
+    tokens_per_minute: PositiveFloat | None = None
+    token_burst: PositiveInt | None = Field(
+        default=None, description="bucket size for tokens; default: one minute's worth"
+    )
+    max_prompt_tokens: PositiveInt | None = None
+    max_context_tokens: PositiveInt | None = Field(
+        default=None, description="cap on estimated prompt tokens + reserved output tokens"
+    )
+    default_max_tokens: PositiveInt | None = Field(
+        default=None, description="output reservation when a request sets no max_tokens"
+    )
+
+
+class Tenant(Quota):
+    name: Annotated[str, Field(pattern=_NAME)]
+    api_key_sha256: list[str] = Field(default_factory=list)
+    tier: Annotated[str, Field(pattern=_NAME)] = "standard"
+    mode: Mode | None = None
+
+    @field_validator("api_key_sha256")
+    @classmethod
+    def _hex_digests(cls, v: list[str]) -> list[str]:
+        out = []
+        for digest in v:
+            d = digest.strip().lower()
+            if not _SHA256.match(d):
+                raise ValueError(
+                    "each entry must be the hex SHA-256 of an API key (64 hex digits); "
+                    "make one with: kvgate hash-key <key>"
+                )
+            out.append(d)
+        return out
+
+
+class Identity(_Strict):
+    unknown_keys: Literal["reject", "default"] = Field(
+        default="reject", description="reject: 401; default: account to the tenant named by default_tenant"
+    )
+    default_tenant: Annotated[str, Field(pattern=_NAME)] | None = None
+    trusted_header: str | None = Field(
+        default=None,
+        description="a header set by a trusted filter in front of kvgate naming the tenant; off by default",
+    )
+
+    @field_validator("trusted_header")
+    @classmethod
+    def _header_name(cls, v: str | None) -> str | None:
+        if v is None:
+            return v
+        v = v.strip().lower()
+        if not re.match(r"^[a-z0-9-]+$", v) or v.startswith("x-kvgate-"):
+            raise ValueError("must be a plain lower-case header name, not one of kvgate's own x-kvgate-*")
+        return v
+
+
+class Estimation(_Strict):
+    chars_per_token: PositiveFloat = 4.0
+    per_message_tokens: Annotated[int, Field(ge=0)] = 4
+    default_max_tokens: PositiveInt = 256
+    tokenizer_json: Path | None = None
+
+    @field_validator("tokenizer_json")
+    @classmethod
+    def _tokenizer(cls, v: Path | None) -> Path | None:
+        if v is None:
+            return v
+        if not v.is_file():
+            raise ValueError(f"file {v} does not exist")
+        try:
+            import tokenizers  # noqa: F401
+        except ImportError as e:
+            raise ValueError("needs the 'tokenizers' package: pip install 'kvgate[tokenizer]'") from e
+        return v
+
+
+class Fleet(_Strict):
+    max_inflight: PositiveInt | None = Field(
+        default=None, description="requests in flight across all tenants before 503"
+    )
+
+
+class Retry(_Strict):
+    jitter: Annotated[float, Field(ge=0, le=1)] = 0.2
+    min_ms: Annotated[int, Field(ge=1)] = 100
+    default_request_seconds: PositiveFloat = Field(
+        default=2.0, description="expected request duration before any has been seen"
+    )
+
+
+class Server(_Strict):
+    grpc_address: str = "127.0.0.1:9001"
+    metrics_address: str = "127.0.0.1:9101"
+    drain_seconds: PositiveFloat = 30.0
+    lease_timeout_seconds: PositiveFloat = Field(
+        default=900.0, description="a lease with no completion after this long is reclaimed"
+    )
+
+
+class Metrics(_Strict):
+    max_tenant_labels: PositiveInt = 100
+
+
+class Limits(_Strict):
+    max_body_bytes: PositiveInt = 4 * 1024 * 1024
+
+
+class Config(_Strict):
+    mode: Mode = "enforce"
+    server: Server = Server()
+    identity: Identity = Identity()
+    estimation: Estimation = Estimation()
+    fleet: Fleet = Fleet()
+    retry: Retry = Retry()
+    limits: Limits = Limits()
+    metrics: Metrics = Metrics()
+    tenants: list[Tenant] = Field(default_factory=list)
+
+    @model_validator(mode="after")
+    def _consistent(self) -> Config:
+        names: set[str] = set()
+        owners: dict[str, str] = {}
+        for i, t in enumerate(self.tenants):
+            if t.name in names:
+                raise ValueError(f"tenants[{i}].name: tenant {t.name!r} is defined twice")
+            names.add(t.name)
+            for digest in t.api_key_sha256:
+                if digest in owners:
+                    raise ValueError(
+                        f"tenants[{i}].api_key_sha256: a key is already given to tenant {owners[digest]!r}"
+                    )
+                owners[digest] = t.name
+        if self.identity.unknown_keys == "default":
+            if self.identity.default_tenant is None:
+                raise ValueError("identity.default_tenant: required when identity.unknown_keys is 'default'")
+            if self.identity.default_tenant not in names:
+                raise ValueError(
+                    f"identity.default_tenant: no tenant named {self.identity.default_tenant!r} in tenants"
+                )
+        return self
+
+    def tenant(self, name: str) -> Tenant | None:
+        for t in self.tenants:
+            if t.name == name:
+                return t
+        return None
+
+
+def _loc(loc: tuple[int | str, ...]) -> str:
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        else:
+            out += ("." if out else "") + part
+    return out
+
+
+def parse_config(data: Any, source: str = "<config>") -> Config:
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{source}: the top level must be a mapping of settings, got {type(data).__name__}")
+    try:
+        return Config.model_validate(data)
+    except ValidationError as e:
+        lines = []
+        for err in e.errors():
+            where = _loc(tuple(err["loc"]))
+            msg = err["msg"].removeprefix("Value error, ")
+            if err["type"] == "extra_forbidden":
+                msg = "unknown setting (check the spelling)"
+            lines.append(f"  {where}: {msg}" if where else f"  {msg}")
+        raise ConfigError(f"{source}: invalid configuration\n" + "\n".join(lines)) from None
+
+
+def load_config(path: str | Path) -> Config:
+    p = Path(path)
+    try:
+        text = p.read_text()
+    except OSError as e:
+        raise ConfigError(f"{p}: cannot read config file: {e.strerror}") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{p}: not valid YAML: {e}") from None
+    return parse_config(data, str(p))

@@ -1,0 +1,378 @@
+"""The gRPC shell: Envoy's ExternalProcessor and AccessLogService around the pure decision core.
+
+Per HTTP request, Envoy opens one ext_proc stream. On inference routes (POST) Envoy skips the
+headers message and sends a single buffered body message carrying the few request attributes kvgate
+needs (authorization, path, request id): one round trip per request. Other routes send headers only.
+
+Completion is accounted without any per-chunk Python work: a Lua filter in Envoy reads the final
+usage of the response (JSON body or last SSE chunk, stripping that chunk again when kvgate added it)
+into dynamic metadata, and Envoy's gRPC access log delivers it here when the stream ends, whether it
+ended normally, on an upstream error or by a client disconnect.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+import orjson
+from envoy.config.core.v3 import base_pb2
+from envoy.service.accesslog.v3 import als_pb2, als_pb2_grpc
+from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
+from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
+from envoy.type.v3 import http_status_pb2
+from google.protobuf import struct_pb2
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from prometheus_client import start_http_server
+
+from . import logs
+from .admission import Admission, Decision, Usage
+from .config import Config, ConfigError, load_config
+from .estimate import Estimator
+from .identity import Identifier
+from .stats import Stats
+from .wire import REASON_HEADER, Reply, error_body, reject_reply
+
+log = logs.get("kvgate.extproc")
+
+ATTR_NS = "envoy.filters.http.ext_proc"
+META_NS = "kvgate"
+USAGE_NS = "kvgate.usage"
+ATTR_AUTH = "request.headers['authorization']"
+ATTR_PATH = "request.path"
+ATTR_ID = "request.id"
+INTERNAL_PREFIX = "x-kvgate-"
+SERVICE_NAME = "envoy.service.ext_proc.v3.ExternalProcessor"
+
+
+def trusted_attr(header: str) -> str:
+    return f"request.headers['{header}']"
+
+
+def _attr(msg: ep.ProcessingRequest, name: str) -> str:
+    attrs = msg.attributes.get(ATTR_NS)
+    if attrs is None:
+        return ""
+    v = attrs.fields.get(name)
+    return v.string_value if v is not None else ""
+
+
+def _immediate(reply: Reply) -> ep.ProcessingResponse:
+    reason = next((v for k, v in reply.headers if k == REASON_HEADER), "reject")
+    headers = ep.HeaderMutation(
+        set_headers=[
+            base_pb2.HeaderValueOption(header=base_pb2.HeaderValue(key=k, raw_value=v.encode()))
+            for k, v in reply.headers
+        ]
+    )
+    return ep.ProcessingResponse(
+        immediate_response=ep.ImmediateResponse(
+            status=http_status_pb2.HttpStatus(code=reply.status),
+            headers=headers,
+            body=reply.body,
+            details="kvgate_" + reason.replace("-", "_"),
+        ),
+        # tagged so Envoy's local-reply mappers leave kvgate's own replies alone
+        dynamic_metadata=_metadata({"rejected": reason}),
+    )
+
+
+def _metadata(values: dict[str, Any]) -> struct_pb2.Struct:
+    s = struct_pb2.Struct()
+    s.update({META_NS: values})
+    return s
+
+
+class Gateway:
+    """Holds the live config and the core; both servicers share one instance."""
+
+    def __init__(self, config: Config, config_path: Path | None = None) -> None:
+        self.config_path = config_path
+        self.admission = Admission(config, time.monotonic)
+        self.stats = Stats(max_tenant_labels=config.metrics.max_tenant_labels)
+        self._apply(config)
+        self._mtime = _mtime(config_path)
+        self.open_streams = 0
+
+    def _apply(self, config: Config) -> None:
+        self.config = config
+        self.identifier = Identifier(config)
+        self.estimator = Estimator(config.estimation)
+        self._trusted_attr = trusted_attr(config.identity.trusted_header) if config.identity.trusted_header else None
+        self.stats.set_tenants([t.name for t in config.tenants], config.metrics.max_tenant_labels)
+
+    def reload(self, reason: str) -> bool:
+        """Load the config file again; a bad file keeps the running config and says why."""
+        if self.config_path is None:
+            return False
+        self._mtime = _mtime(self.config_path)
+        try:
+            new = load_config(self.config_path)
+        except ConfigError as e:
+            self.stats.reloads.labels("error").inc()
+            log.error("config_reload_failed", reason=reason, error=str(e), kept="previous config")
+            return False
+        if new.server != self.config.server:
+            log.warning("config_server_changed", note="server.* settings take effect on restart only")
+        self.admission.reconfigure(new)
+        self._apply(new)
+        self.stats.reloads.labels("ok").inc()
+        log.info("config_reloaded", reason=reason, tenants=len(new.tenants), mode=new.mode)
+        return True
+
+    def file_changed(self) -> bool:
+        return self.config_path is not None and _mtime(self.config_path) != self._mtime
+
+    # -- decisions -------------------------------------------------------------------------------
+
+    def on_body(self, msg: ep.ProcessingRequest) -> tuple[ep.ProcessingResponse, Decision]:
+        t0 = time.perf_counter()
+        body = msg.request_body.body
+        path = _attr(msg, ATTR_PATH)
+        request_id = _attr(msg, ATTR_ID)
+        trusted = _attr(msg, self._trusted_attr) if self._trusted_attr else None
+        who = self.identifier.resolve(_attr(msg, ATTR_AUTH), trusted)
+        quota = who.tenant
+        default_max = (quota.default_max_tokens if quota else None) or self.config.estimation.default_max_tokens
+        est = self.estimator.estimate(
+            body, generates=path.split("?", 1)[0].endswith("/completions"), default_max_tokens=default_max
+        )
+        d = self.admission.decide(quota, request_id, est, len(body))
+        if not est.parsed:
+            self.stats.unparsed_bodies.inc()
+            log.info("body_not_json", request_id=request_id, tenant=d.tenant, bytes=len(body),
+                     note="decided on request size alone")
+        if d.lease is None:
+            assert d.rejection is not None
+            resp = _immediate(reject_reply(d.rejection))
+        else:
+            strip = est.stream and not est.include_usage and est.document is not None
+            common = ep.CommonResponse()
+            if strip:
+                assert est.document is not None
+                opts = est.document.get("stream_options")
+                est.document["stream_options"] = {**(opts if isinstance(opts, dict) else {}), "include_usage": True}
+                common.body_mutation.body = orjson.dumps(est.document)
+            resp = ep.ProcessingResponse(
+                request_body=ep.BodyResponse(response=common),
+                dynamic_metadata=_metadata({"ticket": d.lease.ticket, "strip_usage": strip, "tenant": d.tenant}),
+            )
+        self.stats.decision_seconds.observe(time.perf_counter() - t0)
+        self.stats.decision(d)
+        self._log_decision(d, request_id, est.total)
+        return resp, d
+
+    def on_headers(self, msg: ep.ProcessingRequest) -> ep.ProcessingResponse:
+        """Non-inference routes (GET /v1/models, ...): identity only, no quota."""
+        auth = trusted_value = None
+        for h in msg.request_headers.headers.headers:
+            if h.key == "authorization":
+                auth = h.raw_value.decode(errors="replace")
+            elif h.key == self.config.identity.trusted_header:
+                trusted_value = h.raw_value.decode(errors="replace")
+        who = self.identifier.resolve(auth, trusted_value)
+        if who.tenant is None and self.config.mode == "enforce":
+            reply = Reply(
+                401,
+                [("content-type", "application/json"), ("x-kvgate-reject-reason", "unknown-key"),
+                 ("www-authenticate", 'Bearer realm="kvgate"')],
+                error_body("Incorrect or missing API key. Send it as 'Authorization: Bearer <key>'.",
+                           "invalid_request_error", "invalid_api_key"),
+            )
+            return _immediate(reply)
+        name = who.tenant.name if who.tenant else "unknown"
+        return ep.ProcessingResponse(request_headers=ep.HeadersResponse(), dynamic_metadata=_metadata({"tenant": name}))
+
+    def _log_decision(self, d: Decision, request_id: str, tokens: int) -> None:
+        r = d.rejection
+        if r is None:
+            return
+        log.info(
+            "shadow_reject" if d.admitted else "reject",
+            request_id=request_id, tenant=d.tenant, tier=d.tier, status=r.status, reason=r.reason,
+            cls=r.klass, retry_after_s=None if r.retry_after is None else round(r.retry_after, 3),
+            estimated_tokens=tokens,
+        )
+
+    # -- completions -----------------------------------------------------------------------------
+
+    def on_access_log(self, entry: Any) -> None:
+        common = entry.common_properties
+        md = common.metadata.filter_metadata
+        kv = md.get(META_NS)
+        ticket = kv.fields["ticket"].string_value if kv is not None and "ticket" in kv.fields else ""
+        flags = common.response_flags
+        if not ticket:
+            # No ticket: Envoy never applied an admit reply (client gone first). Release by id.
+            c = self.admission.complete_request_id(entry.request.request_id)
+            if c is not None:
+                self.stats.completion(c, "aborted")
+            return
+        usage = None
+        u = md.get(USAGE_NS)
+        if u is not None and "completion_tokens" in u.fields:
+            usage = Usage(int(u.fields["prompt_tokens"].number_value), int(u.fields["completion_tokens"].number_value))
+        code = entry.response.response_code.value
+        upstream_answered = common.HasField("time_to_first_upstream_rx_byte")
+        responded = upstream_answered and 200 <= code < 300
+        c = self.admission.complete(ticket, usage, responded)
+        if c is None:
+            return
+        if usage is not None:
+            outcome = "ok"
+        elif flags.downstream_connection_termination:
+            outcome = "disconnect"
+        elif responded:
+            outcome = "no_usage"
+        else:
+            outcome = "upstream_error"
+        self.stats.completion(c, outcome)
+        log.debug("complete", ticket=ticket, tenant=c.lease.tenant.name, outcome=outcome,
+                  tokens=c.charged_tokens, seconds=round(c.seconds, 4), status=code)
+
+    def reclaim(self) -> None:
+        for c in self.admission.reclaim_expired():
+            self.stats.completion(c, "reclaimed")
+            log.warning("lease_reclaimed", ticket=c.lease.ticket, tenant=c.lease.tenant.name,
+                        age_s=round(c.seconds, 1), note="no completion arrived from Envoy's access log")
+
+
+def _mtime(p: Path | None) -> float | None:
+    if p is None:
+        return None
+    try:
+        return p.stat().st_mtime
+    except OSError:
+        return None
+
+
+class ExtProcServicer(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
+    def __init__(self, gw: Gateway) -> None:
+        self.gw = gw
+
+    async def Process(
+        self, request_iterator: AsyncIterator[ep.ProcessingRequest], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[ep.ProcessingResponse]:
+        gw = self.gw
+        gw.open_streams += 1
+        ticket = None
+        clean = False
+        try:
+            async for msg in request_iterator:
+                kind = msg.WhichOneof("request")
+                if kind == "request_body":
+                    resp, d = gw.on_body(msg)
+                    if d.lease is not None:
+                        ticket = d.lease.ticket
+                    yield resp
+                elif kind == "request_headers":
+                    yield gw.on_headers(msg)
+                elif kind is not None:
+                    # A phase kvgate did not ask for (a misconfigured Envoy): let it through unchanged.
+                    yield ep.ProcessingResponse(**{kind: _EMPTY[kind]()})
+            clean = True
+        finally:
+            gw.open_streams -= 1
+            if ticket is not None and not clean:
+                gw.admission.mark_uncertain(ticket)
+
+
+_EMPTY: dict[str, Any] = {
+    "request_headers": ep.HeadersResponse,
+    "response_headers": ep.HeadersResponse,
+    "request_body": ep.BodyResponse,
+    "response_body": ep.BodyResponse,
+    "request_trailers": ep.TrailersResponse,
+    "response_trailers": ep.TrailersResponse,
+}
+
+
+class AccessLogServicer(als_pb2_grpc.AccessLogServiceServicer):  # type: ignore[misc]
+    def __init__(self, gw: Gateway) -> None:
+        self.gw = gw
+
+    async def StreamAccessLogs(
+        self, request_iterator: AsyncIterator[als_pb2.StreamAccessLogsMessage], context: grpc.aio.ServicerContext
+    ) -> als_pb2.StreamAccessLogsResponse:
+        async for msg in request_iterator:
+            for entry in msg.http_logs.log_entry:
+                try:
+                    self.gw.on_access_log(entry)
+                except Exception:
+                    log.exception("access_log_entry_failed")
+        return als_pb2.StreamAccessLogsResponse()
+
+
+async def serve(config: Config, config_path: Path | None, ready: asyncio.Event | None = None) -> None:
+    gw = Gateway(config, config_path)
+    server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+    ep_grpc.add_ExternalProcessorServicer_to_server(ExtProcServicer(gw), server)
+    als_pb2_grpc.add_AccessLogServiceServicer_to_server(AccessLogServicer(gw), server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    port = server.add_insecure_port(config.server.grpc_address)
+    if port == 0:
+        raise ConfigError(f"server.grpc_address: cannot listen on {config.server.grpc_address}")
+    mhost, _, mport = config.server.metrics_address.rpartition(":")
+    try:
+        start_http_server(int(mport), addr=mhost or "0.0.0.0", registry=gw.stats.registry)
+    except OSError as e:
+        raise ConfigError(f"server.metrics_address: cannot listen on {config.server.metrics_address}: {e}") from None
+    await server.start()
+    for svc in ("", SERVICE_NAME):
+        await health_servicer.set(svc, health_pb2.HealthCheckResponse.SERVING)
+    log.info("serving", grpc=config.server.grpc_address, metrics=config.server.metrics_address,
+             tenants=len(config.tenants), mode=config.mode, pid=os.getpid())
+
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    loop.add_signal_handler(signal.SIGHUP, lambda: gw.reload("SIGHUP"))
+    if ready is not None:
+        ready.set()
+
+    async def housekeeping() -> None:
+        n = 0
+        while True:
+            await asyncio.sleep(1.0)
+            n += 1
+            if gw.file_changed():
+                gw.reload("file changed")
+            if n % 10 == 0:
+                gw.reclaim()
+
+    task = asyncio.create_task(housekeeping())
+    await stop.wait()
+    log.info("draining", open_streams=gw.open_streams, grace_s=config.server.drain_seconds)
+    for svc in ("", SERVICE_NAME):
+        await health_servicer.set(svc, health_pb2.HealthCheckResponse.NOT_SERVING)
+    deadline = loop.time() + config.server.drain_seconds
+    while gw.open_streams > 0 and loop.time() < deadline:
+        await asyncio.sleep(0.05)
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+    await server.stop(grace=0.5)
+    log.info("stopped", open_streams=gw.open_streams, open_leases=gw.admission.open_leases)
+
+
+def run(config_path: str, log_level: str = "info") -> int:
+    logs.setup(log_level)
+    path = Path(config_path)
+    config = load_config(path)
+    try:
+        import uvloop
+
+        uvloop.install()
+    except ImportError:
+        pass
+    asyncio.run(serve(config, path))
+    return 0

@@ -1,0 +1,72 @@
+"""How a rejection looks to the client: status, headers and an OpenAI-shaped JSON body.
+
+OpenAI SDKs (Python, Node), LangChain and most HTTP clients retry 429 and 5xx honouring
+``retry-after-ms`` first, then ``retry-after``; kvgate sends both, computed from when the budget or
+slot actually frees up. Pure: no protobuf here, the server turns these into Envoy messages.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import orjson
+
+from .admission import RateLimitView, Rejection
+
+REASON_HEADER = "x-kvgate-reject-reason"
+
+_TYPES = {
+    "tenant-concurrency": ("concurrency", "rate_limit_exceeded"),
+    "tenant-requests": ("requests", "rate_limit_exceeded"),
+    "tenant-tokens": ("tokens", "rate_limit_exceeded"),
+    "fleet-inflight": ("server_error", "fleet_at_capacity"),
+    "unknown-key": ("invalid_request_error", "invalid_api_key"),
+    "prompt-too-long": ("invalid_request_error", "context_length_exceeded"),
+    "context-too-long": ("invalid_request_error", "context_length_exceeded"),
+    "exceeds-token-budget": ("invalid_request_error", "request_too_large"),
+    "body-too-large": ("invalid_request_error", "request_too_large"),
+}
+
+
+@dataclass(frozen=True, slots=True)
+class Reply:
+    status: int
+    headers: list[tuple[str, str]]
+    body: bytes
+
+
+def error_body(message: str, type_: str, code: str | None, param: str | None = None) -> bytes:
+    return orjson.dumps({"error": {"message": message, "type": type_, "param": param, "code": code}})
+
+
+def reject_reply(r: Rejection) -> Reply:
+    type_, code = _TYPES.get(r.reason, ("server_error", r.reason.replace("-", "_")))
+    headers = [("content-type", "application/json"), (REASON_HEADER, r.reason)]
+    if r.retry_after is not None:
+        headers.append(("retry-after", str(max(1, math.ceil(r.retry_after)))))
+        headers.append(("retry-after-ms", str(max(1, math.ceil(r.retry_after * 1000)))))
+    if r.status == 401:
+        headers.append(("www-authenticate", 'Bearer realm="kvgate"'))
+    for kind, view in (("requests", r.requests), ("tokens", r.tokens)):
+        if view is not None:
+            headers.extend(ratelimit_headers(kind, view))
+    return Reply(r.status, headers, error_body(r.message, type_, code))
+
+
+def ratelimit_headers(kind: str, v: RateLimitView) -> list[tuple[str, str]]:
+    return [
+        (f"x-ratelimit-limit-{kind}", str(v.limit)),
+        (f"x-ratelimit-remaining-{kind}", str(v.remaining)),
+        (f"x-ratelimit-reset-{kind}", format_duration(v.reset_seconds)),
+    ]
+
+
+def format_duration(seconds: float) -> str:
+    """OpenAI's reset format: ``20ms``, ``1.5s``, ``6m0s``."""
+    if seconds < 1:
+        return f"{max(0, math.ceil(seconds * 1000))}ms"
+    if seconds < 60:
+        return f"{math.ceil(seconds * 10) / 10:g}s"
+    m, s = divmod(math.ceil(seconds), 60)
+    return f"{m}m{s}s"

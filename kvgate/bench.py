@@ -1,0 +1,130 @@
+"""``kvgate bench overhead``: what kvgate costs on the request path, measured side by side.
+
+One run starts a stand-in upstream (no token delay), then measures the same load twice:
+plain Envoy proxying, and Envoy + kvgate on the full path (ext_proc decision on the buffered body,
+Lua usage extraction, completion accounting over the gRPC access log). It reports req/s,
+p50/p99 latency, the ratio, and kvgate's CPU time per request (user + system of its process,
+from /proc, divided by the requests it decided).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from ext_proc.identity import hash_key
+
+from .envoy_config import EnvoyParams
+from .stack import Stack
+
+KEY = "sk-bench"
+BODY = '{"model":"standin-8b","messages":[{"role":"user","content":"Say hello in five words."}],"max_tokens":8%s}'
+
+
+def _cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _wrk(url: str, seconds: float, connections: int, body: str, workdir: Path) -> dict[str, Any]:
+    script = workdir / "post.lua"
+    script.write_text(
+        'wrk.method = "POST"\n'
+        f"wrk.body = '{body}'\n"
+        'wrk.headers["Content-Type"] = "application/json"\n'
+        f'wrk.headers["Authorization"] = "Bearer {KEY}"\n'
+    )
+    out = subprocess.run(
+        ["wrk", "-t1", f"-c{connections}", f"-d{max(1, round(seconds))}s", "--latency", "-s", str(script),
+         url + "/v1/chat/completions"],
+        capture_output=True, text=True, check=True,
+    ).stdout
+    rps = float(re.search(r"Requests/sec:\s+([\d.]+)", out).group(1))  # type: ignore[union-attr]
+    total = int(re.search(r"(\d+) requests in", out).group(1))  # type: ignore[union-attr]
+    non2xx = re.search(r"Non-2xx or 3xx responses:\s+(\d+)", out)
+
+    def pct(p: str) -> float:
+        m = re.search(rf"^\s+{p}%\s+([\d.]+)(us|ms|s)\s*$", out, re.M)
+        assert m, out
+        return float(m.group(1)) * {"us": 1e-3, "ms": 1.0, "s": 1e3}[m.group(2)]
+
+    return {"rps": rps, "requests": total, "p50_ms": pct("50"), "p99_ms": pct("99"),
+            "errors": int(non2xx.group(1)) if non2xx else 0}
+
+
+def _builtin(url: str, seconds: float, connections: int, body: str) -> dict[str, Any]:
+    """Fallback load generator when wrk is not installed (it shares the CPU, so figures are lower)."""
+    import asyncio
+
+    import aiohttp
+
+    lat: list[float] = []
+    errors = 0
+
+    async def worker(session: aiohttp.ClientSession, until: float) -> None:
+        nonlocal errors
+        while time.perf_counter() < until:
+            t = time.perf_counter()
+            async with session.post(url + "/v1/chat/completions", data=body,
+                                    headers={"authorization": f"Bearer {KEY}",
+                                             "content-type": "application/json"}) as r:
+                await r.read()
+                if r.status != 200:
+                    errors += 1
+            lat.append(time.perf_counter() - t)
+
+    async def main() -> float:
+        async with aiohttp.ClientSession() as s:
+            t0 = time.perf_counter()
+            await asyncio.gather(*(worker(s, t0 + seconds) for _ in range(connections)))
+            return time.perf_counter() - t0
+
+    elapsed = asyncio.run(main())
+    lat.sort()
+    return {"rps": len(lat) / elapsed, "requests": len(lat), "p50_ms": lat[len(lat) // 2] * 1e3,
+            "p99_ms": lat[int(len(lat) * 0.99)] * 1e3, "errors": errors}
+
+
+def overhead(seconds: float = 10.0, connections: int = 16, stream: bool = False, quiet: bool = False) -> dict[str, Any]:
+    body = BODY % (',"stream":true' if stream else "")
+    tool = "wrk" if shutil.which("wrk") else "builtin"
+    cfg = {"tenants": [{"name": "bench", "api_key_sha256": [hash_key(KEY)], "max_concurrent": 10_000}]}
+    results: dict[str, Any] = {"load_generator": tool, "connections": connections, "seconds": seconds,
+                               "stream": stream, "envoy_workers": 1}
+    with tempfile.TemporaryDirectory(prefix="kvgate-bench-") as tmp:
+        work = Path(tmp)
+        for name, with_kvgate in (("plain_envoy", False), ("envoy_kvgate", True)):
+            st = Stack(work / name, cfg, upstreams=1, token_ms=0.0, envoy=EnvoyParams(), with_kvgate=with_kvgate)
+            with st:
+
+                def run(secs: float, url: str = st.url) -> dict[str, Any]:
+                    if tool == "wrk":
+                        return _wrk(url, secs, connections, body, work)
+                    return _builtin(url, secs, connections, body)
+
+                run(1.0)  # warm up connections, JIT of the Lua, Python caches
+                cpu0 = _cpu_seconds(st.procs["kvgate"].pid) if with_kvgate else 0.0
+                r = run(seconds)
+                time.sleep(0.3)  # let the last access-log entries land before reading CPU
+                if with_kvgate:
+                    r["kvgate_cpu_us_per_request"] = (_cpu_seconds(st.procs["kvgate"].pid) - cpu0) / r["requests"] * 1e6
+            results[name] = r
+    results["ratio_rps"] = results["envoy_kvgate"]["rps"] / results["plain_envoy"]["rps"]
+    if not quiet:
+        p, k = results["plain_envoy"], results["envoy_kvgate"]
+        print(f"kvgate bench overhead  ({tool}, {connections} connections, {seconds:g}s each, 1 Envoy worker, "
+              f"{'SSE' if stream else 'JSON'} responses)")
+        print(f"{'path':<16}{'req/s':>10}{'p50 ms':>10}{'p99 ms':>10}{'errors':>8}")
+        for name, r in (("plain envoy", p), ("envoy + kvgate", k)):
+            print(f"{name:<16}{r['rps']:>10.0f}{r['p50_ms']:>10.2f}{r['p99_ms']:>10.2f}{r['errors']:>8}")
+        print(f"ratio (kvgate / plain): {results['ratio_rps']:.2f}   "
+              f"kvgate CPU per request: {k['kvgate_cpu_us_per_request']:.0f} us")
+        sys.stdout.flush()
+    return results

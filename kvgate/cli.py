@@ -1,0 +1,157 @@
+"""The ``kvgate`` command: one entry point, a subcommand per component."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+
+def _extproc(a: argparse.Namespace) -> int:
+    from ext_proc.server import run
+
+    return run(a.config, a.log_level)
+
+
+def _check_config(a: argparse.Namespace) -> int:
+    from ext_proc.config import load_config
+
+    cfg = load_config(a.config)
+    print(f"{a.config}: ok ({len(cfg.tenants)} tenants, mode {cfg.mode})")
+    return 0
+
+
+def _hash_key(a: argparse.Namespace) -> int:
+    from ext_proc.identity import hash_key
+
+    key = sys.stdin.readline().strip() if a.key == "-" else a.key
+    print(hash_key(key))
+    return 0
+
+
+def _envoy_config(a: argparse.Namespace) -> int:
+    from .envoy_config import EnvoyParams, bootstrap, dump, shipped
+
+    if a.write or a.check:
+        stale = []
+        for path, text in shipped().items():
+            if a.write:
+                path.write_text(text)
+                print(f"wrote {path}")
+            elif not path.exists() or path.read_text() != text:
+                stale.append(str(path))
+        if stale:
+            print("out of date (run: kvgate envoy-config --write): " + ", ".join(stale), file=sys.stderr)
+            return 1
+        return 0
+    ups = [(h, int(p)) for h, _, p in (u.rpartition(":") for u in a.upstream)] or [("127.0.0.1", 8000)]
+    params = EnvoyParams(
+        listen_port=a.listen_port, admin_port=a.admin_port, extproc_host=a.extproc_host,
+        extproc_port=a.extproc_port, upstreams=ups, fail_open=a.fail_open,
+        trusted_header=a.trusted_header,
+    )
+    sys.stdout.write(dump(bootstrap(params)))
+    return 0
+
+
+def _upstream(a: argparse.Namespace) -> int:
+    from .upstream import run
+
+    run(a.host, a.port, a.token_ms)
+    return 0
+
+
+def _up(a: argparse.Namespace) -> int:
+    from .demo import up
+
+    return up(a)
+
+
+def _demo(a: argparse.Namespace) -> int:
+    from .demo import demo
+
+    return demo(a)
+
+
+def _bench(a: argparse.Namespace) -> int:
+    from .bench import overhead
+
+    result = overhead(seconds=a.seconds, connections=a.connections, stream=a.stream, quiet=a.json)
+    if a.json:
+        print(json.dumps(result, indent=2))
+    return 0
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="kvgate", description=__doc__)
+    sub = p.add_subparsers(dest="cmd", required=True)
+
+    s = sub.add_parser("extproc", help="serve Envoy's ext_proc + access-log gRPC APIs")
+    s.add_argument("--config", required=True, help="kvgate YAML config")
+    s.add_argument("--log-level", default="info")
+    s.set_defaults(fn=_extproc)
+
+    s = sub.add_parser("check-config", help="validate a config file and exit")
+    s.add_argument("config")
+    s.set_defaults(fn=_check_config)
+
+    s = sub.add_parser("hash-key", help="print the SHA-256 to put in api_key_sha256 ('-' reads stdin)")
+    s.add_argument("key")
+    s.set_defaults(fn=_hash_key)
+
+    s = sub.add_parser("envoy-config", help="render an Envoy bootstrap for kvgate")
+    s.add_argument("--listen-port", type=int, default=10000)
+    s.add_argument("--admin-port", type=int, default=9901)
+    s.add_argument("--extproc-host", default="127.0.0.1")
+    s.add_argument("--extproc-port", type=int, default=9001)
+    s.add_argument("--upstream", action="append", default=[], metavar="HOST:PORT")
+    s.add_argument("--fail-open", action="store_true", help="let requests through when kvgate is down")
+    s.add_argument("--trusted-header", default=None)
+    s.add_argument("--write", action="store_true", help="regenerate the files shipped in envoy/")
+    s.add_argument("--check", action="store_true", help="fail if the files in envoy/ are stale")
+    s.set_defaults(fn=_envoy_config)
+
+    s = sub.add_parser("upstream", help="a stand-in OpenAI-compatible upstream")
+    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--token-ms", type=float, default=2.0)
+    s.set_defaults(fn=_upstream)
+
+    for name, fn, helptext in (("up", _up, "run the local stack in the foreground"),
+                               ("demo", _demo, "run the local stack under a multi-tenant load")):
+        s = sub.add_parser(name, help=helptext)
+        s.add_argument("--config", type=Path, default=None, help="kvgate config (default: the demo tenants)")
+        s.add_argument("--port", type=int, default=10000, help="Envoy's listen port")
+        s.add_argument("--upstreams", type=int, default=2)
+        s.add_argument("--token-ms", type=float, default=4.0)
+        s.add_argument("--seconds", type=float, default=20.0)
+        s.add_argument("--workdir", type=Path, default=Path(".kvgate-run"))
+        s.set_defaults(fn=fn)
+
+    s = sub.add_parser("bench", help="benchmarks")
+    bsub = s.add_subparsers(dest="bench", required=True)
+    b = bsub.add_parser("overhead", help="plain Envoy vs Envoy + kvgate on the full request path")
+    b.add_argument("--seconds", type=float, default=10.0)
+    b.add_argument("--connections", type=int, default=16)
+    b.add_argument("--stream", action="store_true", help="streaming responses (SSE) instead of JSON")
+    b.add_argument("--json", action="store_true")
+    b.set_defaults(fn=_bench)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    from ext_proc.config import ConfigError
+
+    a = parser().parse_args(argv)
+    try:
+        return int(a.fn(a))
+    except ConfigError as e:
+        print(f"kvgate: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

