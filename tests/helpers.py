@@ -1,0 +1,72 @@
+"""Shared helpers for the tests: a fake clock, metrics scraping, plain HTTP calls."""
+
+from __future__ import annotations
+
+import json
+import time
+import urllib.request
+from collections.abc import Callable
+from typing import Any
+
+from prometheus_client.parser import text_string_to_metric_families
+
+
+class FakeClock:
+    def __init__(self, t: float = 1000.0) -> None:
+        self.t = t
+
+    def __call__(self) -> float:
+        return self.t
+
+    def advance(self, dt: float) -> None:
+        self.t += dt
+
+
+def metric(url: str, name: str, **labels: str) -> float:
+    """Sum of the samples of ``name`` whose labels include ``labels`` (0 when none)."""
+    with urllib.request.urlopen(url, timeout=5) as r:
+        text = r.read().decode()
+    total = 0.0
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()):
+                total += s.value
+    return total
+
+
+def wait_for(pred: Callable[[], bool], timeout: float = 10.0, what: str = "condition") -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if pred():
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def post(url: str, body: Any, key: str | None = None, headers: dict[str, str] | None = None,
+         raw: bytes | None = None, timeout: float = 15.0) -> tuple[int, dict[str, str], bytes]:
+    h = {"content-type": "application/json", **(headers or {})}
+    if key is not None:
+        h["authorization"] = f"Bearer {key}"
+    data = raw if raw is not None else json.dumps(body).encode()
+    req = urllib.request.Request(url, data=data, headers=h, method="POST")
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return r.status, {k.lower(): v for k, v in r.headers.items()}, r.read()
+    except urllib.error.HTTPError as e:
+        return e.code, {k.lower(): v for k, v in e.headers.items()}, e.read()
+
+
+def get(url: str, key: str | None = None) -> tuple[int, dict[str, str], bytes]:
+    h = {"authorization": f"Bearer {key}"} if key else {}
+    req = urllib.request.Request(url, headers=h)
+    try:
+        with urllib.request.urlopen(req, timeout=10) as r:
+            return r.status, {k.lower(): v for k, v in r.headers.items()}, r.read()
+    except urllib.error.HTTPError as e:
+        return e.code, {k.lower(): v for k, v in e.headers.items()}, e.read()
+
+
+def chat(content: str = "hello", max_tokens: int = 4, **extra: Any) -> dict[str, Any]:
+    return {"model": "standin-8b", "messages": [{"role": "user", "content": content}], "max_tokens": max_tokens,
+            **extra}

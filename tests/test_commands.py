@@ -1,0 +1,47 @@
+"""The user-facing commands run end to end (figures are printed, not asserted: see README)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from ext_proc.identity import hash_key
+
+
+def kvgate(*args: str, timeout: float = 180) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "kvgate.cli", *args], capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def test_bench_overhead_reports_both_paths() -> None:
+    r = kvgate("bench", "overhead", "--seconds", "2", "--connections", "8", "--json")
+    assert r.returncode == 0, r.stderr
+    doc = json.loads(r.stdout)
+    for path in ("plain_envoy", "envoy_kvgate"):
+        assert doc[path]["rps"] > 0 and doc[path]["errors"] == 0 and doc[path]["p99_ms"] >= doc[path]["p50_ms"]
+    assert doc["envoy_kvgate"]["kvgate_cpu_us_per_request"] > 0
+    assert 0 < doc["ratio_rps"] < 5
+
+
+def test_demo_shows_each_kind_of_decision(tmp_path: Path) -> None:
+    r = kvgate("demo", "--seconds", "6", "--workdir", str(tmp_path / "run"))
+    assert r.returncode == 0, r.stderr
+    out = r.stdout
+    assert "summary" in out
+    assert 'reason="tenant-concurrency"' in out and 'decision="shadow_reject"' in out
+    assert 'reason="unknown-key"' in out
+
+
+def test_hash_key_and_check_config(tmp_path: Path) -> None:
+    r = kvgate("hash-key", "sk-abc")
+    assert r.stdout.strip() == hash_key("sk-abc")
+    good = tmp_path / "good.yaml"
+    good.write_text(f"tenants:\n  - name: a\n    api_key_sha256: [{hash_key('sk-abc')}]\n")
+    assert kvgate("check-config", str(good)).returncode == 0
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("tenants:\n  - name: a\n    tokens_per_minute: lots\n")
+    r = kvgate("check-config", str(bad))
+    assert r.returncode == 2
+    assert "tenants[0].tokens_per_minute" in r.stderr and "Traceback" not in r.stderr

@@ -1,0 +1,74 @@
+from pathlib import Path
+
+import pytest
+
+from ext_proc.config import ConfigError, load_config, parse_config
+from ext_proc.identity import hash_key
+
+KEY = hash_key("k")
+
+
+def test_defaults_are_usable() -> None:
+    cfg = parse_config({})
+    assert cfg.mode == "enforce"
+    assert cfg.identity.unknown_keys == "reject"
+    assert cfg.identity.trusted_header is None
+    assert cfg.estimation.chars_per_token == 4.0
+
+
+def test_error_names_the_field_by_path() -> None:
+    with pytest.raises(ConfigError) as e:
+        parse_config({"tenants": [{"name": "a"}, {"name": "b", "max_concurrent": 0}]}, "f.yaml")
+    msg = str(e.value)
+    assert "f.yaml" in msg
+    assert "tenants[1].max_concurrent" in msg
+    assert "greater than or equal to 1" in msg
+
+
+def test_unknown_setting_is_named() -> None:
+    with pytest.raises(ConfigError, match=r"tenants\[0\]\.max_concurency: unknown setting"):
+        parse_config({"tenants": [{"name": "a", "max_concurency": 3}]})
+
+
+def test_duplicate_tenant_and_shared_key_are_refused() -> None:
+    with pytest.raises(ConfigError, match=r"tenants\[1\]\.name: tenant 'a' is defined twice"):
+        parse_config({"tenants": [{"name": "a"}, {"name": "a"}]})
+    with pytest.raises(ConfigError, match=r"tenants\[1\]\.api_key_sha256: a key is already given to tenant 'a'"):
+        parse_config({"tenants": [{"name": "a", "api_key_sha256": [KEY]}, {"name": "b", "api_key_sha256": [KEY]}]})
+
+
+def test_plaintext_key_is_refused_with_a_hint() -> None:
+    with pytest.raises(ConfigError, match="kvgate hash-key"):
+        parse_config({"tenants": [{"name": "a", "api_key_sha256": ["sk-live-plaintext"]}]})
+
+
+def test_default_tenant_must_exist() -> None:
+    with pytest.raises(ConfigError, match=r"identity\.default_tenant: required"):
+        parse_config({"identity": {"unknown_keys": "default"}})
+    with pytest.raises(ConfigError, match="no tenant named 'free'"):
+        parse_config({"identity": {"unknown_keys": "default", "default_tenant": "free"}})
+    cfg = parse_config({"identity": {"unknown_keys": "default", "default_tenant": "free"},
+                        "tenants": [{"name": "free"}]})
+    assert cfg.identity.default_tenant == "free"
+
+
+def test_trusted_header_cannot_be_an_internal_header() -> None:
+    with pytest.raises(ConfigError, match=r"identity\.trusted_header"):
+        parse_config({"identity": {"trusted_header": "x-kvgate-tenant"}})
+
+
+def test_tokenizer_file_must_exist(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=r"estimation.tokenizer_json: .*does not exist"):
+        parse_config({"estimation": {"tokenizer_json": str(tmp_path / "nope.json")}})
+
+
+def test_file_errors(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="cannot read config file"):
+        load_config(tmp_path / "missing.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("tenants: [\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(bad)
+    bad.write_text("- just\n- a list\n")
+    with pytest.raises(ConfigError, match="top level must be a mapping"):
+        load_config(bad)
