@@ -72,3 +72,9 @@ def test_file_errors(tmp_path: Path) -> None:
     bad.write_text("- just\n- a list\n")
     with pytest.raises(ConfigError, match="top level must be a mapping"):
         load_config(bad)
+
+
+def test_shipped_example_config_is_valid() -> None:
+    cfg = load_config(Path(__file__).parent.parent / "examples" / "kvgate.yaml")
+    assert [t.name for t in cfg.tenants] == ["chatbot", "rag-pipeline"]
+    assert cfg.tenant("rag-pipeline").mode == "shadow"  # type: ignore[union-attr]
