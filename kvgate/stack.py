@@ -111,8 +111,10 @@ class Stack:
 
     def start(self) -> Stack:
         ports = [free_port() for _ in range(self.upstreams)]
+        trusted = (self.kvgate_config.get("identity") or {}).get("trusted_header")
         self.envoy = replace(
             self.envoy,
+            trusted_header=trusted or self.envoy.trusted_header,
             listen_address="127.0.0.1",
             listen_port=self.envoy.listen_port if self.envoy.listen_port != 10000 else free_port(),
             admin_port=free_port(),

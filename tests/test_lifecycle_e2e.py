@@ -63,3 +63,30 @@ def test_sigterm_drains_and_exits_cleanly(fresh_stack: Stack) -> None:
     assert time.monotonic() - t0 < 10
     log = st.log("kvgate")
     assert log.index('"draining"') < log.index('"stopped"')
+
+
+def test_trusted_header_only_names_configured_tenants(tmp_path: Path) -> None:
+    cfg = {"identity": {"trusted_header": "x-auth-tenant"},
+           "tenants": [{"name": "a", "api_key_sha256": [hash_key("sk-a")]}, {"name": "b"}]}
+    with Stack(tmp_path, cfg) as st:
+        assert post(st.url + CHAT, chat(), headers={"x-auth-tenant": "b"})[0] == 200
+        assert metric(st.metrics_url, "kvgate_requests_total", tenant="b", decision="admit") == 1
+        assert post(st.url + CHAT, chat(), headers={"x-auth-tenant": "nosuch"})[0] == 401
+        assert post(st.url + CHAT, chat(), "sk-a", headers={"x-auth-tenant": "nosuch"})[0] == 200
+        assert metric(st.metrics_url, "kvgate_requests_total", tenant="a", decision="admit") == 1
+
+
+def test_kvgate_too_slow_becomes_a_retryable_503(fresh_stack: Stack) -> None:
+    st = fresh_stack.start()
+    kv = st.procs["kvgate"]
+    kv.send_signal(signal.SIGSTOP)  # alive but answering nothing: Envoy's message_timeout (1 s) fires
+    try:
+        t0 = time.monotonic()
+        code, h, body = post(st.url + CHAT, chat(), KEYS["open"])
+        waited = time.monotonic() - t0
+    finally:
+        kv.send_signal(signal.SIGCONT)
+    assert code == 503 and h["x-kvgate-reject-reason"] == "gateway-unavailable" and "retry-after" in h
+    assert json.loads(body)["error"]["type"] == "server_error"
+    assert waited < 5
+    wait_for(lambda: post(st.url + CHAT, chat(), KEYS["open"])[0] == 200, what="recovery after SIGCONT")
