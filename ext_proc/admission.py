@@ -51,6 +51,11 @@ class Rejection:
     tokens: RateLimitView | None = None
 
 
+UNKNOWN_KEY = Rejection(
+    401, "unknown-key", "auth", "Incorrect or missing API key. Send it as 'Authorization: Bearer <key>'."
+)
+
+
 @dataclass(slots=True, eq=False)
 class TenantState:
     config: Tenant
@@ -177,9 +182,7 @@ class Admission:
         now = self._clock()
         if tenant is None:
             state = self._tenants[UNKNOWN_TENANT]
-            rejection: Rejection | None = Rejection(
-                401, "unknown-key", "auth", "Incorrect or missing API key. Send it as 'Authorization: Bearer <key>'."
-            )
+            rejection: Rejection | None = UNKNOWN_KEY
         else:
             state = self._tenants.get(tenant.name) or self._tenants[UNKNOWN_TENANT]
             rejection = self._check(state, estimate, body_bytes, now)

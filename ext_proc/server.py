@@ -33,12 +33,12 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from prometheus_client import start_http_server
 
 from . import logs
-from .admission import Admission, Decision, Usage
+from .admission import UNKNOWN_KEY, Admission, Decision, Usage
 from .config import Config, ConfigError, load_config
 from .estimate import Estimator
 from .identity import Identifier
 from .stats import Stats
-from .wire import REASON_HEADER, Reply, error_body, reject_reply
+from .wire import REASON_HEADER, Reply, reject_reply
 
 log = logs.get("kvgate.extproc")
 
@@ -179,14 +179,7 @@ class Gateway:
                 trusted_value = h.raw_value.decode(errors="replace")
         who = self.identifier.resolve(auth, trusted_value)
         if who.tenant is None and self.config.mode == "enforce":
-            reply = Reply(
-                401,
-                [("content-type", "application/json"), ("x-kvgate-reject-reason", "unknown-key"),
-                 ("www-authenticate", 'Bearer realm="kvgate"')],
-                error_body("Incorrect or missing API key. Send it as 'Authorization: Bearer <key>'.",
-                           "invalid_request_error", "invalid_api_key"),
-            )
-            return _immediate(reply)
+            return _immediate(reject_reply(UNKNOWN_KEY))
         name = who.tenant.name if who.tenant else "unknown"
         return ep.ProcessingResponse(request_headers=ep.HeadersResponse(), dynamic_metadata=_metadata({"tenant": name}))
 
