@@ -62,6 +62,25 @@ def _upstream(a: argparse.Namespace) -> int:
     return 0
 
 
+def _sim(a: argparse.Namespace) -> int:
+    from sim.engine import EngineOptions
+    from sim.profiles import get_profile
+    from sim.server import SimOptions, run
+
+    try:
+        profile = get_profile(a.profile)
+    except ValueError as e:
+        print(f"kvgate sim: --profile: {e}", file=sys.stderr)
+        return 2
+    engine = EngineOptions(policy=a.scheduling_policy, max_num_queued_reqs=a.max_num_queued_reqs, noise=a.noise,
+                           seed=a.seed, num_gpu_blocks=a.num_gpu_blocks, max_num_seqs=a.max_num_seqs,
+                           max_num_batched_tokens=a.max_num_batched_tokens)
+    opts = SimOptions(served_model_name=a.served_model_name, mean_output_tokens=a.mean_output_tokens,
+                      legacy_kv_metric=a.legacy_kv_metric, load_seconds=a.load_seconds)
+    run(profile, engine, opts, a.host, a.port)
+    return 0
+
+
 def _up(a: argparse.Namespace) -> int:
     from .demo import up
 
@@ -78,6 +97,15 @@ def _bench(a: argparse.Namespace) -> int:
     from .bench import overhead
 
     result = overhead(seconds=a.seconds, connections=a.connections, stream=a.stream, quiet=a.json)
+    if a.json:
+        print(json.dumps(result, indent=2))
+    return 0
+
+
+def _bench_sim(a: argparse.Namespace) -> int:
+    from .bench import sim_speed
+
+    result = sim_speed(a.seconds, a.nodes, a.rate, a.profile, quiet=a.json)
     if a.json:
         print(json.dumps(result, indent=2))
     return 0
@@ -118,6 +146,25 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--token-ms", type=float, default=2.0)
     s.set_defaults(fn=_upstream)
 
+    from sim.profiles import PROFILES
+
+    s = sub.add_parser("sim", help="a simulated vLLM node (same API and metrics)")
+    s.add_argument("--profile", default="8b-h100", help=f"one of: {', '.join(PROFILES)}")
+    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--scheduling-policy", choices=["fcfs", "priority"], default="fcfs")
+    s.add_argument("--max-num-queued-reqs", type=int, default=None, help="503 beyond this many waiting")
+    s.add_argument("--max-num-seqs", type=int, default=None)
+    s.add_argument("--max-num-batched-tokens", type=int, default=None)
+    s.add_argument("--num-gpu-blocks", type=int, default=None, help="override the profile's KV capacity")
+    s.add_argument("--served-model-name", default=None)
+    s.add_argument("--mean-output-tokens", type=int, default=256)
+    s.add_argument("--noise", type=float, default=0.0, help="relative std-dev of step time")
+    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--legacy-kv-metric", action="store_true", help="export vllm:gpu_cache_usage_perc (pre-0.10)")
+    s.add_argument("--load-seconds", type=float, default=0.0, help="simulated model load before listening")
+    s.set_defaults(fn=_sim)
+
     for name, fn, helptext in (("up", _up, "run the local stack in the foreground"),
                                ("demo", _demo, "run the local stack under a multi-tenant load")):
         s = sub.add_parser(name, help=helptext)
@@ -137,6 +184,13 @@ def parser() -> argparse.ArgumentParser:
     b.add_argument("--stream", action="store_true", help="streaming responses (SSE) instead of JSON")
     b.add_argument("--json", action="store_true")
     b.set_defaults(fn=_bench)
+    b = bsub.add_parser("sim", help="virtual-time speed of a simulated fleet")
+    b.add_argument("--seconds", type=float, default=600.0)
+    b.add_argument("--nodes", type=int, default=8)
+    b.add_argument("--rate", type=float, default=200.0)
+    b.add_argument("--profile", default="8b-h100")
+    b.add_argument("--json", action="store_true")
+    b.set_defaults(fn=_bench_sim)
     return p
 
 

@@ -1,0 +1,10 @@
+"""A simulated vLLM node: the v1 scheduler's behaviour, a step-time model, vLLM's API and metrics.
+
+* ``profiles``  — model/GPU profiles: step-time coefficients, KV capacity, limits, cold start;
+* ``scheduler`` — a pure mirror of vLLM v1's scheduling step (token budget, chunked prefill,
+  paged KV blocks, preemption with recompute, FCFS / priority);
+* ``engine``    — runs the scheduler against a clock: virtual time (a library, for benchmarks) or
+  real time (behind the HTTP server);
+* ``metrics``   — vLLM's Prometheus metric families, same names, labels and buckets;
+* ``server``    — vLLM's OpenAI-compatible HTTP surface (``kvgate sim``).
+"""

@@ -1,0 +1,267 @@
+"""vLLM's OpenAI-compatible HTTP surface over the simulated engine, in real time.
+
+``kvgate sim --profile 8b-h100 --port 8000`` serves ``/v1/chat/completions``, ``/v1/completions``
+(streaming SSE, ``stream_options.include_usage``), ``/v1/models``, ``/health`` and ``/metrics``.
+Tokens come out per engine step, as in vLLM: one SSE event per request per step.
+
+No model runs, so text is filler and lengths are chosen: prompt tokens are estimated as characters
+/ 4 (+4 per chat message; token-id prompts count exactly); a request produces ``max_tokens`` tokens
+when ``ignore_eos`` is true, otherwise it "stops" at a seeded, geometrically distributed natural
+length (mean ``--mean-output-tokens``) capped by ``max_tokens``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import math
+import random
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+from aiohttp import web
+from prometheus_client import generate_latest
+
+from .engine import Engine, EngineOptions
+from .metrics import NodeMetrics
+from .profiles import Profile
+from .scheduler import QueueFull, Request, Status, TokenEvent
+
+WORDS = ("the", " model", " says", " hello", " to", " you", " and", " then", " some", " more", ".")
+
+
+@dataclass
+class SimOptions:
+    served_model_name: str | None = None
+    mean_output_tokens: int = 256
+    legacy_kv_metric: bool = False
+    load_seconds: float = 0.0
+
+
+class RealtimeNode:
+    """Runs an Engine against the event loop's clock; hands tokens to the requests waiting on them."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self._wake = asyncio.Event()
+        self._queues: dict[Request, asyncio.Queue[TokenEvent]] = {}
+        self._task: asyncio.Task[None] | None = None
+        self._metrics_tokens = engine.on_tokens
+
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._run())
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+
+    def now(self) -> float:
+        return asyncio.get_running_loop().time()
+
+    def submit(self, req: Request) -> asyncio.Queue[TokenEvent]:
+        self.engine.add(req)  # QueueFull / ValueError propagate to the handler
+        q: asyncio.Queue[TokenEvent] = asyncio.Queue()
+        self._queues[req] = q
+        self._wake.set()
+        return q
+
+    def release(self, req: Request) -> None:
+        self._queues.pop(req, None)
+        if req.status in (Status.WAITING, Status.RUNNING):
+            self.engine.abort(req)
+
+    async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            now = loop.time()
+            dt = self.engine.begin_step(now)
+            if dt is None:
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            end = now + dt
+            await asyncio.sleep(max(0.0, end - loop.time()))
+            for ev in self.engine.end_step(max(end, loop.time())):
+                q = self._queues.get(ev.request)
+                if q is not None:
+                    q.put_nowait(ev)
+
+
+def _error(status: int, message: str, type_: str = "BadRequestError") -> web.Response:
+    return web.json_response({"error": {"message": message, "type": type_, "param": None, "code": status}},
+                             status=status)
+
+
+class SimServer:
+    def __init__(self, profile: Profile, engine_options: EngineOptions, options: SimOptions) -> None:
+        self.profile = profile
+        self.options = options
+        self.model = options.served_model_name or profile.model_name
+        self.engine = Engine(profile, engine_options)
+        self.metrics = NodeMetrics(self.engine, self.model, options.legacy_kv_metric)
+        self.node = RealtimeNode(self.engine)
+        self._rng = random.Random(engine_options.seed)
+        self._ids = itertools.count()
+        self.policy = engine_options.policy
+
+    def app(self) -> web.Application:
+        app = web.Application(client_max_size=64 * 1024 * 1024)
+        app.router.add_post("/v1/chat/completions", self.completions)
+        app.router.add_post("/v1/completions", self.completions)
+        app.router.add_get("/v1/models", self.models)
+        app.router.add_get("/health", self.health)
+        app.router.add_get("/metrics", self.prometheus)
+        app.on_startup.append(self._startup)
+        app.on_cleanup.append(self._cleanup)
+        return app
+
+    async def _startup(self, _: web.Application) -> None:
+        self.node.start()
+
+    async def _cleanup(self, _: web.Application) -> None:
+        await self.node.stop()
+
+    async def health(self, _: web.Request) -> web.Response:
+        return web.Response(text="")
+
+    async def prometheus(self, _: web.Request) -> web.Response:
+        return web.Response(body=generate_latest(self.metrics.registry),
+                            content_type="text/plain", charset="utf-8")
+
+    async def models(self, _: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [{
+            "id": self.model, "object": "model", "created": int(time.time()), "owned_by": "vllm",
+            "root": self.model, "parent": None, "max_model_len": self.profile.max_model_len}]})
+
+    def _prompt_tokens(self, body: dict[str, Any], chat: bool) -> int:
+        if chat:
+            msgs = body.get("messages")
+            if not isinstance(msgs, list) or not msgs:
+                raise ValueError("messages must be a non-empty list")
+            chars = 0
+            for m in msgs:
+                c = m.get("content") if isinstance(m, dict) else None
+                if isinstance(c, list):
+                    c = "".join(str(p.get("text", "")) for p in c if isinstance(p, dict))
+                chars += len(c or "")
+            return 4 * len(msgs) + math.ceil(chars / 4)
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
+            return len(prompt)
+        if isinstance(prompt, str):
+            return max(1, math.ceil(len(prompt) / 4))
+        raise ValueError("prompt must be a string or a list of token ids")
+
+    async def completions(self, http: web.Request) -> web.StreamResponse:
+        chat = http.path.endswith("/chat/completions")
+        try:
+            body = orjson.loads(await http.read())
+            if not isinstance(body, dict):
+                raise ValueError("the body must be a JSON object")
+        except (orjson.JSONDecodeError, ValueError) as e:
+            return _error(400, f"Invalid request body: {e}")
+        model = body.get("model")
+        if model is not None and model != self.model:
+            return _error(404, f"The model `{model}` does not exist.", "NotFoundError")
+        priority = body.get("priority", 0)
+        if not isinstance(priority, int):
+            return _error(400, "priority must be an integer")
+        if priority != 0 and self.policy != "priority":
+            return _error(400, f"Got priority {priority} but Priority scheduling is not enabled.")
+        try:
+            prompt = self._prompt_tokens(body, chat)
+        except ValueError as e:
+            return _error(400, str(e))
+        room = self.profile.max_model_len - prompt
+        if room < 1:
+            return _error(400, f"This model's maximum context length is {self.profile.max_model_len} tokens. "
+                               f"However, you requested {prompt} tokens in the messages.")
+        requested = body.get("max_completion_tokens", body.get("max_tokens"))
+        if requested is not None and (not isinstance(requested, int) or isinstance(requested, bool)
+                                      or requested < 1):
+            return _error(400, "max_tokens must be at least 1")
+        limit = min(requested or room, room)
+        if body.get("ignore_eos") is True:
+            out, reason = limit, "length"
+        else:
+            natural = 1 + int(self._rng.expovariate(1.0 / max(1, self.options.mean_output_tokens - 1)))
+            out, reason = (natural, "stop") if natural < limit else (limit, "length")
+        req = Request(f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}", prompt, out, self.node.now(),
+                      priority, reason)
+        try:
+            queue = self.node.submit(req)
+        except QueueFull:
+            return _error(503, "The server's request queue is full; please retry later.", "ServiceUnavailableError")
+        except ValueError as e:
+            return _error(400, str(e))
+        try:
+            if body.get("stream") is True:
+                opts = body.get("stream_options")
+                usage = isinstance(opts, dict) and opts.get("include_usage") is True
+                return await self._stream(http, req, queue, chat, usage)
+            return await self._complete(req, queue, chat)
+        finally:
+            if req.status in (Status.WAITING, Status.RUNNING):  # the client went away
+                self.metrics.finished(req, "abort")
+            self.node.release(req)
+
+    def _usage(self, req: Request) -> dict[str, int]:
+        return {"prompt_tokens": req.prompt_tokens, "total_tokens": req.prompt_tokens + req.output_tokens,
+                "completion_tokens": req.output_tokens}
+
+    async def _complete(self, req: Request, queue: asyncio.Queue[TokenEvent], chat: bool) -> web.Response:
+        n = 0
+        while True:
+            ev = await queue.get()
+            n += 1
+            if ev.finished:
+                break
+        text = "".join(WORDS[i % len(WORDS)] for i in range(n))
+        choice: dict[str, Any] = (
+            {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+             "finish_reason": req.finish_reason}
+            if chat else {"index": 0, "text": text, "logprobs": None, "finish_reason": req.finish_reason})
+        doc = {"id": req.id, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
+               "model": self.model, "choices": [choice], "usage": self._usage(req)}
+        return web.Response(body=orjson.dumps(doc), content_type="application/json")
+
+    async def _stream(self, http: web.Request, req: Request, queue: asyncio.Queue[TokenEvent], chat: bool,
+                      usage: bool) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"content-type": "text/event-stream; charset=utf-8"})
+        await resp.prepare(http)
+        obj = "chat.completion.chunk" if chat else "text_completion"
+        created = int(time.time())
+        head = {"id": req.id, "object": obj, "created": created, "model": self.model}
+        if chat:  # vLLM's first chunk carries the role
+            await resp.write(b"data: " + orjson.dumps({**head, "choices": [
+                {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                 "finish_reason": None}]}) + b"\n\n")
+        i = 0
+        while True:
+            ev = await queue.get()
+            word = WORDS[i % len(WORDS)]
+            i += 1
+            finish = req.finish_reason if ev.finished else None
+            choice = ({"index": 0, "delta": {"content": word}, "logprobs": None, "finish_reason": finish} if chat
+                      else {"index": 0, "text": word, "logprobs": None, "finish_reason": finish})
+            await resp.write(b"data: " + orjson.dumps({**head, "choices": [choice]}) + b"\n\n")
+            if ev.finished:
+                break
+        if usage:
+            await resp.write(b"data: " + orjson.dumps({**head, "choices": [], "usage": self._usage(req)}) + b"\n\n")
+        await resp.write(b"data: [DONE]\n\n")
+        await resp.write_eof()
+        return resp
+
+
+def run(profile: Profile, engine_options: EngineOptions, options: SimOptions, host: str, port: int) -> None:
+    if options.load_seconds > 0:
+        time.sleep(options.load_seconds)  # the model load: no port is open meanwhile, as with vLLM
+    server = SimServer(profile, engine_options, options)
+    web.run_app(server.app(), host=host, port=port, print=None, access_log=None)
