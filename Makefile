@@ -30,6 +30,7 @@ typecheck: $(STAMP)
 bench: $(STAMP)
 	$(BIN)/kvgate bench overhead
 	$(BIN)/kvgate bench overhead --stream
+	$(BIN)/kvgate bench sim
 
 envoy-config: $(STAMP)
 	$(BIN)/kvgate envoy-config --write
