@@ -72,6 +72,8 @@ class Stack:
     envoy: EnvoyParams = field(default_factory=EnvoyParams)
     with_kvgate: bool = True
     envoy_workers: int = 1
+    sim_args: list[str] | None = None
+    """Run simulated vLLM nodes (``kvgate sim`` with these arguments) instead of the stand-in upstream."""
     procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
     metrics_port: int = 0
     config_path: Path = field(init=False)
@@ -124,8 +126,11 @@ class Stack:
         self.metrics_port = free_port()
         py = sys.executable
         for i, port in enumerate(ports):
-            self._spawn(f"upstream{i}", [py, "-m", "kvgate.cli", "upstream", "--port", str(port),
-                                          "--token-ms", str(self.token_ms)])
+            if self.sim_args is not None:
+                cmd = [py, "-m", "kvgate.cli", "sim", "--port", str(port), "--seed", str(i), *self.sim_args]
+            else:
+                cmd = [py, "-m", "kvgate.cli", "upstream", "--port", str(port), "--token-ms", str(self.token_ms)]
+            self._spawn(f"upstream{i}", cmd)
         if self.with_kvgate:
             self.start_kvgate()
         envoy_yaml = self.workdir / "envoy.yaml"
