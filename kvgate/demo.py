@@ -1,5 +1,6 @@
 """``kvgate up`` and ``kvgate demo``: the local stack, in the foreground, and under a mixed load.
 
+The upstreams are simulated vLLM nodes (``kvgate sim``; ``--standin`` uses the simpler stand-in).
 The demo's tenants show each kind of decision: a chatbot within its quota, a RAG pipeline flooding
 with long prompts (held to its concurrency and token budget: 429s), a batch tenant in shadow mode
 (would-be rejections counted, requests admitted), a client with an unknown key (401), and a fleet
@@ -65,8 +66,9 @@ def _stack(a: argparse.Namespace) -> Stack:
     cfg = yaml.safe_load(a.config.read_text()) if a.config else demo_config()
     if a.config:
         load_config(a.config)  # fail early, naming the field
+    sim_args = None if a.standin else ["--profile", a.profile]
     return Stack(a.workdir.resolve(), cfg, upstreams=a.upstreams, token_ms=a.token_ms,
-                 envoy=EnvoyParams(listen_port=a.port))
+                 envoy=EnvoyParams(listen_port=a.port), sim_args=sim_args)
 
 
 def _banner(st: Stack) -> None:
@@ -120,7 +122,7 @@ async def _load(st: Stack, seconds: float, tally: Tally) -> None:
 
     async def worker(c: Client, session: aiohttp.ClientSession) -> None:
         while time.monotonic() < until:
-            body = {"model": "standin-8b", "max_tokens": c.max_tokens, "stream": c.stream,
+            body = {"max_tokens": c.max_tokens, "stream": c.stream, "ignore_eos": True,
                     "messages": [{"role": "user", "content": "x" * int(c.prompt_chars * rng.uniform(0.5, 1.5))}]}
             t = time.monotonic()
             try:
