@@ -231,3 +231,26 @@ def test_fleet_routes_to_the_least_loaded_node() -> None:
     simulate_fleet(engines, reqs)
     assert all(e.steps > 0 for e in engines)
     assert all(r.finished_at is not None for r in reqs)
+
+
+def test_exported_gauges_read_the_scheduler_state() -> None:
+    from sim.metrics import NodeMetrics
+
+    e = Engine(small(), EngineOptions(num_gpu_blocks=40, max_num_seqs=1))
+    m = NodeMetrics(e, "m")
+    labels = {"model_name": "m", "engine": "0"}
+    e.add(Request("a", 100, 5, 0.0))  # 7 blocks of 16
+    e.add(Request("b", 10, 5, 0.0))
+    dt = e.begin_step(0.0)
+    assert dt is not None
+    e.end_step(dt)
+    val = m.registry.get_sample_value
+    assert val("vllm:kv_cache_usage_perc", labels) == pytest.approx(7 / 40)
+    assert val("vllm:num_requests_running", labels) == 1
+    assert val("vllm:num_requests_waiting", labels) == 1
+    assert val("vllm:prompt_tokens_total", labels) == 100
+    assert val("vllm:generation_tokens_total", labels) == 1
+    assert val("vllm:time_to_first_token_seconds_count", labels) == 1
+    assert val("vllm:cache_config_info", {"block_size": "16", "cache_dtype": "auto", "enable_prefix_caching": "False",
+                                          "engine": "0", "gpu_memory_utilization": "0.9",
+                                          "num_gpu_blocks": "40"}) == 1
