@@ -122,7 +122,7 @@ def _slow(st: Stack, key: str, tokens: int = 100) -> threading.Thread:
 
 
 def test_concurrency_cap_is_429_with_usable_retry_after(stack: Stack) -> None:
-    holder = _slow(stack, KEYS["tight"], 120)  # ~0.6 s
+    holder = _slow(stack, KEYS["tight"], 400)  # ~2 s
     wait_for(lambda: inflight(stack, "tight") == 1, what="first request in flight")
     code, h, body = post(stack.url + CHAT, chat(), KEYS["tight"])
     holder.join()
@@ -147,7 +147,7 @@ def test_token_budget_is_429_tenant_tokens(stack: Stack) -> None:
 
 def test_shadow_tenant_is_admitted_but_counted(stack: Stack) -> None:
     before = metric(stack.metrics_url, "kvgate_requests_total", tenant="shadowed", decision="shadow_reject")
-    holder = _slow(stack, KEYS["shadowed"], 120)
+    holder = _slow(stack, KEYS["shadowed"], 400)
     wait_for(lambda: inflight(stack, "shadowed") == 1, what="first request in flight")
     code, _, _ = post(stack.url + CHAT, chat(), KEYS["shadowed"])
     holder.join()
@@ -232,7 +232,7 @@ def test_openai_sdk_retries_honour_retry_after(stack: Stack) -> None:
     assert rejected >= 1  # it was refused at least once and succeeded by retrying
     assert time.monotonic() - t0 < 8  # the SDK waited what kvgate said (~0.5 s), not its own long backoff
     with pytest.raises(openai.RateLimitError) as e:
-        holder = _slow(stack, KEYS["tight"], 200)
+        holder = _slow(stack, KEYS["tight"], 400)
         wait_for(lambda: inflight(stack, "tight") == 1, what="slot held")
         openai.OpenAI(base_url=stack.url + "/v1", api_key=KEYS["tight"], max_retries=0).chat.completions.create(
             model="standin-8b", messages=[{"role": "user", "content": "hi"}], max_tokens=2)

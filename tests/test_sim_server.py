@@ -6,7 +6,6 @@ import json
 import subprocess
 import sys
 import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -85,11 +84,20 @@ def test_queue_cap_answers_503_and_kv_usage_is_exported(sim: Sim) -> None:
     def one() -> None:
         results.append(completion(sim.url, prompt="y" * 200, max_tokens=150, ignore_eos=True)[0])
 
-    threads = [threading.Thread(target=one) for _ in range(6)]  # 2 running + 2 queued + 2 refused
-    for t in threads:
-        t.start()
-    wait_for(lambda: metric(sim.url + "/metrics", "vllm:num_requests_running") == 2, what="two running")
-    assert metric(sim.url + "/metrics", "vllm:kv_cache_usage_perc") > 0
+    url = sim.url + "/metrics"
+    threads = []
+
+    def start(n: int) -> None:
+        for _ in range(n):
+            threads.append(threading.Thread(target=one))
+            threads[-1].start()
+
+    start(2)  # fill the two running slots (max_num_seqs 2)
+    wait_for(lambda: metric(url, "vllm:num_requests_running") == 2, what="two running")
+    assert metric(url, "vllm:kv_cache_usage_perc") > 0
+    start(2)  # fill the queue (max_num_queued_reqs 2)
+    wait_for(lambda: metric(url, "vllm:num_requests_waiting") == 2, what="two waiting")
+    start(2)  # refused
     for t in threads:
         t.join()
     assert sorted(results) == [200, 200, 200, 200, 503, 503]
@@ -129,17 +137,19 @@ def test_priority_policy_accepts_priority_and_serves_the_urgent_first() -> None:
     s = Sim("--scheduling-policy", "priority", "--max-num-seqs", "1")
     try:
         order: list[str] = []
+        url = s.url + "/metrics"
 
-        def one(name: str, prio: int, delay: float) -> None:
-            time.sleep(delay)
-            code = completion(s.url, max_tokens=40, ignore_eos=True, priority=prio)[0]
+        def one(name: str, prio: int) -> None:
+            code = completion(s.url, max_tokens=60, ignore_eos=True, priority=prio)[0]
             assert code == 200
             order.append(name)
 
-        ts = [threading.Thread(target=one, args=a) for a in
-              (("first", 0, 0.0), ("low", 9, 0.05), ("high", -1, 0.1))]
-        for t in ts:
-            t.start()
+        ts = []
+        for name, prio, running, waiting in (("first", 0, 1, 0), ("low", 9, 1, 1), ("high", -1, 1, 2)):
+            ts.append(threading.Thread(target=one, args=(name, prio)))
+            ts[-1].start()
+            wait_for(lambda r=running, w=waiting: metric(url, "vllm:num_requests_running") == r
+                     and metric(url, "vllm:num_requests_waiting") == w, what=f"{name} queued")
         for t in ts:
             t.join()
         assert order == ["first", "high", "low"]
