@@ -81,6 +81,13 @@ def _sim(a: argparse.Namespace) -> int:
     return 0
 
 
+def _probe(a: argparse.Namespace) -> int:
+    from gpu_probe.server import run
+
+    run(a.vllm, a.host, a.port, a.interval, a.timeout)
+    return 0
+
+
 def _up(a: argparse.Namespace) -> int:
     from .demo import up
 
@@ -164,6 +171,14 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--legacy-kv-metric", action="store_true", help="export vllm:gpu_cache_usage_perc (pre-0.10)")
     s.add_argument("--load-seconds", type=float, default=0.0, help="simulated model load before listening")
     s.set_defaults(fn=_sim)
+
+    s = sub.add_parser("probe", help="the per-node probe: vLLM /metrics + NVML -> GET /snapshot")
+    s.add_argument("--vllm", required=True, help="the vLLM server's base URL, e.g. http://127.0.0.1:8000")
+    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--port", type=int, default=9102)
+    s.add_argument("--interval", type=float, default=0.5, help="seconds between polls")
+    s.add_argument("--timeout", type=float, default=1.0, help="seconds before a poll counts as failed")
+    s.set_defaults(fn=_probe)
 
     for name, fn, helptext in (("up", _up, "run the local stack in the foreground"),
                                ("demo", _demo, "run the local stack under a multi-tenant load")):

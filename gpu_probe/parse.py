@@ -1,0 +1,110 @@
+"""vLLM's Prometheus text → readings per (model, engine). Pure.
+
+Reads ``vllm:kv_cache_usage_perc`` and falls back to ``vllm:gpu_cache_usage_perc`` (the name before
+0.10, removed in 0.12). A server with several engines or models yields one reading each.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from prometheus_client.parser import text_string_to_metric_families
+
+KV_NEW = "vllm:kv_cache_usage_perc"
+KV_OLD = "vllm:gpu_cache_usage_perc"
+HISTOGRAMS = {
+    "ttft": "vllm:time_to_first_token_seconds",
+    "itl": "vllm:inter_token_latency_seconds",
+    "prefill": "vllm:request_prefill_time_seconds",
+    "queue": "vllm:request_queue_time_seconds",
+    "e2e": "vllm:e2e_request_latency_seconds",
+}
+COUNTERS = {
+    "preemptions": "vllm:num_preemptions",
+    "prompt_tokens": "vllm:prompt_tokens",
+    "generation_tokens": "vllm:generation_tokens",
+}
+
+
+class ParseError(ValueError):
+    """The text is not a Prometheus exposition, or holds no vLLM engine."""
+
+
+@dataclass
+class EngineReading:
+    model: str
+    engine: str
+    kv_usage: float | None = None
+    kv_metric: str | None = None
+    running: float | None = None
+    waiting: float | None = None
+    counters: dict[str, float] = field(default_factory=dict)
+    hist: dict[str, tuple[float, float]] = field(default_factory=dict)
+    """name → (sum, count)."""
+    num_gpu_blocks: int | None = None
+    block_size: int | None = None
+
+
+def parse(text: str) -> dict[tuple[str, str], EngineReading]:
+    out: dict[tuple[str, str], EngineReading] = {}
+    cache_info: dict[str, tuple[int | None, int | None]] = {}
+    old_kv: dict[tuple[str, str], float] = {}
+    try:
+        families = list(text_string_to_metric_families(text))
+    except Exception as e:  # the parser raises ValueError, TypeError, IndexError on garbage
+        raise ParseError(f"not a Prometheus exposition: {e}") from None
+
+    def reading(labels: dict[str, str]) -> EngineReading:
+        key = (labels.get("model_name", ""), labels.get("engine", "0"))
+        r = out.get(key)
+        if r is None:
+            r = out[key] = EngineReading(*key)
+        return r
+
+    # matched on sample names, which do not depend on how the TYPE lines were written
+    hist_sums = {v + "_sum": k for k, v in HISTOGRAMS.items()}
+    hist_counts = {v + "_count": k for k, v in HISTOGRAMS.items()}
+    counter_names = {v + "_total": k for k, v in COUNTERS.items()}
+    for fam in families:
+        if fam.name == "vllm:cache_config_info":
+            for s in fam.samples:
+                cache_info[s.labels.get("engine", "0")] = (_int(s.labels.get("num_gpu_blocks")),
+                                                           _int(s.labels.get("block_size")))
+            continue
+        for s in fam.samples:
+            if "model_name" not in s.labels:
+                continue
+            if s.name == KV_NEW:
+                r = reading(s.labels)
+                r.kv_usage, r.kv_metric = s.value, KV_NEW
+            elif s.name == KV_OLD:
+                old_kv[(s.labels["model_name"], s.labels.get("engine", "0"))] = s.value
+                reading(s.labels)
+            elif s.name == "vllm:num_requests_running":
+                reading(s.labels).running = s.value
+            elif s.name == "vllm:num_requests_waiting":
+                reading(s.labels).waiting = s.value
+            elif s.name in counter_names:
+                reading(s.labels).counters[counter_names[s.name]] = s.value
+            elif s.name in hist_sums or s.name in hist_counts:
+                r = reading(s.labels)
+                is_sum = s.name in hist_sums
+                k = hist_sums[s.name] if is_sum else hist_counts[s.name]
+                total, count = r.hist.get(k, (0.0, 0.0))
+                r.hist[k] = (s.value, count) if is_sum else (total, s.value)
+    for key, value in old_kv.items():
+        r = out[key]
+        if r.kv_usage is None:
+            r.kv_usage, r.kv_metric = value, KV_OLD
+    for r in out.values():
+        r.num_gpu_blocks, r.block_size = cache_info.get(r.engine, (None, None))
+    if not out:
+        raise ParseError("no vLLM engine metrics (vllm:* with a model_name label) in the exposition")
+    return out
+
+
+def _int(v: str | None) -> int | None:
+    try:
+        return int(v) if v is not None else None
+    except ValueError:
+        return None

@@ -1,0 +1,105 @@
+"""Readings over time → the snapshot a probe serves. Pure: the caller passes the time.
+
+Latencies are *recent* ones: the mean of the observations that arrived between two readings
+(Δsum / Δcount of vLLM's histograms), kept until newer observations replace them. The node's
+figures aggregate its engines: the fullest KV cache, the sum of running and waiting requests.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from .parse import EngineReading
+
+
+@dataclass
+class Snapshot:
+    node: str
+    at: float
+    ok: bool
+    error: str | None = None
+    kv_usage: float | None = None
+    kv_metric: str | None = None
+    blocks_total: int | None = None
+    blocks_used: int | None = None
+    running: float | None = None
+    waiting: float | None = None
+    preemptions_per_s: float | None = None
+    ttft_s: float | None = None
+    itl_s: float | None = None
+    prefill_s: float | None = None
+    queue_s: float | None = None
+    gpu_memory_used_bytes: int | None = None
+    gpu_memory_total_bytes: int | None = None
+    gpu_utilization: float | None = None
+    engines: list[dict[str, Any]] = field(default_factory=list)
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, doc: dict[str, Any]) -> Snapshot:
+        known = {k: doc[k] for k in cls.__dataclass_fields__ if k in doc}
+        return cls(**known)
+
+
+class Deriver:
+    def __init__(self, node: str) -> None:
+        self.node = node
+        self._prev: dict[tuple[str, str], EngineReading] = {}
+        self._prev_at: float | None = None
+        self._recent: dict[str, float] = {}
+        self._preempt_rate: float | None = None
+
+    def update(self, readings: dict[tuple[str, str], EngineReading], at: float,
+               gpu: dict[str, Any] | None = None) -> Snapshot:
+        dt = None if self._prev_at is None else at - self._prev_at
+        sums: dict[str, list[float]] = {}
+        preempted = 0.0
+        for key, r in readings.items():
+            prev = self._prev.get(key)
+            if prev is None:
+                continue
+            for name, (total, count) in r.hist.items():
+                p_total, p_count = prev.hist.get(name, (0.0, 0.0))
+                if count > p_count:
+                    acc = sums.setdefault(name, [0.0, 0.0])
+                    acc[0] += total - p_total
+                    acc[1] += count - p_count
+            preempted += max(0.0, r.counters.get("preemptions", 0.0) - prev.counters.get("preemptions", 0.0))
+        for name, (total, count) in sums.items():
+            self._recent[name] = total / count
+        if dt is not None and dt > 0 and self._prev:
+            self._preempt_rate = preempted / dt
+        self._prev, self._prev_at = readings, at
+        kv = [r.kv_usage for r in readings.values() if r.kv_usage is not None]
+        total_blocks = sum(r.num_gpu_blocks or 0 for r in readings.values()) or None
+        used = None
+        if total_blocks is not None:
+            used = round(sum((r.num_gpu_blocks or 0) * (r.kv_usage or 0.0) for r in readings.values()))
+        gpu = gpu or {}
+        return Snapshot(
+            node=self.node, at=at, ok=True,
+            kv_usage=max(kv) if kv else None,
+            kv_metric=next((r.kv_metric for r in readings.values() if r.kv_metric), None),
+            blocks_total=total_blocks, blocks_used=used,
+            running=_sum(r.running for r in readings.values()),
+            waiting=_sum(r.waiting for r in readings.values()),
+            preemptions_per_s=self._preempt_rate,
+            ttft_s=self._recent.get("ttft"), itl_s=self._recent.get("itl"),
+            prefill_s=self._recent.get("prefill", self._recent.get("ttft")),
+            queue_s=self._recent.get("queue"),
+            gpu_memory_used_bytes=gpu.get("memory_used"), gpu_memory_total_bytes=gpu.get("memory_total"),
+            gpu_utilization=gpu.get("utilization"),
+            engines=[{"model": r.model, "engine": r.engine, "kv_usage": r.kv_usage, "running": r.running,
+                      "waiting": r.waiting} for r in readings.values()],
+        )
+
+    def failed(self, error: str, at: float) -> Snapshot:
+        return Snapshot(node=self.node, at=at, ok=False, error=error)
+
+
+def _sum(values: Any) -> float | None:
+    vals = [v for v in values if v is not None]
+    return sum(vals) if vals else None

@@ -1,0 +1,127 @@
+"""The probe: vLLM's exposition (the real reference sample too), deltas, failures, a live sim node."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+from pathlib import Path
+
+import aiohttp
+import pytest
+
+from gpu_probe.nvml import Nvml
+from gpu_probe.parse import KV_NEW, KV_OLD, ParseError, parse
+from gpu_probe.server import Probe
+from gpu_probe.snapshot import Deriver
+from kvgate.stack import free_port, wait_port
+
+REFERENCE = Path(__file__).resolve().parents[2] / "shared" / "reference" / "vllm-metrics-sample.txt"
+M = 'model_name="m",engine="0"'
+
+
+def exposition(kv: float = 0.5, name: str = KV_NEW, prefill: tuple[float, float] = (1.0, 10), engine: str = "0",
+               model: str = "m", preempt: float = 0) -> str:
+    lab = f'model_name="{model}",engine="{engine}"'
+    return (f"# TYPE {name} gauge\n{name}{{{lab}}} {kv}\n"
+            f"# TYPE vllm:num_requests_running gauge\nvllm:num_requests_running{{{lab}}} 3\n"
+            f"# TYPE vllm:num_requests_waiting gauge\nvllm:num_requests_waiting{{{lab}}} 2\n"
+            f"# TYPE vllm:num_preemptions counter\nvllm:num_preemptions_total{{{lab}}} {preempt}\n"
+            f"# TYPE vllm:request_prefill_time_seconds histogram\n"
+            f'vllm:request_prefill_time_seconds_bucket{{{lab},le="+Inf"}} {prefill[1]}\n'
+            f"vllm:request_prefill_time_seconds_sum{{{lab}}} {prefill[0]}\n"
+            f"vllm:request_prefill_time_seconds_count{{{lab}}} {prefill[1]}\n"
+            f"# TYPE vllm:cache_config_info gauge\n"
+            f'vllm:cache_config_info{{block_size="16",engine="{engine}",num_gpu_blocks="1000"}} 1\n')
+
+
+@pytest.mark.skipif(not REFERENCE.exists(), reason="needs ../shared/reference")
+def test_reads_the_real_vllm_exposition() -> None:
+    [r] = parse(REFERENCE.read_text()).values()
+    assert (r.model, r.engine) == ("meta-llama/Llama-3.1-8B-Instruct", "0")
+    assert r.kv_usage == 0.4375 and r.kv_metric == KV_NEW
+    assert (r.running, r.waiting) == (12, 3)
+    assert (r.num_gpu_blocks, r.block_size) == (27306, 16)
+    assert r.counters["preemptions"] == 2 and r.hist["ttft"] == (0.12, 1.0)
+
+
+def test_falls_back_to_the_pre_0_10_name() -> None:
+    [r] = parse(exposition(0.7, KV_OLD)).values()
+    assert r.kv_usage == 0.7 and r.kv_metric == KV_OLD
+    both = exposition(0.3, KV_NEW) + exposition(0.9, KV_OLD).split("\n", 2)[2]  # new wins when both exist
+    assert next(iter(parse(both).values())).kv_usage == 0.3
+
+
+def test_several_engines_and_models() -> None:
+    text = exposition(0.2, engine="0", model="a") + exposition(0.8, engine="1", model="b").replace("# TYPE", "# X")
+    readings = parse(text.replace("# X", "# TYPE", 0))
+    assert set(readings) == {("a", "0"), ("b", "1")}
+    snap = Deriver("n").update(readings, 1.0)
+    assert snap.kv_usage == 0.8 and snap.running == 6 and snap.blocks_total == 2000
+    assert snap.blocks_used == 1000
+
+
+@pytest.mark.parametrize("text", ["", "garbage {{{ not prometheus", "# TYPE up gauge\nup 1\n", "\x00\xff"])
+def test_garbage_and_missing_metrics_are_a_parse_error(text: str) -> None:
+    with pytest.raises(ParseError):
+        parse(text)
+
+
+def test_missing_optional_metrics_give_nulls() -> None:
+    [r] = parse(f"# TYPE vllm:num_requests_running gauge\nvllm:num_requests_running{{{M}}} 1\n").values()
+    snap = Deriver("n").update({(r.model, r.engine): r}, 0.0)
+    assert snap.running == 1 and snap.kv_usage is None and snap.prefill_s is None and snap.blocks_total is None
+
+
+def test_recent_latency_and_preemption_rate_come_from_deltas() -> None:
+    d = Deriver("n")
+    assert d.update(parse(exposition(prefill=(10.0, 100))), 0.0).prefill_s is None  # no history yet
+    s = d.update(parse(exposition(prefill=(13.0, 110), preempt=4)), 2.0)
+    assert s.prefill_s == pytest.approx(0.3)  # 3 s over 10 new requests, not the lifetime mean 0.118
+    assert s.preemptions_per_s == pytest.approx(2.0)
+    s = d.update(parse(exposition(prefill=(13.0, 110), preempt=4)), 3.0)
+    assert s.prefill_s == pytest.approx(0.3) and s.preemptions_per_s == 0  # no new observation: kept
+
+
+def test_nvml_without_a_gpu_gives_nulls_and_never_raises() -> None:
+    n = Nvml()
+    reading = n.read()
+    if n.error is not None:  # no package, driver or device (every CI machine)
+        assert reading == {"memory_used": None, "memory_total": None, "utilization": None}
+    else:
+        assert reading["memory_total"] > 0 and 0 <= reading["utilization"] <= 1
+
+
+def _sim(port: int) -> subprocess.Popen[bytes]:
+    p = subprocess.Popen([sys.executable, "-m", "kvgate.cli", "sim", "--port", str(port), "--num-gpu-blocks", "100"],
+                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    wait_port(port, proc=p)
+    return p
+
+
+async def test_probe_against_a_live_sim_node_and_one_that_dies() -> None:
+    port = free_port()
+    sim = _sim(port)
+    probe = Probe(f"http://127.0.0.1:{port}", timeout=0.5)
+    try:
+        async with aiohttp.ClientSession() as s:
+            snap = await probe.poll_once(s)
+            assert snap.ok and snap.kv_usage == 0 and snap.blocks_total == 100 and snap.running == 0
+            assert snap.gpu_memory_total_bytes is None or snap.gpu_memory_total_bytes > 0
+            req = s.post(f"http://127.0.0.1:{port}/v1/completions",
+                         json={"prompt": "x" * 400, "max_tokens": 300, "ignore_eos": True})
+            task = asyncio.ensure_future(req.__aenter__())
+            for _ in range(100):
+                snap = await probe.poll_once(s)
+                if snap.running:
+                    break
+                await asyncio.sleep(0.02)
+            assert snap.running == 1 and snap.kv_usage is not None and snap.kv_usage > 0
+            resp = await task
+            await resp.release()
+            sim.terminate()
+            sim.wait(5)
+            snap = await probe.poll_once(s)
+            assert not snap.ok and snap.error and snap.kv_usage is None
+    finally:
+        sim.kill()
