@@ -1,0 +1,110 @@
+"""A circuit breaker per vLLM node, driven by the node's health rather than by errors alone.
+
+An LLM server does not fail fast: it gets slower as its KV cache fills. So the breaker trips on the
+probe's readings — KV usage above ``kv_threshold`` or recent prefill latency above
+``latency_multiplier`` x the node's *learned* baseline (an EWMA of prefill latency while the node
+was closed and healthy) — and on failed requests while half-open.
+
+closed → open (trip) → half-open after ``recovery_window`` → closed once ``half_open_requests`` real
+requests succeeded *and* the node reads healthy again (KV < ``close_kv``, prefill <
+``close_latency_multiplier`` x baseline); any failure or a bad reading while half-open re-opens it.
+Pure: time comes from the caller.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from enum import Enum
+
+
+class State(Enum):
+    CLOSED = "closed"
+    OPEN = "open"
+    HALF_OPEN = "half_open"
+
+
+STATE_VALUE = {State.CLOSED: 0, State.HALF_OPEN: 1, State.OPEN: 2}
+
+
+@dataclass(frozen=True)
+class BreakerSettings:
+    kv_threshold: float = 0.95
+    latency_multiplier: float = 3.0
+    recovery_window_s: float = 30.0
+    half_open_requests: int = 5
+    close_kv: float = 0.85
+    close_latency_multiplier: float = 1.5
+    baseline_alpha: float = 0.1
+    min_baseline_samples: int = 3
+
+
+class Breaker:
+    def __init__(self, settings: BreakerSettings,
+                 on_transition: Callable[[State, State, str], None] | None = None) -> None:
+        self.s = settings
+        self.state = State.CLOSED
+        self.baseline: float | None = None
+        self._samples = 0
+        self.opened_at = 0.0
+        self._trials_left = 0
+        self._trial_ok = 0
+        self._healthy = True
+        self._on_transition = on_transition
+
+    def _go(self, new: State, why: str, now: float) -> None:
+        old, self.state = self.state, new
+        if new is State.OPEN:
+            self.opened_at = now
+        if new is State.HALF_OPEN:
+            self._trials_left, self._trial_ok = self.s.half_open_requests, 0
+        if self._on_transition is not None:
+            self._on_transition(old, new, why)
+
+    def observe(self, kv: float | None, prefill_s: float | None, now: float) -> None:
+        """A fresh probe reading."""
+        self._tick(now)
+        s = self.s
+        slow = (prefill_s is not None and self.baseline is not None and self._samples >= s.min_baseline_samples
+                and prefill_s > s.latency_multiplier * self.baseline)
+        full = kv is not None and kv > s.kv_threshold
+        self._healthy = (kv is None or kv < s.close_kv) and (
+            prefill_s is None or self.baseline is None or prefill_s < s.close_latency_multiplier * self.baseline)
+        if self.state is State.CLOSED:
+            if full or slow:
+                self._go(State.OPEN, f"kv {kv:.2f} > {s.kv_threshold}" if full else
+                         f"prefill {prefill_s:.3f}s > {s.latency_multiplier} x baseline {self.baseline:.3f}s", now)
+            elif prefill_s is not None and self._healthy:
+                self._samples += 1
+                self.baseline = prefill_s if self.baseline is None else (
+                    self.baseline + s.baseline_alpha * (prefill_s - self.baseline))
+        elif self.state is State.HALF_OPEN and (full or slow):
+            self._go(State.OPEN, "still unhealthy while half-open", now)
+
+    def _tick(self, now: float) -> None:
+        if self.state is State.OPEN and now - self.opened_at >= self.s.recovery_window_s:
+            self._go(State.HALF_OPEN, f"recovery window of {self.s.recovery_window_s:g}s passed", now)
+
+    def allows(self, now: float) -> bool:
+        self._tick(now)
+        if self.state is State.CLOSED:
+            return True
+        return self.state is State.HALF_OPEN and self._trials_left > 0
+
+    def dispatched(self) -> None:
+        if self.state is State.HALF_OPEN and self._trials_left > 0:
+            self._trials_left -= 1
+
+    def result(self, ok: bool, now: float) -> None:
+        """A request sent to this node ended; only half-open trials change the state."""
+        if self.state is not State.HALF_OPEN:
+            return
+        if not ok:
+            self._go(State.OPEN, "a half-open trial request failed", now)
+            return
+        self._trial_ok += 1
+        if self._trial_ok >= self.s.half_open_requests:
+            if self._healthy:
+                self._go(State.CLOSED, f"{self._trial_ok} trial requests succeeded and the node is healthy", now)
+            else:
+                self._go(State.OPEN, "trial requests succeeded but the node still reads unhealthy", now)

@@ -1,0 +1,79 @@
+from ext_proc.breaker import Breaker, BreakerSettings, State
+
+S = BreakerSettings(kv_threshold=0.95, latency_multiplier=3.0, recovery_window_s=30, half_open_requests=2,
+                    close_kv=0.85, close_latency_multiplier=1.5, baseline_alpha=0.5, min_baseline_samples=3)
+
+
+def learned() -> tuple[Breaker, list[tuple[State, State, str]]]:
+    log: list[tuple[State, State, str]] = []
+    b = Breaker(S, lambda old, new, why: log.append((old, new, why)))
+    for t in range(3):
+        b.observe(0.3, 0.1, float(t))
+    return b, log
+
+
+def test_baseline_is_learned_from_healthy_operation() -> None:
+    b, _ = learned()
+    assert b.baseline is not None and abs(b.baseline - 0.1) < 1e-9
+    b.observe(0.5, 0.14, 3)  # a healthy reading moves it
+    assert b.baseline is not None and 0.1 < b.baseline < 0.14
+    b.observe(0.5, 0.2, 4)  # 2x the baseline: not healthy, not learned (but no trip below 3x)
+    assert b.state is State.CLOSED and b.baseline < 0.14
+    unhealthy = Breaker(S)
+    unhealthy.observe(0.9, 5.0, 0)  # KV over close_kv: not a healthy reading, not learned
+    assert unhealthy.baseline is None
+
+
+def test_trips_on_kv_and_on_latency() -> None:
+    b, log = learned()
+    b.observe(0.96, 0.1, 10)
+    assert b.state is State.OPEN and not b.allows(10) and "kv 0.96" in log[-1][2]
+    b2, log2 = learned()
+    b2.observe(0.3, 0.31, 10)  # > 3 x 0.1
+    assert b2.state is State.OPEN and "prefill" in log2[-1][2]
+    b3, _ = learned()
+    b3.observe(0.3, 0.29, 10)
+    assert b3.state is State.CLOSED
+
+
+def test_no_latency_trip_before_a_baseline_exists() -> None:
+    b = Breaker(S)
+    b.observe(0.3, 10.0, 0)
+    assert b.state is State.CLOSED
+
+
+def test_half_open_budget_then_close_when_healthy() -> None:
+    b, log = learned()
+    b.observe(0.99, 0.1, 10)
+    assert not b.allows(39.9)
+    assert b.allows(40.0) and b.state is State.HALF_OPEN  # recovery window passed
+    b.dispatched()
+    assert b.allows(40.0)
+    b.dispatched()
+    assert not b.allows(40.1)  # budget of 2 trial requests spent
+    b.observe(0.5, 0.1, 41)
+    b.result(True, 42)
+    assert b.state is State.HALF_OPEN
+    b.result(True, 43)
+    assert b.state is State.CLOSED and b.allows(43)
+    assert [(o.value, n.value) for o, n, _ in log] == [("closed", "open"), ("open", "half_open"),
+                                                       ("half_open", "closed")]
+
+
+def test_half_open_reopens_on_failure_or_bad_reading_or_still_unhealthy() -> None:
+    b, _ = learned()
+    b.observe(0.99, 0.1, 10)
+    assert b.allows(40)
+    b.result(False, 41)
+    assert b.state is State.OPEN and b.opened_at == 41
+
+    b.allows(71)
+    assert b.state is State.HALF_OPEN
+    b.observe(0.97, 0.1, 72)
+    assert b.state is State.OPEN
+
+    b.allows(102)
+    b.observe(0.9, 0.1, 103)  # below the trip line but above close_kv
+    b.result(True, 104)
+    b.result(True, 105)
+    assert b.state is State.OPEN
