@@ -143,6 +143,54 @@ class Limits(_Strict):
     max_body_bytes: PositiveInt = 4 * 1024 * 1024
 
 
+class BreakerConfig(_Strict):
+    kv_threshold: Annotated[float, Field(gt=0, le=1)] = 0.95
+    latency_multiplier: Annotated[float, Field(gt=1)] = 3.0
+    recovery_window_seconds: PositiveFloat = 30.0
+    half_open_requests: PositiveInt = 5
+    close_kv: Annotated[float, Field(gt=0, le=1)] = 0.85
+    close_latency_multiplier: Annotated[float, Field(gt=1)] = 1.5
+
+
+class NodeEntry(_Strict):
+    address: Annotated[str, Field(pattern=r"^[^\s:/]+:\d{1,5}$", description="host:port of the vLLM server")]
+    probe: Annotated[str, Field(pattern=r"^https?://", description="base URL of this node's kvgate probe")]
+    kv_admit_threshold: Annotated[float, Field(gt=0, le=1)] | None = None
+
+
+class DnsDiscovery(_Strict):
+    name: str = Field(description="a headless Service, e.g. vllm.llm.svc.cluster.local")
+    port: Annotated[int, Field(ge=1, le=65535)] = 8000
+    probe_port: Annotated[int, Field(ge=1, le=65535)] = 9102
+    refresh_seconds: PositiveFloat = 10.0
+
+
+class Nodes(_Strict):
+    """Where requests go: kvgate picks the vLLM node and tells Envoy (ORIGINAL_DST + header)."""
+
+    static: list[NodeEntry] = Field(default_factory=list)
+    dns: DnsDiscovery | None = None
+    kv_admit_threshold: Annotated[float, Field(gt=0, le=1)] = 0.92
+    poll_interval_seconds: PositiveFloat = 0.25
+    stale_after_seconds: PositiveFloat = 2.0
+    dead_after_seconds: PositiveFloat = 10.0
+    unknown: Literal["fallback", "serve", "avoid"] = Field(
+        default="fallback",
+        description="nodes with a stale snapshot: fallback (only when no fresh node can take it) | serve | avoid",
+    )
+    breaker: BreakerConfig = BreakerConfig()
+
+    @model_validator(mode="after")
+    def _limits(self) -> Nodes:
+        if self.dead_after_seconds <= self.stale_after_seconds:
+            raise ValueError("nodes.dead_after_seconds: must be longer than nodes.stale_after_seconds")
+        if not self.static and self.dns is None:
+            raise ValueError("nodes: list nodes under nodes.static or set nodes.dns")
+        if self.breaker.close_kv >= self.breaker.kv_threshold:
+            raise ValueError("nodes.breaker.close_kv: must be below nodes.breaker.kv_threshold")
+        return self
+
+
 class Config(_Strict):
     mode: Mode = "enforce"
     server: Server = Server()
@@ -152,6 +200,7 @@ class Config(_Strict):
     retry: Retry = Retry()
     limits: Limits = Limits()
     metrics: Metrics = Metrics()
+    nodes: Nodes | None = None
     tenants: list[Tenant] = Field(default_factory=list)
 
     @model_validator(mode="after")

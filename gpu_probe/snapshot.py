@@ -23,6 +23,7 @@ class Snapshot:
     kv_metric: str | None = None
     blocks_total: int | None = None
     blocks_used: int | None = None
+    block_size: int | None = None
     running: float | None = None
     waiting: float | None = None
     preemptions_per_s: float | None = None
@@ -84,6 +85,7 @@ class Deriver:
             kv_usage=max(kv) if kv else None,
             kv_metric=next((r.kv_metric for r in readings.values() if r.kv_metric), None),
             blocks_total=total_blocks, blocks_used=used,
+            block_size=next((r.block_size for r in readings.values() if r.block_size), None),
             running=_sum(r.running for r in readings.values()),
             waiting=_sum(r.waiting for r in readings.values()),
             preemptions_per_s=self._preempt_rate,

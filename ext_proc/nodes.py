@@ -1,0 +1,205 @@
+"""Which vLLM node takes a request: a datastore of node readings, filters, a score, a picker.
+
+Shaped like the Gateway API Inference Extension's scheduler. Per request:
+
+1. *filter* — drop nodes whose breaker is open (or half-open with its trial budget spent), nodes whose
+   probe went silent beyond ``dead_after_seconds``, and nodes whose *projected* KV usage — the last
+   snapshot plus the tokens kvgate has sent there since — would pass ``kv_admit_threshold``; nodes with
+   a merely stale snapshot are used per ``unknown`` (default: only when no fresh node can take it);
+2. *score* — KV headroom left after this request, minus a little per request waiting in vLLM and per
+   request kvgate has in flight there;
+3. *pick* — the better of two random candidates ("power of two choices"), so that concurrent requests
+   do not all herd onto the node that looked best at the last poll.
+
+No node → a capacity rejection (503) whose Retry-After comes from how fast the fleet is draining.
+Pure: time and randomness are injected; the server feeds it probe snapshots from a background poller.
+"""
+
+from __future__ import annotations
+
+import random
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from gpu_probe.snapshot import Snapshot
+
+from .breaker import Breaker, BreakerSettings, State
+from .config import Nodes
+
+DEFAULT_BLOCK = 16
+
+
+@dataclass(eq=False)
+class Node:
+    address: str
+    probe: str
+    threshold: float
+    breaker: Breaker
+    snapshot: Snapshot | None = None
+    fresh_at: float | None = None
+    pending: deque[tuple[float, int]] = field(default_factory=deque)
+    """(when, tokens) sent since the last fresh snapshot: what the snapshot cannot show yet."""
+    inflight: int = 0
+    drain_tokens_per_s: float | None = None
+    _last_completion: float | None = None
+
+    def capacity_tokens(self) -> int | None:
+        s = self.snapshot
+        if s is None or not s.blocks_total:
+            return None
+        return s.blocks_total * (s.block_size or DEFAULT_BLOCK)
+
+    def projected_kv(self, extra_tokens: int = 0) -> float | None:
+        s = self.snapshot
+        if s is None or s.kv_usage is None:
+            return None
+        cap = self.capacity_tokens()
+        if cap is None:
+            return s.kv_usage
+        return s.kv_usage + (sum(t for _, t in self.pending) + extra_tokens) / cap
+
+
+@dataclass(frozen=True)
+class Choice:
+    node: Node | None
+    reason: str | None = None
+    retry_after: float | None = None
+
+
+def breaker_settings(cfg: Nodes) -> BreakerSettings:
+    b = cfg.breaker
+    return BreakerSettings(kv_threshold=b.kv_threshold, latency_multiplier=b.latency_multiplier,
+                           recovery_window_s=b.recovery_window_seconds, half_open_requests=b.half_open_requests,
+                           close_kv=b.close_kv, close_latency_multiplier=b.close_latency_multiplier)
+
+
+class Fleet:
+    def __init__(self, cfg: Nodes, rng: random.Random | None = None,
+                 on_transition: Callable[[str, State, State, str], None] | None = None) -> None:
+        self.cfg = cfg
+        self._rng = rng or random.Random()
+        self.nodes: dict[str, Node] = {}
+        self._on_transition = on_transition
+        self.set_nodes([(n.address, n.probe, n.kv_admit_threshold) for n in cfg.static])
+
+    def reconfigure(self, cfg: Nodes) -> None:
+        self.cfg = cfg
+        settings = breaker_settings(cfg)
+        for n in self.nodes.values():
+            n.breaker.s = settings
+        self.set_nodes([(n.address, n.probe, n.kv_admit_threshold) for n in cfg.static] if cfg.static else
+                       [(n.address, n.probe, n.threshold) for n in self.nodes.values()])
+
+    def set_nodes(self, entries: list[tuple[str, str, float | None]]) -> None:
+        """The discovered node list; known nodes keep their readings and breakers."""
+        nodes = {}
+        for address, probe, threshold in entries:
+            n = self.nodes.get(address)
+            if n is None:
+                n = Node(address, probe, threshold or self.cfg.kv_admit_threshold,
+                         Breaker(breaker_settings(self.cfg), self._hook(address)))
+            n.probe, n.threshold = probe, threshold or self.cfg.kv_admit_threshold
+            nodes[address] = n
+        self.nodes = nodes
+
+    def _hook(self, address: str) -> Callable[[State, State, str], None] | None:
+        cb = self._on_transition
+        if cb is None:
+            return None
+        return lambda old, new, why: cb(address, old, new, why)
+
+    # -- readings --------------------------------------------------------------------------------
+
+    def on_snapshot(self, address: str, snap: Snapshot, now: float, age_s: float = 0.0) -> None:
+        """A probe answered. ``age_s``: how old the reading already was when it arrived."""
+        n = self.nodes.get(address)
+        if n is None:
+            return
+        if not snap.ok:
+            return  # a failed reading says nothing new: the node ages towards unknown / dead
+        n.snapshot = snap
+        n.fresh_at = now - age_s
+        taken = now - age_s
+        while n.pending and n.pending[0][0] <= taken:
+            n.pending.popleft()
+        n.breaker.observe(snap.kv_usage, snap.prefill_s, now)
+
+    def status(self, n: Node, now: float) -> str:
+        if n.fresh_at is None:
+            return "dead"
+        age = now - n.fresh_at
+        if age > self.cfg.dead_after_seconds:
+            return "dead"
+        return "unknown" if age > self.cfg.stale_after_seconds else "fresh"
+
+    # -- choice ----------------------------------------------------------------------------------
+
+    def choose(self, tokens: int, now: float) -> Choice:
+        fresh: list[Node] = []
+        unknown: list[Node] = []
+        kv_full = broken = 0
+        for n in self.nodes.values():
+            st = self.status(n, now)
+            if st == "dead":
+                continue
+            if not n.breaker.allows(now):
+                broken += 1
+                continue
+            kv = n.projected_kv(tokens)
+            if kv is not None and kv >= n.threshold:
+                kv_full += 1
+                continue
+            (fresh if st == "fresh" else unknown).append(n)
+        policy = self.cfg.unknown
+        candidates = fresh + unknown if policy == "serve" else (fresh or (unknown if policy == "fallback" else []))
+        if not candidates:
+            reason = "fleet-kv" if kv_full else ("fleet-breakers-open" if broken else "fleet-no-healthy-node")
+            return Choice(None, reason, self._retry_after(tokens, now))
+        if len(candidates) == 1:
+            return Choice(candidates[0])
+        a, b = self._rng.sample(candidates, 2)
+        return Choice(a if self._score(a, tokens) >= self._score(b, tokens) else b)
+
+    def _score(self, n: Node, tokens: int) -> float:
+        kv = n.projected_kv(tokens)
+        headroom = n.threshold - (kv if kv is not None else n.threshold / 2)
+        waiting = (n.snapshot.waiting or 0.0) if n.snapshot else 0.0
+        return headroom - 0.01 * waiting - 0.005 * n.inflight
+
+    def _retry_after(self, tokens: int, now: float) -> float:
+        """When the first node is expected to have room: its excess KV over its drain rate; or when
+        the first open breaker goes half-open."""
+        best: float | None = None
+        for n in self.nodes.values():
+            if self.status(n, now) == "dead":
+                continue
+            if n.breaker.state is State.OPEN:
+                wait = n.breaker.opened_at + n.breaker.s.recovery_window_s - now
+            else:
+                kv, cap = n.projected_kv(tokens), n.capacity_tokens()
+                if kv is None or cap is None or not n.drain_tokens_per_s:
+                    continue
+                wait = (kv - n.threshold) * cap / n.drain_tokens_per_s
+            best = wait if best is None else min(best, wait)
+        return min(30.0, max(0.0, best if best is not None else 1.0))
+
+    # -- request life ----------------------------------------------------------------------------
+
+    def dispatched(self, n: Node, tokens: int, now: float) -> None:
+        n.pending.append((now, tokens))
+        n.inflight += 1
+        n.breaker.dispatched()
+
+    def completed(self, address: str, tokens: int, ok: bool, now: float) -> None:
+        n = self.nodes.get(address)
+        if n is None:
+            return
+        n.inflight = max(0, n.inflight - 1)
+        n.breaker.result(ok, now)
+        if ok and n._last_completion is not None and now > n._last_completion:
+            rate = tokens / (now - n._last_completion) if n.inflight else None
+            if rate is not None:
+                n.drain_tokens_per_s = rate if n.drain_tokens_per_s is None else (
+                    0.8 * n.drain_tokens_per_s + 0.2 * rate)
+        n._last_completion = now
