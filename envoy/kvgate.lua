@@ -40,7 +40,17 @@ function envoy_on_request(h)
         {[":status"] = "400", ["content-type"] = "application/json", ["x-kvgate-reject-reason"] = "missing-body"},
         '{"error":{"message":"This endpoint needs a JSON request body.","type":"invalid_request_error","param":null,"code":"missing_body"}}'
       )
+      return
     end
+  end
+  -- Only kvgate chooses the node: it names it in metadata (set with the body decision, after these
+  -- headers had passed ext_proc) and this writes it into the header the ORIGINAL_DST cluster reads.
+  -- A client's own value is dropped, so nobody can steer a request to an address of their choosing.
+  local kv = h:streamInfo():dynamicMetadata():get("kvgate")
+  if kv ~= nil and kv["endpoint"] ~= nil then
+    h:headers():replace("x-gateway-destination-endpoint", kv["endpoint"])
+  else
+    h:headers():remove("x-gateway-destination-endpoint")
   end
 end
 

@@ -81,6 +81,8 @@ class Lease:
     prompt_estimate: int
     started: float
     charged: bool
+    node: str | None = None
+    """The vLLM node (host:port) kvgate sent the request to, when kvgate chooses nodes."""
     """False for a request admitted in shadow mode that enforcement would have rejected: it holds no
     quota, so the shadow counters show what enforcing would do."""
 
@@ -177,8 +179,11 @@ class Admission:
     # -- the decision ----------------------------------------------------------------------------
 
     def decide(
-        self, tenant: Tenant | None, request_id: str, estimate: Estimate, body_bytes: int
+        self, tenant: Tenant | None, request_id: str, estimate: Estimate, body_bytes: int,
+        pick: Picker | None = None,
     ) -> Decision:
+        """Decide one request. ``pick`` chooses the node once every other check passed (a capacity
+        check: it returns the node, or why no node can take the request and when one may)."""
         now = self._clock()
         if tenant is None:
             state = self._tenants[UNKNOWN_TENANT]
@@ -186,9 +191,22 @@ class Admission:
         else:
             state = self._tenants.get(tenant.name) or self._tenants[UNKNOWN_TENANT]
             rejection = self._check(state, estimate, body_bytes, now)
-        if rejection is not None and state.mode == "enforce":
+        node: str | None = None
+        if pick is not None and (rejection is None or state.mode == "shadow"):
+            if rejection is None:
+                node, why, wait = pick(estimate, False)
+                if node is None:
+                    rejection = Rejection(
+                        503, why or "fleet-no-healthy-node", "capacity",
+                        "No inference node can take this request now; please retry after the indicated time.",
+                        self._retry(wait if wait is not None else self.config.retry.default_request_seconds),
+                    )
+            if node is None and state.mode == "shadow":
+                node = pick(estimate, True)[0]  # shadow: admitted all the same, on the least bad node
+        if rejection is not None and (state.mode == "enforce" or (pick is not None and node is None)):
             return Decision(state.name, state.config.tier, None, rejection)
         lease = self._grant(state, request_id, estimate, now, charged=rejection is None)
+        lease.node = node
         return Decision(state.name, state.config.tier, lease, rejection)
 
     def _check(self, s: TenantState, est: Estimate, body_bytes: int, now: float) -> Rejection | None:
@@ -344,6 +362,11 @@ class Admission:
 
     def tenants(self) -> list[TenantState]:
         return list(self._tenants.values())
+
+
+Picker = Callable[[Estimate, bool], tuple[str | None, str | None, float | None]]
+"""(estimate, shadow) → (node, reason when none, seconds until one may have room). In shadow mode the
+picker must return a node whenever any is alive, whatever its load."""
 
 
 def _ewma(prev: float | None, x: float) -> float:

@@ -135,7 +135,13 @@ class Fleet:
 
     # -- choice ----------------------------------------------------------------------------------
 
-    def choose(self, tokens: int, now: float) -> Choice:
+    def choose(self, tokens: int, now: float, force: bool = False) -> Choice:
+        """``force``: any live node, whatever its load or breaker (shadow mode, bodyless routes)."""
+        if force:
+            live = [n for n in self.nodes.values() if self.status(n, now) != "dead"]
+            if not live:
+                return Choice(None, "fleet-no-healthy-node", 1.0)
+            return Choice(max(live, key=lambda n: self._score(n, tokens)))
         fresh: list[Node] = []
         unknown: list[Node] = []
         kv_full = broken = 0
@@ -186,16 +192,24 @@ class Fleet:
 
     # -- request life ----------------------------------------------------------------------------
 
-    def dispatched(self, n: Node, tokens: int, now: float) -> None:
+    def dispatched(self, n: Node | str, tokens: int, now: float) -> None:
+        if isinstance(n, str):
+            found = self.nodes.get(n)
+            if found is None:
+                return
+            n = found
         n.pending.append((now, tokens))
         n.inflight += 1
         n.breaker.dispatched()
 
-    def completed(self, address: str, tokens: int, ok: bool, now: float) -> None:
+    def completed(self, address: str, tokens: int, ok: bool | None, now: float) -> None:
+        """A request sent to ``address`` ended; ``ok`` None: no verdict on the node (never reached it)."""
         n = self.nodes.get(address)
         if n is None:
             return
         n.inflight = max(0, n.inflight - 1)
+        if ok is None:
+            return
         n.breaker.result(ok, now)
         if ok and n._last_completion is not None and now > n._last_completion:
             rate = tokens / (now - n._last_completion) if n.inflight else None

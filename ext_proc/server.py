@@ -32,11 +32,15 @@ from google.protobuf import struct_pb2
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from prometheus_client import start_http_server
 
+from gpu_probe.snapshot import Snapshot
+
 from . import logs
-from .admission import UNKNOWN_KEY, Admission, Decision, Usage
+from .admission import UNKNOWN_KEY, Admission, Decision, Rejection, Usage
+from .breaker import STATE_VALUE, State
 from .config import Config, ConfigError, load_config
-from .estimate import Estimator
+from .estimate import Estimate, Estimator
 from .identity import Identifier
+from .nodes import Fleet
 from .stats import Stats
 from .wire import REASON_HEADER, Reply, reject_reply
 
@@ -49,6 +53,8 @@ ATTR_AUTH = "request.headers['authorization']"
 ATTR_PATH = "request.path"
 ATTR_ID = "request.id"
 INTERNAL_PREFIX = "x-kvgate-"
+DESTINATION_HEADER = "x-gateway-destination-endpoint"
+"""Read by Envoy's ORIGINAL_DST cluster; written by the Lua helper from metadata ``kvgate.endpoint``."""
 SERVICE_NAME = "envoy.service.ext_proc.v3.ExternalProcessor"
 
 
@@ -97,6 +103,7 @@ class Gateway:
         self.config_path = config_path
         self.admission = Admission(config, time.monotonic)
         self.stats = Stats(max_tenant_labels=config.metrics.max_tenant_labels)
+        self.fleet: Fleet | None = None
         self._apply(config)
         self._mtime = _mtime(config_path)
         self.open_streams = 0
@@ -106,6 +113,12 @@ class Gateway:
         self.identifier = Identifier(config)
         self.estimator = Estimator(config.estimation)
         self._trusted_attr = trusted_attr(config.identity.trusted_header) if config.identity.trusted_header else None
+        if config.nodes is None:
+            self.fleet = None
+        elif self.fleet is None:
+            self.fleet = Fleet(config.nodes, on_transition=self._transition)
+        else:
+            self.fleet.reconfigure(config.nodes)
         self.stats.set_tenants([t.name for t in config.tenants], config.metrics.max_tenant_labels)
 
     def reload(self, reason: str) -> bool:
@@ -130,6 +143,32 @@ class Gateway:
     def file_changed(self) -> bool:
         return self.config_path is not None and _mtime(self.config_path) != self._mtime
 
+    # -- nodes -----------------------------------------------------------------------------------
+
+    def _transition(self, node: str, old: State, new: State, why: str) -> None:
+        self.stats.node_transitions.labels(node, old.value, new.value).inc()
+        self.stats.node_breaker.labels(node).set(STATE_VALUE[new])
+        log.warning("breaker_transition", node=node, old=old.value, new=new.value, why=why)
+
+    def _pick(self, est: Estimate, shadow: bool) -> tuple[str | None, str | None, float | None]:
+        assert self.fleet is not None
+        c = self.fleet.choose(est.total, time.monotonic(), force=shadow)
+        return (c.node.address if c.node else None), c.reason, c.retry_after
+
+    def export_nodes(self) -> None:
+        if self.fleet is None:
+            return
+        now = time.monotonic()
+        for n in self.fleet.nodes.values():
+            st = self.stats
+            if n.snapshot is not None and n.snapshot.kv_usage is not None:
+                st.node_kv.labels(n.address).set(n.snapshot.kv_usage)
+                st.node_projected_kv.labels(n.address).set(n.projected_kv() or 0.0)
+            st.node_inflight.labels(n.address).set(n.inflight)
+            st.node_breaker.labels(n.address).set(STATE_VALUE[n.breaker.state])
+            if n.fresh_at is not None:
+                st.node_age.labels(n.address).set(now - n.fresh_at)
+
     # -- decisions -------------------------------------------------------------------------------
 
     def on_body(self, msg: ep.ProcessingRequest) -> tuple[ep.ProcessingResponse, Decision]:
@@ -144,7 +183,7 @@ class Gateway:
         est = self.estimator.estimate(
             body, generates=path.split("?", 1)[0].endswith("/completions"), default_max_tokens=default_max
         )
-        d = self.admission.decide(quota, request_id, est, len(body))
+        d = self.admission.decide(quota, request_id, est, len(body), self._pick if self.fleet else None)
         if not est.parsed:
             self.stats.unparsed_bodies.inc()
             log.info("body_not_json", request_id=request_id, tenant=d.tenant, bytes=len(body),
@@ -160,10 +199,13 @@ class Gateway:
                 opts = est.document.get("stream_options")
                 est.document["stream_options"] = {**(opts if isinstance(opts, dict) else {}), "include_usage": True}
                 common.body_mutation.body = orjson.dumps(est.document)
+            meta: dict[str, Any] = {"ticket": d.lease.ticket, "strip_usage": strip, "tenant": d.tenant}
+            if d.lease.node is not None:
+                assert self.fleet is not None
+                self.fleet.dispatched(d.lease.node, est.total, time.monotonic())
+                meta["endpoint"] = d.lease.node  # Envoy's Lua helper writes it into DESTINATION_HEADER
             resp = ep.ProcessingResponse(
-                request_body=ep.BodyResponse(response=common),
-                dynamic_metadata=_metadata({"ticket": d.lease.ticket, "strip_usage": strip, "tenant": d.tenant}),
-            )
+                request_body=ep.BodyResponse(response=common), dynamic_metadata=_metadata(meta))
         self.stats.decision_seconds.observe(time.perf_counter() - t0)
         self.stats.decision(d)
         self._log_decision(d, request_id, est.total)
@@ -181,7 +223,15 @@ class Gateway:
         if who.tenant is None and self.config.mode == "enforce":
             return _immediate(reject_reply(UNKNOWN_KEY))
         name = who.tenant.name if who.tenant else "unknown"
-        return ep.ProcessingResponse(request_headers=ep.HeadersResponse(), dynamic_metadata=_metadata({"tenant": name}))
+        meta: dict[str, Any] = {"tenant": name}
+        if self.fleet is not None:
+            c = self.fleet.choose(0, time.monotonic(), force=True)
+            if c.node is None:
+                return _immediate(reject_reply(Rejection(
+                    503, c.reason or "fleet-no-healthy-node", "capacity", "No inference node is reachable now.",
+                    self.admission._retry(c.retry_after or 1.0))))
+            meta["endpoint"] = c.node.address
+        return ep.ProcessingResponse(request_headers=ep.HeadersResponse(), dynamic_metadata=_metadata(meta))
 
     def _log_decision(self, d: Decision, request_id: str, tokens: int) -> None:
         r = d.rejection
@@ -207,6 +257,7 @@ class Gateway:
             c = self.admission.complete_request_id(entry.request.request_id)
             if c is not None:
                 self.stats.completion(c, "aborted")
+                self._node_done(c.lease.node, 0, None)
             return
         usage = None
         u = md.get(USAGE_NS)
@@ -227,12 +278,24 @@ class Gateway:
         else:
             outcome = "upstream_error"
         self.stats.completion(c, outcome)
+        # the node's verdict for its breaker: it answered (below 500), it failed, or we cannot tell
+        verdict: bool | None
+        if upstream_answered:
+            verdict = code < 500
+        else:
+            verdict = None if flags.downstream_connection_termination else False
+        self._node_done(c.lease.node, c.charged_tokens, verdict)
         log.debug("complete", ticket=ticket, tenant=c.lease.tenant.name, outcome=outcome,
                   tokens=c.charged_tokens, seconds=round(c.seconds, 4), status=code)
+
+    def _node_done(self, node: str | None, tokens: int, ok: bool | None) -> None:
+        if node is not None and self.fleet is not None:
+            self.fleet.completed(node, tokens, ok, time.monotonic())
 
     def reclaim(self) -> None:
         for c in self.admission.reclaim_expired():
             self.stats.completion(c, "reclaimed")
+            self._node_done(c.lease.node, 0, None)
             log.warning("lease_reclaimed", ticket=c.lease.ticket, tenant=c.lease.tenant.name,
                         age_s=round(c.seconds, 1), note="no completion arrived from Envoy's access log")
 
@@ -343,6 +406,7 @@ async def serve(config: Config, config_path: Path | None, ready: asyncio.Event |
                 gw.reclaim()
 
     task = asyncio.create_task(housekeeping())
+    pollers = [asyncio.create_task(poll_nodes(gw)), asyncio.create_task(discover_nodes(gw))]
     await stop.wait()
     log.info("draining", open_streams=gw.open_streams, grace_s=config.server.drain_seconds)
     for svc in ("", SERVICE_NAME):
@@ -350,11 +414,65 @@ async def serve(config: Config, config_path: Path | None, ready: asyncio.Event |
     deadline = loop.time() + config.server.drain_seconds
     while gw.open_streams > 0 and loop.time() < deadline:
         await asyncio.sleep(0.05)
-    task.cancel()
-    with contextlib.suppress(asyncio.CancelledError):
-        await task
+    for t in (task, *pollers):
+        t.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await t
     await server.stop(grace=0.5)
     log.info("stopped", open_streams=gw.open_streams, open_leases=gw.admission.open_leases)
+
+
+async def poll_nodes(gw: Gateway) -> None:
+    """Fetch every probe's snapshot in the background; a request never waits on this."""
+    import aiohttp
+
+    async def one(session: aiohttp.ClientSession, address: str, probe: str, timeout: float) -> None:
+        assert gw.fleet is not None
+        try:
+            async with session.get(probe.rstrip("/") + "/snapshot", timeout=aiohttp.ClientTimeout(total=timeout)) as r:
+                doc = await r.json()
+            snap = Snapshot.from_json(doc)
+        except Exception as e:  # a dead or confused probe only makes its node age
+            log.debug("probe_failed", node=address, error=f"{type(e).__name__}: {e}")
+            return
+        gw.fleet.on_snapshot(address, snap, time.monotonic(), max(0.0, time.time() - snap.at))
+
+    async with aiohttp.ClientSession() as session:
+        while True:
+            fleet, nodes_cfg = gw.fleet, gw.config.nodes
+            if fleet is None or nodes_cfg is None:
+                await asyncio.sleep(1.0)
+                continue
+            interval = nodes_cfg.poll_interval_seconds
+            timeout = max(0.2, min(1.0, 2 * interval))
+            await asyncio.gather(*(one(session, n.address, n.probe, timeout) for n in list(fleet.nodes.values())))
+            gw.export_nodes()
+            await asyncio.sleep(interval)
+
+
+async def discover_nodes(gw: Gateway) -> None:
+    """DNS of a headless Service: every address it resolves to is a node (with its probe beside it)."""
+    import socket
+
+    loop = asyncio.get_running_loop()
+    while True:
+        cfg = gw.config.nodes
+        if cfg is None or cfg.dns is None or gw.fleet is None:
+            await asyncio.sleep(5.0)
+            continue
+        dns = cfg.dns
+        try:
+            infos = await loop.getaddrinfo(dns.name, dns.port, type=socket.SOCK_STREAM)
+            ips = sorted({str(i[4][0]) for i in infos})
+            entries: list[tuple[str, str, float | None]] = [
+                (f"{ip}:{dns.port}", f"http://{ip}:{dns.probe_port}", None) for ip in ips]
+            entries += [(n.address, n.probe, n.kv_admit_threshold) for n in cfg.static]
+            if set(e[0] for e in entries) != set(gw.fleet.nodes):
+                log.info("nodes_discovered", name=dns.name, nodes=[e[0] for e in entries])
+            gw.fleet.set_nodes(entries)
+        except OSError as e:
+            log.warning("node_discovery_failed", name=dns.name, error=str(e), kept=len(gw.fleet.nodes))
+        await asyncio.sleep(dns.refresh_seconds)
 
 
 def run(config_path: str, log_level: str = "info") -> int:

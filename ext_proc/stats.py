@@ -63,6 +63,19 @@ class Stats:
         self.reloads = Counter(
             "kvgate_config_reloads_total", "Config reloads by result (ok | error)", ["result"], registry=r
         )
+        self.node_kv = Gauge("kvgate_node_kv_usage_ratio", "KV-cache usage of each node from its last probe snapshot",
+                             ["node"], registry=r)
+        self.node_projected_kv = Gauge(
+            "kvgate_node_projected_kv_usage_ratio",
+            "KV usage of each node projected with what kvgate sent since the snapshot", ["node"], registry=r)
+        self.node_inflight = Gauge("kvgate_node_inflight_requests", "Requests kvgate has in flight on each node",
+                                   ["node"], registry=r)
+        self.node_age = Gauge("kvgate_node_snapshot_age_seconds", "Age of each node's last good probe snapshot",
+                              ["node"], registry=r)
+        self.node_breaker = Gauge("kvgate_node_breaker_state",
+                                  "Circuit breaker per node: 0 closed, 1 half-open, 2 open", ["node"], registry=r)
+        self.node_transitions = Counter("kvgate_node_breaker_transitions_total", "Breaker transitions per node",
+                                        ["node", "from", "to"], registry=r)
         self._allowed: frozenset[str] = frozenset()
         self._max = max_tenant_labels
         self._req_children: dict[tuple[str, str, str, str, str], Counter] = {}

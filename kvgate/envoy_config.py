@@ -48,6 +48,9 @@ class EnvoyParams:
     trusted_header: str | None = None
     access_log_buffer_bytes: int = 0
     """0: each completion reaches kvgate at once (slots free promptly); more batches entries."""
+    original_dst: bool = False
+    """True: kvgate picks the node; the upstream cluster sends each request to the host:port kvgate put
+    in x-gateway-destination-endpoint (ORIGINAL_DST), as the Gateway API Inference Extension does."""
 
 
 def _dur(ms: int) -> str:
@@ -313,7 +316,18 @@ def extproc_cluster(p: EnvoyParams) -> dict[str, Any]:
     }
 
 
+DESTINATION_HEADER = "x-gateway-destination-endpoint"
+
+
 def upstream_cluster(p: EnvoyParams) -> dict[str, Any]:
+    if p.original_dst:
+        return {
+            "name": UPSTREAM_CLUSTER,
+            "type": "ORIGINAL_DST",
+            "connect_timeout": "1s",
+            "lb_policy": "CLUSTER_PROVIDED",
+            "original_dst_lb_config": {"use_http_header": True, "http_header_name": DESTINATION_HEADER},
+        }
     return {
         "name": UPSTREAM_CLUSTER,
         "type": "STATIC",

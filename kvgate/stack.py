@@ -55,6 +55,12 @@ def wait_port(port: int, timeout: float = 20.0, proc: subprocess.Popen[bytes] | 
     raise TimeoutError(f"nothing listening on port {port} after {timeout}s")
 
 
+def _hostport(url: str) -> tuple[str, int]:
+    rest = url.split("://", 1)[-1].split("/", 1)[0]
+    host, _, port = rest.rpartition(":")
+    return host, int(port)
+
+
 def http_get(url: str, timeout: float = 2.0) -> tuple[int, bytes]:
     try:
         with urllib.request.urlopen(url, timeout=timeout) as r:
@@ -74,6 +80,12 @@ class Stack:
     envoy_workers: int = 1
     sim_args: list[str] | None = None
     """Run simulated vLLM nodes (``kvgate sim`` with these arguments) instead of the stand-in upstream."""
+    nodes: bool = False
+    """kvgate chooses the node: a probe per upstream, ``nodes.static`` in kvgate's config, and an
+    ORIGINAL_DST upstream cluster in Envoy."""
+    vllm_urls: list[str] | None = None
+    """Real (or already running) vLLM servers to put behind kvgate instead of starting upstreams."""
+    probe_ports: list[int] = field(default_factory=list)
     procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
     metrics_port: int = 0
     config_path: Path = field(init=False)
@@ -112,7 +124,8 @@ class Stack:
         tmp.replace(self.config_path)
 
     def start(self) -> Stack:
-        ports = [free_port() for _ in range(self.upstreams)]
+        external = [u.rstrip("/") for u in (self.vllm_urls or [])]
+        ports = [] if external else [free_port() for _ in range(self.upstreams)]
         trusted = (self.kvgate_config.get("identity") or {}).get("trusted_header")
         self.envoy = replace(
             self.envoy,
@@ -121,7 +134,8 @@ class Stack:
             listen_port=self.envoy.listen_port if self.envoy.listen_port != 10000 else free_port(),
             admin_port=free_port(),
             extproc_port=free_port(),
-            upstreams=[("127.0.0.1", p) for p in ports],
+            upstreams=[("127.0.0.1", p) for p in ports] or [_hostport(u) for u in external],
+            original_dst=self.nodes or self.envoy.original_dst,
         )
         self.metrics_port = free_port()
         py = sys.executable
@@ -131,14 +145,28 @@ class Stack:
             else:
                 cmd = [py, "-m", "kvgate.cli", "upstream", "--port", str(port), "--token-ms", str(self.token_ms)]
             self._spawn(f"upstream{i}", cmd)
+        for i, port in enumerate(ports):
+            wait_port(port, proc=self.procs[f"upstream{i}"])
+        if self.nodes:
+            urls = external or [f"http://127.0.0.1:{p}" for p in ports]
+            self.probe_ports = [free_port() for _ in urls]
+            for i, (url, pp) in enumerate(zip(urls, self.probe_ports, strict=True)):
+                self._spawn(f"probe{i}", [py, "-m", "kvgate.cli", "probe", "--vllm", url, "--port", str(pp),
+                                          "--interval", "0.2"])
+            for i, pp in enumerate(self.probe_ports):
+                wait_port(pp, proc=self.procs[f"probe{i}"])
+            nodes_cfg = dict(self.kvgate_config.get("nodes") or {})
+            nodes_cfg["static"] = [
+                {"address": "{}:{}".format(*_hostport(u)), "probe": f"http://127.0.0.1:{pp}"}
+                for u, pp in zip(urls, self.probe_ports, strict=True)]
+            nodes_cfg.setdefault("poll_interval_seconds", 0.2)
+            self.kvgate_config = {**self.kvgate_config, "nodes": nodes_cfg}
         if self.with_kvgate:
             self.start_kvgate()
         envoy_yaml = self.workdir / "envoy.yaml"
         envoy_yaml.write_text(dump(bootstrap(self.envoy, kvgate=self.with_kvgate)))
         self._spawn("envoy", [envoy_binary(), "-c", str(envoy_yaml), "--concurrency", str(self.envoy_workers),
                               "--disable-hot-restart", "-l", "warning"])
-        for i, port in enumerate(ports):
-            wait_port(port, proc=self.procs[f"upstream{i}"])
         wait_port(self.envoy.listen_port, proc=self.procs["envoy"])
         self.wait_ready()
         return self
