@@ -3,7 +3,9 @@
 An LLM server does not fail fast: it gets slower as its KV cache fills. So the breaker trips on the
 probe's readings — KV usage above ``kv_threshold`` or recent prefill latency above
 ``latency_multiplier`` x the node's *learned* baseline (an EWMA of prefill latency while the node
-was closed and healthy) — and on failed requests while half-open.
+was closed and healthy) — and on failed requests while half-open. The latency fed in is prefill
+time *per 1000 prompt tokens*: raw prefill time grows with prompt length, so a baseline learned on
+short chat prompts would trip on the first long RAG prompt (seen in the demo) while the node is fine.
 
 closed → open (trip) → half-open after ``recovery_window`` → closed once ``half_open_requests`` real
 requests succeeded *and* the node reads healthy again (KV < ``close_kv``, prefill <
@@ -36,7 +38,7 @@ class BreakerSettings:
     close_kv: float = 0.85
     close_latency_multiplier: float = 1.5
     baseline_alpha: float = 0.1
-    min_baseline_samples: int = 3
+    min_baseline_samples: int = 5
 
 
 class Breaker:

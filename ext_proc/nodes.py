@@ -123,7 +123,7 @@ class Fleet:
         taken = now - age_s
         while n.pending and n.pending[0][0] <= taken:
             n.pending.popleft()
-        n.breaker.observe(snap.kv_usage, snap.prefill_s, now)
+        n.breaker.observe(snap.kv_usage, snap.prefill_s_per_ktok, now)
 
     def status(self, n: Node, now: float) -> str:
         if n.fresh_at is None:

@@ -18,6 +18,7 @@ HISTOGRAMS = {
     "prefill": "vllm:request_prefill_time_seconds",
     "queue": "vllm:request_queue_time_seconds",
     "e2e": "vllm:e2e_request_latency_seconds",
+    "request_prompt": "vllm:request_prompt_tokens",
 }
 COUNTERS = {
     "preemptions": "vllm:num_preemptions",

@@ -185,8 +185,12 @@ def parser() -> argparse.ArgumentParser:
         s = sub.add_parser(name, help=helptext)
         s.add_argument("--config", type=Path, default=None, help="kvgate config (default: the demo tenants)")
         s.add_argument("--port", type=int, default=10000, help="Envoy's listen port")
-        s.add_argument("--upstreams", type=int, default=2)
+        s.add_argument("--nodes", type=int, default=2, help="simulated vLLM nodes to start")
         s.add_argument("--profile", default="8b-h100", help="profile of the simulated vLLM nodes")
+        s.add_argument("--kv-blocks", type=int, default=3000 if name == "demo" else None,
+                       help="KV blocks per simulated node (the demo's small cache shows KV pressure)")
+        s.add_argument("--vllm", action="append", default=[], metavar="URL",
+                       help="real vLLM servers to put behind kvgate instead of simulated nodes")
         s.add_argument("--standin", action="store_true", help="use the stand-in upstream instead of kvgate sim")
         s.add_argument("--token-ms", type=float, default=4.0, help="stand-in upstream only: ms per token")
         s.add_argument("--seconds", type=float, default=20.0)

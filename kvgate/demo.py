@@ -21,6 +21,7 @@ from typing import Any
 
 import aiohttp
 import yaml
+from prometheus_client.parser import text_string_to_metric_families
 
 from ext_proc.config import load_config
 from ext_proc.identity import hash_key
@@ -51,6 +52,8 @@ def demo_config() -> dict[str, Any]:
     return {
         "mode": "enforce",
         "fleet": {"max_inflight": 12},
+        # a short recovery window so the demo shows breakers cycling open -> half-open -> closed
+        "nodes": {"breaker": {"recovery_window_seconds": 5, "half_open_requests": 3}},
         "tenants": [
             {"name": "chatbot", "tier": "interactive", "api_key_sha256": [hash_key("sk-demo-chatbot")],
              "max_concurrent": 16, "requests_per_minute": 6000, "tokens_per_minute": 600000},
@@ -66,16 +69,19 @@ def _stack(a: argparse.Namespace) -> Stack:
     cfg = yaml.safe_load(a.config.read_text()) if a.config else demo_config()
     if a.config:
         load_config(a.config)  # fail early, naming the field
-    sim_args = None if a.standin else ["--profile", a.profile]
-    return Stack(a.workdir.resolve(), cfg, upstreams=a.upstreams, token_ms=a.token_ms,
-                 envoy=EnvoyParams(listen_port=a.port), sim_args=sim_args)
+    sim_args = None if a.standin else ["--profile", a.profile, *(
+        ["--num-gpu-blocks", str(a.kv_blocks)] if a.kv_blocks else [])]
+    return Stack(a.workdir.resolve(), cfg, upstreams=a.nodes, token_ms=a.token_ms,
+                 envoy=EnvoyParams(listen_port=a.port), sim_args=sim_args, nodes=not a.standin,
+                 vllm_urls=a.vllm or None)
 
 
 def _banner(st: Stack) -> None:
     print(f"kvgate local stack is up\n  OpenAI-compatible endpoint: {st.url}/v1\n"
           f"  kvgate metrics:             {st.metrics_url}\n"
           f"  Envoy admin:                http://127.0.0.1:{st.envoy.admin_port}\n"
-          f"  upstreams:                  {', '.join(f'{h}:{p}' for h, p in st.envoy.upstreams)}\n"
+          f"  vLLM nodes:                 {', '.join(f'{h}:{p}' for h, p in st.envoy.upstreams)}"
+          f"{' (kvgate picks the node; probes on ' + ', '.join(map(str, st.probe_ports)) + ')' if st.nodes else ''}\n"
           f"  logs and config:            {st.workdir}", flush=True)
 
 
@@ -155,15 +161,25 @@ async def _load(st: Stack, seconds: float, tally: Tally) -> None:
 
 def _gauges(st: Stack) -> str:
     _, text = http_get(st.metrics_url)
-    inflight = {}
+    inflight: dict[str, float] = {}
+    nodes: dict[str, dict[str, float]] = defaultdict(dict)
     shadow = 0.0
-    for line in text.decode().splitlines():
-        if line.startswith("kvgate_inflight_requests{"):
-            inflight[line.split('tenant="')[1].split('"')[0]] = float(line.rsplit(" ", 1)[1])
-        if line.startswith("kvgate_requests_total{") and 'decision="shadow_reject"' in line:
-            shadow += float(line.rsplit(" ", 1)[1])
-    return (f"in flight now: {', '.join(f'{t}={v:.0f}' for t, v in sorted(inflight.items()))}; "
+    for fam in text_string_to_metric_families(text.decode()):
+        for s in fam.samples:
+            if s.name == "kvgate_inflight_requests":
+                inflight[s.labels["tenant"]] = s.value
+            elif s.name == "kvgate_requests_total" and s.labels.get("decision") == "shadow_reject":
+                shadow += s.value
+            elif s.name in ("kvgate_node_kv_usage_ratio", "kvgate_node_breaker_state", "kvgate_node_inflight_requests"):
+                nodes[s.labels["node"]][s.name] = s.value
+    line = (f"in flight now: {', '.join(f'{t}={v:.0f}' for t, v in sorted(inflight.items()))}; "
             f"shadow would-be rejections: {shadow:.0f}")
+    states = {0: "closed", 1: "half-open", 2: "open"}
+    for node, v in sorted(nodes.items()):
+        line += (f"\n  node {node}: KV {v.get('kvgate_node_kv_usage_ratio', 0):.0%}, "
+                 f"in flight {v.get('kvgate_node_inflight_requests', 0):.0f}, "
+                 f"breaker {states.get(int(v.get('kvgate_node_breaker_state', 0)), '?')}")
+    return line
 
 
 def demo(a: argparse.Namespace) -> int:

@@ -78,3 +78,14 @@ def test_shipped_example_config_is_valid() -> None:
     cfg = load_config(Path(__file__).parent.parent / "examples" / "kvgate.yaml")
     assert [t.name for t in cfg.tenants] == ["chatbot", "rag-pipeline"]
     assert cfg.tenant("rag-pipeline").mode == "shadow"  # type: ignore[union-attr]
+    assert cfg.nodes is not None and cfg.nodes.static[1].kv_admit_threshold == 0.85
+
+
+def test_nodes_settings_are_checked() -> None:
+    with pytest.raises(ConfigError, match=r"nodes: list nodes under nodes\.static or set nodes\.dns"):
+        parse_config({"nodes": {}})
+    with pytest.raises(ConfigError, match="dead_after_seconds: must be longer"):
+        parse_config({"nodes": {"static": [{"address": "a:1", "probe": "http://a:2"}], "stale_after_seconds": 5,
+                                "dead_after_seconds": 3}})
+    with pytest.raises(ConfigError, match=r"nodes\.static\[0\]\.address"):
+        parse_config({"nodes": {"static": [{"address": "no-port", "probe": "http://a:2"}]}})

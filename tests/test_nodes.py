@@ -16,7 +16,7 @@ def fleet(n: int = 2, **nodes: object) -> Fleet:
 
 def snap(kv: float, blocks: int = 1000, waiting: float = 0, prefill: float | None = 0.1) -> Snapshot:
     return Snapshot(node="n", at=0, ok=True, kv_usage=kv, blocks_total=blocks, block_size=16, waiting=waiting,
-                    prefill_s=prefill)
+                    prefill_s=prefill, prefill_s_per_ktok=prefill)
 
 
 def feed(f: Fleet, now: float, *kvs: float) -> None:
@@ -103,3 +103,27 @@ def test_half_open_trials_then_close() -> None:
     f.completed(n.address, 1, True, 4.5)
     f.completed(n.address, 1, True, 4.6)
     assert n.breaker.state is State.CLOSED
+
+
+async def test_dns_discovery_turns_a_name_into_nodes() -> None:
+    import asyncio
+    import contextlib
+
+    from ext_proc.server import Gateway, discover_nodes
+
+    cfg = parse_config({"nodes": {"dns": {"name": "localhost", "port": 8123, "probe_port": 9123,
+                                          "refresh_seconds": 0.1}}})
+    gw = Gateway(cfg)
+    task = asyncio.create_task(discover_nodes(gw))
+    try:
+        for _ in range(50):
+            if gw.fleet is not None and gw.fleet.nodes:
+                break
+            await asyncio.sleep(0.05)
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+    assert gw.fleet is not None
+    assert "127.0.0.1:8123" in gw.fleet.nodes
+    assert gw.fleet.nodes["127.0.0.1:8123"].probe == "http://127.0.0.1:9123"

@@ -125,3 +125,18 @@ async def test_probe_against_a_live_sim_node_and_one_that_dies() -> None:
             assert not snap.ok and snap.error and snap.kv_usage is None
     finally:
         sim.kill()
+
+
+def test_prefill_latency_is_normalised_by_prompt_tokens() -> None:
+    def text(prefill: tuple[float, float], prompt: tuple[float, float]) -> str:
+        return exposition(prefill=prefill) + (
+            "# TYPE vllm:request_prompt_tokens histogram\n"
+            f'vllm:request_prompt_tokens_bucket{{{M},le="+Inf"}} {prompt[1]}\n'
+            f"vllm:request_prompt_tokens_sum{{{M}}} {prompt[0]}\n"
+            f"vllm:request_prompt_tokens_count{{{M}}} {prompt[1]}\n")
+
+    d = Deriver("n")
+    d.update(parse(text((10.0, 100), (50_000, 100))), 0.0)
+    s = d.update(parse(text((13.0, 110), (56_000, 110))), 1.0)
+    assert s.prefill_s == pytest.approx(0.3)
+    assert s.prefill_s_per_ktok == pytest.approx(0.5)  # 3 s of prefill for 6000 prompt tokens
