@@ -199,7 +199,7 @@ class Admission:
                     rejection = Rejection(
                         503, why or "fleet-no-healthy-node", "capacity",
                         "No inference node can take this request now; please retry after the indicated time.",
-                        self._retry(wait if wait is not None else self.config.retry.default_request_seconds),
+                        self.jittered(wait if wait is not None else self.config.retry.default_request_seconds),
                     )
             if node is None and state.mode == "shadow":
                 node = pick(estimate, True)[0]  # shadow: admitted all the same, on the least bad node
@@ -263,7 +263,7 @@ class Admission:
             return Rejection(
                 503, "fleet-inflight", "capacity",
                 "The inference fleet is at capacity; please retry after the indicated time.",
-                self._retry(wait),
+                self.jittered(wait),
             )
         return None
 
@@ -271,7 +271,7 @@ class Admission:
         self, s: TenantState, reason: str, message: str, wait: float, est: Estimate, now: float
     ) -> Rejection:
         return Rejection(
-            429, reason, "policy", message, self._retry(wait),
+            429, reason, "policy", message, self.jittered(wait),
             _view(s.requests, now), _view(s.tokens, now),
         )
 
@@ -283,7 +283,8 @@ class Admission:
                 return max(0.0, lease.started + expected - now)
         return expected
 
-    def _retry(self, seconds: float) -> float:
+    def jittered(self, seconds: float) -> float:
+        """A Retry-After: at least retry.min_ms, stretched by up to retry.jitter."""
         r = self.config.retry
         seconds = max(seconds, r.min_ms / 1000.0)
         return seconds * (1.0 + self._rng.uniform(0.0, r.jitter))

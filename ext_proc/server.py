@@ -229,7 +229,7 @@ class Gateway:
             if c.node is None:
                 return _immediate(reject_reply(Rejection(
                     503, c.reason or "fleet-no-healthy-node", "capacity", "No inference node is reachable now.",
-                    self.admission._retry(c.retry_after or 1.0))))
+                    self.admission.jittered(c.retry_after or 1.0))))
             meta["endpoint"] = c.node.address
         return ep.ProcessingResponse(request_headers=ep.HeadersResponse(), dynamic_metadata=_metadata(meta))
 
