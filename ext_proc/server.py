@@ -52,9 +52,6 @@ USAGE_NS = "kvgate.usage"
 ATTR_AUTH = "request.headers['authorization']"
 ATTR_PATH = "request.path"
 ATTR_ID = "request.id"
-INTERNAL_PREFIX = "x-kvgate-"
-DESTINATION_HEADER = "x-gateway-destination-endpoint"
-"""Read by Envoy's ORIGINAL_DST cluster; written by the Lua helper from metadata ``kvgate.endpoint``."""
 SERVICE_NAME = "envoy.service.ext_proc.v3.ExternalProcessor"
 
 
@@ -203,7 +200,7 @@ class Gateway:
             if d.lease.node is not None:
                 assert self.fleet is not None
                 self.fleet.dispatched(d.lease.node, est.total, time.monotonic())
-                meta["endpoint"] = d.lease.node  # Envoy's Lua helper writes it into DESTINATION_HEADER
+                meta["endpoint"] = d.lease.node  # the Lua helper turns it into the ORIGINAL_DST header
             resp = ep.ProcessingResponse(
                 request_body=ep.BodyResponse(response=common), dynamic_metadata=_metadata(meta))
         self.stats.decision_seconds.observe(time.perf_counter() - t0)

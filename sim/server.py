@@ -50,7 +50,6 @@ class RealtimeNode:
         self._wake = asyncio.Event()
         self._queues: dict[Request, asyncio.Queue[TokenEvent]] = {}
         self._task: asyncio.Task[None] | None = None
-        self._metrics_tokens = engine.on_tokens
 
     def start(self) -> None:
         self._task = asyncio.get_running_loop().create_task(self._run())
