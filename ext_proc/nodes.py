@@ -35,11 +35,16 @@ class Node:
     address: str
     probe: str
     threshold: float
+    """The node's KV admit threshold: its own override, else the fleet default."""
     breaker: Breaker
+    override: float | None = None
+    """The per-node ``kv_admit_threshold`` as configured (None: follow the fleet default)."""
     snapshot: Snapshot | None = None
     fresh_at: float | None = None
     pending: deque[tuple[float, int]] = field(default_factory=deque)
     """(when, tokens) sent since the last fresh snapshot: what the snapshot cannot show yet."""
+    pending_tokens: int = 0
+    """Sum of ``pending``, kept as it changes: read on every request, for every node."""
     inflight: int = 0
     drain_tokens_per_s: float | None = None
     _last_completion: float | None = None
@@ -57,7 +62,7 @@ class Node:
         cap = self.capacity_tokens()
         if cap is None:
             return s.kv_usage
-        return s.kv_usage + (sum(t for _, t in self.pending) + extra_tokens) / cap
+        return s.kv_usage + (self.pending_tokens + extra_tokens) / cap
 
 
 @dataclass(frozen=True)
@@ -89,17 +94,17 @@ class Fleet:
         for n in self.nodes.values():
             n.breaker.s = settings
         self.set_nodes([(n.address, n.probe, n.kv_admit_threshold) for n in cfg.static] if cfg.static else
-                       [(n.address, n.probe, n.threshold) for n in self.nodes.values()])
+                       [(n.address, n.probe, n.override) for n in self.nodes.values()])
 
     def set_nodes(self, entries: list[tuple[str, str, float | None]]) -> None:
         """The discovered node list; known nodes keep their readings and breakers."""
         nodes = {}
-        for address, probe, threshold in entries:
+        for address, probe, override in entries:
+            threshold = override if override is not None else self.cfg.kv_admit_threshold
             n = self.nodes.get(address)
             if n is None:
-                n = Node(address, probe, threshold or self.cfg.kv_admit_threshold,
-                         Breaker(breaker_settings(self.cfg), self._hook(address)))
-            n.probe, n.threshold = probe, threshold or self.cfg.kv_admit_threshold
+                n = Node(address, probe, threshold, Breaker(breaker_settings(self.cfg), self._hook(address)))
+            n.probe, n.threshold, n.override = probe, threshold, override
             nodes[address] = n
         self.nodes = nodes
 
@@ -122,7 +127,7 @@ class Fleet:
         n.fresh_at = now - age_s
         taken = now - age_s
         while n.pending and n.pending[0][0] <= taken:
-            n.pending.popleft()
+            n.pending_tokens -= n.pending.popleft()[1]
         n.breaker.observe(snap.kv_usage, snap.prefill_s_per_ktok, now)
 
     def status(self, n: Node, now: float) -> str:
@@ -192,13 +197,12 @@ class Fleet:
 
     # -- request life ----------------------------------------------------------------------------
 
-    def dispatched(self, n: Node | str, tokens: int, now: float) -> None:
-        if isinstance(n, str):
-            found = self.nodes.get(n)
-            if found is None:
-                return
-            n = found
+    def dispatched(self, address: str, tokens: int, now: float) -> None:
+        n = self.nodes.get(address)
+        if n is None:
+            return
         n.pending.append((now, tokens))
+        n.pending_tokens += tokens
         n.inflight += 1
         n.breaker.dispatched()
 

@@ -36,7 +36,7 @@ def test_projected_kv_counts_what_was_sent_since_the_snapshot() -> None:
     feed(f, 0, 0.5)
     n = f.nodes["10.0.0.0:8000"]
     for _ in range(6):  # 6 x 1000 tokens = 6000 of 16000 tokens of KV
-        f.dispatched(n, 1000, 0.1)
+        f.dispatched(n.address, 1000, 0.1)
     assert n.projected_kv() == 0.5 + 6000 / 16000
     c = f.choose(1000, 0.2)
     assert c.node is None and c.reason == "fleet-kv" and c.retry_after is not None
@@ -81,7 +81,7 @@ def test_equal_nodes_share_the_load_instead_of_herding() -> None:
     for _ in range(400):
         n = f.choose(10, 0.1).node
         assert n is not None
-        f.dispatched(n, 10, 0.1)
+        f.dispatched(n.address, 10, 0.1)
         picks[n.address] += 1
     assert len(picks) == 4 and min(picks.values()) > 60
 
@@ -98,7 +98,7 @@ def test_half_open_trials_then_close() -> None:
     for _ in range(2):
         c = f.choose(1, 4.2)
         assert c.node is n
-        f.dispatched(n, 1, 4.2)
+        f.dispatched(n.address, 1, 4.2)
     assert f.choose(1, 4.2).node is None  # trial budget spent
     f.completed(n.address, 1, True, 4.5)
     f.completed(n.address, 1, True, 4.6)
@@ -127,3 +127,14 @@ async def test_dns_discovery_turns_a_name_into_nodes() -> None:
     assert gw.fleet is not None
     assert "127.0.0.1:8123" in gw.fleet.nodes
     assert gw.fleet.nodes["127.0.0.1:8123"].probe == "http://127.0.0.1:9123"
+
+
+def test_a_reload_moves_nodes_that_follow_the_default_threshold_but_not_overrides() -> None:
+    f = fleet(2)
+    f.nodes["10.0.0.1:8000"].override = 0.7  # as if configured per node
+    f.set_nodes([(n.address, n.probe, n.override) for n in f.nodes.values()])
+    cfg = parse_config({"nodes": {"dns": {"name": "vllm.example"}, "kv_admit_threshold": 0.6}})
+    assert cfg.nodes is not None
+    f.reconfigure(cfg.nodes)  # no static list: the (discovered) nodes are kept
+    assert f.nodes["10.0.0.0:8000"].threshold == 0.6
+    assert f.nodes["10.0.0.1:8000"].threshold == 0.7
