@@ -196,11 +196,7 @@ class Admission:
             if rejection is None:
                 node, why, wait = pick(estimate, False)
                 if node is None:
-                    rejection = Rejection(
-                        503, why or "fleet-no-healthy-node", "capacity",
-                        "No inference node can take this request now; please retry after the indicated time.",
-                        self.jittered(wait if wait is not None else self.config.retry.default_request_seconds),
-                    )
+                    rejection = self.no_node(why, wait)
             if node is None and state.mode == "shadow":
                 node = pick(estimate, True)[0]  # shadow: admitted all the same, on the least bad node
         if rejection is not None and (state.mode == "enforce" or (pick is not None and node is None)):
@@ -282,6 +278,14 @@ class Admission:
             if lease.charged:
                 return max(0.0, lease.started + expected - now)
         return expected
+
+    def no_node(self, reason: str | None, wait: float | None) -> Rejection:
+        """The capacity rejection when node choice finds no node (``wait``: when one may have room)."""
+        return Rejection(
+            503, reason or "fleet-no-healthy-node", "capacity",
+            "No inference node can take this request now; please retry after the indicated time.",
+            self.jittered(wait if wait is not None else self.config.retry.default_request_seconds),
+        )
 
     def jittered(self, seconds: float) -> float:
         """A Retry-After: at least retry.min_ms, stretched by up to retry.jitter."""

@@ -35,7 +35,7 @@ from prometheus_client import start_http_server
 from gpu_probe.snapshot import Snapshot
 
 from . import logs
-from .admission import UNKNOWN_KEY, Admission, Decision, Rejection, Usage
+from .admission import UNKNOWN_KEY, Admission, Decision, Usage
 from .breaker import STATE_VALUE, State
 from .config import Config, ConfigError, load_config
 from .estimate import Estimate, Estimator
@@ -224,9 +224,7 @@ class Gateway:
         if self.fleet is not None:
             c = self.fleet.choose(0, time.monotonic(), force=True)
             if c.node is None:
-                return _immediate(reject_reply(Rejection(
-                    503, c.reason or "fleet-no-healthy-node", "capacity", "No inference node is reachable now.",
-                    self.admission.jittered(c.retry_after or 1.0))))
+                return _immediate(reject_reply(self.admission.no_node(c.reason, c.retry_after)))
             meta["endpoint"] = c.node.address
         return ep.ProcessingResponse(request_headers=ep.HeadersResponse(), dynamic_metadata=_metadata(meta))
 
