@@ -48,14 +48,18 @@ def seen_by_kvgate(st: Stack, i: int, pred: Any) -> None:
     wait_for(lambda: pred(metric(st.metrics_url, "kvgate_node_kv_usage_ratio", node=addr)), what="probe reading")
 
 
-@pytest.fixture
-def two_nodes(tmp_path: Path) -> Iterator[Stack]:
-    st = Stack(tmp_path, config(), upstreams=2, sim_args=["--num-gpu-blocks", "100"], nodes=True)
+def _nodes(tmp_path: Path, *sim_args: str) -> Iterator[Stack]:
+    st = Stack(tmp_path, config(), upstreams=2, sim_args=["--num-gpu-blocks", "100", *sim_args], nodes=True)
     st.start()
     try:
         yield st
     finally:
         st.stop()
+
+
+@pytest.fixture
+def two_nodes(tmp_path: Path) -> Iterator[Stack]:
+    yield from _nodes(tmp_path)
 
 
 def test_a_node_under_kv_pressure_gets_no_new_requests(two_nodes: Stack) -> None:
@@ -88,13 +92,7 @@ def test_all_nodes_saturated_is_a_503_with_retry_after(two_nodes: Stack) -> None
 def slow_nodes(tmp_path: Path) -> Iterator[Stack]:
     """Nodes with a 34B/A100's step times, so a short burst of KV pressure lasts long enough for the
     probe -> kvgate polling (0.2 s + 0.2 s) to see it on any machine."""
-    st = Stack(tmp_path, config(), upstreams=2, sim_args=["--num-gpu-blocks", "100", "--profile", "34b-a100"],
-               nodes=True)
-    st.start()
-    try:
-        yield st
-    finally:
-        st.stop()
+    yield from _nodes(tmp_path, "--profile", "34b-a100")
 
 
 def test_breaker_opens_half_opens_and_closes_as_the_node_recovers(slow_nodes: Stack) -> None:
