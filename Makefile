@@ -31,6 +31,7 @@ bench: $(STAMP)
 	$(BIN)/kvgate bench overhead
 	$(BIN)/kvgate bench overhead --stream
 	$(BIN)/kvgate bench sim
+	$(BIN)/kvgate bench queue
 
 envoy-config: $(STAMP)
 	$(BIN)/kvgate envoy-config --write

@@ -5,10 +5,16 @@ The rule is fixed and the order of checks follows from it:
 1. *invalid* — a request that can never be served (body, prompt or context over its cap, or a
    cost larger than the tenant's whole token bucket): 400/413, retrying cannot help;
 2. *policy* — the tenant is over its own quota (concurrency, requests/min, tokens/min): 429;
-3. *capacity* — the fleet cannot take it now (``fleet.max_inflight``): 503.
+3. *capacity* — the fleet cannot take it now (``fleet.max_inflight``, then no node can): the request
+   waits in the gateway queue (``queue.py``) for a node to have room, or gets 503 when it cannot make
+   its tier's deadline, the queue is full, or the queue is off.
 
 Policy is checked before capacity, so a tenant over its quota never counts as fleet demand: only
-503s drive the autoscaler. Nothing is taken from any budget unless every check passes.
+503s drive the autoscaler. Nothing is taken from any budget unless every check passes; a queued
+request holds its tenant's quota (concurrency, tokens) and gives it back if it is rejected later.
+
+``decide`` answers at once or says the request is queued; ``pump`` releases what fits and rejects what
+timed out, and is called whenever room may have appeared (a completion, a probe reading, a tick).
 
 Pure: no I/O, no asyncio. Time comes from an injected clock and jitter from an injected RNG; the
 gRPC server and the virtual-time benchmarks drive this same class.
@@ -24,6 +30,7 @@ from dataclasses import dataclass, field
 from .config import Config, Mode, Tenant
 from .estimate import Estimate
 from .limits import TokenBucket
+from .queue import Entry, FairQueue, TierSpec
 
 UNKNOWN_TENANT = "unknown"
 EWMA_ALPHA = 0.2
@@ -63,9 +70,12 @@ class TenantState:
     requests: TokenBucket | None
     tokens: TokenBucket | None
     inflight: int = 0
+    """Charged requests in flight or queued: what ``max_concurrent`` caps."""
     leases: dict[str, Lease] = field(default_factory=dict)
     """Charged leases in start order: the first is the one expected to end first."""
     mean_seconds: float | None = None
+    mean_output: float | None = None
+    """Output tokens per request, as reported: the fair-share counters charge this, not max_tokens."""
 
     @property
     def name(self) -> str:
@@ -81,10 +91,15 @@ class Lease:
     prompt_estimate: int
     started: float
     charged: bool
-    node: str | None = None
-    """The vLLM node (host:port) kvgate sent the request to, when kvgate chooses nodes."""
     """False for a request admitted in shadow mode that enforcement would have rejected: it holds no
     quota, so the shadow counters show what enforcing would do."""
+    tier: str = ""
+    node: str | None = None
+    """The vLLM node (host:port) kvgate sent the request to, when kvgate chooses nodes."""
+    queued_at: float | None = None
+    """When it entered the gateway queue (None: never queued)."""
+    service: float = 0.0
+    """Weighted tokens charged to the tenant's fair-share counter at dispatch (reconciled at the end)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,15 +108,41 @@ class Decision:
     tier: str
     lease: Lease | None
     rejection: Rejection | None
+    queued: bool = False
+    """Not decided yet: held in the gateway queue (``lease`` is the held request); ``pump`` decides it."""
 
     @property
     def admitted(self) -> bool:
-        return self.lease is not None
+        return self.lease is not None and not self.queued
 
     @property
     def shadow(self) -> bool:
         """Admitted although a check failed (shadow mode)."""
         return self.lease is not None and self.rejection is not None
+
+    @property
+    def waited(self) -> float | None:
+        """Seconds spent in the gateway queue, for a request that was queued."""
+        lease = self.lease
+        if lease is None or lease.queued_at is None:
+            return None
+        return lease.started - lease.queued_at
+
+
+@dataclass(frozen=True, slots=True)
+class Outcome:
+    """The end of a queued request's wait: ``decision`` admits it or rejects it (503)."""
+
+    ticket: str
+    decision: Decision
+    waited: float
+
+
+@dataclass(slots=True, eq=False)
+class _Held:
+    lease: Lease
+    estimate: Estimate
+    entry: Entry
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,6 +162,8 @@ class Completion:
     """Tokens finally debited: the real usage, or the reservation when usage is unknown."""
     usage: Usage | None
     seconds: float
+    service: float = 0.0
+    """Weighted tokens the tenant finally received (its fair-share counters count this)."""
 
 
 def _bucket(per_minute: float | None, burst: int | None, now: float) -> TokenBucket | None:
@@ -130,16 +173,25 @@ def _bucket(per_minute: float | None, burst: int | None, now: float) -> TokenBuc
 
 
 class Admission:
-    def __init__(self, config: Config, clock: Callable[[], float], rng: random.Random | None = None) -> None:
+    def __init__(
+        self, config: Config, clock: Callable[[], float], rng: random.Random | None = None,
+        pick: Picker | None = None,
+    ) -> None:
         self._clock = clock
         self._rng = rng or random.Random()
+        self.pick = pick
+        """Node choice (``nodes.Fleet.place``), or None when Envoy's own cluster picks the node."""
         self._tenants: dict[str, TenantState] = {}
         self._leases: dict[str, Lease] = {}
         self._uncertain: dict[str, str] = {}
+        self._held: dict[str, _Held] = {}
+        self._outbox: list[Outcome] = []
         self._seq = 0
         self._boot = f"{self._rng.getrandbits(32):08x}"
         self.inflight = 0
+        """Requests holding a fleet slot (sent to a node, not yet completed)."""
         self._mean_seconds: float | None = None
+        self.queue = FairQueue([], config.queue.max_size, config.queue.starvation_guard)
         self.config = config
         self.reconfigure(config)
 
@@ -167,23 +219,25 @@ class Admission:
             tenants[t.name] = state
         unknown = old.get(UNKNOWN_TENANT)
         if unknown is None:
-            unknown = TenantState(Tenant(name=UNKNOWN_TENANT, tier="none"), config.mode, None, None)
+            unknown = TenantState(Tenant(name=UNKNOWN_TENANT, tier=config.lowest_tier), config.mode, None, None)
         unknown.mode = config.mode
+        unknown.config = Tenant(name=UNKNOWN_TENANT, tier=config.lowest_tier)
         tenants.setdefault(UNKNOWN_TENANT, unknown)
         self._tenants = tenants
         self.config = config
+        q = self.queue
+        q.max_size, q.starvation_guard = config.queue.max_size, config.queue.starvation_guard
+        q.set_tiers([TierSpec(n, t.priority, t.max_queue_wait_ms / 1000.0) for n, t in config.tiers.items()])
+        for st in tenants.values():
+            q.set_weight(st.name, st.config.weight)
 
     def tenant_state(self, name: str) -> TenantState | None:
         return self._tenants.get(name)
 
     # -- the decision ----------------------------------------------------------------------------
 
-    def decide(
-        self, tenant: Tenant | None, request_id: str, estimate: Estimate, body_bytes: int,
-        pick: Picker | None = None,
-    ) -> Decision:
-        """Decide one request. ``pick`` chooses the node once every other check passed (a capacity
-        check: it returns the node, or why no node can take the request and when one may)."""
+    def decide(self, tenant: Tenant | None, request_id: str, estimate: Estimate, body_bytes: int) -> Decision:
+        """Decide one request now, or queue it (``Decision.queued``) until ``pump`` can decide it."""
         now = self._clock()
         if tenant is None:
             state = self._tenants[UNKNOWN_TENANT]
@@ -191,19 +245,165 @@ class Admission:
         else:
             state = self._tenants.get(tenant.name) or self._tenants[UNKNOWN_TENANT]
             rejection = self._check(state, estimate, body_bytes, now)
-        node: str | None = None
-        if pick is not None and (rejection is None or state.mode == "shadow"):
-            if rejection is None:
-                node, why, wait = pick(estimate, False)
-                if node is None:
-                    rejection = self.no_node(why, wait)
-            if node is None and state.mode == "shadow":
-                node = pick(estimate, True)[0]  # shadow: admitted all the same, on the least bad node
-        if rejection is not None and (state.mode == "enforce" or (pick is not None and node is None)):
-            return Decision(state.name, state.config.tier, None, rejection)
-        lease = self._grant(state, request_id, estimate, now, charged=rejection is None)
-        lease.node = node
-        return Decision(state.name, state.config.tier, lease, rejection)
+        tier = state.config.tier
+        if rejection is not None:
+            if state.mode == "enforce":
+                return Decision(state.name, tier, None, rejection)
+            return self._shadow(state, request_id, estimate, rejection, now)
+        ticket = self._ticket()
+        if not (self.config.queue.enabled and self.queue.waiting_at_or_above(tier)):
+            node, capacity = self._place(estimate, ticket, tier, now)
+            if capacity is None:
+                return Decision(state.name, tier, self._grant(state, ticket, request_id, estimate, now, node), None)
+            if state.mode == "shadow":
+                return self._shadow(state, request_id, estimate, capacity, now)
+            if not self.config.queue.enabled:
+                return Decision(state.name, tier, None, capacity)
+        elif state.mode == "shadow":
+            return self._shadow(state, request_id, estimate, self._queue_rejection(state, "queue-ahead", 0.0), now)
+        return self._enqueue(state, ticket, request_id, estimate, now)
+
+    def _shadow(self, s: TenantState, request_id: str, est: Estimate, rejection: Rejection, now: float) -> Decision:
+        """Shadow mode: admitted all the same, holding no quota, on the least bad live node."""
+        ticket = self._ticket()
+        node = None
+        if self.pick is not None:
+            node = self.pick(est, True, ticket, 0.0, False)[0]
+            if node is None:  # no live node at all: nothing to send it to
+                return Decision(s.name, s.config.tier, None, rejection)
+        lease = self._grant(s, ticket, request_id, est, now, node, charged=False)
+        return Decision(s.name, s.config.tier, lease, rejection)
+
+    def _place(self, est: Estimate, ticket: str, tier_name: str, now: float) -> tuple[str | None, Rejection | None]:
+        """The capacity check: a fleet slot, then a node (which the picker books for ``ticket``)."""
+        cap = self.config.fleet.max_inflight
+        if cap is not None and self.inflight >= cap:
+            return None, Rejection(
+                503, "fleet-inflight", "capacity",
+                "The inference fleet is at capacity; please retry after the indicated time.",
+                self.jittered(self._expected_free(self._leases, self._mean_seconds, now)),
+            )
+        if self.pick is None:
+            return None, None
+        tier = self.config.tiers.get(tier_name)
+        # with the tier's priority written into the body, vLLM runs the top tier ahead of whatever
+        # waits there, so its own queue's caps would only hold it back
+        caps = not (self.config.queue.inject_priority and tier_name == self.config.top_tier)
+        node, why, when = self.pick(est, False, ticket, tier.reserve_kv if tier else 0.0, caps)
+        return (node, None) if node is not None else (None, self.no_node(why, when))
+
+    # -- the gateway queue -----------------------------------------------------------------------
+
+    def _service(self, s: TenantState, est: Estimate) -> float:
+        """What a request is expected to cost in the fair-share counters (weighted tokens)."""
+        out = est.output_tokens if s.mean_output is None else min(est.output_tokens, s.mean_output)
+        return est.prompt_tokens + self.config.queue.output_token_weight * out
+
+    def _enqueue(self, s: TenantState, ticket: str, request_id: str, est: Estimate, now: float) -> Decision:
+        tier = s.config.tier
+        q = self.queue
+        cost = self._service(s, est)
+        max_wait = self.config.tiers[tier].max_queue_wait_ms / 1000.0
+        predicted = q.predicted_wait(s.name, tier, cost)
+        if predicted is not None and predicted > max_wait:
+            return Decision(s.name, tier, None, self._queue_rejection(s, "queue-deadline", predicted - max_wait))
+        if len(q) >= q.max_size:
+            victim = q.victim(tier)
+            if victim is None:
+                return Decision(s.name, tier, None, self._queue_rejection(s, "queue-full", predicted))
+            self._drop(victim, "queue-evicted", now)
+        lease = self._grant(s, ticket, request_id, est, now, None, queued=True)
+        entry = Entry(ticket, s.name, tier, cost, now, now + max_wait)
+        self._held[ticket] = _Held(lease, est, entry)
+        q.push(entry, now)
+        return Decision(s.name, tier, lease, None, queued=True)
+
+    def _queue_rejection(self, s: TenantState, reason: str, excess: float | None) -> Rejection:
+        """503 for a request the queue cannot hold or serve in time. Retry-After: when the backlog
+        ahead should have drained enough for a new request to make its deadline."""
+        tier = self.config.tiers.get(s.config.tier)
+        max_wait = tier.max_queue_wait_ms / 1000.0 if tier else self.config.retry.default_request_seconds
+        if excess is None or not math.isfinite(excess):
+            excess = max_wait
+        # by the tier's own max wait the whole queue has turned over: a longer Retry-After would only
+        # echo a poor estimate of the drain rate
+        excess = min(excess, max(max_wait, 1.0))
+        text = {
+            "queue-deadline": "The inference fleet is saturated: this request would not be served within "
+                              "its tier's queueing deadline",
+            "queue-timeout": "The inference fleet stayed saturated for this request's whole queueing deadline",
+            "queue-evicted": "The gateway queue is full and this request made room for a more urgent one",
+            "queue-full": "The gateway queue is full",
+            "queue-ahead": "Requests of this tier are already waiting for capacity",
+        }[reason]
+        return Rejection(503, reason, "capacity", text + "; please retry after the indicated time.",
+                         self.jittered(min(60.0, excess)))
+
+    def pump(self) -> list[Outcome]:
+        """Decide what the queue can decide now: time out what is past (or can no longer make) its
+        deadline, then release in queue order while a node has room. Also hands over evictions."""
+        now = self._clock()
+        out, self._outbox = self._outbox, []
+        if not self._held:
+            return out
+        q = self.queue
+        for e in q.expired(now):
+            self._drop(e, "queue-timeout", now, out)
+        for e in q.doomed(now):
+            self._drop(e, "queue-deadline", now, out)
+        while (nxt := q.peek()) is not None:
+            h = self._held[nxt.key]
+            node, capacity = self._place(h.estimate, nxt.key, nxt.tier, now)
+            if capacity is not None:
+                break
+            q.take(nxt, now)
+            del self._held[nxt.key]
+            lease = h.lease
+            lease.node, lease.started = node, now
+            self._dispatch(lease, h.estimate, now)
+            out.append(Outcome(nxt.key, Decision(lease.tenant.name, lease.tier, lease, None), now - nxt.arrived))
+        return out
+
+    def _drop(self, e: Entry, reason: str, now: float, out: list[Outcome] | None = None) -> None:
+        """Reject a queued request (503) and give back the quota it held."""
+        self.queue.remove(e, now)
+        h = self._held.pop(e.key)
+        s = h.lease.tenant
+        self._refund(h.lease, now)
+        excess: float | None = None
+        if reason != "queue-timeout":
+            p = self.queue.predicted_wait(s.name, e.tier, e.cost)
+            excess = None if p is None else p - (e.deadline - e.arrived)
+        d = Decision(s.name, e.tier, None, self._queue_rejection(s, reason, excess))
+        (self._outbox if out is None else out).append(Outcome(e.key, d, now - e.arrived))
+
+    def _refund(self, lease: Lease, now: float) -> None:
+        s = lease.tenant
+        s.inflight -= 1
+        if s.requests is not None:
+            s.requests.give(1, now)
+        if s.tokens is not None:
+            s.tokens.give(lease.reserved_tokens, now)
+
+    def cancel(self, ticket: str) -> bool:
+        """The client went away while its request was queued: drop it silently, give its quota back.
+        False when it was no longer queued (already released: then it may be on its way upstream)."""
+        h = self._held.pop(ticket, None)
+        if h is None:
+            self.mark_uncertain(ticket)
+            return False
+        now = self._clock()
+        self.queue.remove(h.entry, now)
+        self._refund(h.lease, now)
+        return True
+
+    @property
+    def queued(self) -> int:
+        return len(self._held)
+
+    def held_tier(self, ticket: str) -> str | None:
+        h = self._held.get(ticket)
+        return h.entry.tier if h is not None else None
 
     def _check(self, s: TenantState, est: Estimate, body_bytes: int, now: float) -> Rejection | None:
         q = s.config
@@ -253,14 +453,6 @@ class Admission:
                     f"Rate limit reached for tokens (limit {int(s.tokens.rate * 60)}/min; this request "
                     f"reserves about {est.total}).", wait, est, now,
                 )
-        cap = self.config.fleet.max_inflight
-        if cap is not None and self.inflight >= cap:
-            wait = self._expected_free(self._leases, self._mean_seconds, now)
-            return Rejection(
-                503, "fleet-inflight", "capacity",
-                "The inference fleet is at capacity; please retry after the indicated time.",
-                self.jittered(wait),
-            )
         return None
 
     def _policy(
@@ -293,19 +485,38 @@ class Admission:
         seconds = max(seconds, r.min_ms / 1000.0)
         return seconds * (1.0 + self._rng.uniform(0.0, r.jitter))
 
-    def _grant(self, s: TenantState, request_id: str, est: Estimate, now: float, charged: bool) -> Lease:
+    def _ticket(self) -> str:
         self._seq += 1
-        lease = Lease(f"{self._boot}-{self._seq}", s, request_id, est.total, est.prompt_tokens, now, charged)
-        self._leases[lease.ticket] = lease
+        return f"{self._boot}-{self._seq}"
+
+    def _grant(
+        self, s: TenantState, ticket: str, request_id: str, est: Estimate, now: float, node: str | None,
+        charged: bool = True, queued: bool = False,
+    ) -> Lease:
+        """Take the tenant's quota; unless ``queued``, also the fleet slot (the request goes to a node)."""
+        lease = Lease(ticket, s, request_id, est.total, est.prompt_tokens, now, charged, s.config.tier, node,
+                      queued_at=now if queued else None)
         if charged:
             s.inflight += 1
-            s.leases[lease.ticket] = lease
-            self.inflight += 1
             if s.requests is not None:
                 s.requests.take(1, now)
             if s.tokens is not None:
                 s.tokens.take(est.total, now)
+        if not queued:
+            self._dispatch(lease, est, now)
         return lease
+
+    def _dispatch(self, lease: Lease, est: Estimate, now: float) -> None:
+        """The request leaves kvgate for a node: it holds a fleet slot and counts as service received."""
+        self._leases[lease.ticket] = lease
+        s = lease.tenant
+        if lease.charged:
+            s.leases[lease.ticket] = lease
+            self.inflight += 1
+        lease.service = self._service(s, est)
+        self.queue.charge(s.name, lease.service)
+        if lease.queued_at is None:
+            self.queue.note_dispatch(lease.service, now)
 
     # -- completion ------------------------------------------------------------------------------
 
@@ -334,7 +545,16 @@ class Admission:
         if responded:
             s.mean_seconds = _ewma(s.mean_seconds, seconds)
             self._mean_seconds = _ewma(self._mean_seconds, seconds)
-        return Completion(lease, charged_tokens, usage, seconds)
+        w_out = self.config.queue.output_token_weight
+        if usage is not None:
+            served = usage.prompt_tokens + w_out * usage.completion_tokens
+            s.mean_output = _ewma(s.mean_output, usage.completion_tokens)
+        elif responded:
+            served = lease.prompt_estimate + w_out * (lease.reserved_tokens - lease.prompt_estimate)
+        else:
+            served = 0.0
+        self.queue.charge(s.name, served - lease.service)
+        return Completion(lease, charged_tokens, usage, seconds, served)
 
     def mark_uncertain(self, ticket: str) -> None:
         """The admit reply was sent but its stream broke: Envoy may not have applied it.
@@ -369,9 +589,10 @@ class Admission:
         return list(self._tenants.values())
 
 
-Picker = Callable[[Estimate, bool], tuple[str | None, str | None, float | None]]
-"""(estimate, shadow) → (node, reason when none, seconds until one may have room). In shadow mode the
-picker must return a node whenever any is alive, whatever its load."""
+Picker = Callable[[Estimate, bool, str, float, bool], tuple[str | None, str | None, float | None]]
+"""(estimate, shadow, ticket, KV reserve of the tier, whether the per-node queue caps apply) → (node,
+reason when none, seconds until one may have room). A node it returns is booked for that ticket. In
+shadow mode it must return a node whenever any is alive, whatever its load."""
 
 
 def _ewma(prev: float | None, x: float) -> float:

@@ -10,6 +10,10 @@ short chat prompts would trip on the first long RAG prompt (seen in the demo) wh
 closed → open (trip) → half-open after ``recovery_window`` → closed once ``half_open_requests`` real
 requests succeeded *and* the node reads healthy again (KV < ``close_kv``, prefill <
 ``close_latency_multiplier`` x baseline); any failure or a bad reading while half-open re-opens it.
+A latency trip compares a node with its own past, so it cannot tell a sick node from a fleet that is
+simply loaded: the fleet lets it open only while few enough breakers are open
+(``max_open_fraction``, like Envoy's outlier-detection ``max_ejection_percent``) — never the last
+closed node. KV trips are facts about the node and always apply.
 Pure: time comes from the caller.
 """
 
@@ -63,12 +67,15 @@ class Breaker:
         if self._on_transition is not None:
             self._on_transition(old, new, why)
 
-    def observe(self, kv: float | None, prefill_s: float | None, now: float) -> None:
-        """A fresh probe reading."""
+    def observe(self, kv: float | None, prefill_s: float | None, now: float, may_trip_on_latency: bool = True) -> None:
+        """A fresh probe reading. ``may_trip_on_latency``: False when the fleet already has as many
+        breakers open as it allows (a slow reading then does not open this one, nor count as healthy)."""
         self._tick(now)
         s = self.s
         slow = (prefill_s is not None and self.baseline is not None and self._samples >= s.min_baseline_samples
                 and prefill_s > s.latency_multiplier * self.baseline)
+        if slow and self.state is State.CLOSED and not may_trip_on_latency:
+            return
         full = kv is not None and kv > s.kv_threshold
         self._healthy = (kv is None or kv < s.close_kv) and (
             prefill_s is None or self.baseline is None or prefill_s < s.close_latency_multiplier * self.baseline)

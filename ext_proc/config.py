@@ -54,6 +54,9 @@ class Tenant(Quota):
     name: Annotated[str, Field(pattern=_NAME)]
     api_key_sha256: list[str] = Field(default_factory=list)
     tier: Annotated[str, Field(pattern=_NAME)] = "standard"
+    weight: PositiveFloat = Field(
+        default=1.0, description="share of its tier when the queue decides whose turn it is (fair queueing)"
+    )
     mode: Mode | None = None
 
     @field_validator("api_key_sha256")
@@ -126,6 +129,54 @@ class Retry(_Strict):
     )
 
 
+MAX_QUEUE_WAIT_MS = 55_000
+"""Envoy's ``max_message_timeout`` in the generated filter is 60 s; a held request must be answered first."""
+
+
+class Tier(_Strict):
+    """An SLA tier. Tiers are served in strict ``priority`` order (0 first), with a starvation guard."""
+
+    priority: Annotated[int, Field(ge=0)]
+    max_queue_wait_ms: Annotated[int, Field(ge=1, le=MAX_QUEUE_WAIT_MS)] = Field(
+        description="longest a request of this tier may wait in kvgate's queue; past it (or as soon as it "
+        "cannot make it) it gets 503 + Retry-After"
+    )
+    ttft_target_ms: PositiveInt | None = Field(default=None, description="the tier's time-to-first-token target")
+    ttft_percentile: Annotated[float, Field(gt=0, le=100)] = 99.0
+    reserve_kv: Annotated[float, Field(ge=0, le=0.5)] = Field(
+        default=0.0, description="KV-cache fraction this tier leaves free for more important ones: its "
+        "requests go to a node only below the node's kv_admit_threshold minus this"
+    )
+    vllm_priority: int | None = Field(
+        default=None, description="the 'priority' written into request bodies (queue.inject_priority); "
+        "default: the tier's priority (vLLM runs lower values first)"
+    )
+
+
+DEFAULT_TIERS: dict[str, Tier] = {
+    "interactive": Tier(priority=0, max_queue_wait_ms=1000, ttft_target_ms=200, ttft_percentile=99),
+    "standard": Tier(priority=1, max_queue_wait_ms=5000, ttft_target_ms=1000, ttft_percentile=99, reserve_kv=0.05),
+    "batch": Tier(priority=2, max_queue_wait_ms=30000, ttft_target_ms=5000, ttft_percentile=95, reserve_kv=0.10),
+}
+
+
+class Queue(_Strict):
+    """kvgate's gateway queue: requests no node can take yet wait here, not in vLLM's unbounded queue."""
+
+    enabled: bool = True
+    max_size: PositiveInt = Field(default=1024, description="requests held at once, all tiers together")
+    starvation_guard: PositiveInt = Field(
+        default=8, description="after this many releases from higher tiers in a row, a waiting lower tier gets one"
+    )
+    output_token_weight: Annotated[float, Field(ge=0)] = Field(
+        default=1.0, description="weight of an output token against a prompt token in the fair-share counters"
+    )
+    inject_priority: bool = Field(
+        default=False, description="write the tier's vllm_priority into each request body (for vLLM servers "
+        "run with --scheduling-policy priority); a client's own 'priority' is overwritten"
+    )
+
+
 class Server(_Strict):
     grpc_address: str = "127.0.0.1:9001"
     metrics_address: str = "127.0.0.1:9101"
@@ -150,6 +201,10 @@ class BreakerConfig(_Strict):
     half_open_requests: PositiveInt = 5
     close_kv: Annotated[float, Field(gt=0, le=1)] = 0.85
     close_latency_multiplier: Annotated[float, Field(gt=1)] = 1.5
+    max_open_fraction: Annotated[float, Field(ge=0, le=1)] = Field(
+        default=0.5, description="latency trips may open breakers on at most this fraction of the nodes "
+        "(never on the last closed one): a whole fleet slowing down is load, not a sick node"
+    )
 
 
 class NodeEntry(_Strict):
@@ -178,6 +233,12 @@ class Nodes(_Strict):
         default="fallback",
         description="nodes with a stale snapshot: fallback (only when no fresh node can take it) | serve | avoid",
     )
+    max_waiting_requests: PositiveInt | None = Field(
+        default=8, description="requests waiting inside one vLLM node before kvgate holds new ones itself"
+    )
+    max_prefill_tokens: PositiveInt | None = Field(
+        default=32768, description="prompt tokens sent to one node and not yet prefilled before kvgate holds new ones"
+    )
     breaker: BreakerConfig = BreakerConfig()
 
     @model_validator(mode="after")
@@ -201,13 +262,26 @@ class Config(_Strict):
     limits: Limits = Limits()
     metrics: Metrics = Metrics()
     nodes: Nodes | None = None
+    tiers: dict[Annotated[str, Field(pattern=_NAME)], Tier] = Field(default_factory=lambda: dict(DEFAULT_TIERS))
+    queue: Queue = Queue()
     tenants: list[Tenant] = Field(default_factory=list)
 
     @model_validator(mode="after")
     def _consistent(self) -> Config:
+        if not self.tiers:
+            raise ValueError("tiers: define at least one tier (or leave the setting out for the defaults)")
+        ranks: dict[int, str] = {}
+        for name, tier in self.tiers.items():
+            if tier.priority in ranks:
+                raise ValueError(f"tiers.{name}.priority: tier {ranks[tier.priority]!r} already has priority "
+                                 f"{tier.priority}; each tier needs its own")
+            ranks[tier.priority] = name
         names: set[str] = set()
         owners: dict[str, str] = {}
         for i, t in enumerate(self.tenants):
+            if t.tier not in self.tiers:
+                raise ValueError(f"tenants[{i}].tier: no tier named {t.tier!r}; tiers are: "
+                                 + ", ".join(sorted(self.tiers)))
             if t.name in names:
                 raise ValueError(f"tenants[{i}].name: tenant {t.name!r} is defined twice")
             names.add(t.name)
@@ -225,6 +299,14 @@ class Config(_Strict):
                     f"identity.default_tenant: no tenant named {self.identity.default_tenant!r} in tenants"
                 )
         return self
+
+    @property
+    def top_tier(self) -> str:
+        return min(self.tiers, key=lambda n: self.tiers[n].priority)
+
+    @property
+    def lowest_tier(self) -> str:
+        return max(self.tiers, key=lambda n: self.tiers[n].priority)
 
     def tenant(self, name: str) -> Tenant | None:
         for t in self.tenants:

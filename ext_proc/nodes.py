@@ -4,8 +4,12 @@ Shaped like the Gateway API Inference Extension's scheduler. Per request:
 
 1. *filter* — drop nodes whose breaker is open (or half-open with its trial budget spent), nodes whose
    probe went silent beyond ``dead_after_seconds``, and nodes whose *projected* KV usage — the last
-   snapshot plus the tokens kvgate has sent there since — would pass ``kv_admit_threshold``; nodes with
+   snapshot, plus the requests vLLM had waiting then (they hold no KV yet), plus the tokens kvgate has
+   sent there since — would pass ``kv_admit_threshold`` (minus the tier's ``reserve_kv``); nodes with
    a merely stale snapshot are used per ``unknown`` (default: only when no fresh node can take it);
+   and nodes whose own vLLM queue is already long enough (``max_waiting_requests``, and
+   ``max_prefill_tokens`` of prompts sent there and not yet prefilled), so that requests wait in
+   kvgate's queue, where tenants and tiers are known, rather than in vLLM's FCFS one;
 2. *score* — KV headroom left after this request, minus a little per request waiting in vLLM and per
    request kvgate has in flight there;
 3. *pick* — the better of two random candidates ("power of two choices"), so that concurrent requests
@@ -41,13 +45,49 @@ class Node:
     """The per-node ``kv_admit_threshold`` as configured (None: follow the fleet default)."""
     snapshot: Snapshot | None = None
     fresh_at: float | None = None
-    pending: deque[tuple[float, int]] = field(default_factory=deque)
-    """(when, tokens) sent since the last fresh snapshot: what the snapshot cannot show yet."""
+    pending: deque[tuple[float, int, int]] = field(default_factory=deque)
+    """(when, tokens, prompt tokens) sent since the last fresh snapshot: what it cannot show yet."""
     pending_tokens: int = 0
-    """Sum of ``pending``, kept as it changes: read on every request, for every node."""
-    inflight: int = 0
+    """Sum of ``pending``'s tokens, kept as it changes: read on every request, for every node."""
+    pending_prompt: int = 0
+    requests: dict[str, tuple[int, int]] = field(default_factory=dict)
+    """kvgate's requests in flight here, in dispatch order: ticket → (tokens, prompt tokens)."""
+    waiting_tokens: int = 0
+    """Tokens of the requests vLLM had waiting at the last snapshot: they hold no KV yet, so the KV
+    reading does not show them (taken as kvgate's newest requests sent before it: vLLM is FCFS)."""
+    waiting_prompt: int = 0
     drain_tokens_per_s: float | None = None
     _last_completion: float | None = None
+
+    @property
+    def inflight(self) -> int:
+        return len(self.requests)
+
+    def waiting(self) -> int:
+        """Requests waiting inside vLLM: its last reading, plus what was sent since if it had a queue
+        then (with no queue, and KV room, vLLM starts new requests at its next step)."""
+        w = round(self.snapshot.waiting or 0.0) if self.snapshot is not None else 0
+        return w + len(self.pending) if w else 0
+
+    def prefill_tokens(self) -> int:
+        """Prompt tokens not yet prefilled: those waiting in vLLM at the last reading and those sent since."""
+        return self.waiting_prompt + self.pending_prompt
+
+    def _count_waiting(self) -> None:
+        """At a new reading: which of kvgate's requests are the ones vLLM says are waiting."""
+        w = round(self.snapshot.waiting or 0.0) if self.snapshot is not None else 0
+        skip = len(self.pending)  # the newest: sent after the reading was taken
+        tokens = prompt = 0
+        if w:
+            for ticket in reversed(self.requests):
+                if skip:
+                    skip -= 1
+                    continue
+                t, pr = self.requests[ticket]
+                tokens, prompt, w = tokens + t, prompt + pr, w - 1
+                if not w:
+                    break
+        self.waiting_tokens, self.waiting_prompt = tokens, prompt
 
     def capacity_tokens(self) -> int | None:
         s = self.snapshot
@@ -62,7 +102,7 @@ class Node:
         cap = self.capacity_tokens()
         if cap is None:
             return s.kv_usage
-        return s.kv_usage + (self.pending_tokens + extra_tokens) / cap
+        return s.kv_usage + (self.waiting_tokens + self.pending_tokens + extra_tokens) / cap
 
 
 @dataclass(frozen=True)
@@ -127,8 +167,17 @@ class Fleet:
         n.fresh_at = now - age_s
         taken = now - age_s
         while n.pending and n.pending[0][0] <= taken:
-            n.pending_tokens -= n.pending.popleft()[1]
-        n.breaker.observe(snap.kv_usage, snap.prefill_s_per_ktok, now)
+            _, tokens, prompt = n.pending.popleft()
+            n.pending_tokens -= tokens
+            n.pending_prompt -= prompt
+        n._count_waiting()
+        n.breaker.observe(snap.kv_usage, snap.prefill_s_per_ktok, now, self._may_open_another())
+
+    def _may_open_another(self) -> bool:
+        """Whether one more breaker may open on latency (``breaker.max_open_fraction``)."""
+        total = len(self.nodes)
+        not_closed = sum(1 for n in self.nodes.values() if n.breaker.state is not State.CLOSED)
+        return not_closed + 1 < total and (not_closed + 1) <= self.cfg.breaker.max_open_fraction * total
 
     def status(self, n: Node, now: float) -> str:
         if n.fresh_at is None:
@@ -140,8 +189,23 @@ class Fleet:
 
     # -- choice ----------------------------------------------------------------------------------
 
-    def choose(self, tokens: int, now: float, force: bool = False) -> Choice:
-        """``force``: any live node, whatever its load or breaker (shadow mode, bodyless routes)."""
+    def place(
+        self, tokens: int, prompt_tokens: int, ticket: str, now: float, force: bool = False, reserve: float = 0.0,
+        queue_caps: bool = True,
+    ) -> Choice:
+        """Choose a node and book the request there (what ``Admission`` calls)."""
+        c = self.choose(tokens, now, force, prompt_tokens, reserve, queue_caps)
+        if c.node is not None:
+            self.dispatched(c.node.address, ticket, tokens, prompt_tokens, now)
+        return c
+
+    def choose(
+        self, tokens: int, now: float, force: bool = False, prompt_tokens: int = 0, reserve: float = 0.0,
+        queue_caps: bool = True,
+    ) -> Choice:
+        """``force``: any live node, whatever its load or breaker (shadow mode, bodyless routes).
+        ``reserve``: KV fraction to leave free below each node's threshold (for more important tiers).
+        ``queue_caps``: whether ``max_waiting_requests`` / ``max_prefill_tokens`` apply."""
         if force:
             live = [n for n in self.nodes.values() if self.status(n, now) != "dead"]
             if not live:
@@ -149,7 +213,9 @@ class Fleet:
             return Choice(max(live, key=lambda n: self._score(n, tokens)))
         fresh: list[Node] = []
         unknown: list[Node] = []
-        kv_full = broken = 0
+        kv_full = broken = queue_full = 0
+        max_waiting, max_prefill = (self.cfg.max_waiting_requests, self.cfg.max_prefill_tokens) if queue_caps else (
+            None, None)
         for n in self.nodes.values():
             st = self.status(n, now)
             if st == "dead":
@@ -158,14 +224,23 @@ class Fleet:
                 broken += 1
                 continue
             kv = n.projected_kv(tokens)
-            if kv is not None and kv >= n.threshold:
+            if kv is not None and kv >= n.threshold - reserve:
                 kv_full += 1
                 continue
+            if max_waiting is not None and n.waiting() >= max_waiting:
+                queue_full += 1
+                continue
+            if max_prefill is not None:
+                pf = n.prefill_tokens()
+                if pf and pf + prompt_tokens > max_prefill:  # an alone-too-large prompt still goes to an idle node
+                    queue_full += 1
+                    continue
             (fresh if st == "fresh" else unknown).append(n)
         policy = self.cfg.unknown
         candidates = fresh + unknown if policy == "serve" else (fresh or (unknown if policy == "fallback" else []))
         if not candidates:
-            reason = "fleet-kv" if kv_full else ("fleet-breakers-open" if broken else "fleet-no-healthy-node")
+            reason = ("fleet-kv" if kv_full else "fleet-queue" if queue_full else
+                      "fleet-breakers-open" if broken else "fleet-no-healthy-node")
             return Choice(None, reason, self._retry_after(tokens, now))
         if len(candidates) == 1:
             return Choice(candidates[0])
@@ -197,21 +272,22 @@ class Fleet:
 
     # -- request life ----------------------------------------------------------------------------
 
-    def dispatched(self, address: str, tokens: int, now: float) -> None:
+    def dispatched(self, address: str, ticket: str, tokens: int, prompt_tokens: int, now: float) -> None:
         n = self.nodes.get(address)
         if n is None:
             return
-        n.pending.append((now, tokens))
+        n.pending.append((now, tokens, prompt_tokens))
         n.pending_tokens += tokens
-        n.inflight += 1
+        n.pending_prompt += prompt_tokens
+        n.requests[ticket] = (tokens, prompt_tokens)
         n.breaker.dispatched()
 
-    def completed(self, address: str, tokens: int, ok: bool | None, now: float) -> None:
+    def completed(self, address: str, ticket: str, tokens: int, ok: bool | None, now: float) -> None:
         """A request sent to ``address`` ended; ``ok`` None: no verdict on the node (never reached it)."""
         n = self.nodes.get(address)
         if n is None:
             return
-        n.inflight = max(0, n.inflight - 1)
+        n.requests.pop(ticket, None)
         if ok is None:
             return
         n.breaker.result(ok, now)

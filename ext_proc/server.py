@@ -28,14 +28,14 @@ from envoy.service.accesslog.v3 import als_pb2, als_pb2_grpc
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
 from envoy.type.v3 import http_status_pb2
-from google.protobuf import struct_pb2
+from google.protobuf import duration_pb2, struct_pb2
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from prometheus_client import start_http_server
 
 from gpu_probe.snapshot import Snapshot
 
 from . import logs
-from .admission import UNKNOWN_KEY, Admission, Decision, Usage
+from .admission import UNKNOWN_KEY, Admission, Decision, Outcome, Usage
 from .breaker import STATE_VALUE, State
 from .config import Config, ConfigError, load_config
 from .estimate import Estimate, Estimator
@@ -53,6 +53,14 @@ ATTR_AUTH = "request.headers['authorization']"
 ATTR_PATH = "request.path"
 ATTR_ID = "request.id"
 SERVICE_NAME = "envoy.service.ext_proc.v3.ExternalProcessor"
+PUMP_INTERVAL_S = 0.05
+"""How often the queue is looked at besides completions and probe readings (deadlines, doomed requests)."""
+MESSAGE_TIMEOUT_CEILING_S = 59.0
+"""Below the generated filter's max_message_timeout (60 s)."""
+
+
+Held = asyncio.Future[tuple[ep.ProcessingResponse, Decision]]
+"""What the stream of a queued request awaits: the reply once the queue has decided it."""
 
 
 def trusted_attr(header: str) -> str:
@@ -101,6 +109,8 @@ class Gateway:
         self.admission = Admission(config, time.monotonic)
         self.stats = Stats(max_tenant_labels=config.metrics.max_tenant_labels)
         self.fleet: Fleet | None = None
+        self._waiters: dict[str, tuple[Held, Estimate, str]] = {}
+        """Queued requests: ticket → (what their stream awaits, their estimate, request id)."""
         self._apply(config)
         self._mtime = _mtime(config_path)
         self.open_streams = 0
@@ -116,6 +126,7 @@ class Gateway:
             self.fleet = Fleet(config.nodes, on_transition=self._transition)
         else:
             self.fleet.reconfigure(config.nodes)
+        self.admission.pick = self._pick if self.fleet is not None else None
         self.stats.set_tenants([t.name for t in config.tenants], config.metrics.max_tenant_labels)
 
     def reload(self, reason: str) -> bool:
@@ -147,9 +158,12 @@ class Gateway:
         self.stats.node_breaker.labels(node).set(STATE_VALUE[new])
         log.warning("breaker_transition", node=node, old=old.value, new=new.value, why=why)
 
-    def _pick(self, est: Estimate, shadow: bool) -> tuple[str | None, str | None, float | None]:
+    def _pick(
+        self, est: Estimate, shadow: bool, ticket: str, reserve: float, caps: bool
+    ) -> tuple[str | None, str | None, float | None]:
         assert self.fleet is not None
-        c = self.fleet.choose(est.total, time.monotonic(), force=shadow)
+        c = self.fleet.place(est.total, est.prompt_tokens, ticket, time.monotonic(), force=shadow, reserve=reserve,
+                             queue_caps=caps)
         return (c.node.address if c.node else None), c.reason, c.retry_after
 
     def export_nodes(self) -> None:
@@ -168,7 +182,8 @@ class Gateway:
 
     # -- decisions -------------------------------------------------------------------------------
 
-    def on_body(self, msg: ep.ProcessingRequest) -> tuple[ep.ProcessingResponse, Decision]:
+    def on_body(self, msg: ep.ProcessingRequest) -> tuple[ep.ProcessingResponse | Held, Decision]:
+        """Decide one inference request: the reply, or for a queued request the future that gets it."""
         t0 = time.perf_counter()
         body = msg.request_body.body
         path = _attr(msg, ATTR_PATH)
@@ -180,33 +195,94 @@ class Gateway:
         est = self.estimator.estimate(
             body, generates=path.split("?", 1)[0].endswith("/completions"), default_max_tokens=default_max
         )
-        d = self.admission.decide(quota, request_id, est, len(body), self._pick if self.fleet else None)
+        d = self.admission.decide(quota, request_id, est, len(body))
         if not est.parsed:
             self.stats.unparsed_bodies.inc()
             log.info("body_not_json", request_id=request_id, tenant=d.tenant, bytes=len(body),
                      note="decided on request size alone")
-        if d.lease is None:
-            assert d.rejection is not None
-            resp = _immediate(reject_reply(d.rejection))
-        else:
-            strip = est.stream and not est.include_usage and est.document is not None
-            common = ep.CommonResponse()
-            if strip:
-                assert est.document is not None
-                opts = est.document.get("stream_options")
-                est.document["stream_options"] = {**(opts if isinstance(opts, dict) else {}), "include_usage": True}
-                common.body_mutation.body = orjson.dumps(est.document)
-            meta: dict[str, Any] = {"ticket": d.lease.ticket, "strip_usage": strip, "tenant": d.tenant}
-            if d.lease.node is not None:
-                assert self.fleet is not None
-                self.fleet.dispatched(d.lease.node, est.total, time.monotonic())
-                meta["endpoint"] = d.lease.node  # the Lua helper turns it into the ORIGINAL_DST header
-            resp = ep.ProcessingResponse(
-                request_body=ep.BodyResponse(response=common), dynamic_metadata=_metadata(meta))
+        if d.queued:
+            assert d.lease is not None
+            fut: Held = asyncio.get_running_loop().create_future()
+            self._waiters[d.lease.ticket] = (fut, est, request_id)
+            log.debug("queued", request_id=request_id, tenant=d.tenant, tier=d.tier, queued=self.admission.queued)
+            self.deliver(self.admission.pump())  # an eviction it caused (or its own release, at once)
+            self.export_queue()
+            self.stats.decision_seconds.observe(time.perf_counter() - t0)
+            return fut, d
+        resp = self.respond(d, est, request_id)
         self.stats.decision_seconds.observe(time.perf_counter() - t0)
+        return resp, d
+
+    def respond(self, d: Decision, est: Estimate, request_id: str) -> ep.ProcessingResponse:
+        """The ext_proc reply for a final decision (right away, or after a wait in the queue)."""
         self.stats.decision(d)
         self._log_decision(d, request_id, est.total)
-        return resp, d
+        if d.lease is None:
+            assert d.rejection is not None
+            return _immediate(reject_reply(d.rejection))
+        doc = est.document
+        strip = est.stream and not est.include_usage and doc is not None
+        common = ep.CommonResponse()
+        mutated = False
+        if strip:
+            assert doc is not None
+            opts = doc.get("stream_options")
+            doc["stream_options"] = {**(opts if isinstance(opts, dict) else {}), "include_usage": True}
+            mutated = True
+        tier = self.config.tiers.get(d.tier)
+        if self.config.queue.inject_priority and doc is not None and tier is not None:
+            doc["priority"] = tier.vllm_priority if tier.vllm_priority is not None else tier.priority
+            mutated = True
+        if mutated:
+            common.body_mutation.body = orjson.dumps(doc)
+        meta: dict[str, Any] = {"ticket": d.lease.ticket, "strip_usage": strip, "tenant": d.tenant}
+        if d.lease.node is not None:
+            meta["endpoint"] = d.lease.node  # the Lua helper turns it into the ORIGINAL_DST header
+        return ep.ProcessingResponse(request_body=ep.BodyResponse(response=common), dynamic_metadata=_metadata(meta))
+
+    # -- the queue -------------------------------------------------------------------------------
+
+    def hold_timeout(self, d: Decision) -> duration_pb2.Duration:
+        """How long Envoy must wait for the reply to a queued request: its tier's deadline and a margin."""
+        tier = self.config.tiers.get(d.tier)
+        wait = tier.max_queue_wait_ms / 1000.0 if tier else 5.0
+        out = duration_pb2.Duration()
+        out.FromMilliseconds(int(min(MESSAGE_TIMEOUT_CEILING_S, wait + 1.0) * 1000))
+        return out
+
+    def pump(self) -> None:
+        if self.admission.queued:
+            self.deliver(self.admission.pump())
+            self.export_queue()
+
+    def deliver(self, outcomes: list[Outcome]) -> None:
+        """Answer the queued requests the core has decided."""
+        for o in outcomes:
+            w = self._waiters.pop(o.ticket, None)
+            d = o.decision
+            self.stats.queue_wait.labels(d.tier, "admitted" if d.admitted else "rejected").observe(o.waited)
+            if d.rejection is not None:
+                self.stats.queue_rejections.labels(d.tier, d.rejection.reason).inc()
+            if w is None:
+                continue
+            fut, est, request_id = w
+            resp = self.respond(d, est, request_id)
+            if not fut.done():
+                fut.set_result((resp, d))
+
+    def cancel(self, ticket: str) -> None:
+        """The stream of a queued request ended before it was answered (the client went away)."""
+        self._waiters.pop(ticket, None)
+        lease_tier = self.admission.held_tier(ticket)
+        if self.admission.cancel(ticket):
+            self.export_queue()
+            self.stats.queue_cancelled.labels(lease_tier or "unknown").inc()
+            log.info("queued_request_cancelled", ticket=ticket, note="client went away while queued")
+
+    def export_queue(self) -> None:
+        q = self.admission.queue
+        for tier in q.tiers():
+            self.stats.queue_depth.labels(tier).set(q.depth(tier))
 
     def on_headers(self, msg: ep.ProcessingRequest) -> ep.ProcessingResponse:
         """Non-inference routes (GET /v1/models, ...): identity only, no quota."""
@@ -252,7 +328,8 @@ class Gateway:
             c = self.admission.complete_request_id(entry.request.request_id)
             if c is not None:
                 self.stats.completion(c, "aborted")
-                self._node_done(c.lease.node, 0, None)
+                self._node_done(c.lease.node, c.lease.ticket, 0, None)
+                self.pump()
             return
         usage = None
         u = md.get(USAGE_NS)
@@ -279,18 +356,19 @@ class Gateway:
             verdict = code < 500
         else:
             verdict = None if flags.downstream_connection_termination else False
-        self._node_done(c.lease.node, c.charged_tokens, verdict)
+        self._node_done(c.lease.node, c.lease.ticket, c.charged_tokens, verdict)
+        self.pump()
         log.debug("complete", ticket=ticket, tenant=c.lease.tenant.name, outcome=outcome,
                   tokens=c.charged_tokens, seconds=round(c.seconds, 4), status=code)
 
-    def _node_done(self, node: str | None, tokens: int, ok: bool | None) -> None:
+    def _node_done(self, node: str | None, ticket: str, tokens: int, ok: bool | None) -> None:
         if node is not None and self.fleet is not None:
-            self.fleet.completed(node, tokens, ok, time.monotonic())
+            self.fleet.completed(node, ticket, tokens, ok, time.monotonic())
 
     def reclaim(self) -> None:
         for c in self.admission.reclaim_expired():
             self.stats.completion(c, "reclaimed")
-            self._node_done(c.lease.node, 0, None)
+            self._node_done(c.lease.node, c.lease.ticket, 0, None)
             log.warning("lease_reclaimed", ticket=c.lease.ticket, tenant=c.lease.tenant.name,
                         age_s=round(c.seconds, 1), note="no completion arrived from Envoy's access log")
 
@@ -313,13 +391,22 @@ class ExtProcServicer(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
     ) -> AsyncIterator[ep.ProcessingResponse]:
         gw = self.gw
         gw.open_streams += 1
-        ticket = None
+        ticket = held = None
         clean = False
         try:
             async for msg in request_iterator:
                 kind = msg.WhichOneof("request")
                 if kind == "request_body":
-                    resp, d = gw.on_body(msg)
+                    out, d = gw.on_body(msg)
+                    if isinstance(out, asyncio.Future):  # queued: tell Envoy to wait longer, then wait
+                        assert d.lease is not None
+                        held = d.lease.ticket
+                        if not out.done():
+                            yield ep.ProcessingResponse(override_message_timeout=gw.hold_timeout(d))
+                        resp, d = await out
+                        held = None
+                    else:
+                        resp = out
                     if d.lease is not None:
                         ticket = d.lease.ticket
                     yield resp
@@ -329,9 +416,15 @@ class ExtProcServicer(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
                     # A phase kvgate did not ask for (a misconfigured Envoy): let it through unchanged.
                     yield ep.ProcessingResponse(**{kind: _EMPTY[kind]()})
             clean = True
+        except Exception:
+            # Envoy turns the broken stream into a 500 → its local-reply mapper answers 503 + retry-after
+            log.exception("extproc_stream_failed")
+            raise
         finally:
             gw.open_streams -= 1
-            if ticket is not None and not clean:
+            if held is not None:
+                gw.cancel(held)
+            elif ticket is not None and not clean:
                 gw.admission.mark_uncertain(ticket)
 
 
@@ -393,11 +486,12 @@ async def serve(config: Config, config_path: Path | None, ready: asyncio.Event |
     async def housekeeping() -> None:
         n = 0
         while True:
-            await asyncio.sleep(1.0)
+            await asyncio.sleep(PUMP_INTERVAL_S)
+            gw.pump()
             n += 1
-            if gw.file_changed():
+            if n % 20 == 0 and gw.file_changed():
                 gw.reload("file changed")
-            if n % 10 == 0:
+            if n % 200 == 0:
                 gw.reclaim()
 
     task = asyncio.create_task(housekeeping())
@@ -441,6 +535,7 @@ async def poll_nodes(gw: Gateway) -> None:
             interval = nodes_cfg.poll_interval_seconds
             timeout = max(0.2, min(1.0, 2 * interval))
             await asyncio.gather(*(one(session, n.address, n.probe, timeout) for n in list(fleet.nodes.values())))
+            gw.pump()
             gw.export_nodes()
             await asyncio.sleep(interval)
 

@@ -76,6 +76,24 @@ class Stats:
                                   "Circuit breaker per node: 0 closed, 1 half-open, 2 open", ["node"], registry=r)
         self.node_transitions = Counter("kvgate_node_breaker_transitions_total", "Breaker transitions per node",
                                         ["node", "from", "to"], registry=r)
+        self.queue_depth = Gauge("kvgate_queue_depth_requests", "Requests held in kvgate's gateway queue, per tier",
+                                 ["tier"], registry=r)
+        self.queue_wait = Histogram(
+            "kvgate_queue_wait_seconds", "Time queued requests waited, per tier and outcome (admitted | rejected)",
+            ["tier", "outcome"], buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60),
+            registry=r)
+        self.queue_rejections = Counter(
+            "kvgate_queue_rejections_total",
+            "Queued or arriving requests answered 503 by the queue: queue-deadline (could not make its "
+            "deadline: rejected early), queue-timeout, queue-evicted (made room for a higher tier), queue-full",
+            ["tier", "reason"], registry=r)
+        self.queue_cancelled = Counter("kvgate_queue_cancelled_total",
+                                       "Queued requests whose client went away before they were served",
+                                       ["tier"], registry=r)
+        self.service = Counter(
+            "kvgate_tenant_service_tokens_total",
+            "Service each tenant received, in weighted tokens (prompt + queue.output_token_weight x completion): "
+            "what fair queueing equalises (per unit of weight)", ["tenant"], registry=r)
         self._allowed: frozenset[str] = frozenset()
         self._max = max_tenant_labels
         self._req_children: dict[tuple[str, str, str, str, str], Counter] = {}
@@ -116,6 +134,8 @@ class Stats:
             self.tokens.labels(t, "completion").inc(c.usage.completion_tokens)
         elif c.charged_tokens:
             self.tokens.labels(t, "unreported").inc(c.charged_tokens)
+        if c.service:
+            self.service.labels(t).inc(c.service)
         if c.lease.charged:
             self._inflight(c.lease.tenant.name).dec()
             self.fleet_inflight.dec()

@@ -9,6 +9,7 @@ from /proc, divided by the requests it decided).
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import shutil
@@ -173,3 +174,86 @@ def sim_speed(seconds: float = 600.0, nodes: int = 8, rate: float = 200.0, profi
         print(f"  ran in {wall:.1f} s wall / {cpu:.1f} s CPU on one core: {out['speedup']:.0f}x real time")
         print(f"  TTFT p50 {out['ttft_p50_s']:.2f} s, p99 {out['ttft_p99_s']:.2f} s (no admission control)")
     return out
+
+
+def queue_scaling(sizes: tuple[int, ...] = (0, 1_000, 10_000), ops: int = 3000, quiet: bool = False
+                  ) -> list[dict[str, float]]:
+    """``kvgate bench queue``: the decision core's cost per operation with 0, 1k and 10k requests queued.
+
+    The real ``Admission`` (tiers, VTC counters, deadlines) with 60 tenants over three tiers and the
+    fleet full, so every arrival queues. Per size: an arrival that is queued (then cancelled, to keep
+    the size), a pump that finds no room (what every tick and completion costs), and a release
+    (one slot frees: pump releases the next request, which then completes; a new arrival refills).
+    """
+    import random
+
+    from ext_proc.admission import Admission, Usage
+    from ext_proc.config import parse_config
+    from ext_proc.estimate import Estimate
+
+    tiers = ("interactive", "standard", "batch")
+    cfg = parse_config({
+        "fleet": {"max_inflight": 1},
+        "queue": {"max_size": max(sizes) + 10},
+        "tiers": {t: {"priority": i, "max_queue_wait_ms": 55_000} for i, t in enumerate(tiers)},
+        "tenants": [{"name": f"t{i}", "tier": tiers[i % 3], "weight": 1 + i % 4} for i in range(60)],
+    })
+    rows = []
+    for n in sizes:
+        t = [0.0]
+
+        def clock(t: list[float] = t) -> float:
+            t[0] += 1e-6  # creeps forward: nothing expires, ordering by arrival still holds
+            return t[0]
+
+        a = Admission(cfg, clock, random.Random(0))
+        rng = random.Random(n)
+        tenants = [cfg.tenant(f"t{i}") for i in range(60)]
+
+        def arrive(i: int, a: Admission = a, rng: random.Random = rng, tenants: list[Any] = tenants) -> str:
+            est = Estimate(rng.randint(20, 4000), rng.randint(8, 512), parsed=True)
+            d = a.decide(tenants[rng.randrange(60)], f"r{i}", est, 100)
+            assert d.lease is not None
+            return d.lease.ticket
+
+        hog = arrive(-1)  # holds the only slot
+        for i in range(n):
+            arrive(i)
+        assert a.queued == n
+
+        t0 = time.perf_counter()
+        for i in range(ops):
+            a.cancel(arrive(n + i))
+        enqueue_us = (time.perf_counter() - t0) / ops * 1e6
+
+        t0 = time.perf_counter()
+        for _ in range(ops):
+            a.pump()
+        pump_us = (time.perf_counter() - t0) / ops * 1e6
+
+        if n:
+            t0 = time.perf_counter()
+            running = hog
+            for i in range(ops):
+                a.complete(running, Usage(100, 50), responded=True)  # a slot frees ...
+                out = a.pump()  # ... the next request goes
+                assert len(out) == 1 and out[0].decision.lease is not None
+                running = out[0].decision.lease.ticket
+                arrive(2 * n + ops + i)  # and a new one arrives
+            release_us = (time.perf_counter() - t0) / ops * 1e6
+        else:
+            release_us = float("nan")
+        rows.append({"queued": n, "enqueue_us": enqueue_us, "pump_us": pump_us, "release_us": release_us})
+    if not quiet:
+        print(f"kvgate bench queue: decision core, 60 tenants in 3 tiers, {ops} ops per figure (µs per op)")
+        print(f"{'queued':>8} {'arrival->queued':>16} {'pump, no room':>14} {'release+complete+arrival':>25}")
+        for r in rows:
+            print(f"{int(r['queued']):>8} {r['enqueue_us']:>16.1f} {r['pump_us']:>14.2f} {r['release_us']:>25.1f}")
+        ref = next((r for r in rows if r["queued"]), None)
+        last = rows[-1]
+        if ref is not None and ref is not last:
+            print(f"{int(last['queued'])} queued vs {int(ref['queued'])}: "
+                  + ", ".join(f"{k.removesuffix('_us')} x{last[k] / ref[k]:.2f}"
+                              for k in ("enqueue_us", "pump_us", "release_us"))
+                  + f" (log2 ratio {math.log2(last['queued']) / math.log2(ref['queued']):.2f})")
+    return rows

@@ -118,6 +118,15 @@ def _bench_sim(a: argparse.Namespace) -> int:
     return 0
 
 
+def _bench_queue(a: argparse.Namespace) -> int:
+    from .bench import queue_scaling
+
+    rows = queue_scaling(tuple(a.sizes), a.ops, quiet=a.json)
+    if a.json:
+        print(json.dumps(rows, indent=2))
+    return 0
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kvgate", description=__doc__)
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -212,6 +221,11 @@ def parser() -> argparse.ArgumentParser:
     b.add_argument("--profile", default="8b-h100")
     b.add_argument("--json", action="store_true")
     b.set_defaults(fn=_bench_sim)
+    b = bsub.add_parser("queue", help="cost of queue operations with 0, 1k and 10k requests queued")
+    b.add_argument("--sizes", type=int, nargs="+", default=[0, 1_000, 10_000])
+    b.add_argument("--ops", type=int, default=3000)
+    b.add_argument("--json", action="store_true")
+    b.set_defaults(fn=_bench_queue)
     return p
 
 

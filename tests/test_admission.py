@@ -125,8 +125,8 @@ def test_requests_per_minute() -> None:
 
 
 def test_policy_is_checked_before_capacity() -> None:
-    a, _, c = make({"fleet": {"max_inflight": 1}, "tenants": [{"name": "t", "max_concurrent": 1},
-                                                             {"name": "u"}]})
+    a, _, c = make({"fleet": {"max_inflight": 1}, "queue": {"enabled": False},
+                    "tenants": [{"name": "t", "max_concurrent": 1}, {"name": "u"}]})
     assert a.decide(c.tenant("t"), "1", E(), 1).admitted
     over_quota = a.decide(c.tenant("t"), "2", E(), 1)
     assert over_quota.rejection is not None and over_quota.rejection.status == 429
@@ -221,23 +221,29 @@ def test_reload_keeps_in_flight_and_spent_budget() -> None:
 
 
 def test_node_choice_is_the_last_check_and_its_refusal_is_a_503() -> None:
-    a, _, c = make({"tenants": [{"name": "t", "max_concurrent": 1}, {"name": "s", "mode": "shadow"}]})
+    a, _, c = make({"queue": {"enabled": False},
+                    "tenants": [{"name": "t", "max_concurrent": 1}, {"name": "s", "mode": "shadow"}]})
     calls: list[bool] = []
 
-    def full(est: Estimate, shadow: bool) -> tuple[str | None, str | None, float | None]:
+    def full(
+        est: Estimate, shadow: bool, ticket: str, reserve: float, caps: bool
+    ) -> tuple[str | None, str | None, float | None]:
         calls.append(shadow)
         return ("10.0.0.9:8000", None, None) if shadow else (None, "fleet-kv", 4.0)
 
-    d = a.decide(c.tenant("t"), "r", E(), 1, full)
+    a.pick = full
+    d = a.decide(c.tenant("t"), "r", E(), 1)
     assert d.rejection is not None and (d.rejection.status, d.rejection.reason, d.rejection.klass) == (
         503, "fleet-kv", "capacity")
     assert d.rejection.retry_after is not None and 4.0 <= d.rejection.retry_after <= 4.8
     assert a.inflight == 0 and calls == [False]
-    ok = a.decide(c.tenant("t"), "r2", E(), 1, lambda est, shadow: ("10.0.0.1:8000", None, None))
+    a.pick = lambda est, shadow, ticket, reserve, caps: ("10.0.0.1:8000", None, None)
+    ok = a.decide(c.tenant("t"), "r2", E(), 1)
     assert ok.lease is not None and ok.lease.node == "10.0.0.1:8000"
     calls.clear()
-    over = a.decide(c.tenant("t"), "r3", E(), 1, full)  # over its quota: 429, the picker is not asked
+    a.pick = full
+    over = a.decide(c.tenant("t"), "r3", E(), 1)  # over its quota: 429, the picker is not asked
     assert over.rejection is not None and over.rejection.status == 429 and calls == []
-    sh = a.decide(c.tenant("s"), "r4", E(), 1, full)  # shadow: counted as a 503, sent to a node anyway
+    sh = a.decide(c.tenant("s"), "r4", E(), 1)  # shadow: counted as a 503, sent to a node anyway
     assert sh.shadow and sh.rejection is not None and sh.rejection.reason == "fleet-kv"
     assert sh.lease is not None and sh.lease.node == "10.0.0.9:8000" and calls == [False, True]

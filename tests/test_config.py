@@ -89,3 +89,27 @@ def test_nodes_settings_are_checked() -> None:
                                 "dead_after_seconds": 3}})
     with pytest.raises(ConfigError, match=r"nodes\.static\[0\]\.address"):
         parse_config({"nodes": {"static": [{"address": "no-port", "probe": "http://a:2"}]}})
+
+
+@pytest.mark.parametrize(("cfg", "error"), [
+    ({"tenants": [{"name": "a", "tier": "gold"}]},
+     r"tenants\[0\]\.tier: no tier named 'gold'; tiers are: batch, interactive, standard"),
+    ({"tiers": {"a": {"priority": 0, "max_queue_wait_ms": 10}, "b": {"priority": 0, "max_queue_wait_ms": 10}}},
+     r"tiers\.b\.priority: tier 'a' already has priority 0"),
+    ({"tiers": {"a": {"priority": 0, "max_queue_wait_ms": 60_000}}},
+     r"tiers\.a\.max_queue_wait_ms: Input should be less than or equal to 55000"),
+    ({"tiers": {"a": {"priority": 0}}}, r"tiers\.a\.max_queue_wait_ms: Field required"),
+    ({"tiers": {}}, r"tiers: define at least one tier"),
+    ({"queue": {"max_size": 0}}, r"queue\.max_size: Input should be greater than or equal to 1"),
+    ({"tenants": [{"name": "a", "weight": 0}]}, r"tenants\[0\]\.weight: Input should be greater than 0"),
+])
+def test_tier_and_queue_settings_are_checked(cfg: dict[str, object], error: str) -> None:
+    with pytest.raises(ConfigError, match=error):
+        parse_config(cfg)
+
+
+def test_default_tiers_and_queue() -> None:
+    cfg = parse_config({"tenants": [{"name": "a"}]})
+    assert [cfg.tiers[n].priority for n in ("interactive", "standard", "batch")] == [0, 1, 2]
+    assert cfg.tenants[0].tier == "standard" and cfg.queue.enabled and cfg.top_tier == "interactive"
+    assert cfg.lowest_tier == "batch"

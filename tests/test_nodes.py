@@ -36,7 +36,7 @@ def test_projected_kv_counts_what_was_sent_since_the_snapshot() -> None:
     feed(f, 0, 0.5)
     n = f.nodes["10.0.0.0:8000"]
     for _ in range(6):  # 6 x 1000 tokens = 6000 of 16000 tokens of KV
-        f.dispatched(n.address, 1000, 0.1)
+        f.dispatched(n.address, f"t{_}", 1000, 100, 0.1)
     assert n.projected_kv() == 0.5 + 6000 / 16000
     c = f.choose(1000, 0.2)
     assert c.node is None and c.reason == "fleet-kv" and c.retry_after is not None
@@ -81,7 +81,7 @@ def test_equal_nodes_share_the_load_instead_of_herding() -> None:
     for _ in range(400):
         n = f.choose(10, 0.1).node
         assert n is not None
-        f.dispatched(n.address, 10, 0.1)
+        f.dispatched(n.address, f"t{_}", 10, 5, 0.1)
         picks[n.address] += 1
     assert len(picks) == 4 and min(picks.values()) > 60
 
@@ -95,13 +95,12 @@ def test_half_open_trials_then_close() -> None:
     assert n.breaker.state is State.OPEN and f.choose(1, 3.5).node is None
     f.on_snapshot(n.address, snap(0.3), 4.1)
     assert n.breaker.state is State.HALF_OPEN
-    for _ in range(2):
-        c = f.choose(1, 4.2)
+    for i in range(2):
+        c = f.place(1, 1, f"t{i}", 4.2)
         assert c.node is n
-        f.dispatched(n.address, 1, 4.2)
     assert f.choose(1, 4.2).node is None  # trial budget spent
-    f.completed(n.address, 1, True, 4.5)
-    f.completed(n.address, 1, True, 4.6)
+    f.completed(n.address, "t0", 1, True, 4.5)
+    f.completed(n.address, "t1", 1, True, 4.6)
     assert n.breaker.state is State.CLOSED
 
 
@@ -138,3 +137,74 @@ def test_a_reload_moves_nodes_that_follow_the_default_threshold_but_not_override
     f.reconfigure(cfg.nodes)  # no static list: the (discovered) nodes are kept
     assert f.nodes["10.0.0.0:8000"].threshold == 0.6
     assert f.nodes["10.0.0.1:8000"].threshold == 0.7
+
+
+def test_a_node_with_a_queue_of_its_own_gets_no_more_until_it_shrinks() -> None:
+    f = fleet(1, max_waiting_requests=3, max_prefill_tokens=None)
+    n = f.nodes["10.0.0.0:8000"]
+    f.on_snapshot(n.address, snap(0.2, waiting=0), 0)
+    for i in range(10):  # no queue in vLLM and KV room: it starts what it gets, so no cap applies
+        assert f.place(10, 5, f"a{i}", 0.1).node is n
+    f.on_snapshot(n.address, snap(0.2, waiting=2), 0.2)
+    assert f.place(10, 5, "b0", 0.3).node is n  # 2 waiting + 1 sent since = 3: the cap
+    c = f.choose(10, 0.3)
+    assert c.node is None and c.reason == "fleet-queue"
+    f.on_snapshot(n.address, snap(0.2, waiting=0), 0.4)
+    assert f.choose(10, 0.4).node is n
+
+
+def test_prefill_tokens_in_flight_are_capped_but_a_big_prompt_still_goes_to_an_idle_node() -> None:
+    f = fleet(1, max_waiting_requests=None, max_prefill_tokens=8000)
+    n = f.nodes["10.0.0.0:8000"]
+    f.on_snapshot(n.address, snap(0.1), 0)
+    assert f.place(6000, 5000, "a", 0.1).node is n
+    assert f.choose(4000, 0.1, prompt_tokens=4000).node is None  # 5000 + 4000 > 8000
+    assert f.place(2000, 2000, "b", 0.1).node is n  # 7000 fits
+    f.completed(n.address, "a", 6000, True, 0.2)
+    f.completed(n.address, "b", 2000, True, 0.2)
+    f.on_snapshot(n.address, snap(0.1), 0.3)  # prefilled and gone
+    assert n.prefill_tokens() == 0
+    assert f.choose(12000, 0.3, prompt_tokens=12000).node is n  # alone it may exceed the cap
+
+
+def test_a_lower_tier_leaves_kv_headroom_for_a_higher_one() -> None:
+    f = fleet(1)  # threshold 0.92
+    feed(f, 0, 0.89)
+    assert f.choose(10, 0.1, reserve=0.05).node is None  # standard stops at 0.87
+    assert f.choose(10, 0.1, reserve=0.0).node is not None  # interactive may use the rest
+
+
+def test_latency_opens_at_most_the_allowed_share_of_breakers_and_never_the_last() -> None:
+    def slow_fleet(n: int) -> Fleet:
+        f = fleet(n)
+        for t in range(6):  # learn a baseline of 0.1 s per 1k prompt tokens
+            for i in range(n):
+                f.on_snapshot(f"10.0.0.{i}:8000", snap(0.3, prefill=0.1), t)
+        for i in range(n):  # then every node gets 10x slower: load, not a sick node
+            f.on_snapshot(f"10.0.0.{i}:8000", snap(0.3, prefill=1.0), 7)
+        return f
+
+    one = slow_fleet(1)
+    assert one.nodes["10.0.0.0:8000"].breaker.state is State.CLOSED  # the only node stays in service
+    four = slow_fleet(4)
+    states = Counter(n.breaker.state for n in four.nodes.values())
+    assert states == {State.OPEN: 2, State.CLOSED: 2}  # max_open_fraction 0.5
+    f = fleet(1)
+    f.on_snapshot("10.0.0.0:8000", snap(0.99), 0)
+    assert f.nodes["10.0.0.0:8000"].breaker.state is State.OPEN  # a full KV cache trips all the same
+
+
+def test_requests_waiting_in_vllm_count_in_the_projection_though_they_hold_no_kv_yet() -> None:
+    f = fleet(1, max_waiting_requests=None)
+    n = f.nodes["10.0.0.0:8000"]
+    f.on_snapshot(n.address, snap(0.2), 0)
+    for i in range(4):  # 4 x 2000 tokens, 1500 of them prompt
+        f.place(2000, 1500, f"r{i}", 0.1)
+    # vLLM took two of them (KV 0.2 -> 0.45) and has the two newest waiting
+    f.on_snapshot(n.address, snap(0.45, waiting=2), 0.2)
+    assert n.waiting_tokens == 4000 and n.prefill_tokens() == 3000
+    assert n.projected_kv() == 0.45 + 4000 / 16000  # not 0.45: those two will need their KV soon
+    f.place(500, 400, "r4", 0.3)  # sent after the reading: pending, not waiting
+    assert n.projected_kv() == 0.45 + 4500 / 16000 and n.prefill_tokens() == 3400
+    f.on_snapshot(n.address, snap(0.8, waiting=0), 0.4)
+    assert n.waiting_tokens == 0 and n.projected_kv() == 0.8

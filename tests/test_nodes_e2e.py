@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -16,10 +17,10 @@ from tests.helpers import metric, post, wait_for
 KEY = "sk-nodes"
 
 
-def config(**nodes: Any) -> dict[str, Any]:
+def config(**extra: Any) -> dict[str, Any]:
     return {"tenants": [{"name": "t", "api_key_sha256": [hash_key(KEY)]}],
             "nodes": {"kv_admit_threshold": 0.5, "stale_after_seconds": 1.0, "dead_after_seconds": 2.5,
-                      "breaker": {"recovery_window_seconds": 1.0, "half_open_requests": 2}, **nodes}}
+                      "breaker": {"recovery_window_seconds": 1.0, "half_open_requests": 2}}, **extra}
 
 
 def node_url(st: Stack, i: int) -> str:
@@ -48,8 +49,8 @@ def seen_by_kvgate(st: Stack, i: int, pred: Any) -> None:
     wait_for(lambda: pred(metric(st.metrics_url, "kvgate_node_kv_usage_ratio", node=addr)), what="probe reading")
 
 
-def _nodes(tmp_path: Path, *sim_args: str) -> Iterator[Stack]:
-    st = Stack(tmp_path, config(), upstreams=2, sim_args=["--num-gpu-blocks", "100", *sim_args], nodes=True)
+def _nodes(tmp_path: Path, *sim_args: str, **cfg: Any) -> Iterator[Stack]:
+    st = Stack(tmp_path, config(**cfg), upstreams=2, sim_args=["--num-gpu-blocks", "100", *sim_args], nodes=True)
     st.start()
     try:
         yield st
@@ -60,6 +61,13 @@ def _nodes(tmp_path: Path, *sim_args: str) -> Iterator[Stack]:
 @pytest.fixture
 def two_nodes(tmp_path: Path) -> Iterator[Stack]:
     yield from _nodes(tmp_path)
+
+
+@pytest.fixture(params=["queue-off", "queue-on"])
+def two_nodes_queue(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[Stack]:
+    queue = {"queue": {"enabled": False}} if request.param == "queue-off" else {
+        "tiers": {"standard": {"priority": 1, "max_queue_wait_ms": 400}}}
+    yield from _nodes(tmp_path, **queue)
 
 
 def test_a_node_under_kv_pressure_gets_no_new_requests(two_nodes: Stack) -> None:
@@ -74,16 +82,25 @@ def test_a_node_under_kv_pressure_gets_no_new_requests(two_nodes: Stack) -> None
     hog.join()
 
 
-def test_all_nodes_saturated_is_a_503_with_retry_after(two_nodes: Stack) -> None:
-    st = two_nodes
+def test_all_nodes_saturated_is_a_503_with_retry_after(two_nodes_queue: Stack) -> None:
+    """Queue off: 503 at once. Queue on: held for the tier's 0.4 s, then 503 (the hogs last ~3 s)."""
+    st = two_nodes_queue
+    queued = st.kvgate_config.get("queue", {}).get("enabled", True)
     hogs = [occupy(st, i, prompt_chars=4000, tokens=500) for i in (0, 1)]
     for i in (0, 1):
         seen_by_kvgate(st, i, lambda v: v > 0.5)
+    t0 = time.monotonic()
     code, h, body = via_kvgate(st)
-    assert code == 503 and h["x-kvgate-reject-reason"] == "fleet-kv"
+    waited = time.monotonic() - t0
+    reason = "queue-timeout" if queued else "fleet-kv"
+    assert code == 503 and h["x-kvgate-reject-reason"] == reason
     assert int(h["retry-after"]) >= 1 and int(h["retry-after-ms"]) >= 100
     assert b"retry" in body
-    assert metric(st.metrics_url, "kvgate_requests_total", reason="fleet-kv", **{"class": "capacity"}) == 1
+    assert metric(st.metrics_url, "kvgate_requests_total", reason=reason, **{"class": "capacity"}) == 1
+    if queued:
+        assert waited >= 0.4
+        assert metric(st.metrics_url, "kvgate_queue_rejections_total", tier="standard", reason=reason) == 1
+        assert all(t.is_alive() for t in hogs)  # answered while the fleet was still full
     for t in hogs:
         t.join()
 

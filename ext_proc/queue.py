@@ -1,0 +1,358 @@
+"""The gateway queue: requests no node can take yet wait here, in a known order, for a bounded time.
+
+vLLM's own waiting queue is FCFS (or a client-chosen priority) and unbounded: it knows nothing of
+tenants or SLAs. kvgate keeps that queue short (per-node caps in ``nodes.py``) and holds the rest here,
+where the order can be decided:
+
+* **tiers** in strict priority (lower ``rank`` first), with a *starvation guard*: after
+  ``starvation_guard`` releases from higher tiers in a row while a lower tier waits, that tier gets one;
+* within a tier, **virtual token counters** (VTC, Sheng et al., "Fairness in Serving Large Language
+  Models", OSDI 2024): each tenant's counter grows by the service it received (prompt + weighted
+  output tokens, divided by its weight); the backlogged tenant with the smallest counter goes next. A
+  tenant that was idle is lifted to the smallest counter of those waiting when it comes back, so idling
+  banks no credit. Ties go to the shortest expected request; a tenant's own requests are FIFO;
+* **deadlines**: each request may wait at most its tier's ``max_wait``. ``predicted_wait`` says, from
+  the work queued ahead of a request and the rate the queue has been draining at, whether it can make
+  it; the caller rejects early rather than let it wait in vain;
+* **bounded**: the caller asks ``victim`` for the entry to evict (the newest of the most-served tenant
+  of the lowest waiting tier, only ever below the arrival's tier).
+
+Every operation is O(log n) in queued requests (heaps with lazy deletion), O(tiers) or O(tenants of a
+tier) on top. Pure: no I/O; time is passed in.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections import deque
+from dataclasses import dataclass, field
+
+RATE_TAU_S = 3.0
+"""Time constant of the drain-rate estimate (seconds of backlog)."""
+RATE_MIN_BUSY_S = 0.5
+"""No drain rate (and so no early rejection) before the queue has been backlogged this long..."""
+RATE_MIN_EVENTS = 4.0
+"""... and has seen this many (time-decayed) dispatches while backlogged. Without it, one long request
+holding the only slot would read as a rate of zero, and every later arrival would be refused early;
+with too little evidence requests simply wait, up to their deadline."""
+
+
+@dataclass(frozen=True, slots=True)
+class TierSpec:
+    name: str
+    rank: int
+    max_wait: float
+    """Seconds."""
+
+
+@dataclass(eq=False, slots=True)
+class Entry:
+    key: str
+    tenant: str
+    tier: str
+    cost: float
+    """Expected service in weighted tokens (prompt + output_weight * expected output)."""
+    arrived: float
+    deadline: float
+    live: bool = True
+
+
+@dataclass(eq=False, slots=True)
+class _Tier:
+    spec: TierSpec
+    queues: dict[str, deque[Entry]] = field(default_factory=dict)
+    """Each tenant's requests in arrival order; removed entries stay until they reach an end."""
+    n: dict[str, int] = field(default_factory=dict)
+    """Live entries per tenant."""
+    tok: dict[str, float] = field(default_factory=dict)
+    """Weighted tokens of the live entries per tenant."""
+    version: dict[str, int] = field(default_factory=dict)
+    heap: list[tuple[float, float, int, str]] = field(default_factory=list)
+    """(counter, head cost, version, tenant) of backlogged tenants; stale versions are skipped."""
+    live: int = 0
+    tokens: float = 0.0
+    skipped: int = 0
+    """Releases from higher tiers since this tier last got one, while it waited."""
+    floor: float = 0.0
+    """The counter of the tenant served last: where a tenant coming back to an empty tier starts."""
+
+    def backlogged(self) -> list[str]:
+        return [u for u, k in self.n.items() if k]
+
+
+class FairQueue:
+    def __init__(self, tiers: list[TierSpec], max_size: int, starvation_guard: int) -> None:
+        self.max_size = max_size
+        self.starvation_guard = starvation_guard
+        self._tiers: dict[str, _Tier] = {}
+        self._order: list[_Tier] = []
+        self._counter: dict[str, float] = {}
+        self._weight: dict[str, float] = {}
+        self._deadlines: list[tuple[float, int, Entry]] = []
+        self._seq = 0
+        self._live = 0
+        self._t: float | None = None
+        self._drained = 0.0
+        self._events = 0.0
+        self._busy = 0.0
+        self.set_tiers(tiers)
+
+    # -- configuration ---------------------------------------------------------------------------
+
+    def set_tiers(self, tiers: list[TierSpec]) -> None:
+        """New tier settings; a tier that is gone keeps its queued requests until they drain."""
+        for spec in tiers:
+            t = self._tiers.get(spec.name)
+            if t is None:
+                self._tiers[spec.name] = _Tier(spec)
+            else:
+                t.spec = spec
+        self._order = sorted(self._tiers.values(), key=lambda t: t.spec.rank)
+
+    def set_weight(self, tenant: str, weight: float) -> None:
+        self._weight[tenant] = weight
+
+    def __len__(self) -> int:
+        return self._live
+
+    def depth(self, tier: str) -> int:
+        t = self._tiers.get(tier)
+        return t.live if t is not None else 0
+
+    def tiers(self) -> list[str]:
+        return [t.spec.name for t in self._order]
+
+    def counter(self, tenant: str) -> float:
+        return self._counter.get(tenant, 0.0)
+
+    def waiting_at_or_above(self, tier: str) -> int:
+        """Requests queued in this tier or a more important one: a new arrival must not pass them."""
+        rank = self._tiers[tier].spec.rank
+        return sum(t.live for t in self._order if t.spec.rank <= rank)
+
+    # -- service accounting ----------------------------------------------------------------------
+
+    def charge(self, tenant: str, tokens: float) -> None:
+        """Service given to (or, negative, taken back from) a tenant: weighted tokens."""
+        self._counter[tenant] = self._counter.get(tenant, 0.0) + tokens / self._weight.get(tenant, 1.0)
+        for t in self._order:
+            if t.n.get(tenant):
+                self._reheap(t, tenant)
+
+    def note_dispatch(self, cost: float, now: float) -> None:
+        """A request sent to a node without queueing (releases count in ``take``): while others wait,
+        it used capacity the queue could have drained into."""
+        self._advance(now)
+        if self._live:
+            self._drained += cost
+            self._events += 1.0
+
+    def drain_rate(self) -> float | None:
+        """Weighted tokens per second dispatched while requests were waiting; None without enough
+        evidence. Time only counts while backlogged, so a reading survives idle periods."""
+        if self._busy < RATE_MIN_BUSY_S or self._events < RATE_MIN_EVENTS:
+            return None
+        return self._drained / self._busy
+
+    def _advance(self, now: float) -> None:
+        if self._t is not None and now > self._t and self._live:
+            f = math.exp(-(now - self._t) / RATE_TAU_S)
+            self._drained *= f
+            self._events *= f
+            self._busy = self._busy * f + RATE_TAU_S * (1.0 - f)
+        self._t = now if self._t is None else max(self._t, now)
+
+    # -- queue operations ------------------------------------------------------------------------
+
+    def push(self, e: Entry, now: float) -> None:
+        assert self._live < self.max_size, "the caller makes room first (victim) or rejects"
+        self._advance(now)
+        t = self._tiers[e.tier]
+        q = t.queues.get(e.tenant)
+        if q is None:
+            q = t.queues[e.tenant] = deque()
+        first = not t.n.get(e.tenant)
+        if first:
+            q.clear()  # only removed entries were left
+            self._counter[e.tenant] = max(self._counter.get(e.tenant, 0.0), self._lift_floor(t))
+        q.append(e)
+        t.n[e.tenant] = t.n.get(e.tenant, 0) + 1
+        t.tok[e.tenant] = t.tok.get(e.tenant, 0.0) + e.cost
+        t.live += 1
+        t.tokens += e.cost
+        self._live += 1
+        self._seq += 1
+        heapq.heappush(self._deadlines, (e.deadline, self._seq, e))
+        if first:
+            self._reheap(t, e.tenant)
+
+    def peek(self) -> Entry | None:
+        """The request to release next, or None when the queue is empty."""
+        t = self._next_tier()
+        if t is None:
+            return None
+        while t.heap:
+            _, _, version, tenant = t.heap[0]
+            if version == t.version.get(tenant) and t.n.get(tenant):
+                head = _head(t.queues[tenant])
+                assert head is not None
+                return head
+            heapq.heappop(t.heap)
+        raise AssertionError("a tier with live entries has a backlogged tenant")
+
+    def take(self, e: Entry, now: float) -> None:
+        """Release ``e`` (what ``peek`` returned): it leaves the queue for a node."""
+        t = self._tiers[e.tier]
+        assert _head(t.queues[e.tenant]) is e
+        self._unlink(t, e, now)
+        # counted here, not by the caller's dispatch: the queue may just have become empty, and a
+        # release that empties it is still drain (uncounted, the rate read far too low)
+        self._drained += e.cost
+        self._events += 1.0
+        t.floor = self._counter.get(e.tenant, 0.0)
+        for other in self._order:
+            if other is t:
+                other.skipped = 0
+            elif other.live and other.spec.rank > t.spec.rank:
+                other.skipped += 1
+
+    def remove(self, e: Entry, now: float) -> None:
+        """Take ``e`` out without serving it (rejected, evicted, or its client went away)."""
+        if e.live:
+            self._unlink(self._tiers[e.tier], e, now)
+
+    def _unlink(self, t: _Tier, e: Entry, now: float) -> None:
+        self._advance(now)
+        e.live = False
+        t.live -= 1
+        t.tokens -= e.cost
+        self._live -= 1
+        t.n[e.tenant] -= 1
+        t.tok[e.tenant] -= e.cost
+        if t.n[e.tenant]:
+            self._reheap(t, e.tenant)
+        else:
+            t.version[e.tenant] = t.version.get(e.tenant, 0) + 1
+            t.tok[e.tenant] = 0.0
+            t.queues[e.tenant].clear()
+        if not self._live:
+            self._deadlines.clear()
+            for o in self._order:
+                o.heap.clear()
+                o.tokens = 0.0
+
+    def expired(self, now: float) -> list[Entry]:
+        """Entries whose deadline has passed, removed."""
+        out = []
+        while self._deadlines and self._deadlines[0][0] <= now:
+            e = heapq.heappop(self._deadlines)[2]
+            if e.live:
+                self.remove(e, now)
+                out.append(e)
+        return out
+
+    def doomed(self, now: float) -> list[Entry]:
+        """Entries that can no longer make their deadline at the current drain rate, removed.
+
+        Checks each backlogged tenant's newest entry (the one with the most work ahead of it) and goes
+        on backwards while they are doomed: O(tenants + removed)."""
+        rate = self.drain_rate()
+        if rate is None:
+            return []
+        out = []
+        for t in self._order:
+            if not t.live:
+                continue
+            for tenant in t.backlogged():
+                q = t.queues[tenant]
+                while t.n.get(tenant):
+                    tail = _tail(q)
+                    if now + self._wait(t, tenant, 0.0, rate) <= tail.deadline:
+                        break
+                    self.remove(tail, now)
+                    out.append(tail)
+        return out
+
+    def victim(self, tier: str) -> Entry | None:
+        """The entry to evict so that an arrival of ``tier`` fits: the newest request of the most-served
+        tenant of the lowest waiting tier, if that tier is below ``tier``; None: reject the arrival."""
+        rank = self._tiers[tier].spec.rank
+        low = next((t for t in reversed(self._order) if t.live), None)
+        if low is None or low.spec.rank <= rank:
+            return None
+        tenant = max(low.backlogged(), key=lambda n: self._counter.get(n, 0.0))
+        return _tail(low.queues[tenant])
+
+    # -- prediction ------------------------------------------------------------------------------
+
+    def predicted_wait(self, tenant: str, tier: str, cost: float) -> float | None:
+        """Seconds a new request (``cost`` weighted tokens) of ``tenant`` would wait; None: no estimate yet."""
+        rate = self.drain_rate()
+        if rate is None:
+            return None
+        return self._wait(self._tiers[tier], tenant, cost, rate)
+
+    def _wait(self, t: _Tier, tenant: str, cost: float, rate: float) -> float:
+        """Work served before the request, over the drain rate.
+
+        Within the tier, VTC serves another tenant ``u`` before it until ``u``'s counter passes what
+        ``tenant``'s will be once its own queue (and this request) is served; higher tiers go first,
+        except that the starvation guard gives this tier one release in ``guard + 1``."""
+        own = t.tok.get(tenant, 0.0) + cost
+        c = self._counter.get(tenant, 0.0)
+        if not t.n.get(tenant):
+            c = max(c, self._lift_floor(t))
+        target = c + own / self._weight.get(tenant, 1.0)
+        ahead = own
+        for u in t.backlogged():
+            if u != tenant:
+                ahead += min(t.tok[u], max(0.0, (target - self._counter.get(u, 0.0)) * self._weight.get(u, 1.0)))
+        higher = sum(o.tokens for o in self._order if o.spec.rank < t.spec.rank and o.live)
+        total = ahead + min(higher, ahead * self.starvation_guard)
+        return math.inf if rate <= 0 else total / rate
+
+    # -- internals -------------------------------------------------------------------------------
+
+    def _next_tier(self) -> _Tier | None:
+        top = None
+        for t in self._order:
+            if not t.live:
+                continue
+            if top is None:
+                top = t
+            elif t.skipped >= self.starvation_guard:
+                return t
+        return top
+
+    def _lift_floor(self, t: _Tier) -> float:
+        """Where a tenant that starts waiting in ``t`` starts: the smallest counter of those waiting,
+        else the counter of the tenant served last."""
+        while t.heap:
+            _, _, version, tenant = t.heap[0]
+            if version == t.version.get(tenant) and t.n.get(tenant):
+                return self._counter.get(tenant, 0.0)
+            heapq.heappop(t.heap)
+        return t.floor
+
+    def _reheap(self, t: _Tier, tenant: str) -> None:
+        head = _head(t.queues[tenant])
+        v = t.version.get(tenant, 0) + 1
+        t.version[tenant] = v
+        if head is not None:
+            heapq.heappush(t.heap, (self._counter.get(tenant, 0.0), head.cost, v, tenant))
+            if len(t.heap) > 64 + 4 * len(t.queues):  # drop the stale entries now and then
+                t.heap = [x for x in t.heap if x[2] == t.version.get(x[3]) and t.n.get(x[3])]
+                heapq.heapify(t.heap)
+
+
+def _head(q: deque[Entry]) -> Entry | None:
+    while q and not q[0].live:
+        q.popleft()
+    return q[0] if q else None
+
+
+def _tail(q: deque[Entry]) -> Entry:
+    while not q[-1].live:
+        q.pop()
+    return q[-1]
