@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint typecheck unit bench envoy-config clean
+.PHONY: demo test lint typecheck unit bench envoy-config proto clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -12,6 +12,9 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install -q -e '.[dev]'
 	@if ! command -v wrk >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1 && [ "$$(id -u)" = 0 ]; then \
 		(apt-get update -qq && apt-get install -y -qq wrk) >/dev/null 2>&1 || echo "note: wrk not installed; benchmarks use the built-in load generator"; fi
+	@if ! command -v promtool >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1 && [ "$$(id -u)" = 0 ]; then \
+		(apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus) >/dev/null 2>&1 \
+		|| echo "note: prometheus not installed; the Prometheus tests will be skipped"; fi
 	touch $(STAMP)
 
 demo: $(STAMP)
@@ -19,6 +22,7 @@ demo: $(STAMP)
 
 test: $(STAMP) lint typecheck
 	$(BIN)/kvgate envoy-config --check
+	$(BIN)/python -m scaler.codegen --check
 	$(BIN)/python -m pytest -q -p no:cacheprovider
 
 lint: $(STAMP)
@@ -35,6 +39,9 @@ bench: $(STAMP)
 
 envoy-config: $(STAMP)
 	$(BIN)/kvgate envoy-config --write
+
+proto: $(STAMP)
+	$(BIN)/python -m scaler.codegen
 
 clean:
 	rm -rf $(VENV) .kvgate-run .pytest_cache .mypy_cache .ruff_cache *.egg-info

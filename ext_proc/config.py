@@ -333,14 +333,19 @@ def parse_config(data: Any, source: str = "<config>") -> Config:
     try:
         return Config.model_validate(data)
     except ValidationError as e:
-        lines = []
-        for err in e.errors():
-            where = _loc(tuple(err["loc"]))
-            msg = err["msg"].removeprefix("Value error, ")
-            if err["type"] == "extra_forbidden":
-                msg = "unknown setting (check the spelling)"
-            lines.append(f"  {where}: {msg}" if where else f"  {msg}")
-        raise ConfigError(f"{source}: invalid configuration\n" + "\n".join(lines)) from None
+        raise config_error(e, f"{source}: invalid configuration") from None
+
+
+def config_error(e: ValidationError, title: str) -> ConfigError:
+    """One line per problem, each naming the field by its path in the file."""
+    lines = []
+    for err in e.errors():
+        where = _loc(tuple(err["loc"]))
+        msg = err["msg"].removeprefix("Value error, ")
+        if err["type"] == "extra_forbidden":
+            msg = "unknown setting (check the spelling)"
+        lines.append(f"  {where}: {msg}" if where else f"  {msg}")
+    return ConfigError(title + "\n" + "\n".join(lines))
 
 
 def load_config(path: str | Path) -> Config:

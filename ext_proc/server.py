@@ -170,6 +170,11 @@ class Gateway:
         if self.fleet is None:
             return
         now = time.monotonic()
+        cfg = self.config.nodes
+        discovery = "+".join(k for k, on in (("static", bool(cfg and cfg.static)), ("dns", bool(cfg and cfg.dns)))
+                             if on)
+        self.stats.nodes_total.clear()
+        self.stats.nodes_total.labels(discovery or "static").set(len(self.fleet.nodes))
         for n in self.fleet.nodes.values():
             st = self.stats
             if n.snapshot is not None and n.snapshot.kv_usage is not None:

@@ -63,6 +63,8 @@ class Stats:
         self.reloads = Counter(
             "kvgate_config_reloads_total", "Config reloads by result (ok | error)", ["result"], registry=r
         )
+        self.nodes_total = Gauge("kvgate_nodes_total", "vLLM nodes kvgate knows, by discovery (static | dns | "
+                                 "static+dns); no sample when Envoy picks the node", ["discovery"], registry=r)
         self.node_kv = Gauge("kvgate_node_kv_usage_ratio", "KV-cache usage of each node from its last probe snapshot",
                              ["node"], registry=r)
         self.node_projected_kv = Gauge(

@@ -88,6 +88,12 @@ def _probe(a: argparse.Namespace) -> int:
     return 0
 
 
+def _scaler(a: argparse.Namespace) -> int:
+    from scaler.server import run
+
+    return run(a.config, a.log_level)
+
+
 def _up(a: argparse.Namespace) -> int:
     from .demo import up
 
@@ -188,6 +194,11 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--interval", type=float, default=0.5, help="seconds between polls")
     s.add_argument("--timeout", type=float, default=1.0, help="seconds before a poll counts as failed")
     s.set_defaults(fn=_probe)
+
+    s = sub.add_parser("scaler", help="the KEDA external scaler: kvgate's capacity rejections -> vLLM replicas")
+    s.add_argument("--config", required=True, help="scaler YAML config (see examples/scaler.yaml)")
+    s.add_argument("--log-level", default="info")
+    s.set_defaults(fn=_scaler)
 
     for name, fn, helptext in (("up", _up, "run the local stack in the foreground"),
                                ("demo", _demo, "run the local stack under a multi-tenant load")):

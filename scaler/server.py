@@ -1,0 +1,207 @@
+"""``kvgate scaler``: KEDA's external scaler over gRPC, around the pure control law.
+
+Every ``interval_seconds`` it reads the signals (every kvgate replica, or Prometheus) and runs each
+pool's law. KEDA asks:
+
+* ``GetMetricSpec`` → one metric per pool, ``kvgate-desired-replicas-<pool>``, target 1 (KEDA's
+  default AverageValue: the HPA computes desired = ceil(value / 1), i.e. the law's replica count);
+* ``GetMetrics`` → the law's desired replicas (KEDA may prefix the name ``sN-``);
+* ``IsActive`` / ``StreamIsActive`` → traffic in the window or requests held in kvgate's queues: the
+  activation signal for scale-from-zero. With no data it repeats its last answer (never a scale to
+  zero on no data).
+
+A ScaledObject names its pool in ``scalerMetadata.pool`` (default ``default``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import re
+import signal
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import grpc
+from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
+
+from ext_proc import logs
+
+from . import externalscaler_pb2 as pb
+from . import externalscaler_pb2_grpc as pb_grpc
+from .config import ScalerConfig
+from .law import ControlLaw, Signals, Verdict
+from .signals import DirectSource, PrometheusSource, SourceError
+
+log = logs.get("kvgate.scaler")
+METRIC_PREFIX = "kvgate-desired-replicas-"
+KEDA_PREFIX = re.compile(r"^s\d+-")
+
+
+class Source(Protocol):
+    def read(self, now: float) -> Signals: ...
+
+
+def source_for(cfg: ScalerConfig) -> Source:
+    s = cfg.source
+    if s.prometheus:
+        return PrometheusSource(s.prometheus, s.job, cfg.window_seconds)
+    return DirectSource(list(s.kvgate), cfg.window_seconds)
+
+
+@dataclass
+class PoolState:
+    law: ControlLaw
+    verdict: Verdict | None = None
+    active: bool = True
+
+
+class Scaler:
+    def __init__(self, cfg: ScalerConfig, source: Source, registry: CollectorRegistry | None = None) -> None:
+        self.cfg = cfg
+        self.source = source
+        self.pools = {name: PoolState(ControlLaw(p.law(cfg.stale_after_seconds))) for name, p in cfg.pools.items()}
+        self.signals: Signals | None = None
+        self.changed = asyncio.Event()
+        r = self.registry = registry if registry is not None else CollectorRegistry()
+        self.m_desired = Gauge("kvgate_scaler_desired_replicas", "Replicas the control law asks for", ["pool"],
+                               registry=r)
+        self.m_rate = Gauge("kvgate_scaler_capacity_reject_ratio",
+                            "Capacity rejections / (admitted + capacity rejections) over the window", registry=r)
+        self.m_decisions = Counter("kvgate_scaler_decisions_total", "Law evaluations by action (up | down | hold)",
+                                   ["pool", "action"], registry=r)
+        self.m_policy = Gauge("kvgate_scaler_policy_problem",
+                              "1 while a tenant's flood holds a scale-up back (a quota problem)", ["pool", "tenant"],
+                              registry=r)
+        self.m_source = Gauge("kvgate_scaler_source_up", "1 when the last signal read succeeded", registry=r)
+
+    def read(self, now: float) -> Signals | None:
+        """The signals now (blocking HTTP: the server calls it off the event loop); None when unreadable."""
+        try:
+            return self.source.read(now)
+        except SourceError as e:
+            log.warning("signal_source_failed", error=str(e))
+            return None
+
+    def apply(self, sig: Signals | None, now: float) -> None:
+        """Run each pool's law on the signals and publish the verdicts."""
+        self.m_source.set(1 if sig is not None and sig.complete else 0)
+        if sig is not None:
+            self.signals = sig
+        for name, st in self.pools.items():
+            old = st.verdict
+            v = st.verdict = st.law.decide(sig, now)
+            if sig is not None and sig.complete:
+                st.active = sig.held > 0 or sig.demand > 0
+            self.m_desired.labels(name).set(v.desired)
+            self.m_decisions.labels(name, v.action).inc()
+            if v.reject_rate is not None:
+                self.m_rate.set(v.reject_rate)
+            self.m_policy.clear()
+            if v.policy_tenant is not None:
+                self.m_policy.labels(name, v.policy_tenant).set(1)
+                if old is None or old.policy_tenant != v.policy_tenant:
+                    log.warning("policy_problem", pool=name, tenant=v.policy_tenant, action=v.action,
+                                reason=v.reason, note="rejections concentrated in this tenant's quota")
+            if old is None or old.desired != v.desired or old.action != v.action:
+                log.info("scaling_decision", pool=name, desired=v.desired, action=v.action, reason=v.reason,
+                         reject_rate=None if v.reject_rate is None else round(v.reject_rate, 4))
+        self.changed.set()
+        self.changed = asyncio.Event()
+
+    def evaluate(self, now: float) -> None:
+        self.apply(self.read(now), now)
+
+    def pool(self, ref: pb.ScaledObjectRef) -> tuple[str, PoolState]:
+        name = ref.scalerMetadata.get("pool", "default")
+        st = self.pools.get(name)
+        if st is None:
+            raise KeyError(f"no pool {name!r} in the scaler's config (pools: {', '.join(sorted(self.pools))}); "
+                           "set scalerMetadata.pool")
+        return name, st
+
+
+class ExternalScalerServicer(pb_grpc.ExternalScalerServicer):
+    def __init__(self, scaler: Scaler) -> None:
+        self.s = scaler
+
+    async def _pool(self, ref: pb.ScaledObjectRef, context: Any) -> tuple[str, PoolState]:
+        try:
+            return self.s.pool(ref)
+        except KeyError as e:
+            await context.abort(grpc.StatusCode.NOT_FOUND, str(e.args[0]))
+            raise
+
+    async def IsActive(self, request: pb.ScaledObjectRef, context: Any) -> pb.IsActiveResponse:
+        _, st = await self._pool(request, context)
+        return pb.IsActiveResponse(result=st.active)
+
+    async def StreamIsActive(self, request: pb.ScaledObjectRef, context: Any) -> AsyncIterator[pb.IsActiveResponse]:
+        _, st = await self._pool(request, context)
+        last: bool | None = None
+        while True:
+            if st.active != last:
+                last = st.active
+                yield pb.IsActiveResponse(result=last)
+            await self.s.changed.wait()
+
+    async def GetMetricSpec(self, request: pb.ScaledObjectRef, context: Any) -> pb.GetMetricSpecResponse:
+        name, _ = await self._pool(request, context)
+        return pb.GetMetricSpecResponse(metricSpecs=[
+            pb.MetricSpec(metricName=METRIC_PREFIX + name, targetSize=1, targetSizeFloat=1.0)])
+
+    async def GetMetrics(self, request: pb.GetMetricsRequest, context: Any) -> pb.GetMetricsResponse:
+        name, st = await self._pool(request.scaledObjectRef, context)
+        asked = KEDA_PREFIX.sub("", request.metricName)
+        if asked and asked != METRIC_PREFIX + name:
+            await context.abort(grpc.StatusCode.NOT_FOUND,
+                                f"unknown metric {request.metricName!r}; this pool's is {METRIC_PREFIX + name!r}")
+        v = st.verdict
+        desired = v.desired if v is not None else st.law.s.min_replicas
+        return pb.GetMetricsResponse(metricValues=[
+            pb.MetricValue(metricName=request.metricName or METRIC_PREFIX + name, metricValue=desired,
+                           metricValueFloat=float(desired))])
+
+
+async def serve(cfg: ScalerConfig, source: Source | None = None) -> None:
+    scaler = Scaler(cfg, source or source_for(cfg))
+    server = grpc.aio.server()
+    pb_grpc.add_ExternalScalerServicer_to_server(ExternalScalerServicer(scaler), server)  # type: ignore[no-untyped-call]
+    if server.add_insecure_port(cfg.grpc_address) == 0:
+        raise OSError(f"grpc_address: cannot listen on {cfg.grpc_address}")
+    host, _, port = cfg.metrics_address.rpartition(":")
+    start_http_server(int(port), addr=host or "0.0.0.0", registry=scaler.registry)
+    await server.start()
+    log.info("scaler_serving", grpc=cfg.grpc_address, metrics=cfg.metrics_address, pools=sorted(cfg.pools),
+             source="prometheus" if cfg.source.prometheus else f"{len(cfg.source.kvgate)} kvgate replica(s)")
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+
+    async def tick() -> None:
+        while True:
+            now = time.monotonic()
+            try:
+                scaler.apply(await asyncio.to_thread(scaler.read, now), now)
+            except Exception:  # a bug must not freeze the verdicts KEDA reads: log it, keep evaluating
+                log.exception("scaler_evaluation_failed")
+            await asyncio.sleep(cfg.interval_seconds)
+
+    task = asyncio.create_task(tick())
+    await stop.wait()
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+    await server.stop(grace=0.5)
+
+
+def run(config_path: str, log_level: str = "info") -> int:
+    from .config import load_scaler_config
+
+    logs.setup(log_level)
+    cfg = load_scaler_config(config_path)
+    asyncio.run(serve(cfg))
+    return 0

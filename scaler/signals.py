@@ -1,0 +1,159 @@
+"""Where the scaler's signals come from: every kvgate replica's /metrics, or a Prometheus that scrapes them.
+
+Both give the same ``Signals``: per-tenant admitted and capacity-rejected requests over the window,
+policy rejections, requests held in kvgate's queues now, and the vLLM replicas kvgate sees. Shadow-mode
+would-be rejections are admits (they reached the fleet). The PromQL here is also what the README
+offers as a KEDA Prometheus trigger, for users who want no scaler service.
+"""
+
+from __future__ import annotations
+
+import json
+import urllib.parse
+import urllib.request
+from collections import deque
+from dataclasses import dataclass, field
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from .law import Signals
+
+# what one kvgate replica reports, cumulative
+Totals = dict[tuple[str, str], float]
+"""(kind, tenant) → count; kind: admitted | capacity | policy."""
+
+
+@dataclass(frozen=True)
+class Reading:
+    totals: Totals
+    held: float
+    nodes: int | None
+    """vLLM nodes this replica knows; None when it does not choose nodes (Envoy does)."""
+
+
+def parse_kvgate(text: str) -> Reading:
+    """One replica's exposition → cumulative counts (raises ValueError on text that is not one)."""
+    totals: Totals = {}
+    held = 0.0
+    nodes: int | None = None
+    seen = False
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            if s.name == "kvgate_requests_total":
+                seen = True
+                dec, cls, tenant = s.labels.get("decision"), s.labels.get("class"), s.labels.get("tenant", "")
+                kind = ("admitted" if dec in ("admit", "shadow_reject") else
+                        "capacity" if cls == "capacity" else "policy" if cls == "policy" else None)
+                if kind is not None:
+                    totals[(kind, tenant)] = totals.get((kind, tenant), 0.0) + s.value
+            elif s.name == "kvgate_queue_depth_requests":
+                held += s.value
+            elif s.name == "kvgate_nodes_total":
+                nodes = (nodes or 0) + int(s.value)
+            elif s.name == "kvgate_fleet_inflight_requests":
+                seen = True
+    if not seen:
+        raise ValueError("not a kvgate metrics page (no kvgate_requests_total / kvgate_fleet_inflight_requests)")
+    return Reading(totals, held, nodes)
+
+
+def _signals(at: float, delta: Totals, held: float, nodes: int | None, complete: bool) -> Signals:
+    by: dict[str, dict[str, float]] = {"admitted": {}, "capacity": {}, "policy": {}}
+    for (kind, tenant), v in delta.items():
+        by[kind][tenant] = by[kind].get(tenant, 0.0) + v
+    return Signals(at, by["admitted"], by["capacity"], by["policy"], held, nodes, complete)
+
+
+@dataclass
+class DirectSource:
+    """Scrapes every kvgate replica and differences its counters over ``window_s`` itself."""
+
+    urls: list[str]
+    window_s: float = 60.0
+    timeout_s: float = 2.0
+    _history: dict[str, deque[tuple[float, Totals]]] = field(default_factory=dict)
+
+    def fetch(self, url: str) -> str:
+        with urllib.request.urlopen(url, timeout=self.timeout_s) as r:
+            return str(r.read().decode())
+
+    def read(self, now: float) -> Signals:
+        delta: Totals = {}
+        held = 0.0
+        nodes: int | None = None
+        complete = bool(self.urls)
+        for url in self.urls:
+            try:
+                reading = parse_kvgate(self.fetch(url))
+            except (OSError, ValueError):
+                complete = False
+                continue
+            held += reading.held
+            if reading.nodes is not None:  # every replica sees the same fleet: the largest view
+                nodes = max(nodes or 0, reading.nodes)
+            h = self._history.setdefault(url, deque())
+            h.append((now, reading.totals))
+            while len(h) > 2 and h[1][0] <= now - self.window_s:
+                h.popleft()
+            base = h[0][1] if len(h) > 1 else {}
+            for k, v in reading.totals.items():
+                before = base.get(k, 0.0)
+                d = v - before if v >= before else v  # a counter reset: the replica restarted
+                delta[k] = delta.get(k, 0.0) + d
+        return _signals(now, delta, held, nodes, complete)
+
+
+QUERIES = {
+    "admitted": 'sum by (tenant) (increase(kvgate_requests_total{decision=~"admit|shadow_reject"}[%s]))',
+    "capacity": 'sum by (tenant) (increase(kvgate_requests_total{decision="reject",class="capacity"}[%s]))',
+    "policy": 'sum by (tenant) (increase(kvgate_requests_total{decision="reject",class="policy"}[%s]))',
+    "held": "sum(kvgate_queue_depth_requests)",
+    "nodes": "max(sum by (instance) (kvgate_nodes_total))",
+    "replicas_up": 'count(up{job="%s"} == 1)',
+    "replicas_all": 'count(up{job="%s"})',
+}
+
+_CAP = '(sum(rate(kvgate_requests_total{decision="reject",class="capacity"}[2m])) or vector(0))'
+_ADM = '(sum(rate(kvgate_requests_total{decision=~"admit|shadow_reject"}[2m])) or vector(0))'
+TRIGGER_QUERY = f"{_CAP} / clamp_min({_ADM} + {_CAP}, 1e-9)"
+"""The simple path (README): the capacity reject ratio as a KEDA Prometheus trigger, metricType Value."""
+
+
+@dataclass
+class PrometheusSource:
+    """Asks a Prometheus (instant queries over ``window_s``); ``job`` is kvgate's scrape job."""
+
+    url: str
+    job: str = "kvgate"
+    window_s: float = 60.0
+    timeout_s: float = 2.0
+
+    def query(self, q: str) -> list[tuple[dict[str, str], float]]:
+        u = self.url.rstrip("/") + "/api/v1/query?" + urllib.parse.urlencode({"query": q})
+        with urllib.request.urlopen(u, timeout=self.timeout_s) as r:
+            doc = json.loads(r.read())
+        if doc.get("status") != "success":
+            raise ValueError(f"prometheus: {doc.get('error', doc)}")
+        return [(x.get("metric", {}), float(x["value"][1])) for x in doc["data"]["result"]]
+
+    def read(self, now: float) -> Signals:
+        w = f"{int(self.window_s)}s"
+        try:
+            delta: Totals = {}
+            for kind in ("admitted", "capacity", "policy"):
+                for labels, v in self.query(QUERIES[kind] % w):
+                    delta[(kind, labels.get("tenant", ""))] = v
+            held = sum(v for _, v in self.query(QUERIES["held"]))
+            node_rows = self.query(QUERIES["nodes"])
+            up = sum(v for _, v in self.query(QUERIES["replicas_up"] % self.job))
+            total = sum(v for _, v in self.query(QUERIES["replicas_all"] % self.job))
+        except (OSError, ValueError, KeyError) as e:
+            raise SourceError(f"prometheus at {self.url}: {e}") from e
+        if total == 0:
+            raise SourceError(f"prometheus at {self.url}: no scrape target in job {self.job!r}")
+        nodes = int(node_rows[0][1]) if node_rows else None
+        return _signals(now, delta, held, nodes, complete=up == total)
+
+
+class SourceError(Exception):
+    """The signal source could not be read: the law holds."""

@@ -1,0 +1,126 @@
+"""The scaler's control law, table-driven, with an injected clock."""
+
+from __future__ import annotations
+
+import pytest
+
+from scaler.law import ControlLaw, LawSettings, Signals
+
+
+def sig(at: float, admitted: float = 100, rejected: float = 0, replicas: int | None = 2, held: float = 0,
+        complete: bool = True, by: dict[str, float] | None = None, policy: dict[str, float] | None = None) -> Signals:
+    adm = {"a": admitted / 2, "b": admitted / 2}
+    rej = by if by is not None else {"a": rejected / 2, "b": rejected / 2}
+    return Signals(at, adm, rej, policy or {}, held, replicas, complete)
+
+
+S = LawSettings(min_replicas=1, max_replicas=8, step=2, cooldown_s=600)
+
+
+@pytest.mark.parametrize(("rejected", "action", "desired"), [
+    (50, "up", 4),     # 50 / 150 = 33% > 25%: +2
+    (40, "up", 4),     # 40 / 140 = 28.6%
+    (30, "hold", 2),   # 30 / 130 = 23%: between the thresholds
+    (15, "hold", 2),   # 15 / 115 = 13%
+    (0, "hold", 2),    # low, but the cooldown has only started
+])
+def test_one_evaluation(rejected: float, action: str, desired: int) -> None:
+    v = ControlLaw(S).decide(sig(0, rejected=rejected), 0)
+    assert (v.action, v.desired) == (action, desired), v.reason
+
+
+def test_policy_rejections_never_scale_up() -> None:
+    v = ControlLaw(S).decide(sig(0, rejected=0, policy={"a": 5000, "b": 5000}), 0)
+    assert v.action == "hold" and v.desired == 2 and v.reject_rate == 0
+
+
+def test_scale_down_only_after_a_whole_cooldown_of_low_rejections_one_at_a_time() -> None:
+    law = ControlLaw(S)
+    law.decide(sig(0, replicas=4), 0)
+    steps = [(t, law.decide(sig(t, replicas=4 if t < 700 else 3), t)) for t in range(0, 1400, 50)]
+    downs = [(t, v.desired) for t, v in steps if v.action == "down"]
+    assert downs == [(600, 3), (1200, 2)]
+
+
+def test_an_in_between_rate_restarts_the_cooldown() -> None:
+    law = ControlLaw(S)
+    law.decide(sig(0, replicas=4), 0)
+    law.decide(sig(500, replicas=4), 500)
+    law.decide(sig(550, rejected=15, replicas=4), 550)  # 13%: between the thresholds
+    assert law.decide(sig(700, replicas=4), 700).action == "hold"
+    assert law.decide(sig(1300, replicas=4), 1300).action == "down"
+
+
+@pytest.mark.parametrize("bad", ["none", "stale", "incomplete"])
+def test_no_data_holds_and_never_scales_down(bad: str) -> None:
+    law = ControlLaw(S)
+    law.decide(sig(0, replicas=4), 0)
+    for t in range(0, 3000, 100):
+        s = None if bad == "none" else sig(t - 100 if bad == "stale" else t, replicas=4, complete=bad != "incomplete")
+        v = law.decide(s, t + (70 if bad == "stale" else 0))
+        assert v.action == "hold" and v.desired == 4, v.reason
+
+
+def test_a_scale_up_is_not_repeated_while_its_replicas_are_loading() -> None:
+    law = ControlLaw(S)
+    assert law.decide(sig(0, rejected=80, replicas=2), 0).desired == 4
+    for t in (30, 60, 90):  # still 2 up, rejections go on: expected during a cold start
+        v = law.decide(sig(t, rejected=80, replicas=2), t)
+        assert (v.action, v.desired) == ("hold", 4) and "already asked" in v.reason
+    assert law.decide(sig(120, rejected=80, replicas=4), 120).desired == 6  # they came, still short: +2
+
+
+def test_rejections_concentrated_in_one_tenants_quota_are_a_policy_problem() -> None:
+    # tenant "rag" is far over its quota (429s) and its overflow is also most of the 503s
+    v = ControlLaw(S).decide(sig(0, admitted=100, by={"rag": 45, "a": 3}, policy={"rag": 400}), 0)
+    assert (v.action, v.desired, v.policy_tenant) == ("hold", 2, "rag") and "quota" in v.reason
+    # the same quota problem, but the other tenants are short of capacity too: scale up, and report it
+    v = ControlLaw(S).decide(sig(0, admitted=100, by={"rag": 45, "a": 60}, policy={"rag": 400}), 0)
+    assert (v.action, v.policy_tenant) == ("up", "rag")
+    # 503s concentrated in one tenant without any quota trouble: capacity, scale up
+    v = ControlLaw(S).decide(sig(0, admitted=100, by={"rag": 95, "a": 2}), 0)
+    assert (v.action, v.policy_tenant) == ("up", None)
+    # 429s spread over tenants: nobody's problem in particular
+    v = ControlLaw(S).decide(sig(0, policy={"a": 50, "b": 50}), 0)
+    assert v.policy_tenant is None
+
+
+def test_bounds_and_warm_pool() -> None:
+    law = ControlLaw(LawSettings(min_replicas=1, max_replicas=5, step=2, warm_pool=1))
+    assert law.decide(sig(0, rejected=80, replicas=2), 0).desired == 4  # demand 1 -> 3, +1 warm
+    v = law.decide(sig(10, rejected=80, replicas=4), 10)
+    assert (v.action, v.desired) == ("up", 5)  # demand 3 -> 5; + warm would be 6: capped at max 5
+    v = law.decide(sig(20, rejected=80, replicas=5), 20)
+    assert (v.action, v.desired) == ("hold", 5) and "bounded" in v.reason
+    low = ControlLaw(LawSettings(min_replicas=2, max_replicas=5, cooldown_s=10))
+    low.decide(sig(0, replicas=2), 0)
+    v = low.decide(sig(20, replicas=2), 20)
+    assert v.desired == 2 and v.action == "hold"  # at the floor
+
+
+def test_scale_from_zero_when_requests_are_held() -> None:
+    law = ControlLaw(LawSettings(min_replicas=0, max_replicas=4))
+    idle = Signals(0, {}, {}, {}, 0, 0, True)
+    assert law.decide(idle, 0).desired == 0
+    waiting = Signals(5, {}, {}, {}, 3, 0, True)
+    v = law.decide(waiting, 5)
+    assert (v.action, v.desired) == ("up", 1)
+
+
+def test_signals_from_a_real_kvgate_exposition() -> None:
+    from prometheus_client import generate_latest
+
+    from ext_proc.admission import Decision, Rejection
+    from ext_proc.config import parse_config
+    from ext_proc.server import Gateway
+    from scaler.signals import parse_kvgate
+
+    gw = Gateway(parse_config({"tenants": [{"name": "a"}, {"name": "b"}]}))
+    assert parse_kvgate(generate_latest(gw.stats.registry).decode()).nodes is None  # Envoy picks: unknown
+    gw.stats.decision(Decision("a", "standard", None, Rejection(503, "queue-timeout", "capacity", "")))
+    gw.stats.decision(Decision("b", "standard", None, Rejection(429, "tenant-tokens", "policy", "")))
+    r = parse_kvgate(generate_latest(gw.stats.registry).decode())
+    assert r.totals == {("capacity", "a"): 1, ("policy", "b"): 1}
+    with_nodes = Gateway(parse_config({"nodes": {"static": [{"address": "10.0.0.1:8000", "probe": "http://p"}]}}))
+    with_nodes.export_nodes()
+    assert parse_kvgate(generate_latest(with_nodes.stats.registry).decode()).nodes == 1
