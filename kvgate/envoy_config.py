@@ -20,7 +20,7 @@ The design, and why:
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -366,10 +366,18 @@ def dump(doc: dict[str, Any], header: str = HEADER) -> str:
     return header + yaml.safe_dump(doc, sort_keys=False, width=120)
 
 
+HELM_FILES = ENVOY_DIR.parent / "helm" / "kvgate" / "files"
+HELM_HOST, HELM_PORT = "KVGATE_EXTPROC_HOST", 19001
+"""Sentinels in the chart's copy of the snippet: the chart puts its Service name and gRPC port there."""
+
+
 def shipped() -> dict[Path, str]:
-    """The files committed under envoy/, rendered with default parameters."""
+    """The files committed under envoy/ (and the chart's copy of the snippet), rendered with default
+    parameters."""
     p = EnvoyParams()
     return {
         ENVOY_DIR / "bootstrap.yaml": dump(bootstrap(p)),
         ENVOY_DIR / "ext_proc-filter.yaml": dump(snippet(p), SNIPPET_HEADER),
+        HELM_FILES / "envoy-snippet.yaml": dump(snippet(replace(p, extproc_host=HELM_HOST, extproc_port=HELM_PORT)),
+                                                SNIPPET_HEADER),
     }

@@ -45,13 +45,16 @@ class Pool(_Strict):
 class Source(_Strict):
     kvgate: list[Annotated[str, Field(pattern=r"^https?://")]] = Field(
         default_factory=list, description="every kvgate replica's metrics URL")
+    kvgate_dns: Annotated[str, Field(pattern=r"^[^\s:/]+:\d{1,5}$")] | None = Field(
+        default=None, description="host:port of a headless Service of kvgate's metrics: every address is a replica")
     prometheus: Annotated[str, Field(pattern=r"^https?://")] | None = None
     job: str = Field(default="kvgate", description="kvgate's scrape job in Prometheus")
 
     @model_validator(mode="after")
     def _one(self) -> Source:
-        if bool(self.kvgate) == bool(self.prometheus):
-            raise ValueError("source: set exactly one of source.kvgate (metrics URLs) or source.prometheus")
+        if bool(self.kvgate or self.kvgate_dns) == bool(self.prometheus):
+            raise ValueError("source: set either source.kvgate / source.kvgate_dns (kvgate's metrics) or "
+                             "source.prometheus, not both")
         return self
 
 

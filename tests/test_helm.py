@@ -1,0 +1,186 @@
+"""The Helm chart with a real helm: lint, render for several Kubernetes versions, validate what it renders.
+
+Core kinds are checked with kubernetes-validate --strict; the ScaledObject against KEDA's CRD schema
+(../shared/reference); kvgate's and the scaler's configs with their own loaders; the Envoy pieces by
+the real Envoy. ServiceMonitor, EnvoyFilter and EnvoyExtensionPolicy have no schema here: only their
+shape is checked.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import kubernetes_validate
+import pytest
+import yaml
+
+from ext_proc.config import parse_config
+from scaler.config import ScalerConfig
+from tests.helpers import helm_binary
+from tests.test_envoy_config import merged_into_a_foreign_envoy, validate
+
+ROOT = Path(__file__).resolve().parents[1]
+CHART = ROOT / "helm" / "kvgate"
+CRD = ROOT.parent / "shared" / "reference" / "keda-scaledobject-crd.yaml"
+APIS = ["keda.sh/v1alpha1", "monitoring.coreos.com/v1", "networking.istio.io/v1alpha3",
+        "gateway.envoyproxy.io/v1alpha1"]
+VALUES = {"config": {"tenants": [{"name": "chat", "tier": "interactive",
+                                  "api_key_sha256": ["a" * 64]}],
+                     "nodes": {"dns": {"name": "vllm.llm.svc.cluster.local"}}},
+          "pools": [{"name": "llama-8b", "scaleTargetRef": {"kind": "Deployment", "name": "vllm-8b"},
+                     "minReplicas": 1, "maxReplicas": 6, "step": 2, "scaleUpThreshold": 0.25,
+                     "scaleDownThreshold": 0.05, "cooldownSeconds": 600, "warmPool": 1}],
+          "probe": {"daemonset": {"enabled": True}}}
+
+
+def helm(*args: str, values: dict[str, Any] | None = None, tmp: Path | None = None,
+         check: bool = True) -> subprocess.CompletedProcess[str]:
+    cmd = [helm_binary(), *args]
+    if values is not None:
+        assert tmp is not None
+        f = tmp / "values.yaml"
+        f.write_text(yaml.safe_dump(values))
+        cmd += ["-f", str(f)]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    if check:
+        assert r.returncode == 0, r.stderr
+    return r
+
+
+def render(tmp: Path, kube: str = "1.33.0", apis: list[str] = APIS, **extra: Any) -> list[dict[str, Any]]:
+    args = ["template", "demo", str(CHART), "--namespace", "llm", "--kube-version", kube]
+    for a in apis:
+        args += ["--api-versions", a]
+    out = helm(*args, values={**VALUES, **extra}, tmp=tmp).stdout
+    return [d for d in yaml.safe_load_all(out) if d]
+
+
+def of(docs: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
+    return [d for d in docs if d["kind"] == kind]
+
+
+def test_lint_strict(tmp_path: Path) -> None:
+    r = helm("lint", "--strict", str(CHART), values=VALUES, tmp=tmp_path)
+    assert "0 chart(s) failed" in r.stdout
+
+
+@pytest.mark.parametrize("kube", ["1.27.0", "1.30.0", "1.33.0", "1.35.0"])
+def test_every_rendered_core_manifest_is_valid_kubernetes(tmp_path: Path, kube: str) -> None:
+    docs = render(tmp_path, kube)
+    core = [d for d in docs if "/" not in d["apiVersion"] or d["apiVersion"].split("/")[0].endswith(".k8s.io")
+            or d["apiVersion"].split("/")[0] in ("apps", "policy")]
+    assert {d["kind"] for d in core} >= {"Deployment", "Service", "ConfigMap", "PodDisruptionBudget",
+                                         "NetworkPolicy", "DaemonSet"}
+    for d in core:
+        kubernetes_validate.validate(d, kube, strict=True)
+
+
+def test_the_scaled_object_matches_kedas_crd(tmp_path: Path) -> None:
+    if not CRD.is_file():
+        pytest.skip("../shared/reference is not beside this checkout")
+    crd = yaml.safe_load(CRD.read_text())
+    schema = next(v for v in crd["spec"]["versions"] if v["name"] == "v1alpha1")["schema"]["openAPIV3Schema"]
+    (so,) = of(render(tmp_path), "ScaledObject")
+    jsonschema.validate(so, schema)
+    assert so["spec"]["minReplicaCount"] == 1 and so["spec"]["maxReplicaCount"] == 6
+    trig = so["spec"]["triggers"][0]
+    assert trig["type"] == "external" and trig["metadata"]["pool"] == "llama-8b"
+    assert trig["metadata"]["scalerAddress"] == "demo-kvgate-scaler.llm.svc.cluster.local:9105"
+    behaviour = so["spec"]["advanced"]["horizontalPodAutoscalerConfig"]["behavior"]
+    assert behaviour["scaleUp"]["policies"][0]["value"] == 2  # in steps of the law's step
+    assert behaviour["scaleDown"]["stabilizationWindowSeconds"] == 600  # with the cooldown
+    broken = json.loads(json.dumps(so))
+    broken["spec"]["triggers"][0].pop("type")
+    with pytest.raises(jsonschema.ValidationError):  # the schema really checks
+        jsonschema.validate(broken, schema)
+
+
+def test_optional_apis_render_only_where_the_cluster_has_them(tmp_path: Path) -> None:
+    bare = {d["kind"] for d in render(tmp_path, apis=[])}
+    assert not bare & {"ScaledObject", "ServiceMonitor", "EnvoyFilter", "EnvoyExtensionPolicy"}
+    full = render(tmp_path)
+    monitors = {m["spec"]["selector"]["matchLabels"]["app.kubernetes.io/component"]: m["spec"]["endpoints"][0]
+                for m in of(full, "ServiceMonitor")}
+    assert set(monitors) == {"extproc", "scaler"} and all(e["port"] == "metrics" for e in monitors.values())
+    # job="kvgate", as the shipped rules, the dashboard and the scaler's Prometheus source expect
+    assert monitors["extproc"]["relabelings"] == [{"targetLabel": "job", "replacement": "kvgate"}]
+    (istio,) = of(render(tmp_path, envoy={"mode": "istio"}), "EnvoyFilter")
+    assert {p["applyTo"] for p in istio["spec"]["configPatches"]} == {"HTTP_FILTER", "NETWORK_FILTER", "CLUSTER"}
+    (eg,) = of(render(tmp_path, envoy={"mode": "envoy-gateway"}), "EnvoyExtensionPolicy")
+    assert eg["spec"]["extProc"][0]["backendRefs"] == [{"name": "demo-kvgate", "port": 9001}]
+    assert "kvgate" in eg["spec"]["lua"][0]["inline"]
+
+
+def test_the_rendered_configs_load_in_kvgate_and_the_scaler(tmp_path: Path) -> None:
+    docs = render(tmp_path)
+    cms = {d["metadata"]["name"]: d["data"] for d in of(docs, "ConfigMap")}
+    cfg = parse_config(yaml.safe_load(cms["demo-kvgate"]["kvgate.yaml"]))
+    assert cfg.server.grpc_address == "0.0.0.0:9001" and cfg.tenants[0].name == "chat"
+    sc = ScalerConfig.model_validate(yaml.safe_load(cms["demo-kvgate-scaler"]["scaler.yaml"]))
+    assert sc.source.kvgate_dns == "demo-kvgate-metrics.llm.svc.cluster.local:9101"
+    assert sc.pools["llama-8b"].warm_pool == 1
+    dash = json.loads(cms["demo-kvgate-dashboard"]["kvgate.json"])
+    assert len(dash["panels"]) >= 10
+
+
+def test_a_config_change_rolls_the_pods(tmp_path: Path) -> None:
+    def checksum(**extra: Any) -> str:
+        (dep,) = [d for d in of(render(tmp_path, **extra), "Deployment") if d["metadata"]["name"] == "demo-kvgate"]
+        return str(dep["spec"]["template"]["metadata"]["annotations"]["checksum/config"])
+
+    assert checksum() != checksum(config={"mode": "shadow", "tenants": []})
+
+
+def test_only_envoy_reaches_the_ext_proc_port(tmp_path: Path) -> None:
+    (np,) = of(render(tmp_path), "NetworkPolicy")
+    grpc_rule = next(r for r in np["spec"]["ingress"] if r["ports"][0]["port"] == 9001)
+    assert grpc_rule["from"] == [{"podSelector": {"matchLabels": {"app.kubernetes.io/name": "envoy"}}}]
+
+
+@pytest.mark.parametrize(("values", "error"), [
+    ({"replicaCount": 0}, "/replicaCount"),
+    ({"envoy": {"mode": "nginx"}}, "/envoy/mode"),
+    ({"scaler": {"replicas": 2}}, "'replicas' not allowed"),
+    ({"pools": [{"name": "x"}]}, "/pools/0"),
+    ({"scaler": {"source": "prometheus"}}, "scaler.prometheusUrl is required"),
+])
+def test_bad_values_get_a_clear_error(tmp_path: Path, values: dict[str, Any], error: str) -> None:
+    r = helm("template", "demo", str(CHART), values={**VALUES, **values}, tmp=tmp_path, check=False)
+    assert r.returncode != 0 and error in r.stderr, r.stderr
+
+
+def test_the_charts_envoy_pieces_are_accepted_by_envoy(tmp_path: Path) -> None:
+    (cm,) = [d for d in of(render(tmp_path), "ConfigMap") if d["metadata"]["name"] == "demo-kvgate-envoy"]
+    snip = yaml.safe_load(cm["data"]["ext_proc-filter.yaml"])
+    addr = snip["clusters"][0]["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"]["address"]
+    assert addr["socket_address"] == {"address": "demo-kvgate.llm.svc.cluster.local", "port_value": 9001}
+    p = tmp_path / "envoy.yaml"
+    p.write_text(yaml.safe_dump(merged_into_a_foreign_envoy(snip)))
+    validate(p)
+
+
+def selects(selector: dict[str, str], labels: dict[str, str]) -> bool:
+    return all(labels.get(k) == v for k, v in selector.items())
+
+
+def test_every_selector_picks_exactly_one_workloads_pods(tmp_path: Path) -> None:
+    docs = render(tmp_path)
+    pods = {d["metadata"]["name"]: d["spec"]["template"]["metadata"]["labels"]
+            for d in docs if d["kind"] in ("Deployment", "DaemonSet")}
+    assert len(pods) == 3  # kvgate, the scaler, the probe DaemonSet
+    chosen = {}
+    for d in docs:
+        sel = {"Service": lambda d: d["spec"]["selector"],
+               "PodDisruptionBudget": lambda d: d["spec"]["selector"]["matchLabels"],
+               "NetworkPolicy": lambda d: d["spec"]["podSelector"]["matchLabels"],
+               "Deployment": lambda d: d["spec"]["selector"]["matchLabels"],
+               "DaemonSet": lambda d: d["spec"]["selector"]["matchLabels"]}.get(d["kind"])
+        if sel is not None:
+            chosen[(d["kind"], d["metadata"]["name"])] = [n for n, lab in pods.items() if selects(sel(d), lab)]
+    assert all(len(v) == 1 for v in chosen.values()), chosen  # e.g. kvgate's Service never reaches the scaler
+    assert chosen[("Service", "demo-kvgate")] == ["demo-kvgate"]
+    assert chosen[("Service", "demo-kvgate-scaler")] == ["demo-kvgate-scaler"]

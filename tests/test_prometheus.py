@@ -1,0 +1,128 @@
+"""The Prometheus path against a real Prometheus (Debian's) scraping a real kvgate behind Envoy.
+
+The scaler's Prometheus source, the README's KEDA trigger query, the shipped recording/alert rules
+(promtool) and every query of the Grafana dashboard run there and return data.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import yaml
+
+from ext_proc.identity import hash_key
+from kvgate.stack import Stack, free_port, wait_port
+from scaler.signals import TRIGGER_QUERY, PrometheusSource
+from tests.helpers import chat, post, wait_for
+
+ROOT = Path(__file__).resolve().parents[1]
+RULES = ROOT / "helm" / "kvgate" / "files" / "prometheus-rules.yaml"
+DASHBOARD = ROOT / "helm" / "kvgate" / "files" / "dashboard.json"
+KEYS = {"app": "sk-p-app", "quota": "sk-p-quota"}
+
+if shutil.which("prometheus") is None or shutil.which("promtool") is None:
+    if os.environ.get("CI"):
+        raise RuntimeError("CI must have Debian's prometheus package (the Makefile installs it as root)")
+    pytest.skip("prometheus/promtool not installed (apt-get install prometheus)", allow_module_level=True)
+
+
+def test_the_shipped_rules_pass_promtool_and_record_the_trigger_query() -> None:
+    r = subprocess.run(["promtool", "check", "rules", str(RULES)], capture_output=True, text=True)
+    assert r.returncode == 0, r.stdout + r.stderr
+    rules = yaml.safe_load(RULES.read_text())["groups"][0]["rules"]
+    assert rules[0]["expr"] == TRIGGER_QUERY  # the recorded signal is the documented trigger
+
+
+@pytest.fixture(scope="module")
+def scraped(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Stack, str]]:
+    tmp = tmp_path_factory.mktemp("prom")
+    cfg = {"fleet": {"max_inflight": 1},
+           "tiers": {"standard": {"priority": 1, "max_queue_wait_ms": 300}},
+           "tenants": [{"name": "app", "api_key_sha256": [hash_key(KEYS["app"])]},
+                       {"name": "quota", "api_key_sha256": [hash_key(KEYS["quota"])], "requests_per_minute": 2,
+                        "request_burst": 1}]}
+    st = Stack(tmp / "stack", cfg, sim_args=["--num-gpu-blocks", "400", "--served-model-name", "standin-8b"],
+               nodes=True)
+    st.start()
+    port = free_port()
+    metrics = st.metrics_url.removeprefix("http://").removesuffix("/metrics")
+    (tmp / "prometheus.yml").write_text(yaml.safe_dump({
+        "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
+        "rule_files": [str(RULES)],
+        "scrape_configs": [{"job_name": "kvgate", "static_configs": [{"targets": [metrics]}]}]}))
+    check = subprocess.run(["promtool", "check", "config", str(tmp / "prometheus.yml")], capture_output=True,
+                           text=True)
+    assert check.returncode == 0, check.stdout + check.stderr
+    log = open(tmp / "prometheus.log", "wb")  # noqa: SIM115
+    proc = subprocess.Popen(["prometheus", f"--config.file={tmp / 'prometheus.yml'}",
+                             f"--storage.tsdb.path={tmp / 'data'}", f"--web.listen-address=127.0.0.1:{port}"],
+                            stdout=log, stderr=subprocess.STDOUT)
+    try:
+        wait_port(port, proc=proc)
+        # Prometheus starts scraping only after its first target-discovery sync (up to ~5 s)
+        prom = PrometheusSource(f"http://127.0.0.1:{port}")
+        wait_for(lambda: bool(prom.query('up{job="kvgate"} == 1')), timeout=30, what="the first scrape")
+        # traffic over a few scrapes: admits, quota 429s, and 503s while one slot is held
+        for _ in range(3):
+            hog = threading.Thread(target=post, args=(st.url + "/v1/chat/completions",
+                                                      {**chat("hog", max_tokens=120), "ignore_eos": True},
+                                                      KEYS["app"]))
+            hog.start()
+            time.sleep(0.2)
+            for _ in range(4):
+                post(st.url + "/v1/chat/completions", chat("x", max_tokens=2), KEYS["app"])
+                post(st.url + "/v1/chat/completions", chat("q", max_tokens=2), KEYS["quota"])
+            hog.join()
+            time.sleep(1.0)
+        yield st, f"http://127.0.0.1:{port}"
+    finally:
+        proc.terminate()
+        proc.wait(10)
+        st.stop()
+
+
+def test_the_scalers_prometheus_source_reads_kvgates_signals(scraped: tuple[Stack, str]) -> None:
+    _, url = scraped
+    src = PrometheusSource(url, window_s=60)
+
+    def ready() -> bool:
+        s = src.read(time.monotonic())
+        return s.capacity_rejected.get("app", 0) > 0 and s.policy_rejected.get("quota", 0) > 0
+
+    wait_for(ready, timeout=30, what="increase() over the scraped counters")
+    s = src.read(time.monotonic())
+    assert s.complete and s.replicas == 1  # one node, as kvgate_nodes_total says
+    assert s.admitted.get("app", 0) > 0 and s.reject_rate is not None and 0 < s.reject_rate < 1
+
+
+def test_the_trigger_query_and_the_recorded_series_give_the_same_ratio(scraped: tuple[Stack, str]) -> None:
+    _, url = scraped
+    src = PrometheusSource(url)
+    wait_for(lambda: bool(src.query("kvgate:capacity_reject_ratio:rate2m")), timeout=30, what="recording rule")
+    (row,) = src.query(TRIGGER_QUERY)
+    assert 0 < row[1] < 1
+    (rec,) = src.query("kvgate:capacity_reject_ratio:rate2m")
+    assert abs(rec[1] - row[1]) < 0.25  # the same signal (evaluated a moment apart)
+
+
+def test_every_dashboard_query_runs_and_the_kvgate_ones_return_data(scraped: tuple[Stack, str]) -> None:
+    _, url = scraped
+    src = PrometheusSource(url)
+    dash = json.loads(DASHBOARD.read_text())
+    empty = []
+    for panel in dash["panels"]:
+        for t in panel["targets"]:
+            q = t["expr"].replace("$__rate_interval", "1m")
+            rows = src.query(q)  # raises on a PromQL error
+            if not rows:
+                empty.append(panel["title"])
+    # the scaler is not scraped here, and no breaker or latency quantile needs data to be a valid query
+    assert set(empty) <= {"Scaler: desired replicas by pool", "Queue wait p99 by tier"}, empty
