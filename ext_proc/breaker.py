@@ -43,6 +43,9 @@ class BreakerSettings:
     close_latency_multiplier: float = 1.5
     baseline_alpha: float = 0.1
     min_baseline_samples: int = 5
+    latency_trip_readings: int = 3
+    """Consecutive slow readings (with new latency) before a latency trip: one busy interval with a
+    few unlucky requests is noise, a node that stays slow is not."""
 
 
 class Breaker:
@@ -56,6 +59,7 @@ class Breaker:
         self._trials_left = 0
         self._trial_ok = 0
         self._healthy = True
+        self._slow_readings = 0
         self._on_transition = on_transition
 
     def _go(self, new: State, why: str, now: float) -> None:
@@ -67,23 +71,34 @@ class Breaker:
         if self._on_transition is not None:
             self._on_transition(old, new, why)
 
-    def observe(self, kv: float | None, prefill_s: float | None, now: float, may_trip_on_latency: bool = True) -> None:
-        """A fresh probe reading. ``may_trip_on_latency``: False when the fleet already has as many
-        breakers open as it allows (a slow reading then does not open this one, nor count as healthy)."""
+    def observe(self, kv: float | None, prefill_s: float | None, now: float, may_trip_on_latency: bool = True,
+                reference: float | None = None) -> None:
+        """A fresh probe reading. ``prefill_s``: None when the reading has no new latency (no request
+        finished since the last one). ``may_trip_on_latency``: False when the fleet already has as many
+        breakers open as it allows (a slow reading then does not open this one, nor count as healthy).
+        ``reference``: what the node's peers read now; a node is slow only against both its own healthy
+        past and its peers, so a fleet that is merely loaded trips nothing."""
         self._tick(now)
         s = self.s
-        slow = (prefill_s is not None and self.baseline is not None and self._samples >= s.min_baseline_samples
-                and prefill_s > s.latency_multiplier * self.baseline)
+        bar = None if self.baseline is None or self._samples < s.min_baseline_samples else (
+            self.baseline if reference is None else max(self.baseline, reference))
+        slow = prefill_s is not None and bar is not None and prefill_s > s.latency_multiplier * bar
+        if prefill_s is not None:
+            self._slow_readings = self._slow_readings + 1 if slow else 0
+        if slow and self.state is State.CLOSED and self._slow_readings < s.latency_trip_readings:
+            slow = False  # not yet: it has to stay slow
         if slow and self.state is State.CLOSED and not may_trip_on_latency:
             return
         full = kv is not None and kv > s.kv_threshold
-        self._healthy = (kv is None or kv < s.close_kv) and (
-            prefill_s is None or self.baseline is None or prefill_s < s.close_latency_multiplier * self.baseline)
+        kv_ok = kv is None or kv < s.close_kv
+        self._healthy = kv_ok and (prefill_s is None or bar is None or prefill_s < s.close_latency_multiplier * bar)
         if self.state is State.CLOSED:
             if full or slow:
+                against = "baseline" if reference is None or bar == self.baseline else "the peers'"
                 self._go(State.OPEN, f"kv {kv:.2f} > {s.kv_threshold}" if full else
-                         f"prefill {prefill_s:.3f}s > {s.latency_multiplier} x baseline {self.baseline:.3f}s", now)
-            elif prefill_s is not None and self._healthy:
+                         f"prefill {prefill_s:.3f}s > {s.latency_multiplier} x {against} {bar:.3f}s", now)
+            elif prefill_s is not None and kv_ok and (
+                    self.baseline is None or prefill_s < s.close_latency_multiplier * self.baseline):
                 self._samples += 1
                 self.baseline = prefill_s if self.baseline is None else (
                     self.baseline + s.baseline_alpha * (prefill_s - self.baseline))

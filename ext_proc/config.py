@@ -201,6 +201,8 @@ class BreakerConfig(_Strict):
     half_open_requests: PositiveInt = 5
     close_kv: Annotated[float, Field(gt=0, le=1)] = 0.85
     close_latency_multiplier: Annotated[float, Field(gt=1)] = 1.5
+    latency_trip_readings: PositiveInt = Field(
+        default=3, description="consecutive slow probe readings (each with new latency) before a latency trip")
     max_open_fraction: Annotated[float, Field(ge=0, le=1)] = Field(
         default=0.5, description="latency trips may open breakers on at most this fraction of the nodes "
         "(never on the last closed one): a whole fleet slowing down is load, not a sick node"

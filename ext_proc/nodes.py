@@ -57,6 +57,8 @@ class Node:
     reading does not show them (taken as kvgate's newest requests sent before it: vLLM is FCFS)."""
     waiting_prompt: int = 0
     drain_tokens_per_s: float | None = None
+    latency: float | None = None
+    """The last *new* prefill latency reading (s per 1k prompt tokens): what its peers are compared with."""
     _last_completion: float | None = None
 
     @property
@@ -116,7 +118,8 @@ def breaker_settings(cfg: Nodes) -> BreakerSettings:
     b = cfg.breaker
     return BreakerSettings(kv_threshold=b.kv_threshold, latency_multiplier=b.latency_multiplier,
                            recovery_window_s=b.recovery_window_seconds, half_open_requests=b.half_open_requests,
-                           close_kv=b.close_kv, close_latency_multiplier=b.close_latency_multiplier)
+                           close_kv=b.close_kv, close_latency_multiplier=b.close_latency_multiplier,
+                           latency_trip_readings=b.latency_trip_readings)
 
 
 class Fleet:
@@ -171,7 +174,20 @@ class Fleet:
             n.pending_tokens -= tokens
             n.pending_prompt -= prompt
         n._count_waiting()
-        n.breaker.observe(snap.kv_usage, snap.prefill_s_per_ktok, now, self._may_open_another())
+        latency = snap.prefill_s_per_ktok if snap.latency_fresh is not False else None
+        if latency is not None:
+            n.latency = latency
+        n.breaker.observe(snap.kv_usage, latency, now, self._may_open_another(), self._peer_latency(n, now))
+
+    def _peer_latency(self, node: Node, now: float) -> float | None:
+        """The median recent prefill latency of the other fresh, closed nodes: what this node is
+        compared with, besides its own past."""
+        xs = sorted(n.latency for n in self.nodes.values() if n is not node and n.latency is not None
+                    and n.breaker.state is State.CLOSED and self.status(n, now) == "fresh")
+        if not xs:
+            return None
+        m = len(xs) // 2
+        return xs[m] if len(xs) % 2 else (xs[m - 1] + xs[m]) / 2
 
     def _may_open_another(self) -> bool:
         """Whether one more breaker may open on latency (``breaker.max_open_fraction``)."""

@@ -32,6 +32,9 @@ class Snapshot:
     prefill_s: float | None = None
     prefill_s_per_ktok: float | None = None
     """Recent prefill time per 1000 prompt tokens: a latency signal that does not move with the prompt mix."""
+    latency_fresh: bool | None = None
+    """Whether requests finished since the previous reading, i.e. whether ``prefill_s_per_ktok`` is new.
+    A node that gets no traffic (its breaker open) keeps showing its last, old figure; None: unknown."""
     queue_s: float | None = None
     gpu_memory_used_bytes: int | None = None
     gpu_memory_total_bytes: int | None = None
@@ -74,7 +77,8 @@ class Deriver:
         for name, (total, count) in sums.items():
             self._recent[name] = total / count
         # both observed when requests finish, over the same requests: seconds of prefill per prompt token
-        if "prefill" in sums and "request_prompt" in sums and sums["request_prompt"][0] > 0:
+        fresh = "prefill" in sums and "request_prompt" in sums and sums["request_prompt"][0] > 0
+        if fresh:
             self._recent["prefill_per_ktok"] = 1000.0 * sums["prefill"][0] / sums["request_prompt"][0]
         if dt is not None and dt > 0 and self._prev:
             self._preempt_rate = preempted / dt
@@ -96,7 +100,7 @@ class Deriver:
             preemptions_per_s=self._preempt_rate,
             ttft_s=self._recent.get("ttft"), itl_s=self._recent.get("itl"),
             prefill_s=self._recent.get("prefill", self._recent.get("ttft")),
-            prefill_s_per_ktok=self._recent.get("prefill_per_ktok"),
+            prefill_s_per_ktok=self._recent.get("prefill_per_ktok"), latency_fresh=fresh,
             queue_s=self._recent.get("queue"),
             gpu_memory_used_bytes=gpu.get("memory_used"), gpu_memory_total_bytes=gpu.get("memory_total"),
             gpu_utilization=gpu.get("utilization"),

@@ -29,11 +29,30 @@ def test_trips_on_kv_and_on_latency() -> None:
     b.observe(0.96, 0.1, 10)
     assert b.state is State.OPEN and not b.allows(10) and "kv 0.96" in log[-1][2]
     b2, log2 = learned()
-    b2.observe(0.3, 0.31, 10)  # > 3 x 0.1
+    for t in (10, 11):  # > 3 x 0.1, but a slow reading or two is noise
+        b2.observe(0.3, 0.31, t)
+        assert b2.state is State.CLOSED
+    b2.observe(0.3, None, 11.5)  # no request finished: no latency news, the count stands
+    b2.observe(0.3, 0.31, 12)  # the third slow reading in a row
     assert b2.state is State.OPEN and "prefill" in log2[-1][2]
     b3, _ = learned()
-    b3.observe(0.3, 0.29, 10)
+    for t in (10, 11, 12):
+        b3.observe(0.3, 0.29, t)
     assert b3.state is State.CLOSED
+    b4, _ = learned()
+    for t, p in ((10, 0.31), (11, 0.31), (12, 0.15), (13, 0.31), (14, 0.31)):  # a normal reading resets it
+        b4.observe(0.3, p, t)
+    assert b4.state is State.CLOSED
+
+
+def test_a_node_as_slow_as_its_peers_is_loaded_not_sick() -> None:
+    b, log = learned()  # baseline 0.1
+    for t in (10, 11, 12):
+        b.observe(0.3, 0.5, t, reference=0.4)  # 5x its past, but its peers read 0.4 now
+    assert b.state is State.CLOSED
+    for t in (13, 14, 15):
+        b.observe(0.3, 1.5, t, reference=0.4)  # > 3 x the peers
+    assert b.state is State.OPEN and "the peers' 0.400s" in log[-1][2]
 
 
 def test_no_latency_trip_before_a_baseline_exists() -> None:

@@ -175,20 +175,34 @@ def test_a_lower_tier_leaves_kv_headroom_for_a_higher_one() -> None:
 
 
 def test_latency_opens_at_most_the_allowed_share_of_breakers_and_never_the_last() -> None:
-    def slow_fleet(n: int) -> Fleet:
-        f = fleet(n)
+    def slow_fleet(n: int, sick: int, **breaker: float) -> Fleet:
+        f = fleet(n, breaker=breaker) if breaker else fleet(n)
         for t in range(6):  # learn a baseline of 0.1 s per 1k prompt tokens
             for i in range(n):
                 f.on_snapshot(f"10.0.0.{i}:8000", snap(0.3, prefill=0.1), t)
-        for i in range(n):  # then every node gets 10x slower: load, not a sick node
-            f.on_snapshot(f"10.0.0.{i}:8000", snap(0.3, prefill=1.0), 7)
+        for t in range(7, 11):  # then the first `sick` nodes get 10x slower, the others 2x (load)
+            for i in range(n):
+                f.on_snapshot(f"10.0.0.{i}:8000", snap(0.3, prefill=1.0 if i < sick else 0.2), t)
         return f
 
-    one = slow_fleet(1)
+    one = slow_fleet(1, 1)
     assert one.nodes["10.0.0.0:8000"].breaker.state is State.CLOSED  # the only node stays in service
-    four = slow_fleet(4)
+    four = slow_fleet(4, 2)
     states = Counter(n.breaker.state for n in four.nodes.values())
-    assert states == {State.OPEN: 2, State.CLOSED: 2}  # max_open_fraction 0.5
+    assert states == {State.OPEN: 2, State.CLOSED: 2}  # the two sick ones, against their peers
+    assert all(four.nodes[f"10.0.0.{i}:8000"].breaker.state is State.CLOSED for i in (2, 3))
+    capped = slow_fleet(6, 3, max_open_fraction=0.34)
+    assert Counter(n.breaker.state for n in capped.nodes.values())[State.OPEN] == 2  # 0.34 x 6
+    loaded = slow_fleet(4, 0)  # every node 2x slower together: load, nothing opens
+    assert all(n.breaker.state is State.CLOSED for n in loaded.nodes.values())
+    uniform = fleet(3)
+    for t in range(6):
+        for i in range(3):
+            uniform.on_snapshot(f"10.0.0.{i}:8000", snap(0.3, prefill=0.1), t)
+    for t in range(7, 12):  # all 10x slower, rising together: slow against the past, not against the peers
+        for i in range(3):
+            uniform.on_snapshot(f"10.0.0.{i}:8000", snap(0.3, prefill=0.1 * 1.6 ** (t - 6)), t)
+    assert all(n.breaker.state is State.CLOSED for n in uniform.nodes.values())
     f = fleet(1)
     f.on_snapshot("10.0.0.0:8000", snap(0.99), 0)
     assert f.nodes["10.0.0.0:8000"].breaker.state is State.OPEN  # a full KV cache trips all the same
@@ -208,3 +222,26 @@ def test_requests_waiting_in_vllm_count_in_the_projection_though_they_hold_no_kv
     assert n.projected_kv() == 0.45 + 4500 / 16000 and n.prefill_tokens() == 3400
     f.on_snapshot(n.address, snap(0.8, waiting=0), 0.4)
     assert n.waiting_tokens == 0 and n.projected_kv() == 0.8
+
+
+def test_an_open_nodes_old_latency_does_not_keep_it_open() -> None:
+    """An open node gets no traffic, so its probe keeps showing the last (slow) figure: that old figure
+    must not re-open it when it is half-open and its trial requests come back fine."""
+    f = fleet(2, breaker={"recovery_window_seconds": 5, "half_open_requests": 2})
+    sick = f.nodes["10.0.0.0:8000"]
+    for t in range(6):
+        for i in range(2):
+            f.on_snapshot(f"10.0.0.{i}:8000", snap(0.3, prefill=0.1), t)
+    for t in range(6, 9):
+        f.on_snapshot(sick.address, snap(0.3, prefill=2.0), t)
+        f.on_snapshot("10.0.0.1:8000", snap(0.3, prefill=0.1), t)
+    assert sick.breaker.state is State.OPEN
+    old = Snapshot(node="n", at=0, ok=True, kv_usage=0.3, blocks_total=1000, block_size=16, prefill_s=2.0,
+                   prefill_s_per_ktok=2.0, latency_fresh=False)
+    f.on_snapshot(sick.address, old, 14)  # recovery window over: half-open; the reading is old news
+    assert sick.breaker.state is State.HALF_OPEN
+    for k in range(2):
+        f.dispatched(sick.address, f"t{k}", 100, 80, 14.1)
+        f.on_snapshot(sick.address, old, 14.2)
+        f.completed(sick.address, f"t{k}", 100, True, 14.5)
+    assert sick.breaker.state is State.CLOSED

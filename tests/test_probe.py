@@ -140,3 +140,6 @@ def test_prefill_latency_is_normalised_by_prompt_tokens() -> None:
     s = d.update(parse(text((13.0, 110), (56_000, 110))), 1.0)
     assert s.prefill_s == pytest.approx(0.3)
     assert s.prefill_s_per_ktok == pytest.approx(0.5)  # 3 s of prefill for 6000 prompt tokens
+    assert s.latency_fresh is True
+    idle = d.update(parse(text((13.0, 110), (56_000, 110))), 2.0)  # no request finished since
+    assert idle.prefill_s_per_ktok == pytest.approx(0.5) and idle.latency_fresh is False  # shown, but old
