@@ -36,6 +36,8 @@ bench: $(STAMP)
 	$(BIN)/kvgate bench overhead --stream
 	$(BIN)/kvgate bench sim
 	$(BIN)/kvgate bench queue
+	$(BIN)/kvgate bench scenarios --out bench-out
+	$(BIN)/kvgate bench live
 
 envoy-config: $(STAMP)
 	$(BIN)/kvgate envoy-config --write

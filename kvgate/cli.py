@@ -133,6 +133,59 @@ def _bench_queue(a: argparse.Namespace) -> int:
     return 0
 
 
+def _bench_scenarios(a: argparse.Namespace) -> int:
+    from .scenarios.runner import from_trace, load_bench_config, run, scenario_names, write_report
+    from .scenarios.trace import TraceError, TraceRequest
+    from .scenarios.workloads import Scenario
+
+    try:
+        if a.trace is not None:
+            if a.config is None:
+                print("kvgate: --trace needs --config (a bench config: profile, nodes, kvgate, policies)",
+                      file=sys.stderr)
+                return 2
+            sc, given = from_trace(a.trace, load_bench_config(a.config))
+            jobs: list[tuple[Scenario, list[TraceRequest] | None]] = [(sc, given)]
+        else:
+            jobs = [(sc, None) for sc in scenario_names(a.scenario)]
+    except (TraceError, ValueError) as e:
+        print(f"kvgate: {e}", file=sys.stderr)
+        return 2
+    results = []
+    for sc, trace in jobs:
+        r = run(sc, trace, a.scale)
+        results.append(r)
+        if not a.json:
+            print(r.markdown(), flush=True)
+    if a.out is not None:
+        md = write_report(results, a.out, plots=not a.no_plots)
+        if not a.json:
+            print(f"report: {md}")
+    if a.json:
+        print(json.dumps([r.to_json() for r in results], indent=2))
+    return 1 if any(s.result.lost for r in results for s in r.summaries) else 0
+
+
+def _bench_trace(a: argparse.Namespace) -> int:
+    from .scenarios.trace import write_trace
+    from .scenarios.workloads import get_scenario
+
+    try:
+        sc = get_scenario(a.scenario)
+    except ValueError as e:
+        print(f"kvgate: {e}", file=sys.stderr)
+        return 2
+    n = write_trace(a.out, sc.trace(a.scale))
+    print(f"{n} requests of scenario {sc.name} written to {a.out}")
+    return 0
+
+
+def _bench_live(a: argparse.Namespace) -> int:
+    from .scenarios.live import live
+
+    return live(a)
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kvgate", description=__doc__)
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -237,6 +290,29 @@ def parser() -> argparse.ArgumentParser:
     b.add_argument("--ops", type=int, default=3000)
     b.add_argument("--json", action="store_true")
     b.set_defaults(fn=_bench_queue)
+    from .scenarios.workloads import SCENARIOS
+
+    b = bsub.add_parser("scenarios", help="the field guide's scenarios in virtual time, policies side by side")
+    b.add_argument("--scenario", action="append", choices=list(SCENARIOS), help="default: all of them")
+    b.add_argument("--trace", type=Path, default=None, help="replay a JSONL trace instead (needs --config)")
+    b.add_argument("--config", type=Path, default=None, help="bench config for --trace: profile, nodes, kvgate, "
+                   "policies")
+    b.add_argument("--scale", type=float, default=1.0, help="shorten the scenarios (0.1 = a tenth of the time)")
+    b.add_argument("--out", type=Path, default=None, help="write report.md, results.json and PNG plots here")
+    b.add_argument("--no-plots", action="store_true")
+    b.add_argument("--json", action="store_true")
+    b.set_defaults(fn=_bench_scenarios)
+    b = bsub.add_parser("trace", help="write a built-in scenario's trace (JSONL)")
+    b.add_argument("--scenario", required=True, choices=list(SCENARIOS))
+    b.add_argument("--out", type=Path, required=True)
+    b.add_argument("--scale", type=float, default=1.0)
+    b.set_defaults(fn=_bench_trace)
+    b = bsub.add_parser("live", help="a short scenario through the real stack, beside the same in virtual time")
+    b.add_argument("--scenario", default="noisy-neighbour", choices=list(SCENARIOS))
+    b.add_argument("--seconds", type=float, default=30.0, help="length of the replayed trace")
+    b.add_argument("--json", action="store_true")
+    b.add_argument("--workdir", type=Path, default=Path(".kvgate-run/live"))
+    b.set_defaults(fn=_bench_live)
     return p
 
 

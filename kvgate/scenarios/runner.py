@@ -1,0 +1,158 @@
+"""``kvgate bench scenarios``: every policy of a scenario over the same trace, side by side, in one run.
+
+A user's own traffic runs the same way: ``--trace FILE`` (see ``trace.py``) with ``--config FILE``, a
+bench config naming the node profile, the fleet size, kvgate's config and (optionally) the policies::
+
+    profile: 8b-h100          # one of sim.profiles (kvgate sim --profile)
+    nodes: 2                  # the fleet each static policy gets
+    kvgate: {tenants: [...]}  # kvgate's config (a nodes section is added if missing)
+    policies: [none, kv-shed, kvgate, autoscale-only, kvgate+scaler]
+    max_nodes: 16             # for the autoscaling policies
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from ext_proc.config import Config, ConfigError, config_error, parse_config
+from sim.profiles import PROFILES, get_profile
+
+from . import report
+from .driver import Policy, simulate
+from .trace import TraceRequest, read_trace
+from .workloads import PLACEHOLDER_NODES, Scenario, get_scenario
+
+PolicyName = Literal["none", "kv-shed", "kvgate", "autoscale-only", "kvgate+scaler"]
+DEFAULT_POLICIES: tuple[PolicyName, ...] = ("none", "kv-shed", "kvgate")
+
+
+class BenchConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    profile: str = "8b-h100"
+    nodes: Annotated[int, Field(ge=1, le=64)] = 2
+    max_nodes: Annotated[int, Field(ge=1, le=256)] = 16
+    kvgate: dict[str, Any] = Field(default_factory=dict)
+    policies: list[PolicyName] = Field(default_factory=lambda: list(DEFAULT_POLICIES))
+    seed: int = 1
+
+    def policy_list(self) -> tuple[Policy, ...]:
+        n, top = self.nodes, max(self.max_nodes, self.nodes)
+        known = {"none": Policy("none", n), "kv-shed": Policy("kv-shed", n, "kv-shed"),
+                 "kvgate": Policy("kvgate", n, "kvgate"),
+                 "autoscale-only": Policy("autoscale-only", 1, autoscale="queue", max_nodes=top),
+                 "kvgate+scaler": Policy("kvgate+scaler", 1, "kvgate", autoscale="scaler", max_nodes=top)}
+        return tuple(known[p] for p in self.policies)
+
+
+def load_bench_config(path: str | Path) -> BenchConfig:
+    p = Path(path)
+    try:
+        doc = yaml.safe_load(p.read_text()) or {}
+    except OSError as e:
+        raise ConfigError(f"{p}: cannot read bench config: {e.strerror}") from None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{p}: not valid YAML: {e}") from None
+    try:
+        cfg = BenchConfig.model_validate(doc)
+    except ValidationError as e:
+        raise config_error(e, f"{p}: invalid bench configuration") from None
+    if cfg.profile not in PROFILES:
+        raise ConfigError(f"{p}: invalid bench configuration\n  profile: unknown profile {cfg.profile!r}; "
+                          f"known: {', '.join(PROFILES)}")
+    kv = dict(cfg.kvgate)
+    kv.setdefault("nodes", PLACEHOLDER_NODES)
+    try:
+        parse_config(kv)
+    except ConfigError as e:
+        raise ConfigError(f"{p}: kvgate: {e}") from None
+    return cfg.model_copy(update={"kvgate": kv})
+
+
+def from_trace(trace_path: str | Path, cfg: BenchConfig) -> tuple[Scenario, list[TraceRequest]]:
+    trace = read_trace(trace_path)
+    name = Path(trace_path).stem
+    sc = Scenario(name, f"Trace {Path(trace_path).name}",
+                  f"{len(trace)} requests from {trace_path}, {cfg.profile} nodes.", cfg.profile,
+                  trace[-1].t, cfg.kvgate, cfg.policy_list(), (), seed=cfg.seed)
+    return sc, trace
+
+
+@dataclass
+class ScenarioResult:
+    scenario: Scenario
+    config: Config
+    requests: int
+    summaries: list[report.Summary]
+    seconds: float
+    """Wall-clock time the whole comparison took."""
+
+    def markdown(self) -> str:
+        sc = self.scenario
+        parts = [f"## {sc.title}", "", sc.about, ""]
+        if sc.guide:
+            parts += [f"The field guide: {sc.guide}", ""]
+        parts += [f"{self.requests} requests, seed {sc.seed}; simulated in {self.seconds:.1f} s of wall time.", "",
+                  report.overview(self.summaries), "", "Per SLA tier:", "", report.by_tier(self.summaries), "",
+                  "Per tenant:", "", report.by_tenant(self.summaries), "", "Rejections by reason:", "",
+                  report.reasons(self.summaries), ""]
+        return "\n".join(parts)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"scenario": self.scenario.name, "requests": self.requests, "seed": self.scenario.seed,
+                "policies": [{
+                    "policy": s.label, "gpu_hours": round(s.gpu_hours, 4), "avg_gpus": round(s.avg_gpus, 3),
+                    "offered": s.all.offered, "admitted": s.all.admitted, "rejected_429": s.all.rejected_policy,
+                    "rejected_503": s.all.rejected_capacity, "lost": s.result.lost,
+                    "ttft_p50_p95_p99": s.all.ttft, "e2e_p50_p95_p99": s.all.e2e, "slo_attainment": s.all.slo,
+                    "goodput_rps": s.goodput, "goodput_per_gpu": s.goodput_per_gpu, "jain": s.fairness,
+                    "breaker_opens": s.result.breaker_opens,
+                    "tiers": {t: {"ttft_p50_p95_p99": g.ttft, "slo_attainment": g.slo, "offered": g.offered,
+                                  "admitted": g.admitted} for t, g in s.tiers.items()},
+                    "tenants": {t: {"offered": g.offered, "admitted": g.admitted, "rejected_429": g.rejected_policy,
+                                    "rejected_503": g.rejected_capacity} for t, g in s.tenants.items()},
+                    "reasons": s.reasons} for s in self.summaries]}
+
+
+def run(sc: Scenario, trace: list[TraceRequest] | None = None, scale: float = 1.0) -> ScenarioResult:
+    """Every policy of the scenario over one trace."""
+    t0 = time.perf_counter()
+    config = parse_config(sc.config)
+    trace = trace if trace is not None else sc.trace(scale)
+    profile = get_profile(sc.profile)
+    degrade = tuple(replace(d, at=d.at * scale) for d in sc.degrade)
+    sums = []
+    for p in sc.policies:
+        r = simulate(config, p, profile, trace, sc.seed, autoscaling=sc.autoscaling, degrade=degrade,
+                     cold_start_s=sc.cold_start_s)
+        sums.append(report.summarize(r, config))
+    return ScenarioResult(sc, config, len(trace), sums, time.perf_counter() - t0)
+
+
+def write_report(results: list[ScenarioResult], out: Path, plots: bool = True) -> Path:
+    out.mkdir(parents=True, exist_ok=True)
+    lines = ["# kvgate benchmark scenarios", "",
+             "Virtual time, kvgate's own decision core in front of simulated vLLM nodes; `kvgate bench "
+             "scenarios` reproduces every figure (fixed seeds).", ""]
+    for r in results:
+        lines.append(r.markdown())
+        if plots:
+            for p in report.plots(r.scenario.name, r.summaries, out):
+                lines += [f"![{p.stem}]({p.name})", ""]
+    md = out / "report.md"
+    md.write_text("\n".join(lines))
+    (out / "results.json").write_text(json.dumps([r.to_json() for r in results], indent=2))
+    return md
+
+
+def scenario_names(names: list[str] | None) -> list[Scenario]:
+    from .workloads import SCENARIOS
+
+    return [get_scenario(n) for n in (names or list(SCENARIOS))]

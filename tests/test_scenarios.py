@@ -1,0 +1,202 @@
+"""The benchmark scenarios: trace format, determinism, accounting, baselines that are what they claim,
+and kvgate's own core (quotas, breakers, the scaler's law) acting inside virtual time."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import yaml
+
+from ext_proc.config import parse_config
+from kvgate.scenarios import report
+from kvgate.scenarios.driver import Policy, Run, simulate
+from kvgate.scenarios.runner import run
+from kvgate.scenarios.trace import TraceError, TraceRequest, read_trace, write_trace
+from kvgate.scenarios.workloads import SCENARIOS, get_scenario
+from sim.profiles import get_profile
+
+NODES = {"static": [{"address": "node-0:8000", "probe": "http://node-0:9102"}]}
+
+
+
+# -- the trace format --------------------------------------------------------------------------------
+
+def test_a_trace_round_trips(tmp_path: Path) -> None:
+    reqs = [TraceRequest(0.5, "a", 100, 20, True, 64), TraceRequest(0.1, "b", 3000, 200)]
+    f = tmp_path / "t.jsonl"
+    assert write_trace(f, reqs) == 2
+    assert read_trace(f) == sorted(reqs, key=lambda r: r.t)
+
+
+def test_bad_lines_are_reported_with_their_numbers(tmp_path: Path) -> None:
+    f = tmp_path / "bad.jsonl"
+    f.write_text("\n".join([
+        '{"t": 0, "tenant": "a", "prompt_tokens": 10, "output_tokens": 5}',
+        "# a comment",
+        '{"t": -1, "tenant": "a", "prompt_tokens": 10, "output_tokens": 5}',
+        "not json",
+        '{"t": 1, "tenant": "a", "prompt_tokens": 10, "output_tokens": 5, "max_tokens": 2}',
+        '{"t": 1, "tenant": "", "prompt_tokens": 10, "output_tokens": 5}',
+        '{"t": 1, "tenant": "a", "prompt_tokens": 1.5, "output_tokens": 5, "colour": "red"}',
+        "[1, 2]",
+    ]))
+    with pytest.raises(TraceError) as e:
+        read_trace(f)
+    msg = str(e.value)
+    assert "6 bad line(s)" in msg
+    for needle in ("line 3: t: must be a number of seconds >= 0", "line 4: not JSON",
+                   "line 5: max_tokens: must be at least 5", "line 6: tenant: must be a non-empty string",
+                   "line 7: unknown field(s): colour", "line 8: must be a JSON object"):
+        assert needle in msg
+    assert "line 1" not in msg and "line 2" not in msg
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("# nothing\n")
+    with pytest.raises(TraceError, match="no requests"):
+        read_trace(empty)
+
+
+# -- the runner --------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name", list(SCENARIOS))
+def test_each_scenario_is_deterministic_and_accounts_for_every_request(name: str) -> None:
+    a = run(get_scenario(name), scale=0.15)
+    b = run(get_scenario(name), scale=0.15)
+    assert a.to_json() == b.to_json()
+    assert len({s.label for s in a.summaries}) == len(a.summaries) >= 3
+    for s in a.summaries:
+        g = s.all
+        assert s.result.lost == 0 and g.offered == a.requests
+        assert g.admitted + g.rejected_policy + g.rejected_capacity + g.rejected_other == g.offered
+        assert all(o.e2e is not None and o.ttft is not None for o in s.result.outcomes if o.status == 200)
+        assert s.gpu_hours > 0
+
+
+def test_the_trace_depends_on_the_seed() -> None:
+    sc = get_scenario("noisy-neighbour")
+    assert sc.trace(0.1) == sc.trace(0.1)
+    assert replace(sc, seed=2).trace(0.1) != sc.trace(0.1)
+
+
+def test_the_baselines_are_what_they_claim() -> None:
+    sums = {s.result.policy.name: s for s in run(get_scenario("noisy-neighbour"), scale=0.2).summaries}
+    assert sums["none"].all.admitted == sums["none"].all.offered  # no admission: nothing is ever rejected
+    assert sums["kv-shed"].all.rejected_policy == 0 and sums["kv-shed"].all.rejected_capacity > 0  # no tenants
+    kv = sums["kvgate"]
+    assert kv.tenants["rag"].rejected_policy > 0  # the flooding tenant meets its own quota...
+    assert kv.tenants["chat-a"].rejected_policy == 0  # ...and nobody else does
+    auto = {s.result.policy.name: s for s in run(get_scenario("diurnal"), scale=0.3).summaries}
+    assert auto["autoscale-only"].all.admitted == auto["autoscale-only"].all.offered
+    assert len(auto["autoscale-only"].result.node_timeline) > 1  # it did scale
+
+
+def test_quotas_in_virtual_time_are_kvgates_own() -> None:
+    cfg = parse_config({"tenants": [{"name": "a", "requests_per_minute": 1, "request_burst": 3},
+                                    {"name": "b"}], "nodes": NODES})
+    trace = [TraceRequest(i * 0.1, t, 100, 10) for i in range(10) for t in ("a", "b")]
+    r = simulate(cfg, Policy("kvgate", 1, "kvgate"), get_profile("8b-h100"), trace)
+    by = {(o.req.tenant, o.status, o.reason) for o in r.outcomes}
+    assert sum(1 for o in r.outcomes if o.req.tenant == "a" and o.status == 200) == 3  # the burst
+    assert ("a", 429, "tenant-requests") in by and not any(t == "b" and s != 200 for t, s, _ in by)
+    unknown = simulate(cfg, Policy("kvgate", 1, "kvgate"), get_profile("8b-h100"), [TraceRequest(0, "zed", 10, 1)])
+    assert unknown.outcomes[0].status == 401  # a tenant the config lacks is an unknown API key
+
+
+def test_the_breaker_ejects_the_slowed_node_and_only_it() -> None:
+    sc = get_scenario("overload")
+    cfg = parse_config(sc.config)
+    kvgate = next(p for p in sc.policies if p.name == "kvgate")
+    scale = 0.3
+    rn = Run(cfg, kvgate, get_profile(sc.profile), sc.trace(scale), sc.seed,
+             degrade=tuple(replace(d, at=d.at * scale) for d in sc.degrade))
+    rn.run()
+    opened = [(t, node) for t, node, _, new, _ in rn.transitions if new == "open"]
+    assert opened and {node for _, node in opened} == {"node-0:8000"}
+    assert opened[0][0] > sc.degrade[0].at * scale  # not before it slowed down
+
+
+def test_the_scaler_adds_nodes_on_capacity_rejections() -> None:
+    sums = {s.result.policy.name: s for s in run(get_scenario("diurnal"), scale=0.3).summaries}
+    timeline = sums["kvgate+scaler"].result.node_timeline
+    assert max(c for _, c in timeline) >= 4  # from one node (+1 warm) up in steps
+    assert sums["kvgate+scaler"].avg_gpus < sums["none"].avg_gpus
+
+
+# -- the report --------------------------------------------------------------------------------------
+
+def test_max_min_fair_shares_and_jain() -> None:
+    shares = report.max_min_shares({"a": 10, "b": 100, "c": 100}, {"a": 1, "b": 1, "c": 2}, 100)
+    assert shares["a"] == 10 and shares["b"] == pytest.approx(30) and shares["c"] == pytest.approx(60)
+    assert report.jain([1, 1, 1]) == pytest.approx(1.0)
+    assert report.jain([1, 0, 0]) == pytest.approx(1 / 3)
+    assert report.percentile([3, 1, 2, 4], 50) == 2 and report.percentile([], 99) is None
+
+
+# -- the commands ------------------------------------------------------------------------------------
+
+def kvgate(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "kvgate.cli", *args], capture_output=True, text=True, timeout=300)
+
+
+def test_trace_and_replay_commands(tmp_path: Path) -> None:
+    trace = tmp_path / "nn.jsonl"
+    r = kvgate("bench", "trace", "--scenario", "noisy-neighbour", "--scale", "0.1", "--out", str(trace))
+    assert r.returncode == 0 and "written" in r.stdout
+    lines = trace.read_text().splitlines()
+    assert lines and {"t", "tenant", "prompt_tokens", "output_tokens", "stream"} <= set(json.loads(lines[0]))
+    cfg = tmp_path / "bench.yaml"
+    cfg.write_text(yaml.safe_dump({
+        "profile": "34b-a100", "nodes": 2, "policies": ["none", "kvgate"],
+        "kvgate": {"tenants": [{"name": "chat-a", "tier": "interactive"}, {"name": "chat-b"},
+                               {"name": "rag", "max_concurrent": 1}]}}))
+    out = tmp_path / "out"
+    r = kvgate("bench", "scenarios", "--trace", str(trace), "--config", str(cfg), "--out", str(out))
+    assert r.returncode == 0, r.stderr
+    assert "| none (2 nodes)" in r.stdout and "| kvgate (2 nodes)" in r.stdout
+    assert (out / "report.md").is_file() and (out / "nn-latency-cdf.png").stat().st_size > 1000
+    doc = json.loads((out / "results.json").read_text())
+    assert [p["policy"] for p in doc[0]["policies"]] == ["none (2 nodes)", "kvgate (2 nodes)"]
+    assert doc[0]["policies"][1]["tenants"]["rag"]["rejected_429"] > 0
+
+
+def test_bad_inputs_to_the_commands(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"t": 0, "tenant": "a", "prompt_tokens": 1, "output_tokens": 1}\n{"t": "soon"}\n')
+    cfg = tmp_path / "bench.yaml"
+    cfg.write_text("profile: 8b-h100\n")
+    r = kvgate("bench", "scenarios", "--trace", str(bad), "--config", str(cfg))
+    assert r.returncode == 2 and "line 2: " in r.stderr
+    r = kvgate("bench", "scenarios", "--trace", str(bad))
+    assert r.returncode == 2 and "--trace needs --config" in r.stderr
+    cfg.write_text("profile: 9b-tpu\nnodes: 0\n")
+    r = kvgate("bench", "scenarios", "--trace", str(bad), "--config", str(cfg))
+    assert r.returncode == 2 and "nodes: Input should be greater than or equal to 1" in r.stderr
+    cfg.write_text("profile: 9b-tpu\n")
+    r = kvgate("bench", "scenarios", "--trace", str(bad), "--config", str(cfg))
+    assert r.returncode == 2 and "unknown profile '9b-tpu'" in r.stderr
+    cfg.write_text("kvgate: {tenants: [{name: a, tier: gold}]}\n")
+    r = kvgate("bench", "scenarios", "--trace", str(bad), "--config", str(cfg))
+    assert r.returncode == 2 and "kvgate: " in r.stderr and "tenants[0].tier" in r.stderr
+
+
+def test_live_and_virtual_time_agree_on_the_decisions(tmp_path: Path) -> None:
+    """A few seconds through the real stack (Envoy, kvgate, probes, two sim nodes) and the same trace in
+    virtual time: the same requests are admitted and refused, and both see every first token."""
+    from kvgate.scenarios.live import run_live
+    from kvgate.scenarios.workloads import SHORT, Scenario, Stream, const
+
+    sc = Scenario("tiny", "tiny", "", "8b-h100", 20.0,
+                  {"tenants": [{"name": "app", "tier": "interactive"},
+                               {"name": "capped", "requests_per_minute": 1, "request_burst": 2}],
+                   "nodes": NODES},
+                  (Policy("kvgate", 2, "kvgate"),),
+                  (Stream("app", SHORT, const(3.0)), Stream("capped", SHORT, const(1.0))))
+    live, virtual = run_live(sc, 4.0, tmp_path / "live")
+    assert live.result.lost == 0 and live.all.offered == virtual.all.offered > 5
+    assert live.tenants["capped"].admitted == virtual.tenants["capped"].admitted == 2  # the burst, both sides
+    assert live.all.admitted == virtual.all.admitted
+    assert live.all.ttft[0] is not None and virtual.all.ttft[0] is not None
