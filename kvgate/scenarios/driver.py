@@ -19,7 +19,6 @@ import heapq
 import math
 import random
 from collections import deque
-from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
@@ -520,5 +519,3 @@ def simulate(config: Config, policy: Policy, profile: Profile, trace: list[Trace
              **kw: Any) -> RunResult:
     return Run(config, policy, profile, trace, seed, **kw).run()
 
-
-Runner = Callable[[Policy], RunResult]
