@@ -67,9 +67,17 @@ def scraped(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Stack, s
                             stdout=log, stderr=subprocess.STDOUT)
     try:
         wait_port(port, proc=proc)
-        # Prometheus starts scraping only after its first target-discovery sync (up to ~5 s)
+        # Prometheus answers 503 until its storage is ready, and scrapes only after its first
+        # target-discovery sync (up to ~5 s)
         prom = PrometheusSource(f"http://127.0.0.1:{port}")
-        wait_for(lambda: bool(prom.query('up{job="kvgate"} == 1')), timeout=30, what="the first scrape")
+
+        def scraped_once() -> bool:
+            try:
+                return bool(prom.query('up{job="kvgate"} == 1'))
+            except OSError:  # urllib's HTTPError (503 while starting) is one
+                return False
+
+        wait_for(scraped_once, timeout=30, what="the first scrape")
         # traffic over a few scrapes: admits, quota 429s, and 503s while one slot is held
         for _ in range(3):
             hog = threading.Thread(target=post, args=(st.url + "/v1/chat/completions",
