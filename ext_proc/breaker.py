@@ -72,12 +72,14 @@ class Breaker:
             self._on_transition(old, new, why)
 
     def observe(self, kv: float | None, prefill_s: float | None, now: float, may_trip_on_latency: bool = True,
-                reference: float | None = None) -> None:
+                reference: float | None = None, may_trip_on_kv: bool = True) -> None:
         """A fresh probe reading. ``prefill_s``: None when the reading has no new latency (no request
         finished since the last one). ``may_trip_on_latency``: False when the fleet already has as many
         breakers open as it allows (a slow reading then does not open this one, nor count as healthy).
         ``reference``: what the node's peers read now; a node is slow only against both its own healthy
-        past and its peers, so a fleet that is merely loaded trips nothing."""
+        past and its peers, so a fleet that is merely loaded trips nothing. ``may_trip_on_kv``: False for
+        the last closed node — node choice already sends it nothing while its KV is full, and opening it
+        would refuse everything for a whole recovery window after its KV has drained."""
         self._tick(now)
         s = self.s
         bar = None if self.baseline is None or self._samples < s.min_baseline_samples else (
@@ -89,7 +91,7 @@ class Breaker:
             slow = False  # not yet: it has to stay slow
         if slow and self.state is State.CLOSED and not may_trip_on_latency:
             return
-        full = kv is not None and kv > s.kv_threshold
+        full = kv is not None and kv > s.kv_threshold and (may_trip_on_kv or self.state is not State.CLOSED)
         kv_ok = kv is None or kv < s.close_kv
         self._healthy = kv_ok and (prefill_s is None or bar is None or prefill_s < s.close_latency_multiplier * bar)
         if self.state is State.CLOSED:

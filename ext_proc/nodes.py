@@ -177,7 +177,8 @@ class Fleet:
         latency = snap.prefill_s_per_ktok if snap.latency_fresh is not False else None
         if latency is not None:
             n.latency = latency
-        n.breaker.observe(snap.kv_usage, latency, now, self._may_open_another(), self._peer_latency(n, now))
+        n.breaker.observe(snap.kv_usage, latency, now, self._may_open_another(), self._peer_latency(n, now),
+                          self._another_closed(n, now))
 
     def _peer_latency(self, node: Node, now: float) -> float | None:
         """The median recent prefill latency of the other fresh, closed nodes: what this node is
@@ -188,6 +189,11 @@ class Fleet:
             return None
         m = len(xs) // 2
         return xs[m] if len(xs) % 2 else (xs[m - 1] + xs[m]) / 2
+
+    def _another_closed(self, node: Node, now: float) -> bool:
+        """Whether another live node is closed: a KV trip never opens the last one."""
+        return any(n is not node and n.breaker.state is State.CLOSED and self.status(n, now) != "dead"
+                   for n in self.nodes.values())
 
     def _may_open_another(self) -> bool:
         """Whether one more breaker may open on latency (``breaker.max_open_fraction``)."""

@@ -18,7 +18,7 @@ from kvgate.stack import Stack
 from tests.helpers import metric
 
 TTFT_TARGET_MS = 200  # the default interactive tier's target
-SECONDS = 20.0
+SECONDS = 30.0
 
 
 def config() -> dict[str, object]:
@@ -36,7 +36,7 @@ def test_a_flooding_tenant_does_not_take_the_interactive_tenants_latency(tmp_pat
     sim = ["--num-gpu-blocks", "1000", "--max-num-batched-tokens", "2048", "--scheduling-policy", "priority"]
     with Stack(tmp_path, config(), sim_args=sim, nodes=True) as st:
         traffic = [
-            Traffic("chat", "sk-chat", 4.0, prompt_chars=200, max_tokens=8),
+            Traffic("chat", "sk-chat", 6.0, prompt_chars=200, max_tokens=8),
             Traffic("docs", "sk-docs", 2.0, prompt_chars=4000, max_tokens=32),
             Traffic("rag", "sk-rag", 40.0, prompt_chars=8000, max_tokens=64),
         ]
