@@ -25,7 +25,7 @@ def config() -> dict[str, object]:
     return {
         "queue": {"inject_priority": True},
         "tiers": {"interactive": {"priority": 0, "max_queue_wait_ms": 1000, "ttft_target_ms": TTFT_TARGET_MS},
-                  "standard": {"priority": 1, "max_queue_wait_ms": 5000, "reserve_kv": 0.05}},
+                  "standard": {"priority": 1, "max_queue_wait_ms": 5000, "reserve_kv": 0.10}},
         "nodes": {"max_waiting_requests": 2},
         "tenants": [{"name": n, "tier": tier, "api_key_sha256": [hash_key(f"sk-{n}")]}
                     for n, tier in (("chat", "interactive"), ("docs", "standard"), ("rag", "standard"))],
