@@ -22,7 +22,7 @@ from collections import deque
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
-from ext_proc.admission import Admission, Usage
+from ext_proc.admission import Admission, Decision, Usage
 from ext_proc.config import Config, parse_config
 from ext_proc.estimate import Estimate
 from ext_proc.nodes import Fleet
@@ -55,8 +55,6 @@ class Policy:
     autoscale: Autoscale = "none"
     min_nodes: int = 1
     max_nodes: int = 16
-    overrides: tuple[tuple[str, Any], ...] = ()
-    """Changes to the scenario's kvgate config for this policy: (dotted path, value)."""
 
     @property
     def label(self) -> str:
@@ -64,18 +62,7 @@ class Policy:
 
     def configure(self, base: Config) -> Config:
         """The kvgate config this policy runs with."""
-        if self.admission == "kv-shed":
-            return parse_config(kv_shed_config(base))
-        if not self.overrides:
-            return base
-        doc = base.model_dump(mode="json", exclude_none=True)
-        for path, value in self.overrides:
-            *parents, leaf = path.split(".")
-            d = doc
-            for k in parents:
-                d = d.setdefault(k, {})
-            d[leaf] = value
-        return parse_config(doc)
+        return parse_config(kv_shed_config(base)) if self.admission == "kv-shed" else base
 
 
 @dataclass(frozen=True)
@@ -216,6 +203,7 @@ class Run:
         self._events: list[tuple[float, int, str, Any]] = []
         self._seq = 0
         self.nodes: list[SimNode] = []
+        self._by_address: dict[str, SimNode] = {}
         self.node_timeline: list[tuple[float, int]] = []
         self.breaker_opens = 0
         self.transitions: list[tuple[float, str, str, str, str]] = []
@@ -251,6 +239,7 @@ class Run:
                     self.now if ready else self.now + self.cold_start_s)
         n.engine.every_token = False
         self.nodes.append(n)
+        self._by_address[n.address] = n
         if ready:
             self._ready(n)
         else:
@@ -338,10 +327,6 @@ class Run:
         if klass in ("capacity", "policy"):
             self._decisions.append((self.now, klass, o.req.tenant))
 
-    def _address_index(self, address: str | None) -> SimNode:
-        assert address is not None
-        return self.nodes[int(address.split(":")[0].removeprefix("node-"))]
-
     def _pick(self, est: Estimate, shadow: bool, ticket: str, reserve: float,
               caps: bool) -> tuple[str | None, str | None, float | None]:
         assert self.fleet is not None
@@ -365,10 +350,15 @@ class Run:
         if d.queued:
             assert d.lease is not None
             self._held[d.lease.ticket] = i
-        elif d.admitted:
-            assert d.lease is not None
-            self._send(i, self._address_index(d.lease.node), d.lease.ticket)
-            self._decisions.append((self.now, "admitted", r.tenant))
+        else:
+            self._decided(i, d)
+
+    def _decided(self, i: int, d: Decision) -> None:
+        """kvgate's answer for request ``i``, at once or out of its queue: send it or refuse it."""
+        if d.admitted:
+            assert d.lease is not None and d.lease.node is not None
+            self._send(i, self._by_address[d.lease.node], d.lease.ticket)
+            self._decisions.append((self.now, "admitted", self.outcomes[i].req.tenant))
         else:
             assert d.rejection is not None
             self._reject(i, d.rejection.status, d.rejection.reason, d.rejection.klass)
@@ -377,15 +367,7 @@ class Run:
         if self.admission is None:
             return
         for out in self.admission.pump():
-            i = self._held.pop(out.ticket)
-            d = out.decision
-            if d.admitted:
-                assert d.lease is not None
-                self._send(i, self._address_index(d.lease.node), d.lease.ticket)
-                self._decisions.append((self.now, "admitted", self.outcomes[i].req.tenant))
-            else:
-                assert d.rejection is not None
-                self._reject(i, d.rejection.status, d.rejection.reason, d.rejection.klass)
+            self._decided(self._held.pop(out.ticket), out.decision)
 
     def _step_end(self, n: SimNode) -> None:
         n.busy = False
