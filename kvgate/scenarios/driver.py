@@ -478,13 +478,13 @@ class Run:
             self.now = nxt
             self._arrive(k)
             k += 1
-        for n in self.nodes:
-            if n.state != "gone":
-                n.stopped_at = self.now
         last = max([o.decided_at or 0.0 for o in self.outcomes] + [
             (o.req.t + o.e2e) for o in self.outcomes if o.e2e is not None] + [start])
+        for n in self.nodes:  # what is still up is billed until the run's end, not a later autoscaler tick
+            if n.state != "gone":
+                n.stopped_at = last
         gpus = self._gpus()
-        gpu_s = sum(((n.stopped_at if n.stopped_at is not None else last) - n.provisioned_at) for n in self.nodes)
+        gpu_s = sum(min(n.stopped_at or last, last) - n.provisioned_at for n in self.nodes)
         lost = sum(1 for o in self.outcomes if o.status == 0 or (o.status == 200 and o.e2e is None))
         return RunResult(self.policy, self.outcomes, last - start, gpu_s * gpus, gpus, self.node_timeline,
                          self.breaker_opens, lost)
