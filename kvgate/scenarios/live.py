@@ -134,12 +134,7 @@ def live(a: argparse.Namespace) -> int:
     lv, vt = run_live(sc, a.seconds, a.workdir)
     if a.json:
         print(json.dumps({"scenario": sc.name, "seconds": a.seconds, "requests": lv.all.offered,
-                          "live": {"ttft": lv.all.ttft, "e2e": lv.all.e2e, "admitted": lv.all.admitted,
-                                   "rejected_429": lv.all.rejected_policy, "rejected_503": lv.all.rejected_capacity,
-                                   "lost": lv.result.lost},
-                          "virtual": {"ttft": vt.all.ttft, "e2e": vt.all.e2e, "admitted": vt.all.admitted,
-                                      "rejected_429": vt.all.rejected_policy,
-                                      "rejected_503": vt.all.rejected_capacity}}, indent=2))
+                          "live": lv.to_json(), "virtual": vt.to_json()}, indent=2))
     else:
         print(f"## {sc.title}: the first {a.seconds:g} s, live and in virtual time\n")
         print(report.overview([lv, vt]) + "\n")

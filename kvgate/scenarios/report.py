@@ -114,6 +114,21 @@ class Summary:
     fairness: float | None
     served_tokens: dict[str, float]
 
+    def to_json(self) -> dict[str, Any]:
+        a = self.all
+        return {
+            "policy": self.label, "gpu_hours": round(self.gpu_hours, 4), "avg_gpus": round(self.avg_gpus, 3),
+            "offered": a.offered, "admitted": a.admitted, "rejected_429": a.rejected_policy,
+            "rejected_503": a.rejected_capacity, "lost": self.result.lost,
+            "ttft_p50_p95_p99": a.ttft, "e2e_p50_p95_p99": a.e2e, "slo_attainment": a.slo,
+            "goodput_rps": self.goodput, "goodput_per_gpu": self.goodput_per_gpu, "jain": self.fairness,
+            "breaker_opens": self.result.breaker_opens,
+            "tiers": {t: {"ttft_p50_p95_p99": g.ttft, "slo_attainment": g.slo, "offered": g.offered,
+                          "admitted": g.admitted} for t, g in self.tiers.items()},
+            "tenants": {t: {"offered": g.offered, "admitted": g.admitted, "rejected_429": g.rejected_policy,
+                            "rejected_503": g.rejected_capacity} for t, g in self.tenants.items()},
+            "reasons": self.reasons}
+
 
 def summarize(r: RunResult, config: Config) -> Summary:
     targets = {n: (t.ttft_target_ms / 1000.0 if t.ttft_target_ms else None) for n, t in config.tiers.items()}

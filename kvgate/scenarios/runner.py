@@ -107,18 +107,7 @@ class ScenarioResult:
 
     def to_json(self) -> dict[str, Any]:
         return {"scenario": self.scenario.name, "requests": self.requests, "seed": self.scenario.seed,
-                "policies": [{
-                    "policy": s.label, "gpu_hours": round(s.gpu_hours, 4), "avg_gpus": round(s.avg_gpus, 3),
-                    "offered": s.all.offered, "admitted": s.all.admitted, "rejected_429": s.all.rejected_policy,
-                    "rejected_503": s.all.rejected_capacity, "lost": s.result.lost,
-                    "ttft_p50_p95_p99": s.all.ttft, "e2e_p50_p95_p99": s.all.e2e, "slo_attainment": s.all.slo,
-                    "goodput_rps": s.goodput, "goodput_per_gpu": s.goodput_per_gpu, "jain": s.fairness,
-                    "breaker_opens": s.result.breaker_opens,
-                    "tiers": {t: {"ttft_p50_p95_p99": g.ttft, "slo_attainment": g.slo, "offered": g.offered,
-                                  "admitted": g.admitted} for t, g in s.tiers.items()},
-                    "tenants": {t: {"offered": g.offered, "admitted": g.admitted, "rejected_429": g.rejected_policy,
-                                    "rejected_503": g.rejected_capacity} for t, g in s.tenants.items()},
-                    "reasons": s.reasons} for s in self.summaries]}
+                "policies": [s.to_json() for s in self.summaries]}
 
 
 def run(sc: Scenario, trace: list[TraceRequest] | None = None, scale: float = 1.0) -> ScenarioResult:
