@@ -234,9 +234,10 @@ def plots(name: str, sums: list[Summary], out: Path, bin_s: float = 10.0) -> lis
     except ImportError:  # an optional extra: pip install 'kvgate[bench]'
         return []
 
-    def save(fig: Any, axes: list[Any], xlabel: str, ylabel: str, title: str, what: str) -> Path:
+    def save(fig: Any, axes: list[Any], xlabel: str | None, ylabel: str, title: str, what: str) -> Path:
         for ax in axes:
-            ax.set_xlabel(xlabel if "{}" not in xlabel else xlabel.format(ax.get_label()))
+            if xlabel is not None:
+                ax.set_xlabel(xlabel)
             ax.set_ylabel(ylabel)
             ax.grid(True, alpha=0.3)
         axes[0].legend(fontsize=8)
@@ -250,13 +251,13 @@ def plots(name: str, sums: list[Summary], out: Path, bin_s: float = 10.0) -> lis
     paths = []
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
     for ax, (attr, label) in zip(axes, (("ttft", "TTFT"), ("e2e", "e2e latency")), strict=True):
-        ax.set_label(label)
+        ax.set_xlabel(f"{label} (s, log)")
         ax.set_xscale("log")
         for s in sums:
             xs = sorted(getattr(o, attr) for o in s.result.outcomes if getattr(o, attr) is not None)
             if xs:
                 ax.plot(xs, [(i + 1) / len(xs) for i in range(len(xs))], label=s.label)
-    paths.append(save(fig, list(axes), "{} (s, log)", "share of admitted requests", "latency CDFs", "latency-cdf"))
+    paths.append(save(fig, list(axes), None, "share of admitted requests", "latency CDFs", "latency-cdf"))
 
     fig, ax = plt.subplots(figsize=(12, 4))
     for s in sums:
