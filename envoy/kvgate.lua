@@ -4,17 +4,33 @@
 -- request that kvgate never saw (a POST without a body skips the buffered-body message), and holds
 -- each inference request until kvgate has decided on its body.
 -- Response: copies the final `usage` of admitted requests into dynamic metadata `kvgate.usage`, which
--- Envoy's gRPC access log hands to kvgate when the stream ends. For streaming responses it looks at
--- each chunk once, in C, and strips the usage chunk again when kvgate itself asked for it.
+-- Envoy's gRPC access log hands to kvgate when the stream ends. Chat/completions and embeddings
+-- report prompt_tokens/completion_tokens (embeddings: no completion_tokens, recorded as 0); the
+-- Responses API reports input_tokens/output_tokens. For streaming responses it looks at each chunk
+-- once, in C, records the last usage seen (with stream_options.continuous_usage_stats every chunk
+-- carries one) and strips the usage-only final chunk (`"choices":[]`) again when kvgate itself asked
+-- for it. SSE events may be separated by "\n\n" or "\r\n\r\n"; either passes through unchanged.
+--
+-- kvgate/envoy_config.py fills in the three lines below when it renders the filter.
 local FAIL_OPEN = false
+local MISSING_BODY = nil
+local MISSING_STATUS = nil
+
+local USAGE = '"usage"%s*:%s*{'
 
 local function record(h, s)
   local p = string.match(s, '"prompt_tokens"%s*:%s*(%d+)')
-  local c = string.match(s, '"completion_tokens"%s*:%s*(%d+)')
-  if p ~= nil and c ~= nil then
+  local c
+  if p ~= nil then
+    c = string.match(s, '"completion_tokens"%s*:%s*(%d+)')
+  else
+    p = string.match(s, '"input_tokens"%s*:%s*(%d+)')
+    c = string.match(s, '"output_tokens"%s*:%s*(%d+)')
+  end
+  if p ~= nil then
     local md = h:streamInfo():dynamicMetadata()
     md:set("kvgate.usage", "prompt_tokens", tonumber(p))
-    md:set("kvgate.usage", "completion_tokens", tonumber(c))
+    md:set("kvgate.usage", "completion_tokens", tonumber(c or "0"))
   end
 end
 
@@ -37,8 +53,9 @@ function envoy_on_request(h)
     -- (handles from before the wait are out of scope after it: look the metadata up again)
     if h:streamInfo():dynamicMetadata():get("kvgate") == nil and not FAIL_OPEN then
       h:respond(
-        {[":status"] = "400", ["content-type"] = "application/json", ["x-kvgate-reject-reason"] = "missing-body"},
-        '{"error":{"message":"This endpoint needs a JSON request body.","type":"invalid_request_error","param":null,"code":"missing_body"}}'
+        {[":status"] = MISSING_STATUS, ["content-type"] = "application/json",
+         ["x-kvgate-reject-reason"] = "missing-body"},
+        MISSING_BODY
       )
       return
     end
@@ -54,15 +71,40 @@ function envoy_on_request(h)
   end
 end
 
-local function event_start(s, before)
-  -- the last "data:" at or before `before`: where the SSE event holding `before` begins
-  local start, pos = 1, 1
+local function event_end(s, from)
+  -- the position just after the blank line that ends the SSE event containing `from`, or nil
+  local lf = string.find(s, "\n\n", from, true)
+  local crlf = string.find(s, "\r\n\r\n", from, true)
+  if lf ~= nil and (crlf == nil or lf < crlf) then
+    return lf + 2
+  end
+  if crlf ~= nil then
+    return crlf + 4
+  end
+  return nil
+end
+
+local function event_start(s, from, before)
+  -- where the SSE event holding `before` begins: just after the last event end in [from, before]
+  local start = from
   while true do
-    local i = string.find(s, "data:", pos, true)
-    if i == nil or i > before then
+    local e = event_end(s, start)
+    if e == nil or e > before then
       return start
     end
-    start, pos = i, i + 5
+    start = e
+  end
+end
+
+local function last_usage(s)
+  local at = nil
+  local pos = 1
+  while true do
+    local a = string.find(s, USAGE, pos)
+    if a == nil then
+      return at
+    end
+    at, pos = a, a + 1
   end
 end
 
@@ -80,7 +122,11 @@ function envoy_on_response(h)
       if n > 8192 then
         from = n - 8192 -- usage sits at the end of an OpenAI response object
       end
-      record(h, body:getBytes(from, n - from))
+      local s = body:getBytes(from, n - from)
+      local a = last_usage(s)
+      if a ~= nil then
+        record(h, string.sub(s, a))
+      end
     end
     return
   end
@@ -96,21 +142,36 @@ function envoy_on_response(h)
         pending = nil
         changed = true
       end
-      local a = string.find(s, '"usage"%s*:%s*{')
-      if a ~= nil then
-        local e = string.find(s, "\n\n", a, true)
-        if e == nil then
-          -- the usage event is split across chunks: hold it back until its end arrives
-          pending = s
-          s = ""
-          changed = true
-        else
-          record(h, string.sub(s, a, e))
-          if strip then
-            s = string.sub(s, 1, event_start(s, a) - 1) .. string.sub(s, e + 2)
-            changed = true
-          end
+      local pos = 1
+      while true do
+        local a = string.find(s, USAGE, pos)
+        if a == nil then
+          break
         end
+        local st = event_start(s, pos, a)
+        local e = event_end(s, a)
+        if e == nil then
+          break -- split across chunks: held back below
+        end
+        record(h, string.sub(s, a, e - 1))
+        local empty = string.find(s, '"choices"%s*:%s*%[%s*%]', st)
+        if strip and empty ~= nil and empty < e then
+          -- the usage-only chunk kvgate asked for: the client did not
+          s = string.sub(s, 1, st - 1) .. string.sub(s, e)
+          changed = true
+          pos = st
+        else
+          pos = e
+        end
+      end
+      -- Hold back an event that is not complete yet (no client can use half an event): it is
+      -- parsed, and stripped if need be, once its end arrives with the next chunk (the stream's
+      -- end-of-stream chunk, empty for vLLM's chunked HTTP/1.1, flushes what is left).
+      local tail = event_start(s, pos, #s + 1)
+      if tail <= #s and n > 0 then
+        pending = string.sub(s, tail)
+        s = string.sub(s, 1, tail - 1)
+        changed = true
       end
       if changed then
         chunk:setBytes(s)

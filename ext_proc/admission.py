@@ -29,38 +29,17 @@ from dataclasses import dataclass, field
 
 from .config import Config, Mode, Tenant
 from .estimate import Estimate
-from .limits import TokenBucket
+from .limits import TokenBucket, default_burst
 from .queue import Entry, FairQueue, TierSpec
+from .reasons import UNKNOWN_KEY, RateLimitView, Rejection, reject
+
+__all__ = ["UNKNOWN_KEY", "RateLimitView", "Rejection"]
 
 UNKNOWN_TENANT = "unknown"
+_UNKNOWN_SLOT = "\x00unknown"
+"""Where callers without a known key are accounted: not a name a tenant can have, so a configured
+tenant called ``unknown`` keeps its own quota."""
 EWMA_ALPHA = 0.2
-
-
-@dataclass(frozen=True, slots=True)
-class RateLimitView:
-    """What the OpenAI-style ``x-ratelimit-*`` headers report for one budget."""
-
-    limit: int
-    remaining: int
-    reset_seconds: float
-
-
-@dataclass(frozen=True, slots=True)
-class Rejection:
-    status: int
-    reason: str
-    """Machine-readable: tenant-concurrency, tenant-requests, tenant-tokens, fleet-inflight, ..."""
-    klass: str
-    """policy (429) | capacity (503) | invalid (400/413) | auth (401)."""
-    message: str
-    retry_after: float | None = None
-    requests: RateLimitView | None = None
-    tokens: RateLimitView | None = None
-
-
-UNKNOWN_KEY = Rejection(
-    401, "unknown-key", "auth", "Incorrect or missing API key. Send it as 'Authorization: Bearer <key>'."
-)
 
 
 @dataclass(slots=True, eq=False)
@@ -169,7 +148,7 @@ class Completion:
 def _bucket(per_minute: float | None, burst: int | None, now: float) -> TokenBucket | None:
     if per_minute is None:
         return None
-    return TokenBucket(per_minute, burst if burst is not None else per_minute, now)
+    return TokenBucket(per_minute, default_burst(per_minute, burst), now)
 
 
 class Admission:
@@ -217,12 +196,12 @@ class Admission:
                 state.requests = _retuned(state.requests, t.requests_per_minute, t.request_burst, now)
                 state.tokens = _retuned(state.tokens, t.tokens_per_minute, t.token_burst, now)
             tenants[t.name] = state
-        unknown = old.get(UNKNOWN_TENANT)
+        unknown = old.get(_UNKNOWN_SLOT)
         if unknown is None:
             unknown = TenantState(Tenant(name=UNKNOWN_TENANT, tier=config.lowest_tier), config.mode, None, None)
         unknown.mode = config.mode
         unknown.config = Tenant(name=UNKNOWN_TENANT, tier=config.lowest_tier)
-        tenants.setdefault(UNKNOWN_TENANT, unknown)
+        tenants[_UNKNOWN_SLOT] = unknown
         self._tenants = tenants
         self.config = config
         q = self.queue
@@ -240,10 +219,10 @@ class Admission:
         """Decide one request now, or queue it (``Decision.queued``) until ``pump`` can decide it."""
         now = self._clock()
         if tenant is None:
-            state = self._tenants[UNKNOWN_TENANT]
+            state = self._tenants[_UNKNOWN_SLOT]
             rejection: Rejection | None = UNKNOWN_KEY
         else:
-            state = self._tenants.get(tenant.name) or self._tenants[UNKNOWN_TENANT]
+            state = self._tenants.get(tenant.name) or self._tenants[_UNKNOWN_SLOT]
             rejection = self._check(state, estimate, body_bytes, now)
         tier = state.config.tier
         if rejection is not None:
@@ -278,11 +257,8 @@ class Admission:
         """The capacity check: a fleet slot, then a node (which the picker books for ``ticket``)."""
         cap = self.config.fleet.max_inflight
         if cap is not None and self.inflight >= cap:
-            return None, Rejection(
-                503, "fleet-inflight", "capacity",
-                "The inference fleet is at capacity; please retry after the indicated time.",
-                self.jittered(self._expected_free(self._leases, self._mean_seconds, now)),
-            )
+            return None, reject(
+                "fleet-inflight", retry_after=self.jittered(self._expected_free(self._leases, self._mean_seconds, now)))
         if self.pick is None:
             return None, None
         tier = self.config.tiers.get(tier_name)
@@ -308,7 +284,8 @@ class Admission:
         if predicted is not None and predicted > max_wait:
             return Decision(s.name, tier, None, self._queue_rejection(s, "queue-deadline", predicted - max_wait))
         if len(q) >= q.max_size:
-            victim = q.victim(tier)
+            # over the size (a reload shrank it): no eviction, the queue drains down to it
+            victim = q.victim(tier) if len(q) == q.max_size else None
             if victim is None:
                 return Decision(s.name, tier, None, self._queue_rejection(s, "queue-full", predicted))
             self._drop(victim, "queue-evicted", now)
@@ -328,16 +305,7 @@ class Admission:
         # by the tier's own max wait the whole queue has turned over: a longer Retry-After would only
         # echo a poor estimate of the drain rate
         excess = min(excess, max(max_wait, 1.0))
-        text = {
-            "queue-deadline": "The inference fleet is saturated: this request would not be served within "
-                              "its tier's queueing deadline",
-            "queue-timeout": "The inference fleet stayed saturated for this request's whole queueing deadline",
-            "queue-evicted": "The gateway queue is full and this request made room for a more urgent one",
-            "queue-full": "The gateway queue is full",
-            "queue-ahead": "Requests of this tier are already waiting for capacity",
-        }[reason]
-        return Rejection(503, reason, "capacity", text + "; please retry after the indicated time.",
-                         self.jittered(min(60.0, excess)))
+        return reject(reason, retry_after=self.jittered(min(60.0, excess)))
 
     def pump(self) -> list[Outcome]:
         """Decide what the queue can decide now: time out what is past (or can no longer make) its
@@ -351,11 +319,16 @@ class Admission:
             self._drop(e, "queue-timeout", now, out)
         for e in q.doomed(now):
             self._drop(e, "queue-deadline", now, out)
-        while (nxt := q.peek()) is not None:
+        blocked: set[str] = set()
+        while (nxt := q.peek(blocked)) is not None:
             h = self._held[nxt.key]
             node, capacity = self._place(h.estimate, nxt.key, nxt.tier, now)
             if capacity is not None:
-                break
+                if capacity.reason == "fleet-inflight":
+                    break  # no tier can go
+                # this tier's head cannot be placed (its KV reserve, its size): the other tiers still may
+                blocked.add(nxt.tier)
+                continue
             q.take(nxt, now)
             del self._held[nxt.key]
             lease = h.lease
@@ -401,6 +374,11 @@ class Admission:
     def queued(self) -> int:
         return len(self._held)
 
+    @property
+    def has_outcomes(self) -> bool:
+        """Decisions made outside ``pump`` (evictions) wait to be handed over."""
+        return bool(self._outbox)
+
     def held_tier(self, ticket: str) -> str | None:
         h = self._held.get(ticket)
         return h.entry.tier if h is not None else None
@@ -409,31 +387,31 @@ class Admission:
         q = s.config
         limits = self.config.limits
         if body_bytes > limits.max_body_bytes:
-            return Rejection(
-                413, "body-too-large", "invalid",
+            return reject(
+                "body-too-large",
                 f"Request body is {body_bytes} bytes; the limit is {limits.max_body_bytes} bytes.",
             )
         if q.max_prompt_tokens is not None and est.prompt_tokens > q.max_prompt_tokens:
-            return Rejection(
-                400, "prompt-too-long", "invalid",
+            return reject(
+                "prompt-too-long",
                 f"The prompt is about {est.prompt_tokens} tokens; this tenant's limit is "
                 f"{q.max_prompt_tokens} tokens. Shorten the prompt.",
             )
         if q.max_context_tokens is not None and est.total > q.max_context_tokens:
-            return Rejection(
-                400, "context-too-long", "invalid",
+            return reject(
+                "context-too-long",
                 f"The prompt (about {est.prompt_tokens} tokens) plus the requested output "
                 f"({est.output_tokens} tokens) exceeds this tenant's context limit of "
                 f"{q.max_context_tokens} tokens. Lower max_tokens or shorten the prompt.",
             )
         if s.tokens is not None and est.total > s.tokens.capacity:
-            return Rejection(
-                400, "exceeds-token-budget", "invalid",
+            return reject(
+                "exceeds-token-budget",
                 f"This request would cost about {est.total} tokens, more than this tenant's whole "
                 f"token budget of {int(s.tokens.capacity)}; it can never be admitted as it is.",
             )
         if q.max_concurrent is not None and s.inflight >= q.max_concurrent:
-            wait = self._expected_free(s.leases, s.mean_seconds, now)
+            wait = self._slot_free(s, now)
             return self._policy(
                 s, "tenant-concurrency",
                 f"Too many concurrent requests for this tenant (limit {q.max_concurrent}).", wait, est, now,
@@ -458,10 +436,22 @@ class Admission:
     def _policy(
         self, s: TenantState, reason: str, message: str, wait: float, est: Estimate, now: float
     ) -> Rejection:
-        return Rejection(
-            429, reason, "policy", message, self.jittered(wait),
-            _view(s.requests, now), _view(s.tokens, now),
-        )
+        return reject(reason, message, self.jittered(wait), requests=_view(s.requests, now),
+                      tokens=_view(s.tokens, now))
+
+    def _slot_free(self, s: TenantState, now: float) -> float:
+        """When one of the tenant's slots is expected to free: the soonest expected end among its
+        requests in flight. A request already older than the mean still runs a while (LLM request
+        durations have long tails): it is given a quarter of its age or the mean, whichever is longer. Queued
+        requests hold slots too; with nothing in flight, the mean itself."""
+        mean = s.mean_seconds if s.mean_seconds is not None else self.config.retry.default_request_seconds
+        soonest = None
+        for lease in s.leases.values():
+            if lease.charged:
+                age = now - lease.started
+                left = max(mean - age, max(mean, age) / 4)
+                soonest = left if soonest is None else min(soonest, left)
+        return soonest if soonest is not None else mean
 
     def _expected_free(self, leases: dict[str, Lease], mean: float | None, now: float) -> float:
         """When the oldest charged lease is expected to end, from the mean request duration."""
@@ -473,11 +463,9 @@ class Admission:
 
     def no_node(self, reason: str | None, wait: float | None) -> Rejection:
         """The capacity rejection when node choice finds no node (``wait``: when one may have room)."""
-        return Rejection(
-            503, reason or "fleet-no-healthy-node", "capacity",
-            "No inference node can take this request now; please retry after the indicated time.",
-            self.jittered(wait if wait is not None else self.config.retry.default_request_seconds),
-        )
+        return reject(reason or "fleet-no-healthy-node",
+                      retry_after=self.jittered(wait if wait is not None else
+                                                self.config.retry.default_request_seconds))
 
     def jittered(self, seconds: float) -> float:
         """A Retry-After: at least retry.min_ms, stretched by up to retry.jitter."""
@@ -588,6 +576,14 @@ class Admission:
     def tenants(self) -> list[TenantState]:
         return list(self._tenants.values())
 
+    def leases(self, queued: bool = False) -> list[Lease]:
+        """Every open lease (sent to a node, not completed), in start order; ``queued``: and the
+        requests held in the queue."""
+        out = list(self._leases.values())
+        if queued:
+            out += [h.lease for h in self._held.values()]
+        return out
+
 
 Picker = Callable[[Estimate, bool, str, float, bool], tuple[str | None, str | None, float | None]]
 """(estimate, shadow, ticket, KV reserve of the tier, whether the per-node queue caps apply) → (node,
@@ -604,7 +600,7 @@ def _retuned(b: TokenBucket | None, per_minute: float | None, burst: int | None,
         return None
     if b is None:
         return _bucket(per_minute, burst, now)
-    b.retune(per_minute, burst if burst is not None else per_minute, now)
+    b.retune(per_minute, default_burst(per_minute, burst), now)
     return b
 
 

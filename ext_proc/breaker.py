@@ -117,9 +117,18 @@ class Breaker:
             return True
         return self.state is State.HALF_OPEN and self._trials_left > 0
 
-    def dispatched(self) -> None:
+    def dispatched(self) -> bool:
+        """A request was sent here; True when it is one of the half-open trials."""
         if self.state is State.HALF_OPEN and self._trials_left > 0:
             self._trials_left -= 1
+            return True
+        return False
+
+    def trial_unused(self) -> None:
+        """A trial ended without telling anything about the node (the client left, it was reclaimed):
+        its place goes back, or a healthy node could stay half-open, taking nothing, forever."""
+        if self.state is State.HALF_OPEN:
+            self._trials_left = min(self.s.half_open_requests - self._trial_ok, self._trials_left + 1)
 
     def result(self, ok: bool, now: float) -> None:
         """A request sent to this node ended; only half-open trials change the state."""

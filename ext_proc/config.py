@@ -6,6 +6,7 @@ person can fix the file without reading this module.
 
 from __future__ import annotations
 
+import ipaddress
 import re
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -35,11 +36,11 @@ class Quota(_Strict):
     max_concurrent: PositiveInt | None = None
     requests_per_minute: PositiveFloat | None = None
     request_burst: PositiveInt | None = Field(
-        default=None, description="bucket size for requests; default: one minute's worth"
+        default=None, description="bucket size for requests; default: one minute's worth, at least 1"
     )
     tokens_per_minute: PositiveFloat | None = None
     token_burst: PositiveInt | None = Field(
-        default=None, description="bucket size for tokens; default: one minute's worth"
+        default=None, description="bucket size for tokens; default: one minute's worth, at least 1"
     )
     max_prompt_tokens: PositiveInt | None = None
     max_context_tokens: PositiveInt | None = Field(
@@ -82,6 +83,10 @@ class Identity(_Strict):
     trusted_header: str | None = Field(
         default=None,
         description="a header set by a trusted filter in front of kvgate naming the tenant; off by default",
+    )
+    trusted_header_overrides_key: bool = Field(
+        default=False,
+        description="let the trusted header name another tenant than a valid API key's; by default the key wins",
     )
 
     @field_validator("trusted_header")
@@ -191,7 +196,17 @@ class Metrics(_Strict):
 
 
 class Limits(_Strict):
+    """What any request may ask for, whoever sends it; beyond these it is a 400 naming the parameter."""
+
     max_body_bytes: PositiveInt = 4 * 1024 * 1024
+    max_n: PositiveInt = Field(default=16, description="largest n (and best_of) a request may ask for")
+    max_output_tokens: PositiveInt | None = Field(
+        default=None, description="largest max_tokens / max_completion_tokens / max_output_tokens; None: no cap"
+    )
+    model_context_tokens: PositiveInt | None = Field(
+        default=None, description="the served model's context length: prompt + requested output above it is "
+        "400 context-too-long; None: not checked"
+    )
 
 
 class BreakerConfig(_Strict):
@@ -209,10 +224,33 @@ class BreakerConfig(_Strict):
     )
 
 
+_ADDRESS = re.compile(r"^(?:(?P<host>[^\s:/\[\]@?#]+)|\[(?P<v6>[^\s\[\]/]+)\]):(?P<port>\d{1,5})$")
+
+
+def check_address(v: str) -> str:
+    """``host:port`` or ``[ipv6]:port`` (the form Envoy's original-destination header takes); port 1-65535."""
+    m = _ADDRESS.match(v)
+    if m is None:
+        raise ValueError("must be host:port, or [ipv6]:port with the IPv6 address in brackets")
+    if m["v6"] is not None:
+        try:
+            ipaddress.IPv6Address(m["v6"])
+        except ValueError:
+            raise ValueError(f"{m['v6']!r} in brackets is not an IPv6 address") from None
+    if not 1 <= int(m["port"]) <= 65535:
+        raise ValueError("the port must be 1-65535")
+    return v
+
+
 class NodeEntry(_Strict):
-    address: Annotated[str, Field(pattern=r"^[^\s:/]+:\d{1,5}$", description="host:port of the vLLM server")]
+    address: str = Field(description="host:port (or [ipv6]:port) of the vLLM server")
     probe: Annotated[str, Field(pattern=r"^https?://", description="base URL of this node's kvgate probe")]
     kv_admit_threshold: Annotated[float, Field(gt=0, le=1)] | None = None
+
+    @field_validator("address")
+    @classmethod
+    def _address(cls, v: str) -> str:
+        return check_address(v)
 
 
 class DnsDiscovery(_Strict):
@@ -350,14 +388,52 @@ def config_error(e: ValidationError, title: str) -> ConfigError:
     return ConfigError(title + "\n" + "\n".join(lines))
 
 
+class _DuplicateKey(yaml.YAMLError):
+    def __init__(self, key: Any, line: int, first: int) -> None:
+        super().__init__(f"duplicate key {key!r} on line {line}")
+        self.key, self.line, self.first = key, line, first
+
+
+class _StrictLoader(yaml.SafeLoader):
+    """YAML's safe loader, except that a key given twice in one mapping is an error, not "last wins"."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                continue  # '<<: *defaults' may be overridden, that is its point
+            key = self.construct_object(key_node, deep=True)
+            try:
+                first = seen.get(key)
+            except TypeError:
+                continue  # an unhashable key: the base class says so
+            line = key_node.start_mark.line + 1
+            if first is not None:
+                raise _DuplicateKey(key, line, first)
+            seen[key] = line
+        return super().construct_mapping(node, deep=deep)
+
+
+def load_yaml(text: str, source: str = "<config>") -> Any:
+    """Parse a config document; duplicate keys and an empty document are :class:`ConfigError`."""
+    try:
+        data = yaml.load(text, Loader=_StrictLoader)  # a SafeLoader subclass: no arbitrary objects
+    except _DuplicateKey as e:
+        raise ConfigError(f"{source}: duplicate key {e.key!r} on line {e.line} (first given on line {e.first}); "
+                          "each setting may appear only once") from None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{source}: not valid YAML: {e}") from None
+    if data is None:
+        raise ConfigError(f"{source}: config file is empty (an empty file would drop every tenant)")
+    return data
+
+
 def load_config(path: str | Path) -> Config:
     p = Path(path)
     try:
         text = p.read_text()
     except OSError as e:
         raise ConfigError(f"{p}: cannot read config file: {e.strerror}") from None
-    try:
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as e:
-        raise ConfigError(f"{p}: not valid YAML: {e}") from None
-    return parse_config(data, str(p))
+    except UnicodeDecodeError:
+        raise ConfigError(f"{p}: cannot read config file: not UTF-8 text") from None
+    return parse_config(load_yaml(text, str(p)), str(p))

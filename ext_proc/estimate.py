@@ -1,10 +1,15 @@
-"""How many tokens a request will cost, estimated before it runs.
+"""How many tokens a request will cost, estimated before it runs — and whether it is a request at all.
 
 No tokenizer is downloaded: by default a token is ``chars_per_token`` characters of text (4.0, the
 usual figure for English with GPT/Llama-style BPE vocabularies; code and CJK text run denser, so
 set it lower for such traffic). A local ``tokenizer.json`` can be configured for exact counts.
 The estimate only has to be good enough to *reserve* budget: the real usage reported by the
 server replaces it when the response ends.
+
+Pure and total: for any body, :meth:`Estimator.estimate` returns an :class:`Estimate` or raises
+:class:`~ext_proc.reasons.Invalid` (``invalid-body``, ``invalid-parameter``, ``context-too-long``)
+naming the parameter at fault; nothing else. Nothing here recurses on the client's document: the
+nesting is checked (:data:`MAX_JSON_DEPTH`) and walked with an explicit stack.
 """
 
 from __future__ import annotations
@@ -12,16 +17,44 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import orjson
 
-from .config import Estimation
+from .config import Estimation, Limits
+from .reasons import Invalid
 
 IMAGE_PART_TOKENS = 768
-"""Reservation for one image/audio content part; their payloads (base64, URLs) say nothing of tokens."""
+"""Reservation for one image/audio/file content part; their payloads (base64, URLs) say nothing of tokens."""
 
-_OPAQUE_PARTS = frozenset({"image_url", "input_audio", "input_image", "file"})
+MAX_JSON_DEPTH = 64
+"""Deepest nesting a request body may have (the top-level object is level 1). OpenAI requests nest a
+handful of levels, tool JSON schemas a few more; orjson itself accepts 1024."""
+
+_OPAQUE_PARTS = frozenset({"image_url", "input_audio", "input_image", "file", "input_file", "image", "audio"})
+"""Content-part keys (and ``type`` values) whose payload is media, counted flat."""
+
+Route = Literal["chat", "completions", "responses", "embeddings"]
+
+ROUTES: dict[str, Route] = {
+    "/v1/chat/completions": "chat",
+    "/v1/completions": "completions",
+    "/v1/responses": "responses",
+    "/v1/embeddings": "embeddings",
+}
+"""The inference routes, by path. Other paths get a lenient estimate (old behaviour): output is
+reserved when the path ends with ``/completions`` or ``/responses``."""
+
+_PROMPT_FIELD: dict[Route, str] = {"chat": "messages", "completions": "prompt", "responses": "input",
+                                   "embeddings": "input"}
+
+
+def route_of(path: str) -> Route | None:
+    """The route kind of a request path (query string and a trailing slash ignored); None: not one of ours."""
+    p = path.split("?", 1)[0].split("#", 1)[0]
+    if len(p) > 1:
+        p = p.rstrip("/")
+    return ROUTES.get(p)
 
 
 @dataclass(frozen=True, slots=True)
@@ -30,11 +63,17 @@ class Estimate:
     output_tokens: int
     """Output reserved for this request: max_tokens (or the default) times the number of choices."""
     parsed: bool
-    """False when the body was not a JSON object: then the estimate comes from its size alone."""
+    """False when the body was not JSON (or, off the inference routes, not an object): then the
+    estimate comes from its size alone."""
     stream: bool = False
     include_usage: bool = False
-    """True when the client itself asked for the final usage chunk."""
+    """True when the final usage will come without kvgate asking: the client asked for the usage chunk
+    (``stream_options.include_usage``), or the route always reports it (Responses API)."""
     document: dict[str, Any] | None = None
+    continuous_usage: bool = False
+    """True when the client asked for ``stream_options.continuous_usage_stats`` (usage in every chunk)."""
+    route: Route | None = None
+    """The route kind the body was read as; None for a path that is not an inference route."""
 
     @property
     def total(self) -> int:
@@ -42,9 +81,10 @@ class Estimate:
 
 
 class Estimator:
-    def __init__(self, cfg: Estimation) -> None:
+    def __init__(self, cfg: Estimation, limits: Limits | None = None) -> None:
         self._ratio = cfg.chars_per_token
         self._per_message = cfg.per_message_tokens
+        self._limits = limits if limits is not None else Limits()
         self._encode: Callable[[str], int] | None = None
         if cfg.tokenizer_json is not None:
             from tokenizers import Tokenizer
@@ -57,77 +97,265 @@ class Estimator:
             return self._encode(text)
         return math.ceil(chars / self._ratio)
 
-    def estimate(self, body: bytes, *, generates: bool, default_max_tokens: int) -> Estimate:
-        """Estimate a request from its raw body.
+    def estimate(self, body: bytes, *, path: str, default_max_tokens: int) -> Estimate:
+        """Estimate a request from its raw body and its path (query string allowed).
 
-        ``generates`` is True for endpoints that produce output tokens (``.../completions``); others
-        (embeddings) reserve none.
+        Chat/completions/responses reserve output tokens; embeddings reserve none. A body that is not
+        JSON at all is estimated on its size (``parsed=False``) and left for the upstream to refuse;
+        a JSON body that is not a valid request of its route raises :class:`Invalid`.
         """
-        try:
-            doc = orjson.loads(body) if body else None
-        except orjson.JSONDecodeError:
-            doc = None
+        route = route_of(path)
+        bare = path.split("?", 1)[0].rstrip("/")
+        generates = route != "embeddings" if route is not None else bare.endswith(("/completions", "/responses"))
+        limits = self._limits
+        default_out = default_max_tokens
+        if limits.max_output_tokens is not None:
+            default_out = min(default_out, limits.max_output_tokens)
+        is_json = False
+        doc: Any = None
+        if body:
+            try:
+                doc, is_json = orjson.loads(body), True
+            except orjson.JSONDecodeError as e:
+                if "depth" in str(e) or "recursion" in str(e):
+                    raise _too_deep() from None
         if not isinstance(doc, dict):
-            out = default_max_tokens if generates else 0
-            return Estimate(self.text_tokens(len(body)), out, parsed=False)
-        prompt = self._prompt_tokens(doc)
-        output = 0
-        if generates:
-            choices = _int_in(doc.get("n"), 1, 128) or 1
-            best_of = _int_in(doc.get("best_of"), 1, 128) or 1
-            requested = _int_in(doc.get("max_completion_tokens"), 0, 1 << 24)
-            if requested is None:
-                requested = _int_in(doc.get("max_tokens"), 0, 1 << 24)
-            output = (default_max_tokens if requested is None else requested) * max(choices, best_of)
-        stream = doc.get("stream") is True
-        opts = doc.get("stream_options")
-        include_usage = isinstance(opts, dict) and opts.get("include_usage") is True
-        return Estimate(prompt, output, True, stream, include_usage, doc)
+            if route is not None and is_json:
+                raise Invalid("invalid-body", f"The request body must be a JSON object, not {_kind(doc)}.")
+            return Estimate(self.text_tokens(len(body)), default_out if generates else 0, parsed=False, route=route)
+        _check_depth(doc)
 
-    def _prompt_tokens(self, doc: dict[str, Any]) -> int:
+        prompt = self._prompt_tokens(doc, route)
+        output = 0
+        out_param = "max_output_tokens" if route == "responses" else "max_tokens"
+        per_choice = 0
+        if generates:
+            requested: int | None = None
+            names = ("max_output_tokens",) if route == "responses" else ("max_completion_tokens", "max_tokens")
+            for name in names:
+                value = self._max_tokens(doc, name)
+                if value is not None and requested is None:
+                    requested, out_param = value, name
+            choices = 1
+            if route != "responses":
+                choices = max(self._count(doc, "n"), self._count(doc, "best_of"))
+            per_choice = default_out if requested is None else requested
+            ctx = limits.model_context_tokens
+            if ctx is not None:
+                if prompt >= ctx:
+                    raise _context(prompt, 0, ctx, _PROMPT_FIELD[route] if route is not None else "prompt")
+                if prompt + per_choice > ctx:
+                    if requested is not None:
+                        raise _context(prompt, per_choice, ctx, out_param)
+                    per_choice = ctx - prompt  # the default never pushes a request out; the server caps it too
+            output = per_choice * choices
+        elif limits.model_context_tokens is not None and prompt > limits.model_context_tokens:
+            raise _context(prompt, 0, limits.model_context_tokens, "input")
+
+        stream = doc.get("stream")
+        if stream is not None and not isinstance(stream, bool):
+            raise Invalid("invalid-parameter", f"'stream' must be true or false, not {_kind(stream)}.", "stream")
+        opts = doc.get("stream_options")
+        if opts is not None and not isinstance(opts, dict):
+            raise Invalid("invalid-parameter", f"'stream_options' must be an object, not {_kind(opts)}.",
+                          "stream_options")
+        include_usage = isinstance(opts, dict) and opts.get("include_usage") is True
+        continuous = isinstance(opts, dict) and opts.get("continuous_usage_stats") is True
+        if route == "responses":
+            include_usage = True  # the Responses API always ends a stream with response.completed + usage
+        return Estimate(prompt, output, True, stream is True, include_usage, doc, continuous, route)
+
+    # -- parameters ------------------------------------------------------------------------------
+
+    def _count(self, doc: dict[str, Any], name: str) -> int:
+        """``n`` / ``best_of``: absent or null is 1; otherwise an integer in 1..limits.max_n."""
+        value = doc.get(name)
+        if value is None:
+            return 1
+        hi = self._limits.max_n
+        if not _is_int(value) or not 1 <= value <= hi:
+            raise Invalid("invalid-parameter", f"'{name}' must be an integer from 1 to {hi}, not {_show(value)}.",
+                          name)
+        return int(value)
+
+    def _max_tokens(self, doc: dict[str, Any], name: str) -> int | None:
+        """An output cap: absent or null is None (the default applies); otherwise a positive integer."""
+        value = doc.get(name)
+        if value is None:
+            return None
+        hi = self._limits.max_output_tokens
+        if not _is_int(value) or value < 1:
+            raise Invalid("invalid-parameter", f"'{name}' must be a positive integer, not {_show(value)}.", name)
+        if hi is not None and value > hi:
+            raise Invalid("invalid-parameter", f"'{name}' is {value}; this gateway allows at most {hi}.", name)
+        return int(value)
+
+    # -- the prompt ------------------------------------------------------------------------------
+
+    def _prompt_tokens(self, doc: dict[str, Any], route: Route | None) -> int:
+        if route == "chat":
+            if "messages" not in doc:
+                raise Invalid("invalid-body", "'messages' is required.", "messages")
+            return self._messages(doc.get("messages"), "messages", chat=True) + self._tools(doc)
+        if route == "completions":
+            return self._token_input(doc.get("prompt"), "prompt")
+        if route == "embeddings":
+            if doc.get("input") is None and doc.get("messages") is not None:  # vLLM's chat-style embeddings
+                return self._messages(doc["messages"], "messages", chat=True)
+            if doc.get("input") is None:
+                raise Invalid("invalid-body", "'input' is required.", "input")
+            return self._token_input(doc["input"], "input")
+        if route == "responses":
+            total = 0
+            instructions = doc.get("instructions")
+            if instructions is not None:
+                if not isinstance(instructions, str):
+                    raise Invalid("invalid-body", f"'instructions' must be a string, not {_kind(instructions)}.",
+                                  "instructions")
+                total += self.text_tokens(len(instructions), instructions)
+            value = doc.get("input")
+            if isinstance(value, str):
+                total += self.text_tokens(len(value), value)
+            elif value is not None:
+                total += self._messages(value, "input", chat=False)
+            return total + self._tools(doc)
+        # not an inference route of ours: count what is there, as leniently as before
         messages = doc.get("messages")
         if isinstance(messages, list):
-            total = 0
-            for m in messages:
-                total += self._per_message + self._value_tokens(m)
-            tools = doc.get("tools")
-            if tools is not None:
-                total += self._value_tokens(tools)
-            return total
-        for field in ("prompt", "input"):
-            value = doc.get(field)
-            if value is not None:
-                return self._prompt_value(value)
+            return sum(self._per_message + self._walk(m) for m in messages) + self._walk(doc.get("tools"))
+        for name in ("prompt", "input"):
+            if doc.get(name) is not None:
+                try:
+                    return self._token_input(doc[name], name)
+                except Invalid:
+                    return self._walk(doc[name])
         return 0
 
-    def _prompt_value(self, value: Any) -> int:
-        """``prompt``/``input``: a string, token ids, or a batch of either."""
-        if isinstance(value, str):
-            return self.text_tokens(len(value), value)
-        if isinstance(value, list):
-            if value and all(isinstance(x, int) for x in value):
-                return len(value)
-            return sum(self._prompt_value(x) for x in value)
-        return 0
+    def _tools(self, doc: dict[str, Any]) -> int:
+        return self._walk(doc.get("tools"))
 
-    def _value_tokens(self, value: Any) -> int:
-        """Tokens of every string inside a message (content, names, tool calls); media parts count flat."""
+    def _messages(self, value: Any, param: str, *, chat: bool) -> int:
+        """Chat ``messages`` or Responses ``input`` items: a list of objects, each content a string, null
+        or a list of typed parts."""
+        if not isinstance(value, list):
+            want = "a list of messages" if chat else "a string or a list of input items"
+            raise Invalid("invalid-body", f"'{param}' must be {want}, not {_kind(value)}.", param)
+        total = 0
+        for i, m in enumerate(value):
+            where = f"{param}[{i}]"
+            if not isinstance(m, dict):
+                raise Invalid("invalid-body", f"'{where}' must be an object, not {_kind(m)}.", where)
+            role = m.get("role")
+            if (chat or role is not None) and not isinstance(role, str):
+                raise Invalid("invalid-body", f"'{where}.role' must be a string.", f"{where}.role")
+            if "content" in m:
+                _check_content(m["content"], f"{where}.content")
+            total += self._per_message + self._walk(m)
+        return total
+
+    def _token_input(self, value: Any, param: str) -> int:
+        """``prompt`` / embeddings ``input``: a string, a list of strings, token ids, or a list of token-id lists."""
+        if value is None:
+            return 0
         if isinstance(value, str):
             return self.text_tokens(len(value), value)
-        if isinstance(value, list):
-            return sum(self._value_tokens(x) for x in value)
-        if isinstance(value, dict):
-            total = 0
-            for k, v in value.items():
-                if k in _OPAQUE_PARTS:
+        bad = Invalid("invalid-body", f"'{param}' must be a string, a list of strings, a list of token ids or a "
+                      f"list of token-id lists.", param)
+        if not isinstance(value, list):
+            raise bad
+        if all(isinstance(x, str) for x in value):
+            return sum(self.text_tokens(len(x), x) for x in value)
+        if all(_is_int(x) for x in value):
+            return len(value)
+        if all(isinstance(x, list) and all(_is_int(t) for t in x) for x in value):
+            return sum(len(x) for x in value)
+        raise bad
+
+    def _walk(self, value: Any) -> int:
+        """Tokens of every string inside a value (content, names, tool calls, schemas); media parts count
+        flat. Iterative: the client's nesting never becomes Python recursion."""
+        if isinstance(value, str):
+            return self.text_tokens(len(value), value)
+        total = 0
+        stack: list[tuple[Any, int]] = [(value, 1)]
+        while stack:
+            v, depth = stack.pop()
+            if depth > MAX_JSON_DEPTH:
+                raise _too_deep()
+            if isinstance(v, dict):
+                kind = v.get("type")
+                if isinstance(kind, str) and kind in _OPAQUE_PARTS:
                     total += IMAGE_PART_TOKENS
-                elif k != "type" and k != "role":
-                    total += self._value_tokens(v)
-            return total
-        return 0
+                    continue
+                items: list[Any] = []
+                for k, x in v.items():
+                    if k in _OPAQUE_PARTS:
+                        total += IMAGE_PART_TOKENS
+                    elif k != "type" and k != "role":
+                        items.append(x)
+            elif isinstance(v, list):
+                items = v
+            else:
+                continue
+            for x in items:
+                t = type(x)
+                if t is str:
+                    total += self.text_tokens(len(x), x)
+                elif t is dict or t is list:
+                    stack.append((x, depth + 1))
+        return total
 
 
-def _int_in(value: Any, lo: int, hi: int) -> int | None:
-    if isinstance(value, bool) or not isinstance(value, int):
-        return None
-    return value if lo <= value <= hi else None
+def _check_content(content: Any, param: str) -> None:
+    if content is None or isinstance(content, str):
+        return
+    if not isinstance(content, list):
+        raise Invalid("invalid-body", f"'{param}' must be a string, null or a list of content parts, not "
+                      f"{_kind(content)}.", param)
+    for j, part in enumerate(content):
+        if not isinstance(part, dict) or not isinstance(part.get("type"), str):
+            raise Invalid("invalid-body", f"'{param}[{j}]' must be a content part: an object with a string 'type'.",
+                          f"{param}[{j}]")
+
+
+def _check_depth(doc: Any) -> None:
+    """Refuse a document nested deeper than :data:`MAX_JSON_DEPTH`, level by level, without recursion."""
+    level: list[Any] = [doc]
+    depth = 1
+    while level:
+        if depth > MAX_JSON_DEPTH:
+            raise _too_deep()
+        below: list[Any] = []
+        for v in level:
+            below += [x for x in (v.values() if type(v) is dict else v) if type(x) is dict or type(x) is list]
+        level = below
+        depth += 1
+
+
+def _too_deep() -> Invalid:
+    return Invalid("invalid-body", f"The request body is nested deeper than {MAX_JSON_DEPTH} levels.")
+
+
+def _context(prompt: int, output: int, ctx: int, param: str) -> Invalid:
+    if output:
+        msg = (f"This request needs about {prompt + output} tokens ({prompt} of prompt, estimated, plus {output} of "
+               f"output), more than the model's context of {ctx}. Lower '{param}' or shorten the prompt.")
+    else:
+        msg = f"The prompt is about {prompt} tokens (estimated), which does not fit the model's context of {ctx}."
+    return Invalid("context-too-long", msg, param)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _kind(value: Any) -> str:
+    return {dict: "an object", list: "a list", str: "a string", bool: "a boolean", int: "a number",
+            float: "a number", type(None): "null"}.get(type(value), type(value).__name__)
+
+
+def _show(value: Any) -> str:
+    if isinstance(value, str | int | float | bool) or value is None:
+        text = orjson.dumps(value).decode() if not isinstance(value, float) or math.isfinite(value) else repr(value)
+        return text if len(text) <= 40 else text[:37] + "..."
+    return _kind(value)

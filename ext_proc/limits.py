@@ -55,3 +55,9 @@ class TokenBucket:
         self.rate = per_minute / 60.0
         self.capacity = float(capacity)
         self.level = min(self.level, self.capacity)
+
+
+def default_burst(per_minute: float, burst: int | None) -> float:
+    """A bucket's size: the configured burst, else one minute's worth — but never below one, or a
+    budget under one per minute (``requests_per_minute: 0.5``) could never pay for a single request."""
+    return float(burst) if burst is not None else max(1.0, per_minute)

@@ -59,6 +59,8 @@ class Node:
     drain_tokens_per_s: float | None = None
     latency: float | None = None
     """The last *new* prefill latency reading (s per 1k prompt tokens): what its peers are compared with."""
+    trials: set[str] = field(default_factory=set)
+    """Tickets sent here as half-open trials: a trial that ends without a verdict gives its place back."""
     _last_completion: float | None = None
 
     @property
@@ -269,6 +271,12 @@ class Fleet:
         a, b = self._rng.sample(candidates, 2)
         return Choice(a if self._score(a, tokens) >= self._score(b, tokens) else b)
 
+    def max_capacity_tokens(self) -> int | None:
+        """The largest KV cache of any known node in tokens (None before any reading): a request
+        larger than this can never run anywhere."""
+        caps = [c for n in self.nodes.values() if (c := n.capacity_tokens()) is not None]
+        return max(caps) if caps else None
+
     def _score(self, n: Node, tokens: int) -> float:
         kv = n.projected_kv(tokens)
         headroom = n.threshold - (kv if kv is not None else n.threshold / 2)
@@ -302,7 +310,8 @@ class Fleet:
         n.pending_tokens += tokens
         n.pending_prompt += prompt_tokens
         n.requests[ticket] = (tokens, prompt_tokens)
-        n.breaker.dispatched()
+        if n.breaker.dispatched():
+            n.trials.add(ticket)
 
     def completed(self, address: str, ticket: str, tokens: int, ok: bool | None, now: float) -> None:
         """A request sent to ``address`` ended; ``ok`` None: no verdict on the node (never reached it)."""
@@ -310,7 +319,11 @@ class Fleet:
         if n is None:
             return
         n.requests.pop(ticket, None)
+        trial = ticket in n.trials
+        n.trials.discard(ticket)
         if ok is None:
+            if trial:  # no verdict (the client left, the lease was reclaimed): another request may try
+                n.breaker.trial_unused()
             return
         n.breaker.result(ok, now)
         if ok and n._last_completion is not None and now > n._last_completion:

@@ -187,9 +187,10 @@ class FairQueue:
         if first:
             self._reheap(t, e.tenant)
 
-    def peek(self) -> Entry | None:
-        """The request to release next, or None when the queue is empty."""
-        t = self._next_tier()
+    def peek(self, skip: set[str] | frozenset[str] = frozenset()) -> Entry | None:
+        """The request to release next, or None when the queue is empty. ``skip``: tiers whose head
+        cannot be placed now; the next tier in order goes instead (no tier waits behind another's head)."""
+        t = self._next_tier(skip)
         if t is None:
             return None
         while t.heap:
@@ -314,10 +315,10 @@ class FairQueue:
 
     # -- internals -------------------------------------------------------------------------------
 
-    def _next_tier(self) -> _Tier | None:
+    def _next_tier(self, skip: set[str] | frozenset[str] = frozenset()) -> _Tier | None:
         top = None
         for t in self._order:
-            if not t.live:
+            if not t.live or t.spec.name in skip:
                 continue
             if top is None:
                 top = t

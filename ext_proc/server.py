@@ -1,13 +1,20 @@
-"""The gRPC shell: Envoy's ExternalProcessor and AccessLogService around the pure decision core.
+"""The gRPC shell: Envoy's ExternalProcessor and AccessLogService around the gateway core (``core.py``).
 
-Per HTTP request, Envoy opens one ext_proc stream. On inference routes (POST) Envoy skips the
-headers message and sends a single buffered body message carrying the few request attributes kvgate
-needs (authorization, path, request id): one round trip per request. Other routes send headers only.
+Per inference request Envoy opens one ext_proc stream and sends a single buffered body message
+carrying the few request attributes kvgate needs (authorization, path, request id). kvgate answers
+and **closes the stream cleanly** right away: per Envoy's ext_proc contract the request then proceeds
+without the server, so a kvgate restart or crash never cuts a request it already admitted, and an
+open request holds no slot of Envoy's circuit breaker towards kvgate. A request that waits in the
+gateway queue keeps its stream until its answer.
 
-Completion is accounted without any per-chunk Python work: a Lua filter in Envoy reads the final
-usage of the response (JSON body or last SSE chunk, stripping that chunk again when kvgate added it)
-into dynamic metadata, and Envoy's gRPC access log delivers it here when the stream ends, whether it
-ended normally, on an upstream error or by a client disconnect.
+Completion comes through Envoy's gRPC access log: a Lua filter copies the response's final usage into
+dynamic metadata and the log entry delivers it when the stream ends (normally, on an upstream error,
+by a client disconnect). Each lease remembers which Envoy connection asked for it (the gRPC peer); when
+an Envoy's access-log connection ends and does not come back, its leases are released (``core.py``).
+
+Everything that is not transport lives in the core; this module turns protobuf into core events and
+core answers into protobuf, and runs the supervised background tasks (probe polling, discovery, the
+tick, the config watcher).
 """
 
 from __future__ import annotations
@@ -16,31 +23,29 @@ import asyncio
 import contextlib
 import os
 import signal
+import socket
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
 import grpc
-import orjson
 from envoy.config.core.v3 import base_pb2
 from envoy.service.accesslog.v3 import als_pb2, als_pb2_grpc
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
-from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
 from envoy.type.v3 import http_status_pb2
-from google.protobuf import duration_pb2, struct_pb2
+from google.protobuf import descriptor_pb2, descriptor_pool, duration_pb2, message_factory, struct_pb2
+from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from prometheus_client import start_http_server
+from prometheus_client import Counter, start_http_server
 
 from gpu_probe.snapshot import Snapshot
 
 from . import logs
-from .admission import UNKNOWN_KEY, Admission, Decision, Outcome, Usage
-from .breaker import STATE_VALUE, State
+from .admission import Usage
 from .config import Config, ConfigError, load_config
-from .estimate import Estimate, Estimator
-from .identity import Identifier
-from .nodes import Fleet
+from .core import Answer, Core, Ended, Held, Request
+from .reasons import reject
 from .stats import Stats
 from .wire import REASON_HEADER, Reply, reject_reply
 
@@ -53,26 +58,34 @@ ATTR_AUTH = "request.headers['authorization']"
 ATTR_PATH = "request.path"
 ATTR_ID = "request.id"
 SERVICE_NAME = "envoy.service.ext_proc.v3.ExternalProcessor"
-PUMP_INTERVAL_S = 0.05
-"""How often the queue is looked at besides completions and probe readings (deadlines, doomed requests)."""
+TICK_S = 0.05
+"""How often the core is ticked (queue deadlines, Envoys gone, reclaim) besides its other events."""
+RELOAD_CHECK_S = 1.0
 MESSAGE_TIMEOUT_CEILING_S = 59.0
 """Below the generated filter's max_message_timeout (60 s)."""
-
-
-Held = asyncio.Future[tuple[ep.ProcessingResponse, Decision]]
-"""What the stream of a queued request awaits: the reply once the queue has decided it."""
+TASK_FAILURES = 5
+"""A background task that fails this many times within ``TASK_FAILURE_WINDOW_S`` makes kvgate
+NOT_SERVING until it has run ``TASK_HEALTHY_S`` without failing."""
+TASK_FAILURE_WINDOW_S = 60.0
+TASK_HEALTHY_S = 30.0
 
 
 def trusted_attr(header: str) -> str:
     return f"request.headers['{header}']"
 
 
-def _attr(msg: ep.ProcessingRequest, name: str) -> str:
+def _attr(msg: Any, name: str) -> str:
     attrs = msg.attributes.get(ATTR_NS)
     if attrs is None:
         return ""
     v = attrs.fields.get(name)
     return v.string_value if v is not None else ""
+
+
+def _metadata(values: dict[str, Any]) -> struct_pb2.Struct:
+    s = struct_pb2.Struct()
+    s.update({META_NS: values})
+    return s
 
 
 def _immediate(reply: Reply) -> ep.ProcessingResponse:
@@ -95,45 +108,134 @@ def _immediate(reply: Reply) -> ep.ProcessingResponse:
     )
 
 
-def _metadata(values: dict[str, Any]) -> struct_pb2.Struct:
-    s = struct_pb2.Struct()
-    s.update({META_NS: values})
-    return s
+def envoy_reply(a: Answer, headers_phase: bool = False) -> ep.ProcessingResponse:
+    """The ext_proc message for a core answer."""
+    if a.reply is not None:
+        return _immediate(a.reply)
+    if headers_phase:
+        return ep.ProcessingResponse(request_headers=ep.HeadersResponse(), dynamic_metadata=_metadata(a.metadata))
+    common = ep.CommonResponse()
+    if a.body is not None:
+        common.body_mutation.body = a.body
+    return ep.ProcessingResponse(request_body=ep.BodyResponse(response=common), dynamic_metadata=_metadata(a.metadata))
+
+
+# -- bytes that are not UTF-8 ---------------------------------------------------------------------
+#
+# A request attribute (an Authorization header, say) with bytes that are not UTF-8 makes protobuf's
+# decoder refuse the whole ProcessingRequest before any handler runs: Envoy would answer 500 (503
+# with retry), and with failure_mode_allow the request would pass uncounted — any client could switch
+# fail-open on. So the server decodes itself: on a DecodeError the message is read again with a
+# lenient twin of the same wire format whose attribute strings are bytes, and the request is answered
+# 401 (its credentials are not UTF-8) or 400.
+
+def _lenient_type() -> Any:
+    f = descriptor_pb2.FileDescriptorProto(name="kvgate_lenient.proto", package="kvgate.lenient", syntax="proto3")
+    T = descriptor_pb2.FieldDescriptorProto
+    value = f.message_type.add(name="Value")
+    value.field.add(name="string_value", number=3, type=T.TYPE_BYTES, label=T.LABEL_OPTIONAL)
+    fields = f.message_type.add(name="FieldsEntry")
+    fields.field.add(name="key", number=1, type=T.TYPE_BYTES, label=T.LABEL_OPTIONAL)
+    fields.field.add(name="value", number=2, type=T.TYPE_MESSAGE, type_name=".kvgate.lenient.Value",
+                     label=T.LABEL_OPTIONAL)
+    struct = f.message_type.add(name="Struct")
+    struct.field.add(name="fields", number=1, type=T.TYPE_MESSAGE, type_name=".kvgate.lenient.FieldsEntry",
+                     label=T.LABEL_REPEATED)
+    attrs = f.message_type.add(name="AttributesEntry")
+    attrs.field.add(name="key", number=1, type=T.TYPE_BYTES, label=T.LABEL_OPTIONAL)
+    attrs.field.add(name="value", number=2, type=T.TYPE_MESSAGE, type_name=".kvgate.lenient.Struct",
+                    label=T.LABEL_OPTIONAL)
+    req = f.message_type.add(name="ProcessingRequest")
+    number = ep.ProcessingRequest.DESCRIPTOR.fields_by_name["attributes"].number
+    req.field.add(name="attributes", number=number, type=T.TYPE_MESSAGE,
+                  type_name=".kvgate.lenient.AttributesEntry", label=T.LABEL_REPEATED)
+    pool = descriptor_pool.DescriptorPool()
+    pool.Add(f)
+    return message_factory.GetMessageClass(pool.FindMessageTypeByName("kvgate.lenient.ProcessingRequest"))
+
+
+_LENIENT = _lenient_type()
+
+
+class Undecodable:
+    """A ProcessingRequest protobuf would not decode; what is known of it."""
+
+    def __init__(self, raw: bytes) -> None:
+        self.bad: list[str] = []
+        self.request_id = ""
+        try:
+            msg = _LENIENT.FromString(raw)
+        except DecodeError:
+            self.bad.append("<message>")
+            return
+        for entry in msg.attributes:
+            for f in entry.value.fields:
+                name = f.key.decode(errors="replace")
+                try:
+                    text = f.value.string_value.decode()
+                except UnicodeDecodeError:
+                    self.bad.append(name)
+                    continue
+                if name == ATTR_ID:
+                    self.request_id = text
+
+    def answer(self) -> ep.ProcessingResponse:
+        if any("authorization" in b for b in self.bad):
+            r = reject("invalid-authorization", "The Authorization header is not valid UTF-8.")
+        else:
+            r = reject("invalid-body", "The request has header or path bytes that are not valid UTF-8.")
+        return _immediate(reject_reply(r))
+
+
+def _decode(raw: bytes) -> ep.ProcessingRequest | Undecodable:
+    try:
+        return ep.ProcessingRequest.FromString(raw)
+    except DecodeError:
+        return Undecodable(raw)
 
 
 class Gateway:
-    """Holds the live config and the core; both servicers share one instance."""
+    """The shell's state: the core, the config file, the streams waiting for a queued answer."""
 
     def __init__(self, config: Config, config_path: Path | None = None) -> None:
         self.config_path = config_path
-        self.admission = Admission(config, time.monotonic)
-        self.stats = Stats(max_tenant_labels=config.metrics.max_tenant_labels)
-        self.fleet: Fleet | None = None
-        self._waiters: dict[str, tuple[Held, Estimate, str]] = {}
-        """Queued requests: ticket → (what their stream awaits, their estimate, request id)."""
-        self._apply(config)
-        self._mtime = _mtime(config_path)
+        self.core = Core(config, time.monotonic, log=logs.get("kvgate.core"))
+        self._waiters: dict[str, asyncio.Future[Answer]] = {}
+        self._seen = _stat(config_path)
+        self._pending_stat: tuple[float, int] | None = None
         self.open_streams = 0
+        self._trusted_attr: str | None = None
+        self.task_restarts = Counter("kvgate_task_restarts_total", "Background tasks restarted after a failure",
+                                     ["task"], registry=self.stats.registry)
+        self.config_info = Counter("kvgate_config_loads_total", "Configs applied (at start and on reload)",
+                                   registry=self.stats.registry)
+        self._apply(config)
+
+    @property
+    def config(self) -> Config:
+        return self.core.config
+
+    @property
+    def stats(self) -> Stats:
+        return self.core.stats
+
+    @property
+    def fleet(self) -> Any:
+        return self.core.fleet
 
     def _apply(self, config: Config) -> None:
-        self.config = config
-        self.identifier = Identifier(config)
-        self.estimator = Estimator(config.estimation)
-        self._trusted_attr = trusted_attr(config.identity.trusted_header) if config.identity.trusted_header else None
-        if config.nodes is None:
-            self.fleet = None
-        elif self.fleet is None:
-            self.fleet = Fleet(config.nodes, on_transition=self._transition)
-        else:
-            self.fleet.reconfigure(config.nodes)
-        self.admission.pick = self._pick if self.fleet is not None else None
-        self.stats.set_tenants([t.name for t in config.tenants], config.metrics.max_tenant_labels)
+        h = config.identity.trusted_header
+        self._trusted_attr = trusted_attr(h) if h else None
+        self.config_info.inc()
+
+    # -- config ----------------------------------------------------------------------------------
 
     def reload(self, reason: str) -> bool:
-        """Load the config file again; a bad file keeps the running config and says why."""
+        """Load the config file again; a bad, empty or unreadable file keeps the running config."""
         if self.config_path is None:
             return False
-        self._mtime = _mtime(self.config_path)
+        self._seen = _stat(self.config_path)
+        self._pending_stat = None
         try:
             new = load_config(self.config_path)
         except ConfigError as e:
@@ -142,295 +244,163 @@ class Gateway:
             return False
         if new.server != self.config.server:
             log.warning("config_server_changed", note="server.* settings take effect on restart only")
-        self.admission.reconfigure(new)
+        self.core.reconfigure(new)
         self._apply(new)
+        self.flush()
         self.stats.reloads.labels("ok").inc()
         log.info("config_reloaded", reason=reason, tenants=len(new.tenants), mode=new.mode)
         return True
 
-    def file_changed(self) -> bool:
-        return self.config_path is not None and _mtime(self.config_path) != self._mtime
-
-    # -- nodes -----------------------------------------------------------------------------------
-
-    def _transition(self, node: str, old: State, new: State, why: str) -> None:
-        self.stats.node_transitions.labels(node, old.value, new.value).inc()
-        self.stats.node_breaker.labels(node).set(STATE_VALUE[new])
-        log.warning("breaker_transition", node=node, old=old.value, new=new.value, why=why)
-
-    def _pick(
-        self, est: Estimate, shadow: bool, ticket: str, reserve: float, caps: bool
-    ) -> tuple[str | None, str | None, float | None]:
-        assert self.fleet is not None
-        c = self.fleet.place(est.total, est.prompt_tokens, ticket, time.monotonic(), force=shadow, reserve=reserve,
-                             queue_caps=caps)
-        return (c.node.address if c.node else None), c.reason, c.retry_after
-
-    def export_nodes(self) -> None:
-        if self.fleet is None:
+    def check_file(self) -> None:
+        """Reload once the file changed and then stayed the same for one check (a file being
+        written is not read half-way)."""
+        if self.config_path is None:
             return
-        now = time.monotonic()
-        cfg = self.config.nodes
-        discovery = "+".join(k for k, on in (("static", bool(cfg and cfg.static)), ("dns", bool(cfg and cfg.dns)))
-                             if on)
-        self.stats.nodes_total.clear()
-        self.stats.nodes_total.labels(discovery or "static").set(len(self.fleet.nodes))
-        for n in self.fleet.nodes.values():
-            st = self.stats
-            if n.snapshot is not None and n.snapshot.kv_usage is not None:
-                st.node_kv.labels(n.address).set(n.snapshot.kv_usage)
-                st.node_projected_kv.labels(n.address).set(n.projected_kv() or 0.0)
-            st.node_inflight.labels(n.address).set(n.inflight)
-            st.node_breaker.labels(n.address).set(STATE_VALUE[n.breaker.state])
-            if n.fresh_at is not None:
-                st.node_age.labels(n.address).set(now - n.fresh_at)
+        st = _stat(self.config_path)
+        if st == self._seen:
+            self._pending_stat = None
+            return
+        if st is not None and st == self._pending_stat:
+            self.reload("file changed")
+        else:
+            self._pending_stat = st
 
-    # -- decisions -------------------------------------------------------------------------------
+    # -- events ----------------------------------------------------------------------------------
 
-    def on_body(self, msg: ep.ProcessingRequest) -> tuple[ep.ProcessingResponse | Held, Decision]:
-        """Decide one inference request: the reply, or for a queued request the future that gets it."""
+    def flush(self) -> None:
+        """Hand the answers the core decided for queued requests to their streams."""
+        for a in self.core.answers():
+            # an admitted request is found by its ticket; a rejection out of the queue has no lease: by id
+            by_ticket = self._waiters.pop(a.ticket, None) if a.ticket else None
+            by_id = self._waiters.pop("id:" + a.request_id, None)
+            fut = by_ticket or by_id
+            if fut is not None and not fut.done():
+                fut.set_result(a)
+
+    def on_body(self, msg: ep.ProcessingRequest, peer: str) -> Answer | tuple[Held, asyncio.Future[Answer]]:
+        """Decide one inference request: its answer, or for a queued request what its stream awaits."""
         t0 = time.perf_counter()
-        body = msg.request_body.body
-        path = _attr(msg, ATTR_PATH)
-        request_id = _attr(msg, ATTR_ID)
-        trusted = _attr(msg, self._trusted_attr) if self._trusted_attr else None
-        who = self.identifier.resolve(_attr(msg, ATTR_AUTH), trusted)
-        quota = who.tenant
-        default_max = (quota.default_max_tokens if quota else None) or self.config.estimation.default_max_tokens
-        est = self.estimator.estimate(
-            body, generates=path.split("?", 1)[0].endswith("/completions"), default_max_tokens=default_max
+        req = Request(
+            path=_attr(msg, ATTR_PATH), request_id=_attr(msg, ATTR_ID), authorization=_attr(msg, ATTR_AUTH) or None,
+            body=msg.request_body.body, trusted=_attr(msg, self._trusted_attr) if self._trusted_attr else None,
+            envoy=peer,
         )
-        d = self.admission.decide(quota, request_id, est, len(body))
-        if not est.parsed:
-            self.stats.unparsed_bodies.inc()
-            log.info("body_not_json", request_id=request_id, tenant=d.tenant, bytes=len(body),
-                     note="decided on request size alone")
-        if d.queued:
-            assert d.lease is not None
-            fut: Held = asyncio.get_running_loop().create_future()
-            self._waiters[d.lease.ticket] = (fut, est, request_id)
-            log.debug("queued", request_id=request_id, tenant=d.tenant, tier=d.tier, queued=self.admission.queued)
-            self.deliver(self.admission.pump())  # an eviction it caused (or its own release, at once)
-            self.export_queue()
-            self.stats.decision_seconds.observe(time.perf_counter() - t0)
-            return fut, d
-        resp = self.respond(d, est, request_id)
+        out = self.core.decide(req)
+        result: Answer | tuple[Held, asyncio.Future[Answer]] = out if isinstance(out, Answer) else (
+            out, self.wait_for(out))
+        self.flush()
         self.stats.decision_seconds.observe(time.perf_counter() - t0)
-        return resp, d
+        return result
 
-    def respond(self, d: Decision, est: Estimate, request_id: str) -> ep.ProcessingResponse:
-        """The ext_proc reply for a final decision (right away, or after a wait in the queue)."""
-        self.stats.decision(d)
-        self._log_decision(d, request_id, est.total)
-        if d.lease is None:
-            assert d.rejection is not None
-            return _immediate(reject_reply(d.rejection))
-        doc = est.document
-        strip = est.stream and not est.include_usage and doc is not None
-        common = ep.CommonResponse()
-        mutated = False
-        if strip:
-            assert doc is not None
-            opts = doc.get("stream_options")
-            doc["stream_options"] = {**(opts if isinstance(opts, dict) else {}), "include_usage": True}
-            mutated = True
-        tier = self.config.tiers.get(d.tier)
-        if self.config.queue.inject_priority and doc is not None and tier is not None:
-            doc["priority"] = tier.vllm_priority if tier.vllm_priority is not None else tier.priority
-            mutated = True
-        if mutated:
-            common.body_mutation.body = orjson.dumps(doc)
-        meta: dict[str, Any] = {"ticket": d.lease.ticket, "strip_usage": strip, "tenant": d.tenant}
-        if d.lease.node is not None:
-            meta["endpoint"] = d.lease.node  # the Lua helper turns it into the ORIGINAL_DST header
-        return ep.ProcessingResponse(request_body=ep.BodyResponse(response=common), dynamic_metadata=_metadata(meta))
+    def wait_for(self, held: Held) -> asyncio.Future[Answer]:
+        fut: asyncio.Future[Answer] = asyncio.get_running_loop().create_future()
+        self._waiters[held.ticket] = fut
+        self._waiters["id:" + held.request_id] = fut
+        return fut
 
-    # -- the queue -------------------------------------------------------------------------------
-
-    def hold_timeout(self, d: Decision) -> duration_pb2.Duration:
-        """How long Envoy must wait for the reply to a queued request: its tier's deadline and a margin."""
-        tier = self.config.tiers.get(d.tier)
-        wait = tier.max_queue_wait_ms / 1000.0 if tier else 5.0
-        out = duration_pb2.Duration()
-        out.FromMilliseconds(int(min(MESSAGE_TIMEOUT_CEILING_S, wait + 1.0) * 1000))
-        return out
-
-    def pump(self) -> None:
-        if self.admission.queued:
-            self.deliver(self.admission.pump())
-            self.export_queue()
-
-    def deliver(self, outcomes: list[Outcome]) -> None:
-        """Answer the queued requests the core has decided."""
-        for o in outcomes:
-            w = self._waiters.pop(o.ticket, None)
-            d = o.decision
-            self.stats.queue_wait.labels(d.tier, "admitted" if d.admitted else "rejected").observe(o.waited)
-            if d.rejection is not None:
-                self.stats.queue_rejections.labels(d.tier, d.rejection.reason).inc()
-            if w is None:
-                continue
-            fut, est, request_id = w
-            resp = self.respond(d, est, request_id)
-            if not fut.done():
-                fut.set_result((resp, d))
-
-    def cancel(self, ticket: str) -> None:
-        """The stream of a queued request ended before it was answered (the client went away)."""
-        self._waiters.pop(ticket, None)
-        lease_tier = self.admission.held_tier(ticket)
-        if self.admission.cancel(ticket):
-            self.export_queue()
-            self.stats.queue_cancelled.labels(lease_tier or "unknown").inc()
-            log.info("queued_request_cancelled", ticket=ticket, note="client went away while queued")
-
-    def export_queue(self) -> None:
-        q = self.admission.queue
-        for tier in q.tiers():
-            self.stats.queue_depth.labels(tier).set(q.depth(tier))
+    def forget(self, held: Held) -> None:
+        self._waiters.pop(held.ticket, None)
+        self._waiters.pop("id:" + held.request_id, None)
 
     def on_headers(self, msg: ep.ProcessingRequest) -> ep.ProcessingResponse:
-        """Non-inference routes (GET /v1/models, ...): identity only, no quota."""
-        auth = trusted_value = None
+        """Bodyless routes (GET /v1/models, ...): identity only, no quota."""
+        auth: list[str] = []
+        trusted = None
         for h in msg.request_headers.headers.headers:
             if h.key == "authorization":
-                auth = h.raw_value.decode(errors="replace")
+                auth.append(h.raw_value.decode(errors="replace"))
             elif h.key == self.config.identity.trusted_header:
-                trusted_value = h.raw_value.decode(errors="replace")
-        who = self.identifier.resolve(auth, trusted_value)
-        if who.tenant is None and self.config.mode == "enforce":
-            return _immediate(reject_reply(UNKNOWN_KEY))
-        name = who.tenant.name if who.tenant else "unknown"
-        meta: dict[str, Any] = {"tenant": name}
-        if self.fleet is not None:
-            c = self.fleet.choose(0, time.monotonic(), force=True)
-            if c.node is None:
-                return _immediate(reject_reply(self.admission.no_node(c.reason, c.retry_after)))
-            meta["endpoint"] = c.node.address
-        return ep.ProcessingResponse(request_headers=ep.HeadersResponse(), dynamic_metadata=_metadata(meta))
-
-    def _log_decision(self, d: Decision, request_id: str, tokens: int) -> None:
-        r = d.rejection
-        if r is None:
-            return
-        log.info(
-            "shadow_reject" if d.admitted else "reject",
-            request_id=request_id, tenant=d.tenant, tier=d.tier, status=r.status, reason=r.reason,
-            cls=r.klass, retry_after_s=None if r.retry_after is None else round(r.retry_after, 3),
-            estimated_tokens=tokens,
-        )
-
-    # -- completions -----------------------------------------------------------------------------
+                trusted = h.raw_value.decode(errors="replace")
+        return envoy_reply(self.core.headers(",".join(auth) if auth else None, trusted), headers_phase=True)
 
     def on_access_log(self, entry: Any) -> None:
         common = entry.common_properties
         md = common.metadata.filter_metadata
         kv = md.get(META_NS)
         ticket = kv.fields["ticket"].string_value if kv is not None and "ticket" in kv.fields else ""
-        flags = common.response_flags
-        if not ticket:
-            # No ticket: Envoy never applied an admit reply (client gone first). Release by id.
-            c = self.admission.complete_request_id(entry.request.request_id)
-            if c is not None:
-                self.stats.completion(c, "aborted")
-                self._node_done(c.lease.node, c.lease.ticket, 0, None)
-                self.pump()
-            return
         usage = None
         u = md.get(USAGE_NS)
-        if u is not None and "completion_tokens" in u.fields:
-            usage = Usage(int(u.fields["prompt_tokens"].number_value), int(u.fields["completion_tokens"].number_value))
-        code = entry.response.response_code.value
-        upstream_answered = common.HasField("time_to_first_upstream_rx_byte")
-        responded = upstream_answered and 200 <= code < 300
-        c = self.admission.complete(ticket, usage, responded)
-        if c is None:
-            return
-        if usage is not None:
-            outcome = "ok"
-        elif flags.downstream_connection_termination:
-            outcome = "disconnect"
-        elif responded:
-            outcome = "no_usage"
-        else:
-            outcome = "upstream_error"
-        self.stats.completion(c, outcome)
-        # the node's verdict for its breaker: it answered (below 500), it failed, or we cannot tell
-        verdict: bool | None
-        if upstream_answered:
-            verdict = code < 500
-        else:
-            verdict = None if flags.downstream_connection_termination else False
-        self._node_done(c.lease.node, c.lease.ticket, c.charged_tokens, verdict)
-        self.pump()
-        log.debug("complete", ticket=ticket, tenant=c.lease.tenant.name, outcome=outcome,
-                  tokens=c.charged_tokens, seconds=round(c.seconds, 4), status=code)
+        if u is not None and "prompt_tokens" in u.fields:
+            c = u.fields.get("completion_tokens")
+            usage = Usage(int(u.fields["prompt_tokens"].number_value), int(c.number_value) if c is not None else 0)
+        self.core.ended(Ended(
+            ticket or None, entry.request.request_id, entry.response.response_code.value, usage,
+            upstream_answered=common.HasField("time_to_first_upstream_rx_byte"),
+            disconnected=common.response_flags.downstream_connection_termination,
+        ))
+        self.flush()
 
-    def _node_done(self, node: str | None, ticket: str, tokens: int, ok: bool | None) -> None:
-        if node is not None and self.fleet is not None:
-            self.fleet.completed(node, ticket, tokens, ok, time.monotonic())
-
-    def reclaim(self) -> None:
-        for c in self.admission.reclaim_expired():
-            self.stats.completion(c, "reclaimed")
-            self._node_done(c.lease.node, c.lease.ticket, 0, None)
-            log.warning("lease_reclaimed", ticket=c.lease.ticket, tenant=c.lease.tenant.name,
-                        age_s=round(c.seconds, 1), note="no completion arrived from Envoy's access log")
+    def hold_timeout(self, held: Held) -> duration_pb2.Duration:
+        """How long Envoy must wait for the answer to a queued request: its tier's deadline and a margin."""
+        out = duration_pb2.Duration()
+        out.FromMilliseconds(int(min(MESSAGE_TIMEOUT_CEILING_S, held.max_wait_s + 1.0) * 1000))
+        return out
 
 
-def _mtime(p: Path | None) -> float | None:
+def _stat(p: Path | None) -> tuple[float, int] | None:
     if p is None:
         return None
     try:
-        return p.stat().st_mtime
+        st = p.stat()
     except OSError:
         return None
+    return st.st_mtime, st.st_size
 
 
-class ExtProcServicer(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
+class ExtProcServicer:
     def __init__(self, gw: Gateway) -> None:
         self.gw = gw
 
     async def Process(
-        self, request_iterator: AsyncIterator[ep.ProcessingRequest], context: grpc.aio.ServicerContext
+        self, request_iterator: AsyncIterator[ep.ProcessingRequest | Undecodable], context: grpc.aio.ServicerContext
     ) -> AsyncIterator[ep.ProcessingResponse]:
         gw = self.gw
         gw.open_streams += 1
-        ticket = held = None
-        clean = False
         try:
             async for msg in request_iterator:
+                if isinstance(msg, Undecodable):
+                    log.info("request_not_utf8", request_id=msg.request_id, attributes=msg.bad)
+                    yield msg.answer()
+                    return
                 kind = msg.WhichOneof("request")
                 if kind == "request_body":
-                    out, d = gw.on_body(msg)
-                    if isinstance(out, asyncio.Future):  # queued: tell Envoy to wait longer, then wait
-                        assert d.lease is not None
-                        held = d.lease.ticket
-                        if not out.done():
-                            yield ep.ProcessingResponse(override_message_timeout=gw.hold_timeout(d))
-                        resp, d = await out
-                        held = None
+                    out = gw.on_body(msg, context.peer())
+                    if isinstance(out, tuple):  # queued: tell Envoy to wait longer, then wait
+                        held, fut = out
+                        try:
+                            if not fut.done():
+                                yield ep.ProcessingResponse(override_message_timeout=gw.hold_timeout(held))
+                            answer = await fut
+                        except BaseException:
+                            # the client or Envoy gave up (the stream was cancelled) while it waited
+                            gw.forget(held)
+                            if not fut.done() or fut.cancelled():  # (a cancelled await cancels fut too)
+                                gw.core.cancel(held.ticket)
+                                gw.flush()
+                            raise
                     else:
-                        resp = out
-                    if d.lease is not None:
-                        ticket = d.lease.ticket
-                    yield resp
-                elif kind == "request_headers":
-                    yield gw.on_headers(msg)
-                elif kind is not None:
+                        answer = out
+                    yield envoy_reply(answer)
+                    # Done: closing the stream cleanly lets Envoy go on without kvgate. A kvgate restart
+                    # from here on does not touch this request.
+                    return
+                if kind == "request_headers":
+                    reply = gw.on_headers(msg)
+                    yield reply
+                    if reply.HasField("immediate_response") or msg.request_headers.end_of_stream:
+                        return  # refused, or a bodyless request: nothing more to decide
+                    # a body follows (an Envoy that sends headers first, e.g. Envoy Gateway): it is
+                    # decided on its own message; the stream must stay open until then
+                    continue
+                if kind is not None:
                     # A phase kvgate did not ask for (a misconfigured Envoy): let it through unchanged.
                     yield ep.ProcessingResponse(**{kind: _EMPTY[kind]()})
-            clean = True
         except Exception:
             # Envoy turns the broken stream into a 500 → its local-reply mapper answers 503 + retry-after
             log.exception("extproc_stream_failed")
             raise
         finally:
             gw.open_streams -= 1
-            if held is not None:
-                gw.cancel(held)
-            elif ticket is not None and not clean:
-                gw.admission.mark_uncertain(ticket)
 
 
 _EMPTY: dict[str, Any] = {
@@ -450,33 +420,107 @@ class AccessLogServicer(als_pb2_grpc.AccessLogServiceServicer):  # type: ignore[
     async def StreamAccessLogs(
         self, request_iterator: AsyncIterator[als_pb2.StreamAccessLogsMessage], context: grpc.aio.ServicerContext
     ) -> als_pb2.StreamAccessLogsResponse:
-        async for msg in request_iterator:
-            for entry in msg.http_logs.log_entry:
-                try:
-                    self.gw.on_access_log(entry)
-                except Exception:
-                    log.exception("access_log_entry_failed")
+        peer = context.peer()
+        core = self.gw.core
+        core.envoy_up(peer)
+        try:
+            async for msg in request_iterator:
+                for entry in msg.http_logs.log_entry:
+                    try:
+                        self.gw.on_access_log(entry)
+                    except Exception:
+                        log.exception("access_log_entry_failed")
+        finally:
+            core.envoy_down(peer)
         return als_pb2.StreamAccessLogsResponse()
+
+
+def _process_handler(gw: Gateway) -> grpc.GenericRpcHandler:
+    servicer = ExtProcServicer(gw)
+    return grpc.method_handlers_generic_handler(SERVICE_NAME, {
+        "Process": grpc.stream_stream_rpc_method_handler(
+            servicer.Process, request_deserializer=_decode,
+            response_serializer=ep.ProcessingResponse.SerializeToString),
+    })
+
+
+class Supervisor:
+    """Background tasks that restart when they fail; health turns NOT_SERVING only when one keeps
+    failing (``TASK_FAILURES`` within ``TASK_FAILURE_WINDOW_S``) and SERVING again once it has run
+    ``TASK_HEALTHY_S`` without a failure."""
+
+    def __init__(self, gw: Gateway, on_health: Callable[[bool], Awaitable[None]]) -> None:
+        self.gw = gw
+        self._on_health = on_health
+        self._failures: dict[str, list[float]] = {}
+        self._sick: set[str] = set()
+        self.tasks: list[asyncio.Task[None]] = []
+
+    def start(self, name: str, factory: Callable[[], Awaitable[None]]) -> None:
+        self.tasks.append(asyncio.create_task(self._run(name, factory), name=name))
+
+    async def _run(self, name: str, factory: Callable[[], Awaitable[None]]) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            started = loop.time()
+            try:
+                await factory()
+                return
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                now = loop.time()
+                recent = [t for t in self._failures.get(name, []) if now - t < TASK_FAILURE_WINDOW_S] + [now]
+                self._failures[name] = recent
+                self.gw.task_restarts.labels(name).inc()
+                log.exception("task_failed", task=name, failures_in_window=len(recent), restarting=True)
+                if len(recent) >= TASK_FAILURES and name not in self._sick:
+                    self._sick.add(name)
+                    log.error("task_unhealthy", task=name, note="health is NOT_SERVING until it recovers")
+                    await self._on_health(False)
+                await asyncio.sleep(min(5.0, 0.1 * 2 ** min(len(recent), 6)))
+            if name in self._sick and loop.time() - started >= TASK_HEALTHY_S:
+                self._sick.discard(name)
+                if not self._sick:
+                    await self._on_health(True)
+
+    async def stop(self) -> None:
+        for t in self.tasks:
+            t.cancel()
+        for t in self.tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await t
+
+
+def split_address(address: str) -> tuple[str, int]:
+    """``host:port`` or ``[v6]:port`` → (host, port) with the brackets removed."""
+    host, _, port = address.rpartition(":")
+    return host.strip("[]") or "0.0.0.0", int(port)
 
 
 async def serve(config: Config, config_path: Path | None, ready: asyncio.Event | None = None) -> None:
     gw = Gateway(config, config_path)
     server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
-    ep_grpc.add_ExternalProcessorServicer_to_server(ExtProcServicer(gw), server)
+    server.add_generic_rpc_handlers((_process_handler(gw),))
     als_pb2_grpc.add_AccessLogServiceServicer_to_server(AccessLogServicer(gw), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     port = server.add_insecure_port(config.server.grpc_address)
     if port == 0:
         raise ConfigError(f"server.grpc_address: cannot listen on {config.server.grpc_address}")
-    mhost, _, mport = config.server.metrics_address.rpartition(":")
     try:
-        start_http_server(int(mport), addr=mhost or "0.0.0.0", registry=gw.stats.registry)
-    except OSError as e:
+        mhost, mport = split_address(config.server.metrics_address)
+        start_http_server(mport, addr=mhost, registry=gw.stats.registry)
+    except (OSError, ValueError) as e:
         raise ConfigError(f"server.metrics_address: cannot listen on {config.server.metrics_address}: {e}") from None
     await server.start()
-    for svc in ("", SERVICE_NAME):
-        await health_servicer.set(svc, health_pb2.HealthCheckResponse.SERVING)
+
+    async def set_health(ok: bool) -> None:
+        status = health_pb2.HealthCheckResponse.SERVING if ok else health_pb2.HealthCheckResponse.NOT_SERVING
+        for svc in ("", SERVICE_NAME):
+            await health_servicer.set(svc, status)
+
+    await set_health(True)
     log.info("serving", grpc=config.server.grpc_address, metrics=config.server.metrics_address,
              tenants=len(config.tenants), mode=config.mode, pid=os.getpid())
 
@@ -488,71 +532,75 @@ async def serve(config: Config, config_path: Path | None, ready: asyncio.Event |
     if ready is not None:
         ready.set()
 
-    async def housekeeping() -> None:
-        n = 0
-        while True:
-            await asyncio.sleep(PUMP_INTERVAL_S)
-            gw.pump()
-            n += 1
-            if n % 20 == 0 and gw.file_changed():
-                gw.reload("file changed")
-            if n % 200 == 0:
-                gw.reclaim()
-
-    task = asyncio.create_task(housekeeping())
-    pollers = [asyncio.create_task(poll_nodes(gw)), asyncio.create_task(discover_nodes(gw))]
+    sup = Supervisor(gw, set_health)
+    sup.start("tick", lambda: tick(gw))
+    sup.start("config_watch", lambda: watch_config(gw))
+    sup.start("probe_poll", lambda: poll_nodes(gw))
+    sup.start("node_discovery", lambda: discover_nodes(gw))
     await stop.wait()
     log.info("draining", open_streams=gw.open_streams, grace_s=config.server.drain_seconds)
-    for svc in ("", SERVICE_NAME):
-        await health_servicer.set(svc, health_pb2.HealthCheckResponse.NOT_SERVING)
+    await set_health(False)
+    # Admitted requests no longer hold a stream: what is left are requests waiting in the queue
+    # (and decisions in progress). They get their answer, or Envoy's retryable 503, by the deadline.
     deadline = loop.time() + config.server.drain_seconds
     while gw.open_streams > 0 and loop.time() < deadline:
         await asyncio.sleep(0.05)
-    for t in (task, *pollers):
-        t.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await t
+    await sup.stop()
     await server.stop(grace=0.5)
-    log.info("stopped", open_streams=gw.open_streams, open_leases=gw.admission.open_leases)
+    log.info("stopped", open_streams=gw.open_streams, open_leases=gw.core.open_leases)
+
+
+async def tick(gw: Gateway) -> None:
+    while True:
+        await asyncio.sleep(TICK_S)
+        gw.core.tick()
+        gw.flush()
+
+
+async def watch_config(gw: Gateway) -> None:
+    while True:
+        await asyncio.sleep(RELOAD_CHECK_S)
+        gw.check_file()
 
 
 async def poll_nodes(gw: Gateway) -> None:
-    """Fetch every probe's snapshot in the background; a request never waits on this."""
+    """Fetch every probe's snapshot in the background; a request never waits on this. A probe that is
+    down, slow or talks nonsense only makes its own node age towards unknown."""
     import aiohttp
 
     async def one(session: aiohttp.ClientSession, address: str, probe: str, timeout: float) -> None:
-        assert gw.fleet is not None
         try:
             async with session.get(probe.rstrip("/") + "/snapshot", timeout=aiohttp.ClientTimeout(total=timeout)) as r:
-                doc = await r.json()
+                doc = await r.json(content_type=None)
             snap = Snapshot.from_json(doc)
-        except Exception as e:  # a dead or confused probe only makes its node age
-            log.debug("probe_failed", node=address, error=f"{type(e).__name__}: {e}")
-            return
-        gw.fleet.on_snapshot(address, snap, time.monotonic(), max(0.0, time.time() - snap.at))
+            age = max(0.0, time.time() - snap.at)
+            gw.core.snapshot(address, snap, age)
+        except Exception as e:
+            gw.core.node_failed(address, f"{type(e).__name__}: {e}")
 
     async with aiohttp.ClientSession() as session:
         while True:
-            fleet, nodes_cfg = gw.fleet, gw.config.nodes
+            fleet, nodes_cfg = gw.core.fleet, gw.config.nodes
             if fleet is None or nodes_cfg is None:
                 await asyncio.sleep(1.0)
                 continue
             interval = nodes_cfg.poll_interval_seconds
             timeout = max(0.2, min(1.0, 2 * interval))
             await asyncio.gather(*(one(session, n.address, n.probe, timeout) for n in list(fleet.nodes.values())))
-            gw.pump()
-            gw.export_nodes()
+            gw.flush()
             await asyncio.sleep(interval)
 
 
-async def discover_nodes(gw: Gateway) -> None:
-    """DNS of a headless Service: every address it resolves to is a node (with its probe beside it)."""
-    import socket
+def _hostport(ip: str, port: int) -> str:
+    return f"[{ip}]:{port}" if ":" in ip else f"{ip}:{port}"
 
+
+async def discover_nodes(gw: Gateway) -> None:
+    """DNS of a headless Service: every address it resolves to (A and AAAA) is a node, with its probe."""
     loop = asyncio.get_running_loop()
     while True:
         cfg = gw.config.nodes
-        if cfg is None or cfg.dns is None or gw.fleet is None:
+        if cfg is None or cfg.dns is None or gw.core.fleet is None:
             await asyncio.sleep(5.0)
             continue
         dns = cfg.dns
@@ -560,13 +608,14 @@ async def discover_nodes(gw: Gateway) -> None:
             infos = await loop.getaddrinfo(dns.name, dns.port, type=socket.SOCK_STREAM)
             ips = sorted({str(i[4][0]) for i in infos})
             entries: list[tuple[str, str, float | None]] = [
-                (f"{ip}:{dns.port}", f"http://{ip}:{dns.probe_port}", None) for ip in ips]
+                (_hostport(ip, dns.port), f"http://{_hostport(ip, dns.probe_port)}", None) for ip in ips]
             entries += [(n.address, n.probe, n.kv_admit_threshold) for n in cfg.static]
-            if set(e[0] for e in entries) != set(gw.fleet.nodes):
+            if {e[0] for e in entries} != set(gw.core.fleet.nodes):
                 log.info("nodes_discovered", name=dns.name, nodes=[e[0] for e in entries])
-            gw.fleet.set_nodes(entries)
+            gw.core.set_nodes(entries)
+            gw.flush()
         except OSError as e:
-            log.warning("node_discovery_failed", name=dns.name, error=str(e), kept=len(gw.fleet.nodes))
+            log.warning("node_discovery_failed", name=dns.name, error=str(e), kept=len(gw.core.fleet.nodes))
         await asyncio.sleep(dns.refresh_seconds)
 
 

@@ -7,9 +7,17 @@ cached so the hot path pays a dict lookup, not a label resolution.
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from collections.abc import Iterable, Iterator
+from typing import Protocol
 
-from .admission import Completion, Decision
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from .admission import Admission, Completion, Decision
+from .breaker import STATE_VALUE
+from .config import Config
+from .nodes import Fleet
 
 OTHER = "other"
 
@@ -24,12 +32,6 @@ class Stats:
             "been rejected, was admitted). class: policy (429) | capacity (503) | invalid | auth | none.",
             ["tenant", "tier", "decision", "reason", "class"],
             registry=r,
-        )
-        self.inflight = Gauge(
-            "kvgate_inflight_requests", "Requests admitted and not yet completed, per tenant", ["tenant"], registry=r
-        )
-        self.fleet_inflight = Gauge(
-            "kvgate_fleet_inflight_requests", "Requests holding a fleet slot (fleet.max_inflight)", registry=r
         )
         self.tokens = Counter(
             "kvgate_tokens_total",
@@ -63,23 +65,8 @@ class Stats:
         self.reloads = Counter(
             "kvgate_config_reloads_total", "Config reloads by result (ok | error)", ["result"], registry=r
         )
-        self.nodes_total = Gauge("kvgate_nodes_total", "vLLM nodes kvgate knows, by discovery (static | dns | "
-                                 "static+dns); no sample when Envoy picks the node", ["discovery"], registry=r)
-        self.node_kv = Gauge("kvgate_node_kv_usage_ratio", "KV-cache usage of each node from its last probe snapshot",
-                             ["node"], registry=r)
-        self.node_projected_kv = Gauge(
-            "kvgate_node_projected_kv_usage_ratio",
-            "KV usage of each node projected with what kvgate sent since the snapshot", ["node"], registry=r)
-        self.node_inflight = Gauge("kvgate_node_inflight_requests", "Requests kvgate has in flight on each node",
-                                   ["node"], registry=r)
-        self.node_age = Gauge("kvgate_node_snapshot_age_seconds", "Age of each node's last good probe snapshot",
-                              ["node"], registry=r)
-        self.node_breaker = Gauge("kvgate_node_breaker_state",
-                                  "Circuit breaker per node: 0 closed, 1 half-open, 2 open", ["node"], registry=r)
         self.node_transitions = Counter("kvgate_node_breaker_transitions_total", "Breaker transitions per node",
                                         ["node", "from", "to"], registry=r)
-        self.queue_depth = Gauge("kvgate_queue_depth_requests", "Requests held in kvgate's gateway queue, per tier",
-                                 ["tier"], registry=r)
         self.queue_wait = Histogram(
             "kvgate_queue_wait_seconds", "Time queued requests waited, per tier and outcome (admitted | rejected)",
             ["tier", "outcome"], buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60),
@@ -99,14 +86,19 @@ class Stats:
         self._allowed: frozenset[str] = frozenset()
         self._max = max_tenant_labels
         self._req_children: dict[tuple[str, str, str, str, str], Counter] = {}
-        self._inflight_children: dict[str, Gauge] = {}
+        self._state: _State | None = None
+        r.register(_StateCollector(self))
+
+    def bind(self, state: _State) -> None:
+        """The core whose state the gauges report; read at scrape time, so each gauge equals the state
+        it reports by construction (no inc/dec to drift, no label left behind by a reload)."""
+        self._state = state
 
     def set_tenants(self, names: list[str], max_labels: int | None = None) -> None:
         if max_labels is not None:
             self._max = max_labels
         self._allowed = frozenset(names[: self._max]) | {"unknown"}
         self._req_children.clear()
-        self._inflight_children.clear()
 
     def label(self, tenant: str) -> str:
         return tenant if tenant in self._allowed else OTHER
@@ -124,9 +116,6 @@ class Stats:
         child.inc()
         if d.lease is not None:
             self.tokens.labels(self.label(d.tenant), "reserved").inc(d.lease.reserved_tokens)
-            if d.lease.charged:
-                self._inflight(d.tenant).inc()
-                self.fleet_inflight.inc()
 
     def completion(self, c: Completion, outcome: str) -> None:
         t = self.label(c.lease.tenant.name)
@@ -138,14 +127,78 @@ class Stats:
             self.tokens.labels(t, "unreported").inc(c.charged_tokens)
         if c.service:
             self.service.labels(t).inc(c.service)
-        if c.lease.charged:
-            self._inflight(c.lease.tenant.name).dec()
-            self.fleet_inflight.dec()
         self.request_seconds.labels(c.lease.tenant.config.tier).observe(c.seconds)
 
-    def _inflight(self, tenant: str) -> Gauge:
-        g = self._inflight_children.get(tenant)
-        if g is None:
-            g = self.inflight.labels(self.label(tenant))
-            self._inflight_children[tenant] = g
-        return g
+
+
+class _State(Protocol):
+    """What the state gauges read (``core.Core``)."""
+
+    admission: Admission
+    fleet: Fleet | None
+    config: Config
+
+    def now(self) -> float: ...
+
+
+class _StateCollector(Collector):
+    """Gauges computed from the core's state at scrape time."""
+
+    def __init__(self, stats: Stats) -> None:
+        self._stats = stats
+
+    def describe(self) -> Iterable[Metric]:
+        return list(self._families(None))
+
+    def collect(self) -> Iterable[Metric]:
+        return list(self._families(self._stats._state))
+
+    def _families(self, st: _State | None) -> Iterator[Metric]:
+        inflight = GaugeMetricFamily("kvgate_inflight_requests",
+                                     "Requests admitted and not yet completed, per tenant", labels=["tenant"])
+        fleet = GaugeMetricFamily("kvgate_fleet_inflight_requests", "Requests holding a fleet slot "
+                                  "(fleet.max_inflight)")
+        depth = GaugeMetricFamily("kvgate_queue_depth_requests", "Requests held in kvgate's gateway queue, per tier",
+                                  labels=["tier"])
+        total = GaugeMetricFamily("kvgate_nodes_total", "vLLM nodes kvgate knows, by discovery (static | dns | "
+                                  "static+dns); no sample when Envoy picks the node", labels=["discovery"])
+        kv = GaugeMetricFamily("kvgate_node_kv_usage_ratio", "KV-cache usage of each node from its last probe "
+                               "snapshot", labels=["node"])
+        projected = GaugeMetricFamily("kvgate_node_projected_kv_usage_ratio",
+                                      "KV usage of each node projected with what kvgate sent since the snapshot",
+                                      labels=["node"])
+        node_inflight = GaugeMetricFamily("kvgate_node_inflight_requests",
+                                          "Requests kvgate has in flight on each node", labels=["node"])
+        age = GaugeMetricFamily("kvgate_node_snapshot_age_seconds", "Age of each node's last good probe snapshot",
+                                labels=["node"])
+        breaker = GaugeMetricFamily("kvgate_node_breaker_state",
+                                    "Circuit breaker per node: 0 closed, 1 half-open, 2 open", labels=["node"])
+        if st is not None:
+            a = st.admission
+            per: dict[str, int] = {self._stats.label(t.name): 0 for t in a.tenants()}
+            for lease in a.leases(queued=True):  # queued requests hold their tenant's slot too
+                if lease.charged:
+                    label = self._stats.label(lease.tenant.name)
+                    per[label] = per.get(label, 0) + 1
+            for label, count in sorted(per.items()):
+                inflight.add_metric([label], count)
+            fleet.add_metric([], a.inflight)
+            q = a.queue
+            for tier in q.tiers():
+                depth.add_metric([tier], q.depth(tier))
+            f = st.fleet
+            cfg = st.config.nodes
+            if f is not None:
+                now = st.now()
+                discovery = "+".join(k for k, on in (("static", bool(cfg and cfg.static)),
+                                                     ("dns", bool(cfg and cfg.dns))) if on)
+                total.add_metric([discovery or "static"], len(f.nodes))
+                for n in f.nodes.values():
+                    if n.snapshot is not None and n.snapshot.kv_usage is not None:
+                        kv.add_metric([n.address], n.snapshot.kv_usage)
+                        projected.add_metric([n.address], n.projected_kv() or 0.0)
+                    node_inflight.add_metric([n.address], n.inflight)
+                    breaker.add_metric([n.address], STATE_VALUE[n.breaker.state])
+                    if n.fresh_at is not None:
+                        age.add_metric([n.address], max(0.0, now - n.fresh_at))
+        yield from (inflight, fleet, depth, total, kv, projected, node_inflight, age, breaker)

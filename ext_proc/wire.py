@@ -12,22 +12,9 @@ from dataclasses import dataclass
 
 import orjson
 
-from .admission import RateLimitView, Rejection
+from .reasons import REASONS, RateLimitView, Rejection
 
 REASON_HEADER = "x-kvgate-reject-reason"
-
-_TYPES = {
-    "tenant-concurrency": ("concurrency", "rate_limit_exceeded"),
-    "tenant-requests": ("requests", "rate_limit_exceeded"),
-    "tenant-tokens": ("tokens", "rate_limit_exceeded"),
-    "fleet-inflight": ("server_error", "fleet_at_capacity"),
-    "unknown-key": ("invalid_request_error", "invalid_api_key"),
-    "prompt-too-long": ("invalid_request_error", "context_length_exceeded"),
-    "context-too-long": ("invalid_request_error", "context_length_exceeded"),
-    "exceeds-token-budget": ("invalid_request_error", "request_too_large"),
-    "body-too-large": ("invalid_request_error", "request_too_large"),
-}
-
 
 @dataclass(frozen=True, slots=True)
 class Reply:
@@ -41,9 +28,10 @@ def error_body(message: str, type_: str, code: str | None, param: str | None = N
 
 
 def reject_reply(r: Rejection) -> Reply:
-    type_, code = _TYPES.get(r.reason, ("server_error", r.reason.replace("-", "_")))
+    entry = REASONS.get(r.reason)
+    type_, code = (entry.type, entry.code) if entry else ("server_error", r.reason.replace("-", "_"))
     headers = [("content-type", "application/json"), (REASON_HEADER, r.reason)]
-    if r.retry_after is not None:
+    if r.retry_after is not None and math.isfinite(r.retry_after):
         headers.append(("retry-after", str(max(1, math.ceil(r.retry_after)))))
         headers.append(("retry-after-ms", str(max(1, math.ceil(r.retry_after * 1000)))))
     if r.status == 401:
@@ -51,7 +39,7 @@ def reject_reply(r: Rejection) -> Reply:
     for kind, view in (("requests", r.requests), ("tokens", r.tokens)):
         if view is not None:
             headers.extend(ratelimit_headers(kind, view))
-    return Reply(r.status, headers, error_body(r.message, type_, code))
+    return Reply(r.status, headers, error_body(r.message, type_, code, r.param))
 
 
 def ratelimit_headers(kind: str, v: RateLimitView) -> list[tuple[str, str]]:

@@ -7,6 +7,7 @@ figures aggregate its engines: the fullest KV cache, the sum of running and wait
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -45,9 +46,42 @@ class Snapshot:
         return asdict(self)
 
     @classmethod
-    def from_json(cls, doc: dict[str, Any]) -> Snapshot:
-        known = {k: doc[k] for k in cls.__dataclass_fields__ if k in doc}
+    def from_json(cls, doc: Any) -> Snapshot:
+        """A snapshot from a probe's JSON; anything of the wrong shape (a probe of another version, a
+        confused or hostile one) is a ValueError naming the field, never a snapshot that breaks later."""
+        if not isinstance(doc, dict):
+            raise ValueError(f"a snapshot is a JSON object, got {type(doc).__name__}")
+        known: dict[str, Any] = {}
+        for k, kind in _FIELDS.items():
+            if k not in doc:
+                continue
+            v = doc[k]
+            if v is None and k not in ("node", "at", "ok"):
+                known[k] = None
+                continue
+            if kind is float:
+                if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v) or v < 0:
+                    raise ValueError(f"snapshot field {k!r}: expected a finite number >= 0, got {v!r}")
+                v = float(v)
+            elif kind is int:
+                if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                    raise ValueError(f"snapshot field {k!r}: expected an integer >= 0, got {v!r}")
+            elif not isinstance(v, kind):
+                raise ValueError(f"snapshot field {k!r}: expected {kind.__name__}, got {v!r}")
+            known[k] = v
+        for required in ("node", "at", "ok"):
+            if required not in known:
+                raise ValueError(f"snapshot field {required!r} is missing")
         return cls(**known)
+
+
+_FIELDS: dict[str, type] = {
+    "node": str, "at": float, "ok": bool, "error": str, "kv_usage": float, "kv_metric": str, "blocks_total": int,
+    "blocks_used": int, "block_size": int, "running": float, "waiting": float, "preemptions_per_s": float,
+    "ttft_s": float, "itl_s": float, "prefill_s": float, "prefill_s_per_ktok": float, "latency_fresh": bool,
+    "queue_s": float, "gpu_memory_used_bytes": int, "gpu_memory_total_bytes": int, "gpu_utilization": float,
+    "engines": list,
+}
 
 
 class Deriver:

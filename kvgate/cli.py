@@ -31,7 +31,16 @@ def _hash_key(a: argparse.Namespace) -> int:
 
 
 def _envoy_config(a: argparse.Namespace) -> int:
-    from .envoy_config import EnvoyParams, bootstrap, dump, shipped
+    from dataclasses import replace
+
+    from .envoy_config import EnvoyParams, bootstrap, dump, params_for, shipped
+
+    def _route(spec: str) -> tuple[str, str]:
+        method, _, path = spec.partition(":") if not spec.startswith("/") else ("", "", spec)
+        method = (method or "POST").upper()
+        if method not in ("POST", "GET") or not path.startswith("/"):
+            raise SystemExit(f"--route {spec!r}: want [POST:|GET:]/path")
+        return method, path
 
     if a.write or a.check:
         stale = []
@@ -45,12 +54,20 @@ def _envoy_config(a: argparse.Namespace) -> int:
             print("out of date (run: kvgate envoy-config --write): " + ", ".join(stale), file=sys.stderr)
             return 1
         return 0
-    ups = [(h, int(p)) for h, _, p in (u.rpartition(":") for u in a.upstream)] or [("127.0.0.1", 8000)]
+    ups = [(h.strip("[]"), int(p)) for h, _, p in (u.rpartition(":") for u in a.upstream)] or [("127.0.0.1", 8000)]
     params = EnvoyParams(
-        listen_port=a.listen_port, admin_port=a.admin_port, extproc_host=a.extproc_host,
-        extproc_port=a.extproc_port, upstreams=ups, fail_open=a.fail_open,
-        trusted_header=a.trusted_header,
+        listen_address=a.listen_address, listen_port=a.listen_port, admin_port=a.admin_port,
+        extproc_host=a.extproc_host.strip("[]"), extproc_port=a.extproc_port, upstreams=ups, fail_open=a.fail_open,
+        trusted_header=a.trusted_header, original_dst=a.original_dst,
     )
+    if a.config:
+        from ext_proc.config import load_config
+
+        params = params_for(load_config(a.config), params)
+    if a.route:
+        post = tuple(r for m, r in (_route(x) for x in a.route) if m == "POST")
+        get = tuple(r for m, r in (_route(x) for x in a.route) if m == "GET")
+        params = replace(params, inference_paths=post, bodyless_paths=get)
     sys.stdout.write(dump(bootstrap(params)))
     return 0
 
@@ -204,13 +221,21 @@ def parser() -> argparse.ArgumentParser:
     s.set_defaults(fn=_hash_key)
 
     s = sub.add_parser("envoy-config", help="render an Envoy bootstrap for kvgate")
+    s.add_argument("--listen-address", default="0.0.0.0", help="'::' listens on IPv6 and IPv4")
     s.add_argument("--listen-port", type=int, default=10000)
     s.add_argument("--admin-port", type=int, default=9901)
     s.add_argument("--extproc-host", default="127.0.0.1")
     s.add_argument("--extproc-port", type=int, default=9001)
     s.add_argument("--upstream", action="append", default=[], metavar="HOST:PORT")
     s.add_argument("--fail-open", action="store_true", help="let requests through when kvgate is down")
-    s.add_argument("--trusted-header", default=None)
+    s.add_argument("--trusted-header", default=None,
+                   help="the tenant header your authn filter sets; the client's copy is stripped first")
+    s.add_argument("--original-dst", action="store_true", help="kvgate picks the node (ORIGINAL_DST cluster)")
+    s.add_argument("--config", default=None, metavar="KVGATE_YAML",
+                   help="derive circuit breakers, timeouts, body limit and trusted header from kvgate's config")
+    s.add_argument("--route", action="append", default=[], metavar="[POST:|GET:]PATH",
+                   help="allowlisted route (repeatable; replaces the defaults): POST = inference, buffered body "
+                        "to kvgate; GET = headers only; every other path is a 404")
     s.add_argument("--write", action="store_true", help="regenerate the files shipped in envoy/")
     s.add_argument("--check", action="store_true", help="fail if the files in envoy/ are stale")
     s.set_defaults(fn=_envoy_config)

@@ -22,7 +22,7 @@ from typing import Any
 
 import yaml
 
-from .envoy_config import EnvoyParams, bootstrap, dump
+from .envoy_config import EnvoyParams, bootstrap, dump, params_for
 
 
 def envoy_binary() -> str:
@@ -165,7 +165,16 @@ class Stack:
             extproc_port=free_port(),
             upstreams=[("127.0.0.1", p) for p in ports] or [_hostport(u) for u in external],
             original_dst=self.nodes or self.envoy.original_dst,
+            # no authn filter in the local stack: the tests' client plays the authenticator and sets the
+            # trusted header itself, so it is not stripped here (it is everywhere else)
+            strip_trusted_header=False,
         )
+        try:  # Envoy's limits sized above kvgate's own (circuit breakers, timeouts, body limit)
+            from ext_proc.config import parse_config
+
+            self.envoy = params_for(parse_config(self.kvgate_config), self.envoy)
+        except Exception:  # kvgate itself reports a bad config when it starts
+            pass
         self.metrics_port = free_port()
         py = sys.executable
         for i, port in enumerate(ports):
@@ -192,13 +201,17 @@ class Stack:
             self.kvgate_config = {**self.kvgate_config, "nodes": nodes_cfg}
         if self.with_kvgate:
             self.start_kvgate()
+        self.start_envoy()
+        return self
+
+    def start_envoy(self) -> None:
+        """Start (or, after it was stopped, restart) Envoy with this stack's config and wait until ready."""
         envoy_yaml = self.workdir / "envoy.yaml"
         envoy_yaml.write_text(dump(bootstrap(self.envoy, kvgate=self.with_kvgate)))
         self._spawn("envoy", [envoy_binary(), "-c", str(envoy_yaml), "--concurrency", str(self.envoy_workers),
                               "--disable-hot-restart", "-l", "warning"])
         wait_port(self.envoy.listen_port, proc=self.procs["envoy"])
         self.wait_ready()
-        return self
 
     def start_kvgate(self) -> None:
         self.write_config()

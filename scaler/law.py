@@ -15,7 +15,12 @@ Per evaluation, over the signal window:
 * in between → hold (and the cooldown starts again);
 * a scale-up is not repeated while the replicas it asked for are not there yet (models take 30-90 s
   to load): rejections during a cold start are expected and must not compound;
-* missing, incomplete or stale data → hold; never scale down on no data;
+* missing, incomplete or stale data → hold; never scale down on no data, and never answer fewer
+  replicas than the signal last reported up (``observed``): a law whose own level is below what is
+  running (a manual scale-up, an HPA floor) must not shrink the pool because a source went silent;
+* no verdict until the first complete window (``ControlLaw.ready``): after a (re)start the law knows
+  neither the window nor, maybe, the pool's size, so it says so (``Verdict.ready`` False) instead of
+  guessing; the server answers KEDA with an error until then, so KEDA's own fallback applies;
 * requests held in kvgate's queue with no replica at all → at least one (scale from zero);
 * ``warm_pool`` replicas on top of demand; the result is clamped to [min, max].
 
@@ -84,25 +89,39 @@ class Verdict:
     reason: str
     reject_rate: float | None = None
     policy_tenant: str | None = None
+    missing_data: bool = False
+    """Held because the data was missing, incomplete or stale (``reason`` says which)."""
+    ready: bool = True
+    """False until the law has seen one complete window: ``desired`` is then only a placeholder."""
 
 
 class ControlLaw:
     def __init__(self, settings: LawSettings) -> None:
         self.s = settings
         self.desired: int | None = None
+        """The demand level the law moves (warm pool excluded); None until the first complete window."""
+        self.observed: int | None = None
+        """The replica count the signals last reported (ready vLLM nodes); None: never reported."""
         self._low_since: float | None = None
+
+    @property
+    def ready(self) -> bool:
+        """Whether the law has a verdict from a complete window (since it was created)."""
+        return self.desired is not None
 
     def decide(self, sig: Signals | None, now: float) -> Verdict:
         s = self.s
+        if sig is not None and sig.replicas is not None:
+            self.observed = sig.replicas
         observed = sig.replicas if sig is not None else None
-        # the demand level (what the law moves); the warm pool is added on output
-        current = self.desired if self.desired is not None else (
-            max(0, observed - s.warm_pool) if observed is not None else s.min_replicas)
         if sig is None or not sig.complete or now - sig.at > s.stale_after_s:
             self._low_since = None
             why = "no data" if sig is None else ("a kvgate replica did not answer" if not sig.complete
                                                  else f"data {now - sig.at:.0f}s old")
-            return self._out(current, "hold", why + ": holding, never scaling down on no data", None)
+            return self._missing(why)
+        # the demand level (what the law moves); the warm pool is added on output
+        current = self.desired if self.desired is not None else (
+            max(0, observed - s.warm_pool) if observed is not None else s.min_replicas)
         rate = sig.reject_rate
         quota = self._quota_problem(sig)
         if current == 0 and (sig.held > 0 or sig.demand > 0):
@@ -131,6 +150,20 @@ class ControlLaw:
                              rate, quota)
         self._low_since = None
         return self._out(current, "hold", f"capacity reject rate {rate:.0%} between the thresholds", rate, quota)
+
+    def _missing(self, why: str) -> Verdict:
+        """Hold on missing data: the law's level, never below the replicas last observed."""
+        seen = self.observed
+        if self.desired is None:  # no complete window yet: no verdict, only a placeholder
+            floor = max(self.s.min_replicas, seen or 0)
+            return Verdict(floor, "hold", f"{why}: no verdict yet (no complete window since the start)"
+                           + (f"; {seen} replica(s) observed" if seen is not None else ""),
+                           missing_data=True, ready=False)
+        v = self._out(self.desired, "hold", why + ": holding, never scaling down on no data", None)
+        if seen is not None and seen > v.desired:
+            return Verdict(seen, "hold", f"{v.reason}; not below the {seen} replica(s) last observed (the law's "
+                           f"own count is {v.desired})", missing_data=True)
+        return Verdict(v.desired, v.action, v.reason, missing_data=True)
 
     def _quota_problem(self, sig: Signals) -> str | None:
         """The tenant holding ≥ ``concentration`` of all rejections, most of them its own quota's (429)."""

@@ -10,6 +10,14 @@ pool's law. KEDA asks:
   activation signal for scale-from-zero. With no data it repeats its last answer (never a scale to
   zero on no data).
 
+Until a pool's law has its first verdict — a complete window since the scaler started; the direct
+source's first read is never one — ``GetMetrics`` and ``IsActive`` fail with ``UNAVAILABLE`` (and
+``StreamIsActive`` sends nothing yet): KEDA then keeps the replicas as they are or applies the
+ScaledObject's ``fallback``, rather than reading a guess. Data that goes missing later is a hold at
+the law's count, never below the replica count the signals last reported; logged
+(``holding_on_missing_data``) and exported (``kvgate_scaler_holding_on_missing_data{pool}``,
+``kvgate_scaler_observed_replicas{pool}``).
+
 A ScaledObject names its pool in ``scalerMetadata.pool`` (default ``default``).
 """
 
@@ -76,6 +84,18 @@ class Scaler:
                               "1 while a tenant's flood holds a scale-up back (a quota problem)", ["pool", "tenant"],
                               registry=r)
         self.m_source = Gauge("kvgate_scaler_source_up", "1 when the last signal read succeeded", registry=r)
+        self.m_ready = Gauge("kvgate_scaler_ready",
+                             "1 once the pool's law has a verdict from a complete window; until then KEDA's "
+                             "GetMetrics / IsActive get UNAVAILABLE", ["pool"], registry=r)
+        self.m_missing = Gauge("kvgate_scaler_holding_on_missing_data",
+                               "1 while the pool holds because its signals are missing, incomplete or stale",
+                               ["pool"], registry=r)
+        self.m_observed = Gauge("kvgate_scaler_observed_replicas",
+                                "vLLM replicas the signals last reported: the floor of a hold on missing data",
+                                ["pool"], registry=r)
+        for name in self.pools:
+            self.m_ready.labels(name).set(0)
+            self.m_missing.labels(name).set(1)
 
     def read(self, now: float) -> Signals | None:
         """The signals now (blocking HTTP: the server calls it off the event loop); None when unreadable."""
@@ -94,8 +114,21 @@ class Scaler:
         for name, st in self.pools.items():
             old = st.verdict
             v = st.verdict = st.law.decide(sig, now)
-            if sig is not None and sig.complete:
+            if not v.missing_data and sig is not None:
                 st.active = sig.held > 0 or sig.demand > 0
+            self.m_ready.labels(name).set(1 if v.ready else 0)
+            self.m_missing.labels(name).set(1 if v.missing_data else 0)
+            if st.law.observed is not None:
+                self.m_observed.labels(name).set(st.law.observed)
+            if v.missing_data and (old is None or not old.missing_data):
+                log.warning("holding_on_missing_data", pool=name, desired=v.desired if v.ready else None,
+                            observed_replicas=st.law.observed, ready=v.ready, reason=v.reason,
+                            note="no verdict yet: KEDA gets UNAVAILABLE" if not v.ready
+                            else "holding; never below the replicas last observed")
+            elif not v.missing_data and old is not None and old.missing_data:
+                log.info("signals_back", pool=name, first_verdict=not old.ready)
+            if not v.ready:
+                continue
             self.m_desired.labels(name).set(v.desired)
             self.m_decisions.labels(name, v.action).inc()
             if v.reject_rate is not None:
@@ -134,14 +167,29 @@ class ExternalScalerServicer(pb_grpc.ExternalScalerServicer):
             await context.abort(grpc.StatusCode.NOT_FOUND, str(e.args[0]))
             raise
 
+    async def _ready(self, name: str, st: PoolState, context: Any) -> Verdict:
+        """The pool's verdict; UNAVAILABLE (KEDA's fallback applies) until it has a first one."""
+        v = st.verdict
+        if v is None or not v.ready:
+            why = "no signal read yet" if v is None else v.reason
+            await context.abort(grpc.StatusCode.UNAVAILABLE,
+                                f"pool {name!r}: no verdict yet — the scaler has not read a complete window of "
+                                f"kvgate's signals since it started ({why}); retry later")
+            raise AssertionError("unreachable")  # abort raises
+        return v
+
     async def IsActive(self, request: pb.ScaledObjectRef, context: Any) -> pb.IsActiveResponse:
-        _, st = await self._pool(request, context)
+        name, st = await self._pool(request, context)
+        await self._ready(name, st, context)
         return pb.IsActiveResponse(result=st.active)
 
     async def StreamIsActive(self, request: pb.ScaledObjectRef, context: Any) -> AsyncIterator[pb.IsActiveResponse]:
         _, st = await self._pool(request, context)
         last: bool | None = None
         while True:
+            if st.verdict is None or not st.verdict.ready:  # no first verdict yet: nothing to push
+                await self.s.changed.wait()
+                continue
             if st.active != last:
                 last = st.active
                 yield pb.IsActiveResponse(result=last)
@@ -158,8 +206,7 @@ class ExternalScalerServicer(pb_grpc.ExternalScalerServicer):
         if asked and asked != METRIC_PREFIX + name:
             await context.abort(grpc.StatusCode.NOT_FOUND,
                                 f"unknown metric {request.metricName!r}; this pool's is {METRIC_PREFIX + name!r}")
-        v = st.verdict
-        desired = v.desired if v is not None else st.law.s.min_replicas
+        desired = (await self._ready(name, st, context)).desired
         return pb.GetMetricsResponse(metricValues=[
             pb.MetricValue(metricName=request.metricName or METRIC_PREFIX + name, metricValue=desired,
                            metricValueFloat=float(desired))])

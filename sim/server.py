@@ -97,6 +97,49 @@ def _error(status: int, message: str, type_: str = "BadRequestError") -> web.Res
                              status=status)
 
 
+def _content_chars(message: object, where: str) -> int:
+    """Characters of one chat message's content, validated as vLLM's request model does: ``content`` is
+    a string, null, or a list of typed parts (objects with a string ``type``; text parts need a string
+    ``text``). Anything else raises ValueError (a 400)."""
+    if not isinstance(message, dict):
+        raise ValueError(f"{where}: Input should be a valid dictionary or object")
+    c = message.get("content")
+    if c is None:
+        return 0
+    if isinstance(c, str):
+        return len(c)
+    if not isinstance(c, list):
+        raise ValueError(f"{where}.content: Input should be a valid string, null or a list of content parts")
+    chars = 0
+    for j, part in enumerate(c):
+        at = f"{where}.content[{j}]"
+        if not isinstance(part, dict):
+            raise ValueError(f"{at}: Input should be a valid dictionary or object (a content part with a 'type')")
+        kind = part.get("type")
+        if not isinstance(kind, str):
+            raise ValueError(f"{at}.type: Field required: a content part needs a string 'type'")
+        if kind == "text":
+            text = part.get("text")
+            if not isinstance(text, str):
+                raise ValueError(f"{at}.text: Input should be a valid string")
+            chars += len(text)
+    return chars
+
+
+def _positive_int(body: dict[str, Any], name: str) -> int | None:
+    """``body[name]`` as a positive integer (None when absent or null); ValueError (a 400) otherwise.
+    As vLLM's pydantic model (lax mode) reads it: an integral number is accepted, a bool or string is not
+    here, and below 1 is refused as vLLM's SamplingParams refuses it."""
+    v = body.get(name)
+    if v is None:
+        return None
+    if isinstance(v, bool) or not (isinstance(v, int) or (isinstance(v, float) and v.is_integer())):
+        raise ValueError(f"{name}: Input should be a valid integer, got {orjson.dumps(v).decode()}")
+    if v < 1:
+        raise ValueError(f"{name} must be at least 1, got {int(v)}.")
+    return int(v)
+
+
 class SimServer:
     def __init__(self, profile: Profile, engine_options: EngineOptions, options: SimOptions) -> None:
         self.profile = profile
@@ -139,16 +182,14 @@ class SimServer:
             "root": self.model, "parent": None, "max_model_len": self.profile.max_model_len}]})
 
     def _prompt_tokens(self, body: dict[str, Any], chat: bool) -> int:
+        """Prompt tokens; ValueError (a 400) for a request vLLM's request model would refuse."""
         if chat:
             msgs = body.get("messages")
             if not isinstance(msgs, list) or not msgs:
                 raise ValueError("messages must be a non-empty list")
             chars = 0
-            for m in msgs:
-                c = m.get("content") if isinstance(m, dict) else None
-                if isinstance(c, list):
-                    c = "".join(str(p.get("text", "")) for p in c if isinstance(p, dict))
-                chars += len(c or "")
+            for i, m in enumerate(msgs):
+                chars += _content_chars(m, f"messages[{i}]")
             return 4 * len(msgs) + math.ceil(chars / 4)
         prompt = body.get("prompt")
         if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
@@ -175,16 +216,17 @@ class SimServer:
             return _error(400, f"Got priority {priority} but Priority scheduling is not enabled.")
         try:
             prompt = self._prompt_tokens(body, chat)
+            _positive_int(body, "n")
+            max_tokens = _positive_int(body, "max_tokens")
+            requested = _positive_int(body, "max_completion_tokens") if chat else None
         except ValueError as e:
             return _error(400, str(e))
+        if requested is None:
+            requested = max_tokens
         room = self.profile.max_model_len - prompt
         if room < 1:
             return _error(400, f"This model's maximum context length is {self.profile.max_model_len} tokens. "
                                f"However, you requested {prompt} tokens in the messages.")
-        requested = body.get("max_completion_tokens", body.get("max_tokens"))
-        if requested is not None and (not isinstance(requested, int) or isinstance(requested, bool)
-                                      or requested < 1):
-            return _error(400, "max_tokens must be at least 1")
         limit = min(requested or room, room)
         if body.get("ignore_eos") is True:
             out, reason = limit, "length"

@@ -113,3 +113,78 @@ def test_default_tiers_and_queue() -> None:
     assert [cfg.tiers[n].priority for n in ("interactive", "standard", "batch")] == [0, 1, 2]
     assert cfg.tenants[0].tier == "standard" and cfg.queue.enabled and cfg.top_tier == "interactive"
     assert cfg.lowest_tier == "batch"
+
+
+def test_limits_defaults_and_new_keys() -> None:
+    cfg = parse_config({})
+    assert (cfg.limits.max_n, cfg.limits.max_output_tokens, cfg.limits.model_context_tokens) == (16, None, None)
+    cfg = parse_config({"limits": {"max_n": 4, "max_output_tokens": 2048, "model_context_tokens": 8192}})
+    assert (cfg.limits.max_n, cfg.limits.max_output_tokens, cfg.limits.model_context_tokens) == (4, 2048, 8192)
+    for key in ("max_n", "max_output_tokens", "model_context_tokens"):
+        with pytest.raises(ConfigError, match=rf"limits\.{key}: Input should be greater than or equal to 1"):
+            parse_config({"limits": {key: 0}})
+
+
+@pytest.mark.parametrize("text", [
+    "tenants:\n  - name: a\n    max_concurrent: 1\n    max_concurrent: 2\n",
+    "mode: enforce\nmode: shadow\n",
+    "tenants:\n  - name: a\n    name: b\n",
+])
+def test_duplicate_yaml_keys_are_an_error_naming_key_and_line(tmp_path: Path, text: str) -> None:
+    f = tmp_path / "dup.yaml"
+    f.write_text(text)
+    with pytest.raises(ConfigError) as e:
+        load_config(f)
+    key = text.splitlines()[-1].strip().lstrip("- ").split(":")[0]
+    line = len(text.splitlines())
+    assert f"duplicate key '{key}' on line {line}" in str(e.value) and str(f) in str(e.value)
+
+
+def test_yaml_merge_keys_may_still_be_overridden(tmp_path: Path) -> None:
+    f = tmp_path / "merge.yaml"
+    f.write_text("tiers:\n  a: &t {priority: 0, max_queue_wait_ms: 10}\n  b:\n    <<: *t\n    priority: 1\n")
+    assert load_config(f).tiers["b"].priority == 1
+
+
+@pytest.mark.parametrize("text", ["", "\n\n", "# all commented out\n#tenants: []\n", "   \n", "~\n", "---\n"])
+def test_an_empty_config_file_is_an_error(tmp_path: Path, text: str) -> None:
+    f = tmp_path / "empty.yaml"
+    f.write_text(text)
+    with pytest.raises(ConfigError, match="config file is empty"):
+        load_config(f)
+
+
+@pytest.mark.parametrize("text", ["just a string\n", "42\n", "- a\n"])
+def test_a_top_level_that_is_not_a_mapping_is_an_error(tmp_path: Path, text: str) -> None:
+    f = tmp_path / "scalar.yaml"
+    f.write_text(text)
+    with pytest.raises(ConfigError, match="top level must be a mapping"):
+        load_config(f)
+
+
+def _node(address: str) -> object:
+    return parse_config({"nodes": {"static": [{"address": address, "probe": "http://p:9102"}]}})
+
+
+@pytest.mark.parametrize("address", ["[::1]:8000", "[2001:db8::1]:8000", "[fe80::1%eth0]:80", "vllm-0.vllm:8000",
+                                     "10.0.0.7:1", "h:65535"])
+def test_node_addresses_accept_host_port_and_bracketed_ipv6(address: str) -> None:
+    _node(address)
+
+
+@pytest.mark.parametrize("address", ["::1:8000", "2001:db8::1:8000", "[::1]", "[nope]:80", "h:0", "h:65536",
+                                     "h:99999", "h", "http://h:80", "[::1]8000", "h :80"])
+def test_node_addresses_refuse_unbracketed_ipv6_and_bad_ports(address: str) -> None:
+    with pytest.raises(ConfigError, match=r"nodes\.static\[0\]\.address"):
+        _node(address)
+
+
+def test_trusted_header_overrides_key_defaults_off() -> None:
+    assert parse_config({}).identity.trusted_header_overrides_key is False
+    cfg = parse_config({"identity": {"trusted_header": "x-tenant", "trusted_header_overrides_key": True}})
+    assert cfg.identity.trusted_header_overrides_key
+
+
+def test_a_tenant_may_be_named_unknown() -> None:
+    cfg = parse_config({"tenants": [{"name": "unknown", "api_key_sha256": [KEY]}]})
+    assert cfg.tenant("unknown") is not None

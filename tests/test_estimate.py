@@ -6,17 +6,21 @@ import pytest
 
 from ext_proc.config import Estimation
 from ext_proc.estimate import IMAGE_PART_TOKENS, Estimator
+from ext_proc.reasons import Invalid
 
 E = Estimator(Estimation(chars_per_token=4.0, per_message_tokens=4))
 
 
-def est(doc: object, generates: bool = True, default: int = 100):  # type: ignore[no-untyped-def]
-    return E.estimate(orjson.dumps(doc), generates=generates, default_max_tokens=default)
+def est(doc: object, path: str = "/v1/completions", default: int = 100):  # type: ignore[no-untyped-def]
+    return E.estimate(orjson.dumps(doc), path=path, default_max_tokens=default)
+
+
+CHAT = "/v1/chat/completions"
 
 
 def test_chat_counts_text_and_per_message_overhead() -> None:
     e = est({"messages": [{"role": "system", "content": "x" * 40}, {"role": "user", "content": "y" * 8}],
-             "max_tokens": 50})
+             "max_tokens": 50}, CHAT)
     assert e.parsed
     assert e.prompt_tokens == (4 + 10) + (4 + 2)
     assert e.output_tokens == 50
@@ -27,15 +31,15 @@ def test_content_parts_and_images() -> None:
     e = est({"messages": [{"role": "user", "content": [
         {"type": "text", "text": "z" * 20},
         {"type": "image_url", "image_url": {"url": "data:image/png;base64," + "A" * 100000}},
-    ]}]})
+    ]}]}, CHAT)
     assert e.prompt_tokens == 4 + 5 + IMAGE_PART_TOKENS
 
 
 def test_default_output_and_choices_multiply() -> None:
-    assert est({"messages": []}).output_tokens == 100
+    assert est({"messages": []}, CHAT).output_tokens == 100
     assert est({"prompt": "hi", "n": 3, "max_tokens": 10}).output_tokens == 30
     assert est({"prompt": "hi", "max_completion_tokens": 7, "max_tokens": 99}).output_tokens == 7
-    assert est({"input": "hello world!"}, generates=False).output_tokens == 0
+    assert est({"input": "hello world!"}, "/v1/embeddings").output_tokens == 0
 
 
 def test_prompt_token_ids_are_exact() -> None:
@@ -45,24 +49,41 @@ def test_prompt_token_ids_are_exact() -> None:
 
 
 def test_stream_flags() -> None:
-    e = est({"messages": [], "stream": True})
-    assert e.stream and not e.include_usage
-    e = est({"messages": [], "stream": True, "stream_options": {"include_usage": True}})
-    assert e.include_usage
+    e = est({"messages": [], "stream": True}, CHAT)
+    assert e.stream and not e.include_usage and not e.continuous_usage
+    e = est({"messages": [], "stream": True, "stream_options": {"include_usage": True}}, CHAT)
+    assert e.include_usage and not e.continuous_usage
+    e = est({"messages": [], "stream": True, "stream_options": {"continuous_usage_stats": True}}, CHAT)
+    assert e.continuous_usage and not e.include_usage
+    assert est({"messages": [], "stream_options": None}, CHAT).parsed
 
 
-@pytest.mark.parametrize("body", [b"{not json", b"[1,2,3]", b"\xff\xfe", b'"a string"'])
-def test_malformed_body_is_estimated_from_its_size(body: bytes) -> None:
-    e = E.estimate(body, generates=True, default_max_tokens=64)
+@pytest.mark.parametrize("body", [b"{not json", b"\xff\xfe", b'{"a": "\\ud800"}', b"[1,2"])
+def test_body_that_is_not_json_is_estimated_from_its_size(body: bytes) -> None:
+    e = E.estimate(body, path=CHAT, default_max_tokens=64)
     assert not e.parsed
     assert e.prompt_tokens == -(-len(body) // 4)
     assert e.output_tokens == 64
+    assert E.estimate(body, path="/v1/embeddings", default_max_tokens=64).output_tokens == 0
 
 
-def test_bad_max_tokens_fall_back_to_default() -> None:
-    assert est({"prompt": "x", "max_tokens": "lots"}).output_tokens == 100
-    assert est({"prompt": "x", "max_tokens": True}).output_tokens == 100
-    assert est({"prompt": "x", "max_tokens": -5}).output_tokens == 100
+@pytest.mark.parametrize("body", [b"[1,2,3]", b'"a string"', b"null", b"42"])
+def test_json_that_is_not_an_object_is_invalid_on_inference_routes(body: bytes) -> None:
+    for path in ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/embeddings?x=1"):
+        with pytest.raises(Invalid) as e:
+            E.estimate(body, path=path, default_max_tokens=64)
+        assert e.value.name == "invalid-body"
+    # off the inference routes it is still decided on its size, as before
+    assert not E.estimate(body, path="/v2/other", default_max_tokens=64).parsed
+
+
+@pytest.mark.parametrize("name", ["max_tokens", "max_completion_tokens"])
+@pytest.mark.parametrize("value", ["lots", "10", True, False, -5, -1, 0, 1e4, 10.0, [10], {"a": 1}])
+def test_bad_max_tokens_are_a_400_naming_the_parameter(name: str, value: object) -> None:
+    with pytest.raises(Invalid) as e:
+        est({"messages": [{"role": "user", "content": "x"}], name: value}, CHAT)
+    assert (e.value.name, e.value.param) == ("invalid-parameter", name)
+    assert e.value.rejection().status == 400
 
 
 def test_local_tokenizer_json_counts_real_tokens(tmp_path: Path) -> None:
@@ -72,6 +93,6 @@ def test_local_tokenizer_json_counts_real_tokens(tmp_path: Path) -> None:
     path = tmp_path / "tokenizer.json"
     tok.save(str(path))
     e = Estimator(Estimation(tokenizer_json=path, per_message_tokens=0))
-    r = e.estimate(json.dumps({"prompt": "hello world hello world hello"}).encode(), generates=False,
+    r = e.estimate(json.dumps({"input": "hello world hello world hello"}).encode(), path="/v1/embeddings",
                    default_max_tokens=1)
     assert r.prompt_tokens == 5  # five words, where the char ratio would say 8

@@ -19,6 +19,7 @@ import pytest
 import yaml
 
 from ext_proc.config import parse_config
+from kvgate.envoy_config import EnvoyParams, bootstrap
 from scaler.config import ScalerConfig
 from tests.helpers import helm_binary
 from tests.test_envoy_config import merged_into_a_foreign_envoy, validate
@@ -28,7 +29,7 @@ CHART = ROOT / "helm" / "kvgate"
 CRD = ROOT.parent / "shared" / "reference" / "keda-scaledobject-crd.yaml"
 APIS = ["keda.sh/v1alpha1", "monitoring.coreos.com/v1", "networking.istio.io/v1alpha3",
         "gateway.envoyproxy.io/v1alpha1"]
-VALUES = {"config": {"tenants": [{"name": "chat", "tier": "interactive",
+VALUES: dict[str, Any] = {"config": {"tenants": [{"name": "chat", "tier": "interactive",
                                   "api_key_sha256": ["a" * 64]}],
                      "nodes": {"dns": {"name": "vllm.llm.svc.cluster.local"}}},
           "pools": [{"name": "llama-8b", "scaleTargetRef": {"kind": "Deployment", "name": "vllm-8b"},
@@ -73,8 +74,8 @@ def test_every_rendered_core_manifest_is_valid_kubernetes(tmp_path: Path, kube: 
     docs = render(tmp_path, kube)
     core = [d for d in docs if "/" not in d["apiVersion"] or d["apiVersion"].split("/")[0].endswith(".k8s.io")
             or d["apiVersion"].split("/")[0] in ("apps", "policy")]
-    assert {d["kind"] for d in core} >= {"Deployment", "Service", "ConfigMap", "PodDisruptionBudget",
-                                         "NetworkPolicy", "DaemonSet"}
+    assert {d["kind"] for d in core} >= {"Deployment", "Service", "ConfigMap", "NetworkPolicy", "DaemonSet"}
+    core += of(render(tmp_path, kube, replicaCount=2, unsafePerReplicaQuotas=True), "PodDisruptionBudget")
     for d in core:
         kubernetes_validate.validate(d, kube, strict=True)
 
@@ -109,7 +110,8 @@ def test_optional_apis_render_only_where_the_cluster_has_them(tmp_path: Path) ->
     # job="kvgate", as the shipped rules, the dashboard and the scaler's Prometheus source expect
     assert monitors["extproc"]["relabelings"] == [{"targetLabel": "job", "replacement": "kvgate"}]
     (istio,) = of(render(tmp_path, envoy={"mode": "istio"}), "EnvoyFilter")
-    assert {p["applyTo"] for p in istio["spec"]["configPatches"]} == {"HTTP_FILTER", "NETWORK_FILTER", "CLUSTER"}
+    assert {p["applyTo"] for p in istio["spec"]["configPatches"]} == {"HTTP_FILTER", "NETWORK_FILTER", "CLUSTER",
+                                                                       "HTTP_ROUTE"}
     (eg,) = of(render(tmp_path, envoy={"mode": "envoy-gateway"}), "EnvoyExtensionPolicy")
     assert eg["spec"]["extProc"][0]["backendRefs"] == [{"name": "demo-kvgate", "port": 9001}]
     assert "kvgate" in eg["spec"]["lua"][0]["inline"]
@@ -143,6 +145,8 @@ def test_only_envoy_reaches_the_ext_proc_port(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize(("values", "error"), [
     ({"replicaCount": 0}, "/replicaCount"),
+    ({"replicaCount": 2}, "unsafePerReplicaQuotas"),
+    ({"replicaCount": 3, "unsafePerReplicaQuotas": False}, "unsafePerReplicaQuotas"),
     ({"envoy": {"mode": "nginx"}}, "/envoy/mode"),
     ({"scaler": {"replicas": 2}}, "'replicas' not allowed"),
     ({"pools": [{"name": "x"}]}, "/pools/0"),
@@ -184,3 +188,118 @@ def test_every_selector_picks_exactly_one_workloads_pods(tmp_path: Path) -> None
     assert all(len(v) == 1 for v in chosen.values()), chosen  # e.g. kvgate's Service never reaches the scaler
     assert chosen[("Service", "demo-kvgate")] == ["demo-kvgate"]
     assert chosen[("Service", "demo-kvgate-scaler")] == ["demo-kvgate-scaler"]
+
+
+def test_one_replica_by_default_and_no_pdb_below_two(tmp_path: Path) -> None:
+    docs = render(tmp_path)
+    (dep,) = [d for d in of(docs, "Deployment") if d["metadata"]["name"] == "demo-kvgate"]
+    assert dep["spec"]["replicas"] == 1
+    assert not of(docs, "PodDisruptionBudget")  # minAvailable 1 of 1 would block every node drain
+    two = render(tmp_path, replicaCount=2, unsafePerReplicaQuotas=True)
+    (pdb,) = of(two, "PodDisruptionBudget")
+    assert pdb["spec"]["minAvailable"] == 1
+
+
+@pytest.mark.parametrize(("mode", "namespace", "pods"), [
+    ("plain", None, {"app.kubernetes.io/name": "envoy"}),
+    ("istio", "istio-system", {"istio": "ingressgateway"}),
+    ("envoy-gateway", "envoy-gateway-system",
+     {"app.kubernetes.io/name": "envoy", "app.kubernetes.io/component": "proxy"}),
+])
+def test_the_network_policy_admits_the_modes_envoy(tmp_path: Path, mode: str, namespace: str | None,
+                                                    pods: dict[str, str]) -> None:
+    (np,) = of(render(tmp_path, envoy={"mode": mode}), "NetworkPolicy")
+    (src,) = next(r for r in np["spec"]["ingress"] if r["ports"][0]["port"] == 9001)["from"]
+    assert src["podSelector"] == {"matchLabels": pods}
+    if namespace is None:
+        assert "namespaceSelector" not in src  # this release's namespace only
+    else:
+        assert src["namespaceSelector"] == {"matchLabels": {"kubernetes.io/metadata.name": namespace}}
+
+
+def test_plain_mode_strips_the_trusted_header_and_passes_it_to_kvgate(tmp_path: Path) -> None:
+    config = {**VALUES["config"], "identity": {"trusted_header": "X-Auth-Tenant"}}
+    (cm,) = [d for d in of(render(tmp_path, config=config, envoy={"mode": "plain", "messageTimeout": "2s"}),
+                           "ConfigMap") if d["metadata"]["name"] == "demo-kvgate-envoy"]
+    snip = yaml.safe_load(cm["data"]["ext_proc-filter.yaml"])
+    (strip,) = snip["http_filters_first"]
+    assert strip["typed_config"]["mutations"]["request_mutations"] == [{"remove": "x-auth-tenant"}]
+    ext = snip["http_filters_before_router"][0]["typed_config"]
+    assert "request.headers['x-auth-tenant']" in ext["request_attributes"]
+    assert ext["message_timeout"] == "2s"
+    p = tmp_path / "envoy.yaml"
+    p.write_text(yaml.safe_dump(merged_into_a_foreign_envoy(snip)))
+    validate(p)
+
+
+def apply_envoy_filter(doc: dict[str, Any], ef: dict[str, Any]) -> dict[str, Any]:
+    """What istiod does with the EnvoyFilter's patches, for the kinds the chart uses, on one gateway."""
+    hcm = doc["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
+    routes = hcm["route_config"]["virtual_hosts"][0]["routes"]
+    for patch in ef["spec"]["configPatches"]:
+        op, value = patch["patch"]["operation"], patch["patch"]["value"]
+        if patch["applyTo"] == "HTTP_FILTER":
+            filters = hcm["http_filters"]
+            if op == "INSERT_FIRST":
+                filters.insert(0, value)
+            else:
+                assert op == "INSERT_BEFORE"
+                assert patch["match"]["listener"]["filterChain"]["filter"]["subFilter"]["name"] == \
+                    "envoy.filters.http.router"
+                filters.insert([f["name"] for f in filters].index("envoy.filters.http.router"), value)
+        elif patch["applyTo"] == "NETWORK_FILTER":
+            assert op == "MERGE"
+            hcm.update({k: v for k, v in value["typed_config"].items() if k != "@type"})
+        elif patch["applyTo"] == "HTTP_ROUTE":
+            assert op == "MERGE"
+            name = patch["match"]["routeConfiguration"]["vhost"]["route"]["name"]
+            (route,) = [r for r in routes if r["name"] == name]
+            for k, v in value.items():
+                route[k] = {**route.get(k, {}), **v}
+        else:
+            assert patch["applyTo"] == "CLUSTER" and op == "ADD"
+            doc["static_resources"]["clusters"].append(value)
+    return doc
+
+
+def test_the_istio_envoy_filter_applied_to_a_gateway_is_accepted_by_envoy(tmp_path: Path) -> None:
+    config = {**VALUES["config"], "identity": {"trusted_header": "x-auth-tenant"}}
+    (ef,) = of(render(tmp_path, config=config, envoy={"mode": "istio"}), "EnvoyFilter")
+    gateway = bootstrap(EnvoyParams(), kvgate=False)  # a representative Istio gateway: its own routes
+    hcm = gateway["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
+    hcm["route_config"]["virtual_hosts"][0]["routes"] = [
+        {"name": "kvgate-inference", "match": {"prefix": "/v1/", "headers": [
+            {"name": ":method", "string_match": {"exact": "POST"}}]}, "route": {"cluster": "llm_upstream"}},
+        {"name": "kvgate-models", "match": {"path": "/v1/models"}, "route": {"cluster": "llm_upstream"}},
+        {"name": "someone-elses", "match": {"prefix": "/"}, "route": {"cluster": "llm_upstream"}},
+    ]
+    doc = apply_envoy_filter(gateway, ef)
+    names = [f["name"] for f in hcm["http_filters"]]
+    assert names == ["envoy.filters.http.header_mutation", "envoy.filters.http.ext_proc", "envoy.filters.http.lua",
+                     "envoy.filters.http.router"]
+    ext = hcm["http_filters"][1]
+    assert ext["disabled"] is True  # on only where a route switches it on: scope = the inference routes
+    assert ext["typed_config"]["metadata_options"]["receiving_namespaces"]["untyped"] == ["kvgate"]
+    assert "request.headers['x-auth-tenant']" in ext["typed_config"]["request_attributes"]
+    assert ext["typed_config"]["max_message_timeout"] == "60s"
+    routes = {r["name"]: r for r in hcm["route_config"]["virtual_hosts"][0]["routes"]}
+    assert "typed_per_filter_config" not in routes["someone-elses"]
+    assert routes["kvgate-inference"]["route"]["timeout"] == "0s"
+    assert hcm["request_headers_timeout"] == "10s" and "access_log" in hcm
+    p = tmp_path / "istio.yaml"
+    p.write_text(yaml.safe_dump(doc))
+    validate(p)
+
+
+def test_the_envoy_gateway_policy_has_what_kvgate_needs(tmp_path: Path) -> None:
+    (eg,) = of(render(tmp_path, envoy={"mode": "envoy-gateway", "envoyGateway": {"httpRoutes": ["chat", "embed"]}}),
+               "EnvoyExtensionPolicy")
+    assert eg["spec"]["targetRefs"] == [{"group": "gateway.networking.k8s.io", "kind": "HTTPRoute", "name": n}
+                                        for n in ("chat", "embed")]  # the inference routes, not the Gateway
+    (ext,) = eg["spec"]["extProc"]
+    assert ext["processingMode"]["request"]["body"] == "Buffered"
+    assert "request.headers['authorization']" in ext["processingMode"]["request"]["attributes"]
+    assert "request.id" in ext["processingMode"]["request"]["attributes"]
+    assert ext["metadata"]["writableNamespaces"] == ["kvgate"]
+    assert ext["messageTimeout"] == "60s"  # covers the longest queue wait (no override there)
+    assert "MISSING_BODY = '" in eg["spec"]["lua"][0]["inline"]

@@ -2,7 +2,7 @@ import math
 
 import pytest
 
-from ext_proc.limits import TokenBucket
+from ext_proc.limits import TokenBucket, default_burst
 
 
 def test_refill_and_cap() -> None:
@@ -37,3 +37,14 @@ def test_retune_keeps_what_was_spent() -> None:
     b.retune(per_minute=120, capacity=200, now=0.0)
     assert b.available(0.0) == 50
     assert b.seconds_until_full(0.0) == pytest.approx(75.0)
+
+
+def test_default_burst_is_at_least_one() -> None:
+    assert default_burst(0.5, None) == 1.0
+    assert default_burst(600, None) == 600
+    assert default_burst(0.5, 3) == 3  # a configured burst is kept
+    b = TokenBucket(per_minute=0.5, capacity=default_burst(0.5, None), now=0.0)
+    assert b.seconds_until(1, 0.0) == 0  # the first request goes through
+    b.take(1, 0.0)
+    assert b.seconds_until(1, 0.0) == pytest.approx(120.0)  # the next one after two minutes
+    assert b.seconds_until(1, 120.0) == 0

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 import subprocess
 import sys
@@ -23,6 +24,7 @@ from tests.helpers import chat, post, wait_for
 
 KEYS = {"app": "sk-sc-app", "quota": "sk-sc-quota"}
 REF = pb.ScaledObjectRef(name="vllm-8b", namespace="llm", scalerMetadata={"pool": "gpu"})
+METRIC = "s0-kvgate-desired-replicas-gpu"
 
 
 def hpa_desired(current: int, value: float, target: float, metric_type: str) -> int:
@@ -34,8 +36,9 @@ def hpa_desired(current: int, value: float, target: float, metric_type: str) -> 
     return current if abs(ratio - 1) <= 0.1 else math.ceil(current * ratio)
 
 
-@pytest.fixture
-def scaled(tmp_path: Path) -> Iterator[tuple[Stack, pb_grpc.ExternalScalerStub]]:
+@contextlib.contextmanager
+def scaler_over_kvgate(tmp_path: Path, interval_s: float) -> Iterator[tuple[Stack, pb_grpc.ExternalScalerStub]]:
+    """A real kvgate behind Envoy and `kvgate scaler` reading its metrics, asked over real gRPC."""
     cfg = {"fleet": {"max_inflight": 1}, "queue": {"enabled": False}, "tenants": [
         {"name": "app", "api_key_sha256": [hash_key(KEYS["app"])]},
         {"name": "quota", "api_key_sha256": [hash_key(KEYS["quota"])], "requests_per_minute": 2,
@@ -45,7 +48,7 @@ def scaled(tmp_path: Path) -> Iterator[tuple[Stack, pb_grpc.ExternalScalerStub]]
     port = free_port()
     (tmp_path / "scaler.yaml").write_text(yaml.safe_dump({
         "grpc_address": f"127.0.0.1:{port}", "metrics_address": f"127.0.0.1:{free_port()}",
-        "source": {"kvgate": [st.metrics_url]}, "window_seconds": 30, "interval_seconds": 0.2,
+        "source": {"kvgate": [st.metrics_url]}, "window_seconds": 30, "interval_seconds": interval_s,
         "pools": {"gpu": {"min_replicas": 1, "max_replicas": 6, "step": 2}}}))
     log = open(tmp_path / "scaler.log", "wb")  # noqa: SIM115
     proc = subprocess.Popen([sys.executable, "-m", "kvgate.cli", "scaler", "--config", str(tmp_path / "scaler.yaml")],
@@ -57,7 +60,25 @@ def scaled(tmp_path: Path) -> Iterator[tuple[Stack, pb_grpc.ExternalScalerStub]]
     finally:
         proc.terminate()
         proc.wait(10)
+        log.close()
         st.stop()
+
+
+def answers(stub: Any) -> bool:
+    """Whether the scaler has its first verdict (before it, KEDA's calls fail with UNAVAILABLE)."""
+    try:
+        stub.GetMetrics(pb.GetMetricsRequest(scaledObjectRef=REF, metricName=METRIC))
+    except grpc.RpcError as e:
+        assert e.code() == grpc.StatusCode.UNAVAILABLE, e
+        return False
+    return True
+
+
+@pytest.fixture
+def scaled(tmp_path: Path) -> Iterator[tuple[Stack, pb_grpc.ExternalScalerStub]]:
+    with scaler_over_kvgate(tmp_path, interval_s=0.2) as (st, stub):
+        wait_for(lambda: answers(stub), what="the scaler's first verdict")
+        yield st, stub
 
 
 def desired(stub: Any, spec: Any) -> float:
@@ -99,7 +120,12 @@ def test_stream_is_active_pushes_changes_and_stays_open(scaled: tuple[Stack, Any
     st, stub = scaled
     stream = stub.StreamIsActive(REF)
     got: list[bool] = []
-    t = threading.Thread(target=lambda: got.extend(m.result for m in stream), daemon=True)
+
+    def follow() -> None:
+        with contextlib.suppress(grpc.RpcError):  # CANCELLED, when the test ends the stream
+            got.extend(m.result for m in stream)
+
+    t = threading.Thread(target=follow, daemon=True)
     t.start()
     wait_for(lambda: False in got, what="inactive (no traffic) pushed")
     post(st.url + "/v1/chat/completions", chat("x", max_tokens=1), KEYS["app"])
@@ -114,3 +140,22 @@ def test_an_unknown_pool_is_a_clear_not_found(scaled: tuple[Stack, Any]) -> None
     with pytest.raises(grpc.RpcError) as e:
         stub.GetMetricSpec(pb.ScaledObjectRef(name="x", namespace="y", scalerMetadata={"pool": "tpu"}))
     assert e.value.code() == grpc.StatusCode.NOT_FOUND and "pools: gpu" in (e.value.details() or "")
+
+
+def test_keda_gets_unavailable_until_the_first_verdict_then_the_replica_count(tmp_path: Path) -> None:
+    # a (re)started scaler: its first read of kvgate's counters spans kvgate's whole life, not a window,
+    # so it has no verdict until the next read, one interval later. Meanwhile KEDA must get an error
+    # (its fallback applies), never a guess such as min_replicas.
+    with scaler_over_kvgate(tmp_path, interval_s=3.0) as (_, stub):
+        started = time.monotonic()
+        for call in (lambda: stub.GetMetrics(pb.GetMetricsRequest(scaledObjectRef=REF, metricName=METRIC)),
+                     lambda: stub.IsActive(REF)):
+            with pytest.raises(grpc.RpcError) as e:
+                call()
+            assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+            assert "no verdict yet" in (e.value.details() or "")
+        assert time.monotonic() - started < 2.5, "too slow to catch the scaler before its first verdict"
+        wait_for(lambda: answers(stub), timeout=15, what="the scaler's first verdict")
+        (v,) = stub.GetMetrics(pb.GetMetricsRequest(scaledObjectRef=REF, metricName=METRIC)).metricValues
+        assert v.metricValue == 1  # kvgate picks no nodes here (Envoy does): min_replicas
+        assert stub.IsActive(REF).result is False

@@ -122,5 +122,67 @@ def test_signals_from_a_real_kvgate_exposition() -> None:
     r = parse_kvgate(generate_latest(gw.stats.registry).decode())
     assert r.totals == {("capacity", "a"): 1, ("policy", "b"): 1}
     with_nodes = Gateway(parse_config({"nodes": {"static": [{"address": "10.0.0.1:8000", "probe": "http://p"}]}}))
-    with_nodes.export_nodes()
+    export = getattr(with_nodes, "export_nodes", None)  # node gauges pushed (before ext_proc/core.py) or
+    if export is not None:  # computed at scrape time (after it)
+        export()
     assert parse_kvgate(generate_latest(with_nodes.stats.registry).decode()).nodes == 1
+
+
+# -- restarts and missing data: no verdict before the first complete window; a hold never goes below the
+# replicas last observed. Each row: a script of (time, signals) fed to a fresh law (a restart), then the
+# expected (ready, desired, action, missing_data) after each step. "x" = no read at all (source down).
+def _step(spec: str, t: float) -> Signals | None:
+    """'x': unreadable; 'ok4': complete, 4 replicas; 'part4': a kvgate replica silent; 'old4': 100 s stale;
+    'up4': complete with a 33% capacity reject rate; a trailing '?' instead of a count: replicas unknown."""
+    if spec == "x":
+        return None
+    kind, n = spec.rstrip("0123456789?"), spec.lstrip("abcdefghijklmnopqrstuvwxyz")
+    replicas = None if n == "?" else int(n)
+    return sig(t - 100 if kind == "old" else t, rejected=50 if kind == "up" else 0, replicas=replicas,
+               complete=kind != "part")
+
+
+LOW = LawSettings(min_replicas=1, max_replicas=8, step=2, cooldown_s=600)
+
+
+@pytest.mark.parametrize(("script", "expected"), [
+    pytest.param(["part4", "ok4"], [(False, 4, "hold", True), (True, 4, "hold", False)],
+                 id="restart: the direct source's first read is incomplete, then the pool's size is kept"),
+    pytest.param(["x", "x", "ok4"], [(False, 1, "hold", True), (False, 1, "hold", True), (True, 4, "hold", False)],
+                 id="restart with the source down: no verdict, and the law is not pinned to min_replicas"),
+    pytest.param(["old4", "ok4"], [(False, 4, "hold", True), (True, 4, "hold", False)],
+                 id="restart on stale data: no verdict"),
+    pytest.param(["part6", "x", "ok6"], [(False, 6, "hold", True), (False, 6, "hold", True),
+                                         (True, 6, "hold", False)],
+                 id="restart: the placeholder is the replicas last observed, even across a failed read"),
+    pytest.param(["ok2", "ok5", "x", "part5", "old5"],
+                 [(True, 2, "hold", False), (True, 2, "hold", False), (True, 5, "hold", True),
+                  (True, 5, "hold", True), (True, 5, "hold", True)],
+                 id="data goes missing: never below the 5 replicas last observed (the law's own count is 2)"),
+    pytest.param(["ok2", "up2", "x", "part2"],
+                 [(True, 2, "hold", False), (True, 4, "up", False), (True, 4, "hold", True), (True, 4, "hold", True)],
+                 id="data goes missing during a scale-up: the law's higher count holds"),
+    pytest.param(["ok?", "x", "part?"], [(True, 1, "hold", False), (True, 1, "hold", True), (True, 1, "hold", True)],
+                 id="replicas never reported: the law's own count holds"),
+    pytest.param(["ok9", "x"], [(True, 8, "hold", False), (True, 9, "hold", True)],
+                 id="the observed floor wins over max_replicas: no data never shrinks the pool"),
+])
+def test_restarts_and_missing_data(script: list[str], expected: list[tuple[bool, int, str, bool]]) -> None:
+    law = ControlLaw(LOW)
+    got = []
+    for i, spec in enumerate(script):
+        t = 5.0 * i
+        v = law.decide(_step(spec, t), t)
+        assert v.ready == law.ready
+        got.append((v.ready, v.desired, v.action, v.missing_data))
+    assert got == expected
+
+
+def test_a_hold_on_missing_data_says_why_and_names_the_floor() -> None:
+    law = ControlLaw(LOW)
+    assert "no verdict yet" in law.decide(None, 0).reason
+    law.decide(sig(1, replicas=2), 1)
+    law.decide(sig(2, replicas=5), 2)
+    v = law.decide(sig(3, replicas=5, complete=False), 3)
+    assert "did not answer" in v.reason and "5 replica(s) last observed" in v.reason
+    assert law.observed == 5 and law.desired == 2  # the law's own level is untouched by the floor

@@ -78,6 +78,63 @@ def test_vllm_errors(sim: Sim) -> None:
     assert code == 400 and "KV cache" in json.loads(body)["error"]["message"]
 
 
+def chat_body(content: object = "hi", **body: object) -> dict[str, object]:
+    return {"model": MODEL, "messages": [{"role": "user", "content": content}], "max_tokens": 1, **body}
+
+
+BAD_REQUESTS = [
+    pytest.param("chat", chat_body([["hi"]]), "messages[0].content[0]", id="content: a nested list"),
+    pytest.param("chat", chat_body(42), "messages[0].content", id="content: a number"),
+    pytest.param("chat", chat_body({"type": "text", "text": "hi"}), "messages[0].content", id="content: an object"),
+    pytest.param("chat", chat_body(["hi"]), "messages[0].content[0]", id="content: a list of strings"),
+    pytest.param("chat", chat_body([{"text": "hi"}]), "content[0].type", id="part without a type"),
+    pytest.param("chat", chat_body([{"type": 1, "text": "hi"}]), "content[0].type", id="part with a non-string type"),
+    pytest.param("chat", chat_body([{"type": "text"}]), "content[0].text", id="text part without text"),
+    pytest.param("chat", chat_body([{"type": "text", "text": ["hi"]}]), "content[0].text", id="text not a string"),
+    pytest.param("chat", {"model": MODEL, "messages": ["hi"]}, "messages[0]", id="message not an object"),
+    pytest.param("chat", chat_body(n=0), "n must be at least 1", id="n 0"),
+    pytest.param("chat", chat_body(n=-2), "n must be at least 1", id="n negative"),
+    pytest.param("chat", chat_body(n=1.5), "n: Input should be a valid integer", id="n fractional"),
+    pytest.param("chat", chat_body(n="2"), "n: Input should be a valid integer", id="n a string"),
+    pytest.param("chat", chat_body(n=True), "n: Input should be a valid integer", id="n a bool"),
+    pytest.param("chat", chat_body(max_tokens=0), "max_tokens must be at least 1", id="max_tokens 0"),
+    pytest.param("chat", chat_body(max_tokens=2.5), "max_tokens: Input should be a valid integer",
+                 id="max_tokens fractional"),
+    pytest.param("chat", chat_body(max_tokens=[5]), "max_tokens: Input should be a valid integer",
+                 id="max_tokens a list"),
+    pytest.param("chat", chat_body(max_completion_tokens=0), "max_completion_tokens must be at least 1",
+                 id="max_completion_tokens 0"),
+    pytest.param("completions", {"model": MODEL, "prompt": "hi", "max_tokens": -1}, "max_tokens must be at least 1",
+                 id="completions: max_tokens negative"),
+    pytest.param("completions", {"model": MODEL, "prompt": "hi", "n": 0}, "n must be at least 1",
+                 id="completions: n 0"),
+]
+
+
+@pytest.mark.parametrize(("route", "body", "says"), BAD_REQUESTS)
+def test_malformed_requests_get_vllms_400(sim: Sim, route: str, body: dict[str, object], says: str) -> None:
+    path = "/v1/chat/completions" if route == "chat" else "/v1/completions"
+    code, headers, raw = post(sim.url + path, body)
+    assert code == 400, raw
+    assert headers.get("content-type", headers.get("Content-Type", "")).startswith("application/json")
+    err = json.loads(raw)["error"]  # vLLM's nested error, as for its other 400s
+    assert (err["type"], err["code"], err["param"]) == ("BadRequestError", 400, None)
+    assert says in err["message"], err["message"]
+
+
+@pytest.mark.parametrize("body", [
+    pytest.param(chat_body(None), id="content null"),
+    pytest.param(chat_body([]), id="content an empty list"),
+    pytest.param(chat_body([{"type": "text", "text": "hi"}, {"type": "image_url", "image_url": {"url": "x"}}]),
+                 id="typed parts, a text and an image"),
+    pytest.param(chat_body(n=1, max_tokens=2.0), id="integral numbers"),
+    pytest.param(chat_body(n=None, max_tokens=None), id="nulls take the defaults"),
+])
+def test_well_formed_requests_are_served(sim: Sim, body: dict[str, object]) -> None:
+    code, _, raw = post(sim.url + "/v1/chat/completions", body)
+    assert code == 200, raw
+
+
 def test_queue_cap_answers_503_and_kv_usage_is_exported(sim: Sim) -> None:
     results: list[int] = []
 

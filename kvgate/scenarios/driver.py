@@ -1,11 +1,14 @@
 """One policy over one trace, in virtual time: kvgate's own decision core in front of simulated nodes.
 
-What runs here is what runs in the live server, minus the transport: ``ext_proc.admission.Admission``
-(quotas, tiers, the fair queue), ``ext_proc.nodes.Fleet`` (node choice, breakers) fed by the probe's
-own ``gpu_probe.snapshot.Deriver``, and ``scaler.law.ControlLaw``; the nodes are ``sim.engine.Engine``
-(the vLLM v1 scheduler mirror and step-time model). The glue mirrors ``ext_proc.server.Gateway``:
-completions release leases and tell the fleet, the queue is pumped every 50 ms and after each
-completion, probes are read every ``nodes.poll_interval_seconds``.
+What runs here is what runs in the live server, minus the transport: ``ext_proc.core.Core``, the
+gateway core the gRPC server drives too (identity, quotas, tiers, the fair queue, node choice,
+breakers, completions), fed by the probe's own ``gpu_probe.snapshot.Deriver``, and
+``scaler.law.ControlLaw``; the nodes are ``sim.engine.Engine`` (the vLLM v1 scheduler mirror and
+step-time model). This module only plays the transport: requests in, answers out, the end of each
+request, the core's tick every 50 ms, probe readings every ``nodes.poll_interval_seconds``. Each
+tenant of the config gets an API key for the run and every request carries it, so identity is the
+production path too; the one shortcut is that token counts are known exactly (no body is built and
+estimated).
 
 Simplifications, all documented in the README: a probe reads its node every ``PROBE_INTERVAL_S``
 (the default ``kvgate probe --interval``) with no network delay; TTFT/queue observations enter the
@@ -22,10 +25,12 @@ from collections import deque
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
-from ext_proc.admission import Admission, Decision, Usage
+from ext_proc.admission import Decision, Usage
 from ext_proc.config import Config, parse_config
+from ext_proc.core import Answer, Core, Ended, Held, null_logger
+from ext_proc.core import Request as GatewayRequest
 from ext_proc.estimate import Estimate
-from ext_proc.nodes import Fleet
+from ext_proc.identity import hash_key
 from gpu_probe.parse import EngineReading
 from gpu_probe.snapshot import Deriver
 from scaler.law import ControlLaw, LawSettings, Signals
@@ -36,7 +41,7 @@ from sim.scheduler import Request
 from .trace import TraceRequest
 
 PUMP_INTERVAL_S = 0.05
-"""As ``ext_proc.server.PUMP_INTERVAL_S``."""
+"""As ``ext_proc.server.TICK_S``."""
 PROBE_INTERVAL_S = 0.5
 """As ``kvgate probe --interval``'s default."""
 CHARS_PER_TOKEN = 4
@@ -61,8 +66,16 @@ class Policy:
         return f"{self.name} ({self.nodes}{'+' if self.autoscale != 'none' else ''} nodes)"
 
     def configure(self, base: Config) -> Config:
-        """The kvgate config this policy runs with."""
-        return parse_config(kv_shed_config(base)) if self.admission == "kv-shed" else base
+        """The kvgate config this policy runs with; every tenant gets the run's API key."""
+        doc = kv_shed_config(base) if self.admission == "kv-shed" else base.model_dump(mode="json")
+        for t in doc.get("tenants", []):
+            t["api_key_sha256"] = [hash_key(run_key(t["name"]))]
+        return parse_config(doc)
+
+
+def run_key(tenant: str) -> str:
+    """The API key a tenant's requests carry in virtual time."""
+    return f"sk-bench-{tenant}"
 
 
 @dataclass(frozen=True)
@@ -210,19 +223,18 @@ class Run:
         self._inflight: dict[Request, tuple[int, str | None]] = {}
         """Engine request → (outcome index, kvgate ticket)."""
         self._held: dict[str, int] = {}
-        """kvgate ticket of a queued request → outcome index."""
+        """Request id of a queued request → outcome index."""
         self._decisions: deque[tuple[float, str, str]] = deque()
         """(time, kind, tenant) for the scaler's window: admitted | capacity | policy."""
         self._desired_history: deque[tuple[float, int]] = deque()
         self._next_poll = 0.0
-        self.admission: Admission | None = None
-        self.fleet: Fleet | None = None
+        self.core: Core | None = None
         self.law: ControlLaw | None = None
         if policy.admission != "none":
             if config.nodes is None:
                 raise ValueError("the scenario's kvgate config needs a nodes section")
-            self.fleet = Fleet(config.nodes, rng=random.Random(seed), on_transition=self._transition)
-            self.admission = Admission(config, lambda: self.now, rng=random.Random(seed + 1), pick=self._pick)
+            self.core = Core(config, lambda: self.now, rng=random.Random(seed), log=null_logger(),
+                             on_transition=self._transition)
         if policy.autoscale == "scaler":
             self.law = ControlLaw(replace(self.auto.law, min_replicas=policy.min_nodes,
                                           max_replicas=policy.max_nodes))
@@ -252,7 +264,7 @@ class Run:
             return
         n.state = "ready"
         self._sync_fleet()
-        if self.fleet is not None:  # the probe's first reading arrives with the node
+        if self.core is not None:  # the probe's first reading arrives with the node
             self._probe(n)
 
     def _retire(self, count: int) -> None:
@@ -274,8 +286,9 @@ class Run:
             self._timeline()
 
     def _sync_fleet(self) -> None:
-        if self.fleet is not None:
-            self.fleet.set_nodes([(n.address, f"http://{n.address}", None) for n in self.nodes if n.state == "ready"])
+        if self.core is not None:
+            self.core.set_nodes([(n.address, f"http://{n.address}", None) for n in self.nodes if n.state == "ready"])
+            self._answers()
 
     def _timeline(self) -> None:
         count = sum(1 for n in self.nodes if n.state != "gone")
@@ -291,8 +304,8 @@ class Run:
         if self.now - n.snapshot_at >= PROBE_INTERVAL_S - 1e-9:
             n.snapshot = n.deriver.update({(n.engine.profile.model_name, "0"): n.reading()}, self.now)
             n.snapshot_at = self.now
-        assert self.fleet is not None
-        self.fleet.on_snapshot(n.address, n.snapshot, self.now, self.now - n.snapshot_at)
+        assert self.core is not None
+        self.core.snapshot(n.address, n.snapshot, self.now - n.snapshot_at)
 
     # -- events ------------------------------------------------------------------------------------
 
@@ -327,16 +340,9 @@ class Run:
         if klass in ("capacity", "policy"):
             self._decisions.append((self.now, klass, o.req.tenant))
 
-    def _pick(self, est: Estimate, shadow: bool, ticket: str, reserve: float,
-              caps: bool) -> tuple[str | None, str | None, float | None]:
-        assert self.fleet is not None
-        c = self.fleet.place(est.total, est.prompt_tokens, ticket, self.now, force=shadow, reserve=reserve,
-                             queue_caps=caps)
-        return (c.node.address if c.node else None), c.reason, c.retry_after
-
     def _arrive(self, i: int) -> None:
         r = self.outcomes[i].req
-        if self.admission is None:
+        if self.core is None:
             ready = [n for n in self.nodes if n.state == "ready"]
             if not ready:
                 self._reject(i, 503, "no-node", "capacity")
@@ -344,14 +350,24 @@ class Run:
             self._send(i, min(ready, key=lambda n: n.load), None)  # plain Envoy's least-request
             self._decisions.append((self.now, "admitted", r.tenant))
             return
-        tenant = self.config.tenant(r.tenant)
         est = Estimate(r.prompt_tokens, r.reserved_output, parsed=True, stream=r.stream)
-        d = self.admission.decide(tenant, f"r{i}", est, r.prompt_tokens * CHARS_PER_TOKEN + 200)
-        if d.queued:
-            assert d.lease is not None
-            self._held[d.lease.ticket] = i
+        req = GatewayRequest("/v1/chat/completions", f"r{i}", f"Bearer {run_key(r.tenant)}",
+                      estimate=est, body_bytes=r.prompt_tokens * CHARS_PER_TOKEN + 200)
+        out = self.core.decide(req)
+        if isinstance(out, Held):
+            self._held[out.request_id] = i
         else:
-            self._decided(i, d)
+            self._decided(i, out.decision)
+        self._answers()
+
+    def _answers(self) -> None:
+        """Requests the core decided out of its queue."""
+        assert self.core is not None
+        a: Answer
+        for a in self.core.answers():
+            i = self._held.pop(a.request_id, None)
+            if i is not None:
+                self._decided(i, a.decision)
 
     def _decided(self, i: int, d: Decision) -> None:
         """kvgate's answer for request ``i``, at once or out of its queue: send it or refuse it."""
@@ -362,12 +378,6 @@ class Run:
         else:
             assert d.rejection is not None
             self._reject(i, d.rejection.status, d.rejection.reason, d.rejection.klass)
-
-    def _pump(self) -> None:
-        if self.admission is None:
-            return
-        for out in self.admission.pump():
-            self._decided(self._held.pop(out.ticket), out.decision)
 
     def _step_end(self, n: SimNode) -> None:
         n.busy = False
@@ -388,25 +398,25 @@ class Run:
                 n.observe("queue", req.first_scheduled - req.arrival)
                 if req.prefill_done_at is not None:
                     n.observe("prefill", req.prefill_done_at - req.first_scheduled)
-            if self.admission is not None and ticket is not None:
-                c = self.admission.complete(ticket, Usage(req.prompt_tokens, req.output_tokens), True)
-                if c is not None and self.fleet is not None and c.lease.node is not None:
-                    self.fleet.completed(c.lease.node, ticket, c.charged_tokens, True, self.now)
+            if self.core is not None and ticket is not None:
+                self.core.ended(Ended(ticket, f"r{i}", 200, Usage(req.prompt_tokens, req.output_tokens),
+                                      upstream_answered=True))
                 done = True
         self._kick(n)
         self._maybe_gone(n)
         if done:
-            self._pump()
+            self._answers()
 
     def _tick(self) -> None:
-        if self.fleet is not None:
+        if self.core is not None:
             poll = self.config.nodes.poll_interval_seconds if self.config.nodes else 0.25
             if self._next_poll <= self.now + 1e-9:
                 for n in self.nodes:
                     if n.state == "ready":
                         self._probe(n)
                 self._next_poll = self.now + poll
-        self._pump()
+            self.core.tick()
+            self._answers()
 
     def _scale(self) -> None:
         ready = [n for n in self.nodes if n.state == "ready"]
@@ -423,14 +433,14 @@ class Run:
             else:  # scale down only to the highest recommendation of the stabilisation window
                 target = max(w for _, w in self._desired_history)
         else:
-            assert self.law is not None and self.admission is not None
+            assert self.law is not None and self.core is not None
             horizon = self.now - self.auto.window_s
             while self._decisions and self._decisions[0][0] < horizon:
                 self._decisions.popleft()
             by: dict[str, dict[str, float]] = {"admitted": {}, "capacity": {}, "policy": {}}
             for _, kind, tenant in self._decisions:
                 by[kind][tenant] = by[kind].get(tenant, 0.0) + 1
-            sig = Signals(self.now, by["admitted"], by["capacity"], by["policy"], float(self.admission.queued),
+            sig = Signals(self.now, by["admitted"], by["capacity"], by["policy"], float(self.core.queued),
                           len(ready), True)
             target = self.law.decide(sig, self.now).desired
         if target > provisioned:

@@ -1,0 +1,510 @@
+"""The gateway core: one sans-IO state machine that the gRPC server and the virtual-time benchmarks drive.
+
+Events in — a request (``decide``), the end of a request's stream (``ended``), a queued request's
+client leaving (``cancel``), a probe reading (``snapshot``), the node list (``set_nodes``), a tick, a
+reload (``reconfigure``), an Envoy appearing or going away (``envoy_up`` / ``envoy_down``). Effects out
+— an :class:`Answer` per decided request (right away, or later through :meth:`answers` for requests
+that waited in the queue), metrics in :class:`Stats`, structured log lines, and breaker transitions
+through an observer. The core never blocks, never reads a clock of its own and never does I/O:
+``ext_proc/server.py`` (grpc.aio) and ``kvgate/scenarios/driver.py`` (virtual time) are thin shells
+around it, so the benchmarks exercise exactly the glue production runs.
+
+Every request ends exactly once. The ways a lease (a request holding its tenant's quota and a node
+slot) can end, and which event ends it:
+
+* the access log reports the stream's end with the ticket kvgate gave it (normal end, upstream
+  error, client disconnect) → ``ended(ticket=...)``;
+* Envoy never applied the admit reply (it gave up waiting, the client left first) → the access log
+  entry carries the request id but no ticket → ``ended(ticket=None, request_id=...)``;
+* the Envoy carrying it went away (its access-log connection ended and did not come back within
+  ``ENVOY_GRACE_S``) → released by :meth:`tick`;
+* nothing ever came (a lost log entry) → reclaimed after ``server.lease_timeout_seconds``.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import orjson
+
+from gpu_probe.snapshot import Snapshot
+
+from . import logs
+from .admission import Admission, Completion, Decision, Outcome, TenantState, Usage
+from .breaker import State
+from .config import Config
+from .estimate import Estimate, Estimator
+from .identity import Identifier
+from .nodes import Fleet
+from .reasons import UNKNOWN_KEY, Invalid, Rejection, reject
+from .stats import Stats
+from .wire import Reply, reject_reply
+
+ENVOY_GRACE_S = 3.0
+"""How long an Envoy's access-log connection may stay away before the requests it carried are taken
+as dead (an Envoy restart takes longer than this to come back; a kvgate-side blip does not)."""
+RECLAIM_EVERY_S = 10.0
+TOMBSTONE_S = 60.0
+"""How long the end of a request that was never admitted is remembered: its decision may still be on
+its way (kvgate was paused, Envoy gave up and logged the end first) and must then grant nothing."""
+
+
+@dataclass(frozen=True, slots=True)
+class Request:
+    """One inference request as the shells see it."""
+
+    path: str
+    request_id: str
+    authorization: str | None
+    body: bytes = b""
+    trusted: str | None = None
+    """The trusted tenant header's value, when one is configured."""
+    envoy: str = ""
+    """Which Envoy carries the request (the shell's name for its connection): its leases die with it."""
+    estimate: Estimate | None = None
+    """Virtual time only: the request's token counts are known, there is no body to read."""
+    body_bytes: int | None = None
+    """With ``estimate``: the size the body would have had."""
+
+
+@dataclass(frozen=True, slots=True)
+class Answer:
+    """kvgate's final word on one request: admit it (``reply`` None) or answer ``reply``."""
+
+    request_id: str
+    decision: Decision
+    reply: Reply | None = None
+    body: bytes | None = None
+    """The rewritten request body, when kvgate changed it (include_usage, priority)."""
+    metadata: dict[str, Any] = field(default_factory=dict)
+    """What Envoy's side needs (dynamic metadata ``kvgate``): ticket, endpoint, strip_usage, tenant."""
+
+    @property
+    def ticket(self) -> str | None:
+        return self.decision.lease.ticket if self.decision.lease is not None else None
+
+    @property
+    def node(self) -> str | None:
+        return self.decision.lease.node if self.decision.lease is not None else None
+
+
+@dataclass(frozen=True, slots=True)
+class Held:
+    """The request waits in the gateway queue; its :class:`Answer` comes out of :meth:`Core.answers`."""
+
+    ticket: str
+    request_id: str
+    tier: str
+    max_wait_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class Ended:
+    """A request's stream ended (Envoy's access log)."""
+
+    ticket: str | None
+    request_id: str
+    status: int = 0
+    usage: Usage | None = None
+    upstream_answered: bool = False
+    """The node sent a first byte."""
+    disconnected: bool = False
+    """The client went away (Envoy's DC flag)."""
+
+
+@dataclass(slots=True)
+class _Waiting:
+    request_id: str
+    estimate: Estimate
+    envoy: str
+
+
+Observer = Callable[[str, State, State, str], None]
+
+
+class Core:
+    def __init__(self, config: Config, clock: Callable[[], float], rng: random.Random | None = None,
+                 stats: Stats | None = None, log: Any = None, on_transition: Observer | None = None) -> None:
+        self._clock = clock
+        self._rng = rng or random.Random()
+        self.log = log if log is not None else logs.get("kvgate.core")
+        self.stats = stats if stats is not None else Stats(max_tenant_labels=config.metrics.max_tenant_labels)
+        self._observer = on_transition
+        self.admission = Admission(config, clock, rng=random.Random(self._rng.getrandbits(32)))
+        self.fleet: Fleet | None = None
+        self._waiting: dict[str, _Waiting] = {}
+        """Queued requests: ticket → what their answer needs."""
+        self._outbox: list[Answer] = []
+        self._by_request: dict[str, str] = {}
+        """Request id → ticket of every open lease: an access-log entry without a ticket names it."""
+        self._envoy_of: dict[str, str] = {}
+        """Ticket → the Envoy that carries it."""
+        self._envoys: dict[str, int] = {}
+        """Envoys with an open access-log connection → how many."""
+        self._gone: dict[str, float] = {}
+        """Envoys whose access-log connections all ended → when."""
+        self._next_reclaim = clock() + RECLAIM_EVERY_S
+        self._tombstones: dict[str, float] = {}
+        """Request ids whose end arrived before any lease: Envoy gave up on them."""
+        self.breaker_opens: dict[str, int] = {}
+        """Breaker opens by cause (kv | latency | trial): what the benchmarks report."""
+        self.stats.bind(self)
+        self.reconfigure(config)
+
+    # -- configuration ---------------------------------------------------------------------------
+
+    def reconfigure(self, config: Config) -> None:
+        """Swap in a new config; leases, spent budgets, queued requests and node readings stay."""
+        self.config = config
+        self.identifier = Identifier(config)
+        self.estimator = Estimator(config.estimation, config.limits)
+        self.admission.reconfigure(config)
+        if config.nodes is None:
+            self.fleet = None
+        elif self.fleet is None:
+            self.fleet = Fleet(config.nodes, rng=random.Random(self._rng.getrandbits(32)),
+                               on_transition=self._transition)
+        else:
+            self.fleet.reconfigure(config.nodes)
+        self.admission.pick = self._pick if self.fleet is not None else None
+        self.stats.set_tenants([t.name for t in config.tenants], config.metrics.max_tenant_labels)
+        self._pump()
+
+    # -- the decision ----------------------------------------------------------------------------
+
+    def decide(self, req: Request) -> Answer | Held:
+        """Decide one inference request now, or hold it in the queue (its answer comes later)."""
+        if self._tombstones and req.request_id in self._tombstones:
+            # Envoy already gave up on it (and said so): whatever kvgate answers goes nowhere
+            return self._final(Decision("unknown", self.config.lowest_tier, None,
+                                        reject("gateway-unavailable", "Envoy gave up waiting for this decision.")),
+                               req.request_id)
+        try:
+            who = self.identifier.resolve(req.authorization, req.trusted)
+            tenant = who.tenant
+            if tenant is None and self.config.mode == "enforce":
+                # not even parsed: a caller without a key costs a dict lookup, whatever it sends
+                return self._final(Decision("unknown", self.config.lowest_tier, None, UNKNOWN_KEY), req.request_id)
+            est = req.estimate
+            if est is None:
+                default_max = (tenant.default_max_tokens if tenant else None) or \
+                    self.config.estimation.default_max_tokens
+                est = self.estimator.estimate(req.body, path=req.path, default_max_tokens=default_max)
+            size = req.body_bytes if req.body_bytes is not None else len(req.body)
+            never = self._never_fits(est)
+        except Invalid as e:
+            return self._final(Decision(self._name(req), self._tier(req), None, e.rejection()), req.request_id)
+        if never is not None:
+            return self._final(Decision(tenant.name if tenant else "unknown", tenant.tier if tenant else
+                                        self.config.lowest_tier, None, never), req.request_id)
+        if not est.parsed:
+            self.stats.unparsed_bodies.inc()
+            self.log.info("body_not_json", request_id=req.request_id, bytes=size,
+                          note="decided on request size alone")
+        d = self.admission.decide(tenant, req.request_id, est, size)
+        if d.queued:
+            assert d.lease is not None
+            ticket = d.lease.ticket
+            self._waiting[ticket] = _Waiting(req.request_id, est, req.envoy)
+            self.log.debug("queued", request_id=req.request_id, tenant=d.tenant, tier=d.tier,
+                           queued=self.admission.queued)
+            self._pump()  # an eviction it caused
+            tier = self.config.tiers.get(d.tier)
+            return Held(ticket, req.request_id, d.tier, tier.max_queue_wait_ms / 1000.0 if tier else 5.0)
+        return self._final(d, req.request_id, est, req.envoy)
+
+    def _name(self, req: Request) -> str:
+        try:
+            t = self.identifier.resolve(req.authorization, req.trusted).tenant
+        except Invalid:
+            return "unknown"
+        return t.name if t is not None else "unknown"
+
+    def _tier(self, req: Request) -> str:
+        try:
+            t = self.identifier.resolve(req.authorization, req.trusted).tenant
+        except Invalid:
+            return self.config.lowest_tier
+        return t.tier if t is not None else self.config.lowest_tier
+
+    def _never_fits(self, est: Estimate) -> Rejection | None:
+        """A request larger than the KV cache of every node can never run: 400, not a 503 the clients
+        and the scaler would take for demand."""
+        if self.fleet is None:
+            return None
+        cap = self.fleet.max_capacity_tokens()
+        if cap is None or est.total <= cap:
+            return None
+        return reject("context-too-long",
+                      f"The prompt (about {est.prompt_tokens} tokens) plus the requested output "
+                      f"({est.output_tokens} tokens) is larger than the KV cache of any inference node "
+                      f"({cap} tokens). Lower max_tokens or shorten the prompt.",
+                      param="max_tokens" if est.prompt_tokens <= cap else "messages")
+
+    def _final(self, d: Decision, request_id: str, est: Estimate | None = None, envoy: str = "") -> Answer:
+        """Account a final decision and build its answer."""
+        self.stats.decision(d)
+        r = d.rejection
+        if r is not None:
+            self.log.info("shadow_reject" if d.admitted else "reject", request_id=request_id, tenant=d.tenant,
+                          tier=d.tier, status=r.status, reason=r.reason, cls=r.klass,
+                          retry_after_s=None if r.retry_after is None else round(r.retry_after, 3),
+                          estimated_tokens=est.total if est is not None else None)
+        lease = d.lease
+        if lease is None:
+            assert r is not None
+            return Answer(request_id, d, reject_reply(r))
+        self._by_request[request_id] = lease.ticket
+        if envoy:
+            self._envoy_of[lease.ticket] = envoy
+        body, strip = self._rewrite(est, d.tier)
+        meta: dict[str, Any] = {"ticket": lease.ticket, "strip_usage": strip, "tenant": d.tenant, "tier": d.tier}
+        if lease.node is not None:
+            meta["endpoint"] = lease.node  # the Lua helper turns it into the ORIGINAL_DST header
+        return Answer(request_id, d, None, body, meta)
+
+    def _rewrite(self, est: Estimate | None, tier_name: str) -> tuple[bytes | None, bool]:
+        """The body kvgate sends on: usage asked for (so completions can be reconciled) and the tier's
+        vLLM priority. None when nothing changes (the body passes through untouched)."""
+        doc = est.document if est is not None else None
+        if doc is None or est is None:
+            return None, False
+        strip = est.stream and not est.include_usage
+        mutated = False
+        if strip:
+            opts = doc.get("stream_options")
+            new = {**(opts if isinstance(opts, dict) else {}), "include_usage": True}
+            if new.get("continuous_usage_stats"):
+                # vLLM sends continuous usage only with include_usage: the client would get usage on every
+                # chunk it never asked for
+                new["continuous_usage_stats"] = False
+            doc["stream_options"] = new
+            mutated = True
+        tier = self.config.tiers.get(tier_name)
+        if self.config.queue.inject_priority and tier is not None:
+            doc["priority"] = tier.vllm_priority if tier.vllm_priority is not None else tier.priority
+            mutated = True
+        return (orjson.dumps(doc) if mutated else None), strip
+
+    def headers(self, authorization: str | None, trusted: str | None = None) -> Answer:
+        """Bodyless routes (GET /v1/models, /health): identity only, no quota; a live node when kvgate
+        chooses nodes."""
+        try:
+            who = self.identifier.resolve(authorization, trusted)
+        except Invalid as e:
+            return Answer("", Decision("unknown", self.config.lowest_tier, None, e.rejection()),
+                          reject_reply(e.rejection()))
+        if who.tenant is None and self.config.mode == "enforce":
+            return Answer("", Decision("unknown", self.config.lowest_tier, None, UNKNOWN_KEY),
+                          reject_reply(UNKNOWN_KEY))
+        name = who.tenant.name if who.tenant else "unknown"
+        tier = who.tenant.tier if who.tenant else self.config.lowest_tier
+        meta: dict[str, Any] = {"tenant": name}
+        if self.fleet is not None:
+            c = self.fleet.choose(0, self._clock(), force=True)
+            if c.node is None:
+                r = self.admission.no_node(c.reason, c.retry_after)
+                return Answer("", Decision(name, tier, None, r), reject_reply(r))
+            meta["endpoint"] = c.node.address
+        return Answer("", Decision(name, tier, None, None), None, None, meta)
+
+    # -- the queue -------------------------------------------------------------------------------
+
+    def answers(self) -> list[Answer]:
+        """Answers for queued requests decided since the last call."""
+        out, self._outbox = self._outbox, []
+        return out
+
+    def _pump(self) -> None:
+        if self.admission.queued or self.admission.has_outcomes:
+            self._deliver(self.admission.pump())
+
+    def _deliver(self, outcomes: list[Outcome]) -> None:
+        for o in outcomes:
+            d = o.decision
+            self.stats.queue_wait.labels(d.tier, "admitted" if d.admitted else "rejected").observe(o.waited)
+            if d.rejection is not None:
+                self.stats.queue_rejections.labels(d.tier, d.rejection.reason).inc()
+            w = self._waiting.pop(o.ticket, None)
+            if w is None:
+                continue
+            self._outbox.append(self._final(d, w.request_id, w.estimate, w.envoy))
+
+    def cancel(self, ticket: str) -> None:
+        """The stream of a queued request ended before its answer (the client or Envoy gave up)."""
+        w = self._waiting.pop(ticket, None)
+        tier = self.admission.held_tier(ticket)
+        if self.admission.cancel(ticket):
+            self.stats.queue_cancelled.labels(tier or "unknown").inc()
+            self.log.info("queued_request_cancelled", ticket=ticket,
+                          request_id=w.request_id if w else None, note="the client went away while queued")
+            self._pump()
+
+    # -- completions -----------------------------------------------------------------------------
+
+    def ended(self, e: Ended) -> Completion | None:
+        """A request's stream ended; releases its lease exactly once (None: nothing to release)."""
+        if e.ticket:
+            ticket: str | None = e.ticket
+            responded = e.upstream_answered and 200 <= e.status < 300
+            if e.usage is not None:
+                outcome = "ok"
+            elif e.disconnected:
+                outcome = "disconnect"
+            elif responded:
+                outcome = "no_usage"
+            else:
+                outcome = "upstream_error"
+            # the node's verdict for its breaker: it answered (below 500), it failed, or we cannot tell
+            verdict: bool | None
+            if e.upstream_answered:
+                verdict = e.status < 500
+            else:
+                verdict = None if e.disconnected else False
+        else:
+            # no ticket: Envoy never applied an admit reply (it gave up waiting, or the client left first)
+            ticket = self._by_request.get(e.request_id)
+            responded, outcome, verdict = False, "aborted", None
+            if ticket is None and e.request_id:
+                self._tombstones[e.request_id] = self._clock()
+        if ticket is None:
+            return None
+        c = self._release(ticket, e.usage if e.ticket else None, responded, outcome, verdict)
+        if c is not None:
+            self.log.debug("complete", ticket=ticket, tenant=c.lease.tenant.name, outcome=outcome,
+                           tokens=c.charged_tokens, seconds=round(c.seconds, 4), status=e.status)
+        return c
+
+    def _release(self, ticket: str, usage: Usage | None, responded: bool, outcome: str,
+                 verdict: bool | None) -> Completion | None:
+        c = self.admission.complete(ticket, usage, responded)
+        if c is None:
+            return None
+        self._by_request.pop(c.lease.request_id, None)
+        self._envoy_of.pop(ticket, None)
+        self.stats.completion(c, outcome)
+        if c.lease.node is not None and self.fleet is not None:
+            self.fleet.completed(c.lease.node, ticket, c.charged_tokens, verdict, self._clock())
+        self._pump()
+        return c
+
+    # -- Envoys ----------------------------------------------------------------------------------
+
+    def envoy_up(self, envoy: str) -> None:
+        """An access-log connection from ``envoy`` opened."""
+        self._envoys[envoy] = self._envoys.get(envoy, 0) + 1
+        self._gone.pop(envoy, None)
+
+    def envoy_down(self, envoy: str) -> None:
+        """An access-log connection from ``envoy`` ended: if none comes back within ``ENVOY_GRACE_S``,
+        the requests it carried died with it (their completions can never come)."""
+        n = self._envoys.get(envoy, 0) - 1
+        if n > 0:
+            self._envoys[envoy] = n
+            return
+        self._envoys.pop(envoy, None)
+        self._gone[envoy] = self._clock()
+
+    def _release_gone_envoys(self, now: float) -> None:
+        dead = [e for e, at in self._gone.items() if now - at >= ENVOY_GRACE_S]
+        if not dead:
+            return
+        for envoy in dead:
+            del self._gone[envoy]
+        gone = set(dead)
+        tickets = [t for t, e in self._envoy_of.items() if e in gone]
+        for t in tickets:
+            self._release(t, None, True, "envoy_gone", None)
+        if tickets:
+            self.log.warning("envoy_gone", envoys=dead, released=len(tickets),
+                             note="its access-log connection ended and did not come back")
+
+    # -- nodes -----------------------------------------------------------------------------------
+
+    def _pick(self, est: Estimate, shadow: bool, ticket: str, reserve: float,
+              caps: bool) -> tuple[str | None, str | None, float | None]:
+        assert self.fleet is not None
+        c = self.fleet.place(est.total, est.prompt_tokens, ticket, self._clock(), force=shadow, reserve=reserve,
+                             queue_caps=caps)
+        return (c.node.address if c.node else None), c.reason, c.retry_after
+
+    def _transition(self, node: str, old: State, new: State, why: str) -> None:
+        if new is State.OPEN:
+            cause = "kv" if why.startswith("kv") else "latency" if why.startswith("prefill") else "trial"
+            self.breaker_opens[cause] = self.breaker_opens.get(cause, 0) + 1
+        self.stats.node_transitions.labels(node, old.value, new.value).inc()
+        self.log.warning("breaker_transition", node=node, old=old.value, new=new.value, why=why)
+        if self._observer is not None:
+            self._observer(node, old, new, why)
+
+    def set_nodes(self, entries: list[tuple[str, str, float | None]]) -> None:
+        if self.fleet is not None:
+            self.fleet.set_nodes(entries)
+            self._pump()
+
+    def snapshot(self, address: str, snap: Snapshot, age_s: float = 0.0) -> None:
+        """A probe reading arrived (``age_s``: how old it already was)."""
+        if self.fleet is None:
+            return
+        if not math.isfinite(age_s) or age_s < 0:
+            age_s = 0.0
+        self.fleet.on_snapshot(address, snap, self._clock(), age_s)
+        self._pump()
+
+    def node_failed(self, address: str, why: str) -> None:
+        """A probe could not be read or made no sense: the node ages towards unknown, nothing else."""
+        self.log.debug("probe_failed", node=address, error=why)
+
+    # -- time ------------------------------------------------------------------------------------
+
+    def tick(self) -> None:
+        """Deadlines, Envoys gone, reclaim: what no other event triggers."""
+        now = self._clock()
+        self._pump()
+        if self._gone:
+            self._release_gone_envoys(now)
+        if now >= self._next_reclaim:
+            self._next_reclaim = now + RECLAIM_EVERY_S
+            self._tombstones = {r: t for r, t in self._tombstones.items() if now - t < TOMBSTONE_S}
+            for c in self.admission.reclaim_expired():
+                self._by_request.pop(c.lease.request_id, None)
+                self._envoy_of.pop(c.lease.ticket, None)
+                self.stats.completion(c, "reclaimed")
+                if c.lease.node is not None and self.fleet is not None:
+                    self.fleet.completed(c.lease.node, c.lease.ticket, 0, None, now)
+                self.log.warning("lease_reclaimed", ticket=c.lease.ticket, tenant=c.lease.tenant.name,
+                                 age_s=round(c.seconds, 1), note="no completion arrived from Envoy's access log")
+            self._pump()
+
+    # -- what the metrics read at scrape time ----------------------------------------------------
+
+    def now(self) -> float:
+        return self._clock()
+
+    def tenants(self) -> list[TenantState]:
+        return self.admission.tenants()
+
+    @property
+    def queued(self) -> int:
+        return self.admission.queued
+
+    @property
+    def open_leases(self) -> int:
+        return self.admission.open_leases
+
+
+class _NullLogger:
+    """Drops everything: virtual-time runs make millions of decisions."""
+
+    def _drop(self, *args: Any, **kw: Any) -> None:
+        return None
+
+    debug = info = warning = error = exception = _drop
+
+
+def null_logger() -> Any:
+    return _NullLogger()

@@ -1,0 +1,153 @@
+"""Every answer kvgate (or the Envoy config it generates) gives besides "admit", in one table.
+
+A reader looking for "where is the 429 decided" finds the decisions in ``admission.py``; what each
+reason *means* to a client — HTTP status, class, OpenAI error type and code, default message — is
+here and nowhere else. ``wire.py`` renders a :class:`Rejection` from this table; the Envoy config
+renders its own local replies (``gateway-unavailable``, ``route-not-found``, ...) from it too.
+
+Classes, and why they matter: ``invalid`` (400/404/413) and ``auth`` (401/403) can never succeed by
+retrying and are never 5xx; ``policy`` (429) is the tenant over its own quota and never scales the
+fleet; ``capacity`` (503) is the fleet out of room: the autoscaling signal. ``gateway`` (503) is
+Envoy's own answer when kvgate or a node cannot be reached.
+
+Pure: no I/O, no protobuf.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+Klass = Literal["invalid", "auth", "policy", "capacity", "gateway"]
+
+
+@dataclass(frozen=True, slots=True)
+class Reason:
+    name: str
+    status: int
+    klass: Klass
+    type: str
+    """OpenAI ``error.type``."""
+    code: str
+    """OpenAI ``error.code``."""
+    message: str
+    """The default message; decisions usually say more (the limit, the figure)."""
+
+
+_RETRY = "; please retry after the indicated time."
+
+_TABLE: tuple[Reason, ...] = (
+    # -- auth: who is asking ------------------------------------------------------------------------
+    Reason("unknown-key", 401, "auth", "invalid_request_error", "invalid_api_key",
+           "Incorrect or missing API key. Send it as 'Authorization: Bearer <key>'."),
+    Reason("invalid-authorization", 401, "auth", "invalid_request_error", "invalid_api_key",
+           "The Authorization header is malformed. Send exactly one 'Authorization: Bearer <key>' header "
+           "with a printable ASCII key."),
+    # -- invalid: the request can never succeed as it is -------------------------------------------
+    Reason("body-too-large", 413, "invalid", "invalid_request_error", "request_too_large",
+           "The request body is larger than this gateway accepts."),
+    Reason("invalid-body", 400, "invalid", "invalid_request_error", "invalid_request_body",
+           "The request body is not a valid OpenAI request."),
+    Reason("invalid-parameter", 400, "invalid", "invalid_request_error", "invalid_value",
+           "A request parameter has an invalid value."),
+    Reason("missing-body", 400, "invalid", "invalid_request_error", "missing_body",
+           "This endpoint needs a JSON request body."),
+    Reason("prompt-too-long", 400, "invalid", "invalid_request_error", "context_length_exceeded",
+           "The prompt is longer than this tenant may send."),
+    Reason("context-too-long", 400, "invalid", "invalid_request_error", "context_length_exceeded",
+           "The prompt plus the requested output does not fit the model's context."),
+    Reason("exceeds-token-budget", 400, "invalid", "invalid_request_error", "request_too_large",
+           "This request costs more tokens than the tenant's whole token budget."),
+    Reason("route-not-found", 404, "invalid", "invalid_request_error", "unknown_url",
+           "Unknown request URL. This gateway serves the OpenAI inference routes only."),
+    # -- policy: the tenant is over its own quota (429) ---------------------------------------------
+    Reason("tenant-concurrency", 429, "policy", "concurrency", "rate_limit_exceeded",
+           "Too many concurrent requests for this tenant."),
+    Reason("tenant-requests", 429, "policy", "requests", "rate_limit_exceeded",
+           "Rate limit reached for requests."),
+    Reason("tenant-tokens", 429, "policy", "tokens", "rate_limit_exceeded",
+           "Rate limit reached for tokens."),
+    # -- capacity: the fleet cannot take it now (503) -----------------------------------------------
+    Reason("fleet-inflight", 503, "capacity", "server_error", "fleet_at_capacity",
+           "The inference fleet is at capacity" + _RETRY),
+    Reason("fleet-kv", 503, "capacity", "server_error", "fleet_kv",
+           "No inference node has KV-cache room for this request now" + _RETRY),
+    Reason("fleet-queue", 503, "capacity", "server_error", "fleet_queue",
+           "Every inference node already has a full queue" + _RETRY),
+    Reason("fleet-breakers-open", 503, "capacity", "server_error", "fleet_breakers_open",
+           "Every inference node is out of service (circuit breaker open)" + _RETRY),
+    Reason("fleet-no-healthy-node", 503, "capacity", "server_error", "fleet_no_healthy_node",
+           "No inference node is reachable now" + _RETRY),
+    Reason("queue-deadline", 503, "capacity", "server_error", "queue_deadline",
+           "The inference fleet is saturated: this request would not be served within its tier's "
+           "queueing deadline" + _RETRY),
+    Reason("queue-timeout", 503, "capacity", "server_error", "queue_timeout",
+           "The inference fleet stayed saturated for this request's whole queueing deadline" + _RETRY),
+    Reason("queue-evicted", 503, "capacity", "server_error", "queue_evicted",
+           "The gateway queue is full and this request made room for a more urgent one" + _RETRY),
+    Reason("queue-full", 503, "capacity", "server_error", "queue_full", "The gateway queue is full" + _RETRY),
+    Reason("queue-ahead", 503, "capacity", "server_error", "queue_ahead",
+           "Requests of this tier are already waiting for capacity" + _RETRY),
+    # -- gateway: Envoy's own answers (rendered into its local_reply_config) ------------------------
+    Reason("gateway-unavailable", 503, "gateway", "server_error", "gateway_unavailable",
+           "The admission service is unavailable" + _RETRY),
+    Reason("upstream-unavailable", 503, "gateway", "server_error", "upstream_unavailable",
+           "The inference node could not be reached" + _RETRY),
+)
+
+REASONS: dict[str, Reason] = {r.name: r for r in _TABLE}
+
+
+def reason(name: str) -> Reason:
+    """The table's entry; an unknown name is a programming error, not a client's."""
+    return REASONS[name]
+
+
+@dataclass(frozen=True, slots=True)
+class RateLimitView:
+    """What the OpenAI-style ``x-ratelimit-*`` headers report for one budget."""
+
+    limit: int
+    remaining: int
+    reset_seconds: float
+
+
+@dataclass(frozen=True, slots=True)
+class Rejection:
+    status: int
+    reason: str
+    """A key of :data:`REASONS`."""
+    klass: str
+    """policy (429) | capacity (503) | invalid (400/404/413) | auth (401/403)."""
+    message: str
+    retry_after: float | None = None
+    requests: RateLimitView | None = None
+    tokens: RateLimitView | None = None
+    param: str | None = None
+    """The request parameter at fault (OpenAI ``error.param``), for invalid requests."""
+
+
+def reject(name: str, message: str | None = None, retry_after: float | None = None, *,
+           param: str | None = None, requests: RateLimitView | None = None,
+           tokens: RateLimitView | None = None) -> Rejection:
+    """A rejection for ``name``, with the table's status and class; ``message`` overrides the default."""
+    r = REASONS[name]
+    return Rejection(r.status, name, r.klass, message or r.message, retry_after, requests, tokens, param)
+
+
+class Invalid(Exception):
+    """Raised by the pure request parsers (``estimate.py``, ``identity.py``) for a request that can
+    never succeed as it is; the core answers it with :meth:`rejection` and takes nothing."""
+
+    def __init__(self, name: str, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        assert REASONS[name].klass in ("invalid", "auth"), name
+        self.name = name
+        self.message = message
+        self.param = param
+
+    def rejection(self) -> Rejection:
+        return reject(self.name, self.message, param=self.param)
+
+
+UNKNOWN_KEY = reject("unknown-key")

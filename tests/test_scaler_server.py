@@ -1,0 +1,122 @@
+"""The scaler shell around the law, table-driven, with an injected clock: what KEDA's calls answer before
+the first verdict (an error, so KEDA's fallback applies), after it, and while data is missing."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import grpc
+import pytest
+from structlog.testing import capture_logs
+
+from scaler import externalscaler_pb2 as pb
+from scaler.config import ScalerConfig
+from scaler.law import Signals
+from scaler.server import METRIC_PREFIX, ExternalScalerServicer, Scaler
+from scaler.signals import SourceError
+
+REF = pb.ScaledObjectRef(name="vllm", namespace="llm", scalerMetadata={"pool": "gpu"})
+
+
+class Aborted(Exception):
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        super().__init__(details)
+        self.code, self.details = code, details
+
+
+class Context:
+    """What the servicer uses of grpc.aio's ServicerContext: abort raises."""
+
+    async def abort(self, code: grpc.StatusCode, details: str) -> None:
+        raise Aborted(code, details)
+
+
+class Script:
+    """A source that answers from a script: 'down' raises SourceError; 'part<N>' a replica did not answer;
+    'idle<N>' a complete window without traffic; 'busy<N>' a complete window with traffic (N: replicas)."""
+
+    def __init__(self) -> None:
+        self.next = "down"
+
+    def read(self, now: float) -> Signals:
+        kind, n = self.next.rstrip("0123456789"), self.next.lstrip("abcdefghijklmnopqrstuvwxyz")
+        if kind == "down":
+            raise SourceError("connection refused")
+        traffic = {"a": 10.0} if kind == "busy" else {}
+        return Signals(now, traffic, {}, {}, 0.0, int(n), kind != "part")
+
+
+def scaler() -> tuple[Scaler, Script, ExternalScalerServicer]:
+    cfg = ScalerConfig.model_validate({"source": {"prometheus": "http://p"},
+                                       "pools": {"gpu": {"min_replicas": 1, "max_replicas": 8}}})
+    src = Script()
+    s = Scaler(cfg, src)
+    return s, src, ExternalScalerServicer(s)
+
+
+async def answers(svc: ExternalScalerServicer) -> tuple[Any, Any]:
+    """(GetMetrics value or the error code, IsActive or the error code)."""
+    out: list[Any] = []
+    for call in (lambda: svc.GetMetrics(pb.GetMetricsRequest(scaledObjectRef=REF, metricName="s0-" + METRIC_PREFIX
+                                                             + "gpu"), Context()),
+                 lambda: svc.IsActive(REF, Context())):
+        try:
+            r = await call()
+        except Aborted as e:
+            out.append(e.code)
+            continue
+        out.append(r.metricValues[0].metricValue if hasattr(r, "metricValues") else r.result)
+    return out[0], out[1]
+
+
+def gauge(s: Scaler, name: str) -> float | None:
+    return s.registry.get_sample_value(name, {"pool": "gpu"})
+
+
+U = grpc.StatusCode.UNAVAILABLE
+
+
+@pytest.mark.parametrize(("script", "expected"), [
+    pytest.param(["part4", "idle4"], [(U, U), (U, U), (4, False)],
+                 id="restart: UNAVAILABLE until the first complete window, then the pool's size"),
+    pytest.param(["down", "down", "busy3"], [(U, U), (U, U), (U, U), (3, True)],
+                 id="restart with the source down: UNAVAILABLE, never min_replicas"),
+    pytest.param(["busy2", "busy5", "down", "part5"],
+                 [(U, U), (2, True), (2, True), (5, True), (5, True)],
+                 id="missing later: held at the replicas last observed, the last activity answer stands"),
+    pytest.param(["idle3", "down"], [(U, U), (3, False), (3, False)],
+                 id="an idle pool stays inactive but is never scaled below what is up on missing data"),
+])
+async def test_what_keda_gets(script: list[str], expected: list[tuple[Any, Any]]) -> None:
+    s, src, svc = scaler()
+    got = [await answers(svc)]  # before any read
+    for i, step in enumerate(script):
+        src.next = step
+        s.evaluate(10.0 * i)
+        got.append(await answers(svc))
+    assert got == expected
+
+
+async def test_holding_on_missing_data_is_logged_and_exported() -> None:
+    s, src, _ = scaler()
+    with capture_logs() as logs:
+        s.evaluate(0.0)  # source down at start
+        assert (gauge(s, "kvgate_scaler_ready"), gauge(s, "kvgate_scaler_holding_on_missing_data")) == (0, 1)
+        assert gauge(s, "kvgate_scaler_desired_replicas") is None  # no verdict: nothing to export
+        src.next = "idle2"
+        s.evaluate(5.0)
+        assert (gauge(s, "kvgate_scaler_ready"), gauge(s, "kvgate_scaler_holding_on_missing_data")) == (1, 0)
+        src.next = "part6"  # replicas were added by hand; then a kvgate replica stops answering
+        s.evaluate(10.0)
+        src.next = "down"
+        s.evaluate(15.0)
+        s.evaluate(20.0)
+    assert gauge(s, "kvgate_scaler_desired_replicas") == 6
+    assert gauge(s, "kvgate_scaler_observed_replicas") == 6
+    assert gauge(s, "kvgate_scaler_holding_on_missing_data") == 1
+    holds = [e for e in logs if e["event"] == "holding_on_missing_data"]
+    assert len(holds) == 2, holds  # once at the start (no verdict), once when the data went missing: no spam
+    assert holds[0]["ready"] is False and "no verdict yet" in holds[0]["reason"]
+    assert holds[1]["ready"] is True and holds[1]["observed_replicas"] == 6 and holds[1]["desired"] == 6
+    assert "did not answer" in holds[1]["reason"]
+    assert [e["first_verdict"] for e in logs if e["event"] == "signals_back"] == [True]

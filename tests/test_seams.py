@@ -1,0 +1,220 @@
+"""The defects found trying to break kvgate's seams, each pinned by a test of the pure parts."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import random
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
+from google.protobuf import struct_pb2
+
+from ext_proc.admission import Admission
+from ext_proc.breaker import State
+from ext_proc.config import parse_config
+from ext_proc.core import Core, Ended, Held, Request, null_logger
+from ext_proc.estimate import Estimate
+from ext_proc.identity import hash_key
+from ext_proc.server import ATTR_AUTH, ATTR_ID, ATTR_NS, Gateway, Undecodable, _decode, poll_nodes
+from gpu_probe.snapshot import Snapshot
+from tests.helpers import FakeClock
+from tests.test_nodes import feed, fleet, snap
+
+
+def E(prompt: int = 10, out: int = 10) -> Estimate:
+    return Estimate(prompt, out, parsed=True)
+
+
+def test_a_half_open_trial_that_ends_without_a_verdict_gives_its_place_back() -> None:
+    f = fleet(2, breaker={"recovery_window_seconds": 1, "half_open_requests": 2})
+    n = f.nodes["10.0.0.0:8000"]
+    for t in range(3):
+        feed(f, t, 0.3, 0.93)
+    f.on_snapshot(n.address, snap(0.99), 3)
+    feed(f, 4.1, 0.3, 0.93)
+    assert n.breaker.state is State.HALF_OPEN
+    for i in range(2):
+        assert f.place(1, 1, f"t{i}", 4.2).node is n
+    assert f.choose(1, 4.2).node is None  # both trials out
+    f.completed(n.address, "t0", 0, None, 4.3)  # the client went away: no verdict
+    f.completed(n.address, "t1", 0, None, 4.3)
+    assert f.place(1, 1, "t2", 4.4).node is n  # today it stayed half-open with no trial left, forever
+    assert f.place(1, 1, "t3", 4.4).node is n
+    f.completed(n.address, "t2", 1, True, 4.5)
+    f.completed(n.address, "t3", 1, True, 4.6)
+    assert n.breaker.state is State.CLOSED
+
+
+def test_no_tier_waits_behind_another_tiers_head_that_cannot_be_placed() -> None:
+    """Reproduced: an interactive request got 503 queue-timeout while a node was free — the head the
+    pump looked at (another tier's, which its KV reserve or size kept off every node) stopped it."""
+    clock = FakeClock()
+    cfg = parse_config({"tenants": [{"name": "t"}]})
+    a = Admission(cfg, clock, random.Random(1))
+    room = {"big": False, "small": True}  # the big one fits nowhere yet
+
+    def pick(est: Estimate, shadow: bool, ticket: str, reserve: float, caps: bool) -> Any:
+        ok = room["big"] if est.prompt_tokens > 100 else room["small"]
+        return ("n:1", None, None) if ok else (None, "fleet-kv", 1.0)
+
+    hold = {"on": True}
+
+    def gated(est: Estimate, shadow: bool, ticket: str, reserve: float, caps: bool) -> Any:
+        return (None, "fleet-kv", 1.0) if hold["on"] else pick(est, shadow, ticket, reserve, caps)
+
+    a.pick = gated
+    interactive = parse_config({"tenants": [{"name": "i", "tier": "interactive"}, {"name": "s"}]})
+    a.reconfigure(interactive)
+    big = a.decide(interactive.tenant("i"), "r1", E(500, 10), 10)
+    small = a.decide(interactive.tenant("s"), "r2", E(10, 10), 10)
+    assert big.queued and small.queued
+    hold["on"] = False
+    released = [o.ticket for o in a.pump()]
+    assert small.lease is not None and released == [small.lease.ticket]  # the big head did not block it
+    assert a.queued == 1
+
+
+def test_retry_after_for_a_full_concurrency_cap_says_when_a_slot_frees() -> None:
+    """Slots held ~11 s: the Retry-After fell to the 100 ms floor once a lease was older than the mean."""
+    clock = FakeClock()
+    cfg = parse_config({"tenants": [{"name": "t", "max_concurrent": 2}], "retry": {"jitter": 0}})
+    a = Admission(cfg, clock, random.Random(1))
+    t = cfg.tenant("t")
+    for i in range(2):
+        assert a.decide(t, f"r{i}", E(), 10).admitted
+    clock.advance(11.0)  # far past the default mean of 2 s
+    r = a.decide(t, "r9", E(), 10).rejection
+    assert r is not None and r.reason == "tenant-concurrency"
+    assert r.retry_after is not None and r.retry_after >= 2.0
+
+
+def test_a_tenant_named_unknown_keeps_its_quota() -> None:
+    clock = FakeClock()
+    cfg = parse_config({"tenants": [{"name": "unknown", "api_key_sha256": [hash_key("k")], "max_concurrent": 1}]})
+    core = Core(cfg, clock, log=null_logger())
+    first = core.decide(Request("/v1/chat/completions", "r1", "Bearer k", estimate=E(), body_bytes=10))
+    second = core.decide(Request("/v1/chat/completions", "r2", "Bearer k", estimate=E(), body_bytes=10))
+    assert not isinstance(first, Held) and first.decision.admitted
+    assert not isinstance(second, Held) and second.decision.rejection is not None
+    assert second.decision.rejection.reason == "tenant-concurrency"
+    core.reconfigure(cfg)  # and a reload does not wipe it
+    third = core.decide(Request("/v1/chat/completions", "r3", "Bearer k", estimate=E(), body_bytes=10))
+    assert not isinstance(third, Held) and third.decision.rejection is not None
+
+
+def test_half_a_request_per_minute_admits_one_then_429() -> None:
+    """requests_per_minute: 0.5 without a burst raised on every request (a bucket smaller than one)."""
+    clock = FakeClock()
+    cfg = parse_config({"tenants": [{"name": "t", "requests_per_minute": 0.5}]})
+    a = Admission(cfg, clock, random.Random(1))
+    assert a.decide(cfg.tenant("t"), "r1", E(), 10).admitted
+    r = a.decide(cfg.tenant("t"), "r2", E(), 10).rejection
+    assert r is not None and r.status == 429 and r.retry_after is not None and 60 < r.retry_after < 150
+    clock.advance(121.0)
+    assert a.decide(cfg.tenant("t"), "r3", E(), 10).admitted
+
+
+def test_shrinking_the_queue_below_its_depth_neither_asserts_nor_leaks() -> None:
+    clock = FakeClock()
+    doc: dict[str, Any] = {"tenants": [{"name": "b", "tier": "batch"}, {"name": "i", "tier": "interactive"}],
+                           "queue": {"max_size": 6}}
+    cfg = parse_config(doc)
+    a = Admission(cfg, clock, random.Random(1))
+    a.pick = lambda *args: (None, "fleet-kv", 1.0)
+    for i in range(6):
+        assert a.decide(cfg.tenant("b"), f"r{i}", E(), 10).queued
+    small = parse_config({**doc, "queue": {"max_size": 2}})
+    a.reconfigure(small)
+    d = a.decide(small.tenant("i"), "x", E(), 10)  # would have evicted one and asserted on push
+    assert d.rejection is not None and d.rejection.reason == "queue-full"
+    assert a.queued == 6
+    state = a.tenant_state("i")
+    assert state is not None and state.inflight == 0  # nothing held for the refused one
+
+
+def test_removing_tenants_with_requests_in_flight_keeps_every_gauge_right() -> None:
+    from prometheus_client import generate_latest
+
+    clock = FakeClock()
+    doc = {"tenants": [{"name": n, "api_key_sha256": [hash_key(n)]} for n in ("a", "b")]}
+    core = Core(parse_config(doc), clock, log=null_logger())
+    answers = [core.decide(Request("/v1/chat/completions", f"r{i}", f"Bearer {n}", estimate=E(), body_bytes=10))
+               for i, n in enumerate(["a", "a", "b", "b", "b"])]
+    core.reconfigure(parse_config({"tenants": [doc["tenants"][0]]}))  # b removed, three in flight
+    for i, ans in enumerate(answers):
+        assert not isinstance(ans, Held) and ans.ticket is not None
+        core.ended(Ended(ans.ticket, f"r{i}", 200, None, upstream_answered=True))
+    text = generate_latest(core.stats.registry).decode()
+    gauges = [line for line in text.splitlines() if line.startswith("kvgate_inflight_requests{")]
+    assert gauges and all(line.endswith(" 0.0") for line in gauges), gauges  # was other=-5
+
+
+def _body_message(auth: bytes, request_id: str = "rid-1") -> bytes:
+    """A ProcessingRequest as Envoy would send it, with raw bytes in the authorization attribute."""
+    good = ep.ProcessingRequest(request_body=ep.HttpBody(body=b"{}", end_of_stream=True))
+    attrs = struct_pb2.Struct()
+    attrs.update({ATTR_ID: request_id, ATTR_AUTH: "PLACEHOLDER"})
+    good.attributes[ATTR_NS].CopyFrom(attrs)
+    return good.SerializeToString().replace(b"PLACEHOLDER", auth)
+
+
+def test_an_authorization_that_is_not_utf8_is_decoded_leniently_and_answered_401() -> None:
+    msg = _decode(_body_message(b"Bearer \xff\xfe\xfd\xfc"))  # 11 bytes, like PLACEHOLDER
+    assert isinstance(msg, Undecodable)
+    assert msg.bad == [ATTR_AUTH] and msg.request_id == "rid-1"
+    reply = msg.answer().immediate_response
+    assert reply.status.code == 401
+    assert json.loads(reply.body)["error"]["code"] == "invalid_api_key"
+    assert not isinstance(_decode(_body_message(b"Bearer abcd")), Undecodable)  # 11 bytes too
+
+
+class _Probe(BaseHTTPRequestHandler):
+    docs: dict[str, Any] = {}
+
+    def do_GET(self) -> None:
+        body = json.dumps(self.docs[str(self.server.server_address[1])]).encode()
+        self.send_response(200)
+        self.send_header("content-type", "application/json")
+        self.send_header("content-length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+
+async def test_one_probe_talking_nonsense_does_not_stop_polling_the_others() -> None:
+    """A probe answering {"at": "x"} killed polling for every node: the fleet went dead, every request
+    got a capacity 503 and the scaler scaled up."""
+    import time
+
+    servers = [ThreadingHTTPServer(("127.0.0.1", 0), _Probe) for _ in range(2)]
+    good, bad = (s.server_address[1] for s in servers)
+    _Probe.docs = {str(bad): {"at": "x"},
+                   str(good): Snapshot(node="g", at=time.time(), ok=True, kv_usage=0.1).to_json()}
+    for s in servers:
+        threading.Thread(target=s.serve_forever, daemon=True).start()
+    cfg = parse_config({"nodes": {"static": [{"address": "10.0.0.1:8000", "probe": f"http://127.0.0.1:{good}"},
+                                             {"address": "10.0.0.2:8000", "probe": f"http://127.0.0.1:{bad}"}],
+                                  "poll_interval_seconds": 0.05}})
+    gw = Gateway(cfg)
+    task = asyncio.create_task(poll_nodes(gw))
+    try:
+        await asyncio.sleep(0.6)
+        assert not task.done(), "the poller died"
+        _Probe.docs[str(good)] = Snapshot(node="g", at=time.time(), ok=True, kv_usage=0.4).to_json()
+        await asyncio.sleep(0.4)
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        for s in servers:
+            s.shutdown()
+    assert gw.fleet is not None
+    g, b = gw.fleet.nodes["10.0.0.1:8000"], gw.fleet.nodes["10.0.0.2:8000"]
+    assert g.snapshot is not None and g.snapshot.kv_usage == 0.4  # still polled after the bad answers
+    assert b.snapshot is None  # the bad node alone has nothing (it ages to unknown, then dead)
