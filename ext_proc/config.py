@@ -414,8 +414,9 @@ class _StrictLoader(yaml.SafeLoader):
         return super().construct_mapping(node, deep=deep)
 
 
-def load_yaml(text: str, source: str = "<config>") -> Any:
-    """Parse a config document; duplicate keys and an empty document are :class:`ConfigError`."""
+def load_yaml(text: str, source: str = "<config>", allow_empty: bool = False) -> Any:
+    """Parse a config document; duplicate keys and (unless ``allow_empty``: then it is ``{}``) an empty
+    document are :class:`ConfigError`."""
     try:
         data = yaml.load(text, Loader=_StrictLoader)  # a SafeLoader subclass: no arbitrary objects
     except _DuplicateKey as e:
@@ -423,6 +424,8 @@ def load_yaml(text: str, source: str = "<config>") -> Any:
                           "each setting may appear only once") from None
     except yaml.YAMLError as e:
         raise ConfigError(f"{source}: not valid YAML: {e}") from None
+    if data is None and allow_empty:
+        return {}
     if data is None:
         raise ConfigError(f"{source}: config file is empty (an empty file would drop every tenant)")
     return data

@@ -20,10 +20,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
-import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-from ext_proc.config import load_config
+from ext_proc.config import load_config, load_yaml
 from ext_proc.identity import hash_key
 
 from .envoy_config import EnvoyParams
@@ -68,9 +67,9 @@ def demo_config() -> dict[str, Any]:
 
 
 def _stack(a: argparse.Namespace) -> Stack:
-    cfg = yaml.safe_load(a.config.read_text()) if a.config else demo_config()
     if a.config:
         load_config(a.config)  # fail early, naming the field
+    cfg = load_yaml(a.config.read_text(), str(a.config)) if a.config else demo_config()
     priority = bool((cfg.get("queue") or {}).get("inject_priority"))
     sim_args = None if a.standin else ["--profile", a.profile, *(
         ["--num-gpu-blocks", str(a.kv_blocks)] if a.kv_blocks else []), *(

@@ -5,10 +5,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Annotated, Any
 
-import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from ext_proc.config import ConfigError, config_error
+from ext_proc.config import ConfigError, config_error, load_yaml
 
 from .law import LawSettings
 
@@ -73,11 +72,9 @@ class ScalerConfig(_Strict):
 def load_scaler_config(path: str | Path) -> ScalerConfig:
     p = Path(path)
     try:
-        data: Any = yaml.safe_load(p.read_text())
+        data: Any = load_yaml(p.read_text(), str(p), allow_empty=True)  # duplicate keys are errors
     except OSError as e:
         raise ConfigError(f"{p}: cannot read config file: {e.strerror}") from None
-    except yaml.YAMLError as e:
-        raise ConfigError(f"{p}: not valid YAML: {e}") from None
     try:
         return ScalerConfig.model_validate(data or {})
     except ValidationError as e:

@@ -218,3 +218,58 @@ async def test_one_probe_talking_nonsense_does_not_stop_polling_the_others() -> 
     g, b = gw.fleet.nodes["10.0.0.1:8000"], gw.fleet.nodes["10.0.0.2:8000"]
     assert g.snapshot is not None and g.snapshot.kv_usage == 0.4  # still polled after the bad answers
     assert b.snapshot is None  # the bad node alone has nothing (it ages to unknown, then dead)
+
+
+class _Ctx:
+    def peer(self) -> str:
+        return "ipv4:127.0.0.1:5555"
+
+
+async def _run_stream(gw: Gateway, msgs: list[ep.ProcessingRequest]) -> list[ep.ProcessingResponse]:
+    from ext_proc.server import ExtProcServicer
+
+    async def it() -> Any:
+        for m in msgs:
+            yield m
+
+    return [r async for r in ExtProcServicer(gw).Process(it(), _Ctx())]  # type: ignore[arg-type]
+
+
+def _headers(auth: str, eos: bool) -> ep.ProcessingRequest:
+    from envoy.config.core.v3 import base_pb2
+
+    hs = base_pb2.HeaderMap(headers=[base_pb2.HeaderValue(key="authorization", raw_value=auth.encode())])
+    return ep.ProcessingRequest(request_headers=ep.HttpHeaders(headers=hs, end_of_stream=eos))
+
+
+def _body(auth: str, body: bytes, request_id: str) -> ep.ProcessingRequest:
+    msg = ep.ProcessingRequest(request_body=ep.HttpBody(body=body, end_of_stream=True))
+    attrs = struct_pb2.Struct()
+    attrs.update({ATTR_ID: request_id, ATTR_AUTH: auth, "request.path": "/v1/chat/completions"})
+    msg.attributes[ATTR_NS].CopyFrom(attrs)
+    return msg
+
+
+async def test_an_envoy_that_sends_headers_first_still_gets_the_body_decided() -> None:
+    """Envoy Gateway sends the headers message before the buffered body: answering the headers must not
+    close the stream, or the body would pass undecided (a quota bypass)."""
+    cfg = parse_config({"tenants": [{"name": "t", "api_key_sha256": [hash_key("k")], "max_concurrent": 1}]})
+    gw = Gateway(cfg)
+    body = json.dumps({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}).encode()
+    out = await _run_stream(gw, [_headers("Bearer k", False), _body("Bearer k", body, "r1")])
+    assert [r.WhichOneof("response") for r in out] == ["request_headers", "request_body"]
+    assert gw.core.open_leases == 1  # the body was decided: the slot is taken
+    second = await _run_stream(gw, [_headers("Bearer k", False), _body("Bearer k", body, "r2")])
+    assert second[-1].immediate_response.status.code == 429
+    # a bodyless request (GET) is decided on its headers and the stream closes
+    get = await _run_stream(gw, [_headers("Bearer k", True)])
+    assert [r.WhichOneof("response") for r in get] == ["request_headers"]
+    refused = await _run_stream(gw, [_headers("Bearer nope", False), _body("Bearer nope", body, "r3")])
+    assert len(refused) == 1 and refused[0].immediate_response.status.code == 401
+
+
+def test_ipv6_addresses_keep_their_brackets() -> None:
+    from ext_proc.server import _hostport, split_address
+
+    assert _hostport("::1", 8000) == "[::1]:8000" and _hostport("10.0.0.1", 8000) == "10.0.0.1:8000"
+    assert split_address("[::1]:9101") == ("::1", 9101) and split_address(":9101") == ("0.0.0.0", 9101)

@@ -18,10 +18,9 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from ext_proc.config import Config, ConfigError, config_error, parse_config
+from ext_proc.config import Config, ConfigError, config_error, load_yaml, parse_config
 from sim.profiles import PROFILES, get_profile
 
 from . import report
@@ -55,11 +54,9 @@ class BenchConfig(BaseModel):
 def load_bench_config(path: str | Path) -> BenchConfig:
     p = Path(path)
     try:
-        doc = yaml.safe_load(p.read_text()) or {}
+        doc = load_yaml(p.read_text(), str(p), allow_empty=True)  # duplicate keys are errors
     except OSError as e:
         raise ConfigError(f"{p}: cannot read bench config: {e.strerror}") from None
-    except yaml.YAMLError as e:
-        raise ConfigError(f"{p}: not valid YAML: {e}") from None
     try:
         cfg = BenchConfig.model_validate(doc)
     except ValidationError as e:
