@@ -449,9 +449,11 @@ class Supervisor:
     failing (``TASK_FAILURES`` within ``TASK_FAILURE_WINDOW_S``) and SERVING again once it has run
     ``TASK_HEALTHY_S`` without a failure."""
 
-    def __init__(self, gw: Gateway, on_health: Callable[[bool], Awaitable[None]]) -> None:
+    def __init__(self, gw: Gateway, on_health: Callable[[bool], Awaitable[None]],
+                 backoff: Callable[[int], float] = lambda n: min(5.0, 0.1 * 2 ** min(n, 6))) -> None:
         self.gw = gw
         self._on_health = on_health
+        self._backoff = backoff
         self._failures: dict[str, list[float]] = {}
         self._sick: set[str] = set()
         self.tasks: list[asyncio.Task[None]] = []
@@ -478,7 +480,7 @@ class Supervisor:
                     self._sick.add(name)
                     log.error("task_unhealthy", task=name, note="health is NOT_SERVING until it recovers")
                     await self._on_health(False)
-                await asyncio.sleep(min(5.0, 0.1 * 2 ** min(len(recent), 6)))
+                await asyncio.sleep(self._backoff(len(recent)))
             if name in self._sick and loop.time() - started >= TASK_HEALTHY_S:
                 self._sick.discard(name)
                 if not self._sick:

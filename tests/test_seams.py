@@ -273,3 +273,57 @@ def test_ipv6_addresses_keep_their_brackets() -> None:
 
     assert _hostport("::1", 8000) == "[::1]:8000" and _hostport("10.0.0.1", 8000) == "10.0.0.1:8000"
     assert split_address("[::1]:9101") == ("::1", 9101) and split_address(":9101") == ("0.0.0.0", 9101)
+
+
+async def test_a_failing_background_task_restarts_and_only_a_persistent_failure_is_not_serving() -> None:
+    from ext_proc.server import TASK_FAILURES, Supervisor
+
+    gw = Gateway(parse_config({}))
+    health: list[bool] = []
+
+    async def on_health(ok: bool) -> None:
+        health.append(ok)
+
+    sup = Supervisor(gw, on_health, backoff=lambda n: 0.0)
+    runs = {"flaky": 0, "broken": 0}
+
+    async def flaky() -> None:
+        runs["flaky"] += 1
+        if runs["flaky"] < 3:
+            raise ValueError("probe said nonsense")
+        await asyncio.sleep(3600)
+
+    async def broken() -> None:
+        runs["broken"] += 1
+        raise RuntimeError("cannot recover")
+
+    sup.start("flaky", flaky)
+    await asyncio.sleep(0.05)
+    assert runs["flaky"] == 3 and health == []  # restarted twice, then ran on: health untouched
+    sup.start("broken", broken)
+    for _ in range(200):
+        if health:
+            break
+        await asyncio.sleep(0.01)
+    await sup.stop()
+    assert runs["broken"] >= TASK_FAILURES and health == [False]  # it kept failing: NOT_SERVING
+    from prometheus_client import generate_latest
+
+    text = generate_latest(gw.stats.registry).decode()
+    assert 'kvgate_task_restarts_total{task="flaky"} 2.0' in text
+
+
+def test_a_request_larger_than_every_nodes_kv_cache_is_400_not_a_503() -> None:
+    """It can never run anywhere: a 503 queue-timeout would make clients retry it and the scaler buy GPUs."""
+    clock = FakeClock()
+    cfg = parse_config({"tenants": [{"name": "t", "api_key_sha256": [hash_key("k")]}],
+                        "nodes": {"static": [{"address": "10.0.0.1:8000", "probe": "http://p"}]}})
+    core = Core(cfg, clock, log=null_logger())
+    core.snapshot("10.0.0.1:8000", Snapshot(node="n", at=0, ok=True, kv_usage=0.1, blocks_total=100,
+                                            block_size=16), 0.0)  # 1,600 tokens of KV
+    big = core.decide(Request("/v1/chat/completions", "r1", "Bearer k", estimate=E(1500, 500), body_bytes=10))
+    assert not isinstance(big, Held) and big.reply is not None
+    assert big.reply.status == 400 and big.decision.rejection is not None
+    assert big.decision.rejection.reason == "context-too-long" and big.decision.rejection.param == "max_tokens"
+    fits = core.decide(Request("/v1/chat/completions", "r2", "Bearer k", estimate=E(100, 100), body_bytes=10))
+    assert not isinstance(fits, Held) and fits.decision.admitted
