@@ -69,6 +69,12 @@ function envoy_on_request(h)
   else
     h:headers():remove("x-gateway-destination-endpoint")
   end
+  -- A response that will not be streamed: its first byte is the whole answer, so it goes to the route
+  -- whose first-byte and idle timeouts are long enough for a whole generation.
+  if kv ~= nil and kv["buffered"] == true then
+    h:headers():replace("x-kvgate-buffered", "1")
+    h:clearRouteCache()
+  end
 end
 
 local function event_end(s, from)

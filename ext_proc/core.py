@@ -263,6 +263,8 @@ class Core:
             self._envoy_of[lease.ticket] = envoy
         body, strip = self._rewrite(est, d.tier)
         meta: dict[str, Any] = {"ticket": lease.ticket, "strip_usage": strip, "tenant": d.tenant, "tier": d.tier}
+        if est is not None and est.parsed and not est.stream:
+            meta["buffered"] = True  # the answer comes whole: Envoy's longer first-byte timeout applies
         if lease.node is not None:
             meta["endpoint"] = lease.node  # the Lua helper turns it into the ORIGINAL_DST header
         return Answer(request_id, d, None, body, meta)

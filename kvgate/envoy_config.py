@@ -95,6 +95,10 @@ class EnvoyParams:
     """A client must have sent its whole request (headers and body) and kvgate must have decided
     within this; disarmed once the request is upstream or the response starts (streams are fine)."""
     first_byte_timeout_ms: int = 60_000
+    buffered_timeout_ms: int = 600_000
+    """First-byte and idle timeout of a request whose response is not streamed (kvgate tells the Lua
+    helper, which moves it to the ``inference-buffered`` route): its first byte is its whole answer, so the
+    streaming timeouts would cut long healthy generations."""
     """Inference routes: the node must start its response within this once it has the request."""
     idle_timeout_ms: int = 60_000
     """Inference routes: the node may go this long without sending a byte (a hung node)."""
@@ -358,17 +362,25 @@ def _method(m: str) -> list[dict[str, Any]]:
     return [{"name": ":method", "string_match": {"exact": m}}]
 
 
-def inference_route_action(p: EnvoyParams) -> dict[str, Any]:
-    """No total timeout (long streams live); a first-byte and an idle timeout per try (a hung node)."""
+def inference_route_action(p: EnvoyParams, buffered: bool = False) -> dict[str, Any]:
+    """No total timeout (long streams live); a first-byte and an idle timeout per try (a hung node).
+    ``buffered``: for responses that are not streamed, whose first byte comes with the whole answer."""
+    first, idle = (p.buffered_timeout_ms, p.buffered_timeout_ms) if buffered else (
+        p.first_byte_timeout_ms, p.idle_timeout_ms)
     return {
         "cluster": UPSTREAM_CLUSTER,
         "timeout": "0s",
         "retry_policy": {
             "num_retries": 0,
-            "per_try_timeout": _dur(p.first_byte_timeout_ms),
-            "per_try_idle_timeout": _dur(p.idle_timeout_ms),
+            "per_try_timeout": _dur(first),
+            "per_try_idle_timeout": _dur(idle),
         },
     }
+
+
+BUFFERED_HEADER = "x-kvgate-buffered"
+"""Set by the Lua helper (after it strips clients' x-kvgate-* headers) when kvgate says the response will
+not be streamed; the route cache is then cleared so the ``inference-buffered`` route applies."""
 
 
 def not_found_route() -> dict[str, Any]:
@@ -386,11 +398,14 @@ def not_found_route() -> dict[str, Any]:
 
 def routes(p: EnvoyParams, kvgate: bool = True) -> list[dict[str, Any]]:
     """The allowlist: inference routes, bodyless routes, Envoy's 404 for everything else."""
-    out: list[dict[str, Any]] = [
-        {"name": f"inference:{path}", "match": {**_path(path), "headers": _method("POST")},
-         "route": inference_route_action(p)}
-        for path in p.inference_paths
-    ]
+    out: list[dict[str, Any]] = []
+    for path in p.inference_paths:
+        out.append({"name": f"inference-buffered:{path}",
+                    "match": {**_path(path), "headers": [*_method("POST"), {"name": BUFFERED_HEADER,
+                                                                            "present_match": True}]},
+                    "route": inference_route_action(p, buffered=True)})
+        out.append({"name": f"inference:{path}", "match": {**_path(path), "headers": _method("POST")},
+                    "route": inference_route_action(p)})
     for path in p.bodyless_paths:
         r: dict[str, Any] = {"name": f"bodyless:{path}", "match": {**_path(path), "headers": _method("GET")},
                              "route": {"cluster": UPSTREAM_CLUSTER, "timeout": "60s"}}

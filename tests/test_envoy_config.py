@@ -116,7 +116,8 @@ def test_cli_derives_from_a_kvgate_config_and_takes_routes(tmp_path: Path, capsy
     out = capsys.readouterr().out
     doc = yaml.safe_load(out)
     routes = hcm_of(doc)["route_config"]["virtual_hosts"][0]["routes"]
-    assert [r["name"] for r in routes] == ["inference:/v1/chat/completions", "bodyless:/v1/models", "not-found"]
+    assert [r["name"] for r in routes] == ["inference-buffered:/v1/chat/completions", "inference:/v1/chat/completions",
+                                          "bodyless:/v1/models", "not-found"]
     assert doc["static_resources"]["clusters"][0]["circuit_breakers"]["thresholds"][0]["max_requests"] == 1324
     assert hcm_of(doc)["http_filters"][0]["name"] == "envoy.filters.http.header_mutation"
     p = tmp_path / "envoy.yaml"

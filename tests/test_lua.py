@@ -61,6 +61,7 @@ function make_handle(headers, md, body, chunks)
     end
   end
   function h:respond(hdrs, b) h.responded = {headers = hdrs, body = b} end
+  function h:clearRouteCache() h.route_cleared = true end
   return h
 end
 """
@@ -72,6 +73,7 @@ class Run:
     usage: dict[str, int] | None = None
     respond: tuple[dict[str, str], str] | None = None
     headers: dict[str, str] = field(default_factory=dict)
+    route_cleared: bool = False
 
 
 def lua(fail_open: bool = False) -> Any:
@@ -109,7 +111,7 @@ def on_request(headers: dict[str, str], md: dict[str, Any] | None, fail_open: bo
     resp = None
     if h.responded is not None:
         resp = (dict(h.responded.headers.items()), h.responded.body)
-    return Run(respond=resp, headers=dict(ht.items()))
+    return Run(respond=resp, headers=dict(ht.items()), route_cleared=bool(h.route_cleared))
 
 
 def ev(obj: dict[str, Any], sep: str = "\n\n") -> str:
@@ -229,3 +231,11 @@ def test_client_kvgate_headers_and_destination_are_dropped() -> None:
 def test_kvgates_endpoint_becomes_the_destination_header() -> None:
     r = on_request({"x-gateway-destination-endpoint": "10.0.0.1:22"}, {"ticket": "t1", "endpoint": "[::1]:8000"})
     assert r.headers["x-gateway-destination-endpoint"] == "[::1]:8000"
+
+
+def test_a_response_that_is_not_streamed_moves_to_the_buffered_route() -> None:
+    """Its first byte is its whole answer: the streaming first-byte timeout would cut long generations."""
+    r = on_request({":path": "/v1/chat/completions", "x-kvgate-buffered": "1"}, {"ticket": "t", "buffered": True})
+    assert r.headers.get("x-kvgate-buffered") == "1" and r.route_cleared
+    streamed = on_request({":path": "/v1/chat/completions", "x-kvgate-buffered": "1"}, {"ticket": "t"})
+    assert "x-kvgate-buffered" not in streamed.headers and not streamed.route_cleared  # a client's own is dropped

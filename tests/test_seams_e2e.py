@@ -155,3 +155,26 @@ def test_an_emptied_or_half_written_config_is_never_applied(fresh_stack: Stack) 
     assert post(st.url + CHAT, chat(), KEYS["open"])[0] == 200
     # no prefix of the file was ever read (each would have been a failed or a wrong reload)
     assert metric(st.metrics_url, "kvgate_config_reloads_total", result="error") == errors
+
+
+def test_a_hung_node_frees_the_slot_but_a_long_unstreamed_answer_is_not_cut(tmp_path: Path) -> None:
+    """First-byte and idle timeouts cut a hung (SIGSTOPped) node — 503 upstream-unavailable, the tenant's
+    slot back — while a healthy answer that is not streamed (its first byte is the whole answer) and
+    takes longer than the streaming first-byte timeout still arrives whole."""
+    envoy = EnvoyParams(first_byte_timeout_ms=1500, idle_timeout_ms=1500, buffered_timeout_ms=30_000)
+    with Stack(tmp_path, {"tenants": tenants()}, token_ms=10.0, envoy=envoy) as st:
+        code, _, body = post(st.url + CHAT, chat(max_tokens=300), KEYS["tight"], timeout=30)  # ~3 s, whole
+        assert code == 200, body
+        assert json.loads(body)["usage"]["completion_tokens"] == 300
+        node = st.procs["upstream0"]
+        node.send_signal(signal.SIGSTOP)
+        try:
+            out: dict[str, Any] = {}
+            stream(st.url, KEYS["tight"], 50, out, timeout=20)
+            assert out.get("status") == 503, out
+            wait_for(lambda: metric(st.metrics_url, "kvgate_inflight_requests", tenant="tight") == 0,
+                     what="the hung request's slot back")
+            assert metric(st.metrics_url, "kvgate_completions_total", tenant="tight", outcome="upstream_error") == 1
+        finally:
+            node.send_signal(signal.SIGCONT)
+        assert post(st.url + CHAT, chat(), KEYS["tight"])[0] == 200
