@@ -123,6 +123,12 @@ def _demo(a: argparse.Namespace) -> int:
     return demo(a)
 
 
+def _top(a: argparse.Namespace) -> int:
+    from .top import main
+
+    return main(a)
+
+
 def _bench(a: argparse.Namespace) -> int:
     from .bench import overhead
 
@@ -175,7 +181,12 @@ def _bench_scenarios(a: argparse.Namespace) -> int:
         if not a.json:
             print(r.markdown(), flush=True)
     if a.out is not None:
+        from .scenarios.report import PLOTS_HINT, plots_available
+
         md = write_report(results, a.out, plots=not a.no_plots)
+        if not a.no_plots and not plots_available():
+            print(f"kvgate: matplotlib is not installed, so no PNG plots were written to {a.out} "
+                  f"(get them with: {PLOTS_HINT})", file=sys.stderr)
         if not a.json:
             print(f"report: {md}")
     if a.json:
@@ -291,9 +302,22 @@ def parser() -> argparse.ArgumentParser:
                        help="real vLLM servers to put behind kvgate instead of simulated nodes")
         s.add_argument("--standin", action="store_true", help="use the stand-in upstream instead of kvgate sim")
         s.add_argument("--token-ms", type=float, default=4.0, help="stand-in upstream only: ms per token")
-        s.add_argument("--seconds", type=float, default=20.0)
         s.add_argument("--workdir", type=Path, default=Path(".kvgate-run"))
+        if name == "demo":
+            s.add_argument("--seconds", type=float, default=25.0,
+                           help="seconds of load in each of the two runs (without and with kvgate)")
+            s.add_argument("--request-timeout", type=float, default=60.0,
+                           help="seconds a client waits on a silent connection before giving up")
+            s.add_argument("--json", action="store_true",
+                           help="print only the before/after summary, as one JSON document on stdout")
         s.set_defaults(fn=fn)
+
+    s = sub.add_parser("top", help="a live view of running kvgate replicas from their /metrics")
+    s.add_argument("--metrics", action="append", required=True, metavar="URL",
+                   help="a kvgate /metrics URL (repeatable: several replicas add up)")
+    s.add_argument("--interval", type=float, default=2.0, help="seconds between scrapes")
+    s.add_argument("--once", action="store_true", help="print one frame (two scrapes a second apart) and exit")
+    s.set_defaults(fn=_top)
 
     s = sub.add_parser("bench", help="benchmarks")
     bsub = s.add_subparsers(dest="bench", required=True)

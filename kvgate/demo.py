@@ -1,91 +1,102 @@
-"""``kvgate up`` and ``kvgate demo``: the local stack, in the foreground, and under a mixed load.
+"""``kvgate up`` and ``kvgate demo``: the local stack in the foreground, and what kvgate changes.
 
-The upstreams are simulated vLLM nodes (``kvgate sim``; ``--standin`` uses the simpler stand-in).
-The demo's tenants show each kind of decision: a chatbot within its quota, a RAG pipeline flooding
-with long prompts (held to its concurrency and token budget: 429s), a batch tenant in shadow mode
-(would-be rejections counted, requests admitted), a client with an unknown key (401), and a fleet
-cap that the sum of them reaches (503s).
+``kvgate demo`` drives one seeded open-loop flood twice through the same simulated vLLM nodes: first
+with kvgate in shadow mode (every request admitted, decisions only counted: the fleet as it is
+without admission control), then with kvgate enforcing. The tenants: an interactive chatbot within
+its quota, a RAG pipeline flooding far past its share with long prompts, a batch tenant, and a
+client with an unknown key (shadow mode lets it through like a bare proxy; enforcing, it gets 401). It shows a
+live view while each run goes (``kvgate top``'s, with each tenant's TTFT as the clients saw it) and
+ends with a before/after summary per tenant; ``--json`` prints only that summary, as one JSON
+document on stdout.
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import contextlib
-import random
+import json
 import signal
+import sys
+import threading
 import time
-from collections import Counter, defaultdict
+from collections import Counter
 from dataclasses import dataclass
-from typing import Any
+from pathlib import Path
+from typing import Any, TextIO
 
-import aiohttp
-from prometheus_client.parser import text_string_to_metric_families
-
-from ext_proc.config import load_config, load_yaml
+from ext_proc.config import DEFAULT_TIERS, load_config, load_yaml
 from ext_proc.identity import hash_key
 
+from . import loadgen, top
 from .envoy_config import EnvoyParams
-from .stack import Stack, http_get
+from .loadgen import Result, Traffic
+from .stack import Stack
 
 
 @dataclass(frozen=True)
 class Client:
-    tenant: str
-    key: str
-    workers: int
-    prompt_chars: int
-    max_tokens: int
-    stream: bool
+    traffic: Traffic
+    tier: str
+    role: str
 
 
 CLIENTS = [
-    Client("chatbot", "sk-demo-chatbot", 4, 200, 32, True),
-    Client("rag", "sk-demo-rag", 24, 12000, 96, False),
-    Client("batch", "sk-demo-batch", 4, 2000, 64, False),
-    Client("intruder", "sk-not-a-real-key", 1, 100, 8, False),
+    Client(Traffic("chatbot", "sk-demo-chatbot", 3.0, 800, 24, stream=True), "interactive",
+           "interactive chat, well within its quota"),
+    Client(Traffic("rag", "sk-demo-rag", 18.0, 16000, 64, stream=False), "standard",
+           "RAG pipeline flooding far past its share with long prompts"),
+    Client(Traffic("batch", "sk-demo-batch", 1.0, 4000, 128, stream=False), "batch",
+           "offline batch jobs"),
+    Client(Traffic("intruder", "sk-not-a-real-key", 0.5, 100, 8, stream=False), "-",
+           "a client with an unknown API key"),
 ]
+SEED = 7
 
 
-def demo_config() -> dict[str, Any]:
+def demo_config(mode: str = "enforce") -> dict[str, Any]:
+    """The demo's kvgate config; ``mode: shadow`` is the "without kvgate" run (decisions only counted,
+    no gateway queue, no priority sent to vLLM)."""
+    enforce = mode == "enforce"
     return {
-        "mode": "enforce",
+        "mode": mode,
         # requests no node can take wait in kvgate's queue (tier order, fair shares), and the tier's
         # priority goes to vLLM (the demo's simulated nodes run --scheduling-policy priority)
-        "queue": {"inject_priority": True},
+        "queue": {"inject_priority": enforce},
         # a short recovery window so the demo shows breakers cycling open -> half-open -> closed
         "nodes": {"breaker": {"recovery_window_seconds": 5, "half_open_requests": 3}},
         "tenants": [
             {"name": "chatbot", "tier": "interactive", "api_key_sha256": [hash_key("sk-demo-chatbot")],
              "max_concurrent": 16, "requests_per_minute": 6000, "tokens_per_minute": 600000},
             {"name": "rag", "tier": "standard", "api_key_sha256": [hash_key("sk-demo-rag")],
-             "max_concurrent": 24, "tokens_per_minute": 900000, "max_prompt_tokens": 8192},
-            {"name": "batch", "tier": "batch", "mode": "shadow", "api_key_sha256": [hash_key("sk-demo-batch")],
-             "max_concurrent": 1, "tokens_per_minute": 100000},
+             "max_concurrent": 6, "tokens_per_minute": 600000, "max_prompt_tokens": 8192},
+            {"name": "batch", "tier": "batch", "api_key_sha256": [hash_key("sk-demo-batch")],
+             "max_concurrent": 2, "tokens_per_minute": 100000},
         ],
     }
 
 
-def _stack(a: argparse.Namespace) -> Stack:
+def _stack(a: argparse.Namespace, cfg: dict[str, Any] | None = None, workdir: Path | None = None) -> Stack:
     if a.config:
         load_config(a.config)  # fail early, naming the field
-    cfg = load_yaml(a.config.read_text(), str(a.config)) if a.config else demo_config()
-    priority = bool((cfg.get("queue") or {}).get("inject_priority"))
+    if cfg is None:
+        cfg = load_yaml(a.config.read_text(), str(a.config)) if a.config else demo_config()
+    # the nodes always run vLLM's priority scheduler: without priorities sent, it is first come first served
+    priority = a.config is None or bool((cfg.get("queue") or {}).get("inject_priority"))
     sim_args = None if a.standin else ["--profile", a.profile, *(
         ["--num-gpu-blocks", str(a.kv_blocks)] if a.kv_blocks else []), *(
         ["--scheduling-policy", "priority"] if priority else [])]
-    return Stack(a.workdir.resolve(), cfg, upstreams=a.nodes, token_ms=a.token_ms,
+    return Stack((workdir or a.workdir).resolve(), cfg, upstreams=a.nodes, token_ms=a.token_ms,
                  envoy=EnvoyParams(listen_port=a.port), sim_args=sim_args, nodes=not a.standin,
                  vllm_urls=a.vllm or None)
 
 
-def _banner(st: Stack) -> None:
+def _banner(st: Stack, file: TextIO | None = None) -> None:
     print(f"kvgate local stack is up\n  OpenAI-compatible endpoint: {st.url}/v1\n"
           f"  kvgate metrics:             {st.metrics_url}\n"
           f"  Envoy admin:                http://127.0.0.1:{st.envoy.admin_port}\n"
           f"  vLLM nodes:                 {', '.join(f'{h}:{p}' for h, p in st.envoy.upstreams)}"
           f"{' (kvgate picks the node; probes on ' + ', '.join(map(str, st.probe_ports)) + ')' if st.nodes else ''}\n"
-          f"  logs and config:            {st.workdir}", flush=True)
+          f"  logs and config:            {st.workdir}", file=file or sys.stdout, flush=True)
 
 
 def up(a: argparse.Namespace) -> int:
@@ -106,106 +117,146 @@ def up(a: argparse.Namespace) -> int:
     return 0
 
 
-class Tally:
-    def __init__(self) -> None:
-        self.codes: dict[str, Counter[str]] = defaultdict(Counter)
-        self.latency: dict[str, list[float]] = defaultdict(list)
-
-    def table(self, title: str) -> str:
-        rows = [title, f"  {'tenant':<10}{'sent':>7}{'200':>7}{'429':>7}{'503':>7}{'401':>7}{'other':>7}"
-                       f"{'p50 ms':>9}{'p99 ms':>9}"]
-        for c in CLIENTS:
-            k = self.codes[c.tenant]
-            lat = sorted(self.latency[c.tenant])
-            p50 = f"{lat[len(lat) // 2] * 1e3:.0f}" if lat else "-"
-            p99 = f"{lat[min(len(lat) - 1, int(len(lat) * 0.99))] * 1e3:.0f}" if lat else "-"
-            other = sum(v for code, v in k.items() if code not in ("200", "429", "503", "401"))
-            rows.append(f"  {c.tenant:<10}{sum(k.values()):>7}{k['200']:>7}{k['429']:>7}{k['503']:>7}"
-                        f"{k['401']:>7}{other:>7}{p50:>9}{p99:>9}")
-        return "\n".join(rows)
 
 
-async def _load(st: Stack, seconds: float, tally: Tally) -> None:
-    rng = random.Random(7)
-    until = time.monotonic() + seconds
+# -- the demo: the same flood without and with kvgate ----------------------------------------------
 
-    async def worker(c: Client, session: aiohttp.ClientSession) -> None:
-        while time.monotonic() < until:
-            body = {"max_tokens": c.max_tokens, "stream": c.stream, "ignore_eos": True,
-                    "messages": [{"role": "user", "content": "x" * int(c.prompt_chars * rng.uniform(0.5, 1.5))}]}
-            t = time.monotonic()
-            try:
-                async with session.post(f"{st.url}/v1/chat/completions", json=body,
-                                        headers={"authorization": f"Bearer {c.key}"}) as r:
-                    await r.read()
-                    code = str(r.status)
-                    wait_ms = float(r.headers.get("retry-after-ms", "0"))
-            except aiohttp.ClientError:
-                code, wait_ms = "error", 100.0
-            tally.codes[c.tenant][code] += 1
-            if code == "200":
-                tally.latency[c.tenant].append(time.monotonic() - t)
-            elif wait_ms:
-                await asyncio.sleep(min(wait_ms, 2000) / 1000)  # what OpenAI SDKs do with retry-after-ms
-            else:
-                await asyncio.sleep(0.5)
-
-    async def report() -> None:
-        start = time.monotonic()
-        while time.monotonic() < until:
-            await asyncio.sleep(5)
-            print(tally.table(f"after {time.monotonic() - start:.0f}s:"), flush=True)
-            print("  " + _gauges(st), flush=True)
-
-    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
-        tasks = [worker(c, session) for c in CLIENTS for _ in range(c.workers)]
-        await asyncio.gather(report(), *tasks)
+SIDES = (("without", "shadow", "without kvgate's admission (kvgate in shadow mode: every request admitted)"),
+         ("with", "enforce", "with kvgate enforcing"))
 
 
-def _gauges(st: Stack) -> str:
-    _, text = http_get(st.metrics_url)
-    inflight: dict[str, float] = {}
-    nodes: dict[str, dict[str, float]] = defaultdict(dict)
-    queued: dict[str, float] = {}
-    shadow = 0.0
-    for fam in text_string_to_metric_families(text.decode()):
-        for s in fam.samples:
-            if s.name == "kvgate_inflight_requests":
-                inflight[s.labels["tenant"]] = s.value
-            elif s.name == "kvgate_queue_depth_requests":
-                queued[s.labels["tier"]] = s.value
-            elif s.name == "kvgate_requests_total" and s.labels.get("decision") == "shadow_reject":
-                shadow += s.value
-            elif s.name in ("kvgate_node_kv_usage_ratio", "kvgate_node_breaker_state", "kvgate_node_inflight_requests"):
-                nodes[s.labels["node"]][s.name] = s.value
-    line = (f"in flight now: {', '.join(f'{t}={v:.0f}' for t, v in sorted(inflight.items()))}; "
-            f"queued in kvgate: {', '.join(f'{t}={v:.0f}' for t, v in queued.items()) or 'none'}; "
-            f"shadow would-be rejections: {shadow:.0f}")
-    states = {0: "closed", 1: "half-open", 2: "open"}
-    for node, v in sorted(nodes.items()):
-        line += (f"\n  node {node}: KV {v.get('kvgate_node_kv_usage_ratio', 0):.0%}, "
-                 f"in flight {v.get('kvgate_node_inflight_requests', 0):.0f}, "
-                 f"breaker {states.get(int(v.get('kvgate_node_breaker_state', 0)), '?')}")
-    return line
+def _done(r: Result) -> bool:
+    return r.e2e_s is not None or r.error is not None
+
+
+def _pct(xs: list[float], p: float) -> float | None:
+    return loadgen.percentile(xs, p) if xs else None
+
+
+def side_summary(results: list[Result], tenant: str) -> dict[str, Any]:
+    """One tenant's figures for one run: TTFT percentiles (ms, admitted requests; time to the whole
+    answer for non-streaming tenants), counts by status, requests lost (ended without a status)."""
+    mine = [r for r in results if r.tenant == tenant]
+    ttft = [r.ttft_s for r in mine if r.status == 200 and r.ttft_s is not None]
+    codes = Counter(str(r.status) for r in mine if r.status)
+    retry = [float(r.retry_after_ms) / 1000 if r.retry_after_ms else float(r.retry_after or 0)
+             for r in mine if r.status == 429 and (r.retry_after_ms or r.retry_after)]
+    p50, p99 = _pct(ttft, 50), _pct(ttft, 99)
+    return {
+        "sent": len(mine),
+        "ttft_p50_ms": None if p50 is None else round(p50 * 1000, 1),
+        "ttft_p99_ms": None if p99 is None else round(p99 * 1000, 1),
+        "status": dict(sorted(codes.items())),
+        "lost": sum(1 for r in mine if not r.status),
+        "retry_after_s": {"p50": _pct(retry, 50), "max": max(retry)} if retry else None,
+    }
+
+
+def _decorate(results: list[Result], window: float = 5.0) -> Any:
+    """Adds each tenant's client-side TTFT (requests sent in the last ``window`` seconds) to a view."""
+    start = time.monotonic()
+
+    def add(v: top.View) -> None:
+        now = time.monotonic() - start
+        by: dict[str, list[float]] = {}
+        for r in list(results):
+            if r.status == 200 and r.ttft_s is not None and r.sent_at >= now - window:
+                by.setdefault(r.tenant, []).append(r.ttft_s)
+        for pool in v.pools.values():
+            for tenant, xs in by.items():
+                if tenant in pool.tenants:
+                    pool.tenants[tenant].ttft_p50, pool.tenants[tenant].ttft_p99 = _pct(xs, 50), _pct(xs, 99)
+
+    return add
+
+
+def run_side(a: argparse.Namespace, mode: str, title: str, arrivals: list[tuple[float, Traffic]],
+             out: TextIO) -> list[Result]:
+    """Start a stack, send the schedule through it with the live view on ``out``, stop the stack."""
+    st = _stack(a, demo_config(mode), a.workdir / mode)
+    results: list[Result] = []
+    with st:
+        print(f"\n== {title}: {a.seconds:g}s of load ==", file=out, flush=True)
+        host, port = "127.0.0.1", st.envoy.listen_port
+        load = threading.Thread(target=loadgen.run, daemon=True, kwargs=dict(
+            host=host, port=port, traffic=[], seconds=a.seconds, arrivals=arrivals, workers=2048,
+            timeout=a.request_timeout, results=results))
+        load.start()
+        with top.Live(out, plain_every=5.0) as live, contextlib.suppress(top.ScrapeError):
+            top.watch([st.metrics_url], 1.0, lambda: not load.is_alive(), live, _decorate(results),
+                      title=f"{mode}: {title}")
+        load.join()
+        pending = [r for r in results if not _done(r)]
+        if pending:  # every request has ended by now (loadgen.run waits); this would be a bug
+            print(f"warning: {len(pending)} requests had not ended", file=sys.stderr)
+    return results
+
+
+def summary(sides: dict[str, list[Result]]) -> dict[str, dict[str, dict[str, Any]]]:
+    return {c.traffic.tenant: {side: side_summary(rs, c.traffic.tenant) for side, rs in sides.items()}
+            for c in CLIENTS}
+
+
+def _ms(x: float | None) -> str:
+    if x is None:
+        return "-"
+    return f"{x:.0f} ms" if x < 1000 else f"{x / 1000:.1f} s"
+
+
+def before_after(doc: dict[str, dict[str, dict[str, Any]]], seconds: float) -> str:
+    rows = [f"Before/after: the same {seconds:g}s open-loop schedule (seed {SEED}) through the same two simulated"
+            " vLLM nodes.",
+            f"  {'tenant':<9}{'kvgate':<9}{'sent':>6}{'200':>6}{'429':>6}{'503':>6}{'401':>6}{'other':>6}"
+            f"{'lost':>6}{'TTFT p50':>10}{'p99':>9}{'target':>8}  Retry-After (429)"]
+    for c in CLIENTS:
+        t = c.traffic.tenant
+        tier = DEFAULT_TIERS.get(c.tier)
+        target = f"{tier.ttft_target_ms} ms" if tier and tier.ttft_target_ms else "-"
+        for side, label in (("without", "without"), ("with", "with")):
+            d = doc[t][side]
+            st = d["status"]
+            other = sum(v for k, v in st.items() if k not in ("200", "429", "503", "401"))
+            ra = d["retry_after_s"]
+            retry = "-" if ra is None else f"p50 {ra['p50']:g}s, max {ra['max']:g}s"
+            rows.append(f"  {t if side == 'without' else '':<9}{label:<9}{d['sent']:>6}{st.get('200', 0):>6}"
+                        f"{st.get('429', 0):>6}{st.get('503', 0):>6}{st.get('401', 0):>6}{other:>6}{d['lost']:>6}"
+                        f"{_ms(d['ttft_p50_ms']):>10}{_ms(d['ttft_p99_ms']):>9}{target:>8}  "
+                        f"{retry}")
+    cb, rag = doc["chatbot"], doc["rag"]
+    lost = sum(doc[c.traffic.tenant][s]["lost"] for c in CLIENTS for s in ("without", "with"))
+    r503 = sum(doc[c.traffic.tenant]["with"]["status"].get("503", 0) for c in CLIENTS)
+    rows += ["",
+             f"chatbot TTFT p99: {_ms(cb['without']['ttft_p99_ms'])} without kvgate, "
+             f"{_ms(cb['with']['ttft_p99_ms'])} with it (its tier's target: "
+             f"{DEFAULT_TIERS['interactive'].ttft_target_ms} ms).",
+             f"rag, far over its share: {rag['with']['status'].get('429', 0)} of {rag['with']['sent']} answered 429"
+             " with Retry-After: its own quota (max_concurrent, tokens_per_minute), not a fleet problem.",
+             f"503s (fleet at capacity, the scaling signal): {r503} with kvgate. "
+             f"Requests lost (no status at all): {lost}.",
+             "TTFT is measured by the client: to the first streamed token (chatbot), to the whole answer "
+             "(non-streaming tenants)."]
+    return "\n".join(rows)
 
 
 def demo(a: argparse.Namespace) -> int:
-    st = _stack(a)
-    with st:
-        _banner(st)
-        print(f"running a {a.seconds:g}s multi-tenant load...", flush=True)
-        tally = Tally()
-        asyncio.run(_load(st, a.seconds, tally))
-        time.sleep(0.5)
-        print(tally.table("\nsummary (status codes as clients saw them):"))
-        print("  " + _gauges(st))
-        _, text = http_get(st.metrics_url)
-        print("\nkvgate's own count (kvgate_requests_total):")
-        for line in text.decode().splitlines():
-            if line.startswith("kvgate_requests_total{"):
-                print("  " + line)
-        print("\nEvery 429 is a tenant over its own quota; every 503 is the fleet at capacity "
-              "(only these would scale the fleet).")
+    t0 = time.monotonic()
+    out: TextIO = sys.stderr if a.json else sys.stdout
+    arrivals = loadgen.schedule([c.traffic for c in CLIENTS], a.seconds, SEED)
+    print(f"kvgate demo: {len(arrivals)} requests on one seeded open-loop schedule, sent twice — without and "
+          "with kvgate's admission.", file=out)
+    for c in CLIENTS:
+        t = c.traffic
+        print(f"  {t.tenant:<9} {t.rate:>4g} req/s, {t.prompt_chars // 4:>5} prompt tokens, {t.max_tokens:>4} out"
+              f"{' (streaming)' if t.stream else ''}: {c.role}", file=out)
+    sides: dict[str, list[Result]] = {}
+    for side, mode, title in SIDES:
+        sides[side] = run_side(a, mode, title, arrivals, out)
+    doc = summary(sides)
+    if a.json:
+        print(f"demo took {time.monotonic() - t0:.0f}s", file=out)
+        json.dump(doc, sys.stdout, indent=2)
+        sys.stdout.write("\n")
+    else:
+        print("\n" + before_after(doc, a.seconds), flush=True)
+        print(f"(the demo took {time.monotonic() - t0:.0f}s; logs and configs in {a.workdir.resolve()})")
     return 0
-
-

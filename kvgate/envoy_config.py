@@ -403,7 +403,8 @@ def routes(p: EnvoyParams, kvgate: bool = True) -> list[dict[str, Any]]:
         out.append({"name": f"inference-buffered:{path}",
                     "match": {**_path(path), "headers": [*_method("POST"), {"name": BUFFERED_HEADER,
                                                                             "present_match": True}]},
-                    "route": inference_route_action(p, buffered=True)})
+                    "route": inference_route_action(p, buffered=True),
+                    "request_headers_to_remove": [BUFFERED_HEADER]})  # the node never sees it
         out.append({"name": f"inference:{path}", "match": {**_path(path), "headers": _method("POST")},
                     "route": inference_route_action(p)})
     for path in p.bodyless_paths:

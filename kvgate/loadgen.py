@@ -80,22 +80,33 @@ def _one(host: str, port: int, t: Traffic, res: Result, timeout: float) -> None:
         conn.close()
 
 
-def run(host: str, port: int, traffic: list[Traffic], seconds: float, seed: int = 0, workers: int = 256,
-        timeout: float = 60.0) -> list[Result]:
-    """Send ``traffic`` for ``seconds``; return one Result per request sent, after all have ended."""
+def schedule(traffic: list[Traffic], seconds: float, seed: int = 0) -> list[tuple[float, Traffic]]:
+    """The seeded open-loop arrivals (seconds from the start, traffic), in time order: the same seed and
+    traffic give the very same schedule, so two runs can be given the same load."""
     rng = random.Random(seed)
-    schedule: list[tuple[float, Traffic]] = []
+    out: list[tuple[float, Traffic]] = []
     for t in traffic:
         at = rng.expovariate(t.rate)
         while at < seconds:
-            schedule.append((at, t))
+            out.append((at, t))
             at += rng.expovariate(t.rate)
-    schedule.sort(key=lambda x: x[0])
-    results: list[Result] = []
+    out.sort(key=lambda x: x[0])
+    return out
+
+
+def run(host: str, port: int, traffic: list[Traffic], seconds: float, seed: int = 0, workers: int = 256,
+        timeout: float = 60.0, results: list[Result] | None = None,
+        arrivals: list[tuple[float, Traffic]] | None = None) -> list[Result]:
+    """Send ``traffic`` for ``seconds``; return one Result per request sent, after all have ended.
+
+    ``results``: a list to append each Result to as it is sent (to watch a run in progress);
+    ``arrivals``: a ready-made :func:`schedule` to send instead of drawing one from ``traffic``."""
+    plan = arrivals if arrivals is not None else schedule(traffic, seconds, seed)
+    results = results if results is not None else []
     lock = threading.Lock()
     start = time.monotonic()
     with ThreadPoolExecutor(max_workers=workers) as pool:
-        for at, t in schedule:
+        for at, t in plan:
             delay = start + at - time.monotonic()
             if delay > 0:
                 time.sleep(delay)

@@ -25,15 +25,6 @@ def test_bench_overhead_reports_both_paths() -> None:
     assert 0 < doc["ratio_rps"] < 5
 
 
-def test_demo_shows_each_kind_of_decision(tmp_path: Path) -> None:
-    r = kvgate("demo", "--seconds", "6", "--workdir", str(tmp_path / "run"))
-    assert r.returncode == 0, r.stderr
-    out = r.stdout
-    assert "summary" in out
-    assert 'reason="tenant-concurrency"' in out and 'decision="shadow_reject"' in out
-    assert 'reason="unknown-key"' in out
-
-
 def test_hash_key_and_check_config(tmp_path: Path) -> None:
     r = kvgate("hash-key", "sk-abc")
     assert r.stdout.strip() == hash_key("sk-abc")

@@ -224,61 +224,121 @@ def reasons(sums: list[Summary]) -> str:
 
 # -- plots -----------------------------------------------------------------------------------------
 
-def plots(name: str, sums: list[Summary], out: Path, bin_s: float = 10.0) -> list[Path]:
-    """Latency CDFs per policy, reject rate over time, and (when it changes) the fleet size."""
-    try:
-        import matplotlib
+PLOTS_HINT = "pip install 'kvgate[bench]'"
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:  # an optional extra: pip install 'kvgate[bench]'
+
+def plots_available() -> bool:
+    """matplotlib is an optional extra (``kvgate[bench]``); without it no PNG is written."""
+    import importlib.util
+
+    return importlib.util.find_spec("matplotlib") is not None
+
+
+def plots(name: str, sums: list[Summary], out: Path, config: Config | None = None) -> list[Path]:
+    """The figures a platform engineer reads at a glance, one PNG each:
+
+    * ``NAME-latency-cdf.png``: TTFT CDF per SLA tier, a line per policy, the tier's
+      ``ttft_target_ms`` as a dashed vertical line (reading: where each line crosses it);
+    * ``NAME-rejections.png``: rejections over time per policy, stacked 429 (policy) vs 503
+      (capacity) on the left and by tenant on the right;
+    * ``NAME-nodes.png``: fleet size over time per policy.
+
+    ``config``: kvgate's config of the scenario, for the tiers' targets (default: the default tiers).
+    Returns [] when matplotlib is not installed."""
+    if not plots_available():
         return []
+    import matplotlib
 
-    def save(fig: Any, axes: list[Any], xlabel: str | None, ylabel: str, title: str, what: str) -> Path:
-        for ax in axes:
-            if xlabel is not None:
-                ax.set_xlabel(xlabel)
-            ax.set_ylabel(ylabel)
-            ax.grid(True, alpha=0.3)
-        axes[0].legend(fontsize=8)
-        fig.suptitle(f"{name}: {title}")
-        fig.tight_layout()
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    if config is None:
+        from ext_proc.config import parse_config
+
+        config = parse_config({})
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    paths = []
+
+    def save(fig: Any, title: str, what: str) -> Path:
+        fig.suptitle(f"{name}: {title}", fontsize=12)
+        fig.tight_layout(rect=(0, 0.03, 1, 1))
         p = out / f"{name}-{what}.png"
-        fig.savefig(p, dpi=110)
+        fig.savefig(p, dpi=100)
         plt.close(fig)
         return p
 
-    paths = []
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
-    for ax, (attr, label) in zip(axes, (("ttft", "TTFT"), ("e2e", "e2e latency")), strict=True):
-        ax.set_xlabel(f"{label} (s, log)")
+    # TTFT CDF per tier, with the SLO line
+    tiers = sorted({o.tier for s in sums for o in s.result.outcomes},
+                   key=lambda n: config.tiers[n].priority if n in config.tiers else 99)
+    fig, axes = plt.subplots(1, max(1, len(tiers)), figsize=(4.6 * max(1, len(tiers)), 4.0), squeeze=False)
+    for ax, tier in zip(axes[0], tiers, strict=False):
+        target = config.tiers[tier].ttft_target_ms if tier in config.tiers else None
+        for i, s in enumerate(sums):
+            offered = [o for o in s.result.outcomes if o.tier == tier]
+            xs = sorted(o.ttft for o in offered if o.status == 200 and o.ttft is not None)
+            if xs:  # share of *offered* requests: rejections never reach 1.0
+                ax.step(xs, [(k + 1) / len(offered) for k in range(len(xs))], where="post",
+                        color=colors[i % len(colors)], label=s.label)
+        if target:
+            ax.axvline(target / 1000, color="black", linestyle="--", linewidth=1.2)
+            ax.annotate(f"SLO {target} ms", (target / 1000, 0.02), rotation=90, fontsize=8, ha="right",
+                        va="bottom")
         ax.set_xscale("log")
-        for s in sums:
-            xs = sorted(getattr(o, attr) for o in s.result.outcomes if getattr(o, attr) is not None)
-            if xs:
-                ax.plot(xs, [(i + 1) / len(xs) for i in range(len(xs))], label=s.label)
-    paths.append(save(fig, list(axes), None, "share of admitted requests", "latency CDFs", "latency-cdf"))
+        ax.set_ylim(0, 1.02)
+        ax.set_title(f"tier {tier}", fontsize=10)
+        ax.set_xlabel("TTFT (s, log scale)")
+        ax.grid(True, which="both", alpha=0.3)
+    axes[0][0].set_ylabel("share of offered requests served by then")
+    axes[0][0].legend(fontsize=8, loc="upper left")
+    paths.append(save(fig, "TTFT CDF per tier (dashed: the tier's TTFT target)", "latency-cdf"))
 
-    fig, ax = plt.subplots(figsize=(12, 4))
-    for s in sums:
-        rs = s.result.outcomes
-        n = int(max((o.req.t for o in rs), default=0.0) // bin_s) + 1
-        tot, rej = [0] * n, [0] * n
-        for o in rs:
-            b = int(o.req.t // bin_s)
-            tot[b] += 1
-            rej[b] += 1 if o.status not in (0, 200) else 0
-        ax.plot([i * bin_s for i in range(n)], [r / t if t else 0 for r, t in zip(rej, tot, strict=True)],
-                label=s.label)
-    paths.append(save(fig, [ax], "time (s)", f"rejected share ({bin_s:g} s bins)", "rejections over time",
-                      "rejections"))
+    # rejections over time: 429 vs 503, and by tenant
+    horizon = max((o.req.t for s in sums for o in s.result.outcomes), default=0.0)
+    bin_s = float(max(1, round(horizon / 60)))
+    n = int(horizon // bin_s) + 1
+    xs_t = [i * bin_s for i in range(n)]
+    tenants = sorted({o.req.tenant for s in sums for o in s.result.outcomes})
+    rejecting = [s for s in sums if any(o.status in (429, 503) for o in s.result.outcomes)]
+    quiet = [s.label for s in sums if s not in rejecting]
+    shown = rejecting or sums[:1]
+    fig, axes = plt.subplots(len(shown), 2, figsize=(13, 2.4 * len(shown) + 1.0), squeeze=False, sharex=True)
+    for row, s in zip(axes, shown, strict=True):
+        by_code = {429: [0.0] * n, 503: [0.0] * n}
+        by_tenant = {t: [0.0] * n for t in tenants}
+        for o in s.result.outcomes:
+            if o.status in (429, 503):
+                b = int(o.req.t // bin_s)
+                by_code[o.status][b] += 1 / bin_s
+                by_tenant[o.req.tenant][b] += 1 / bin_s
+        row[0].stackplot(xs_t, by_code[429], by_code[503], labels=["429 policy (tenant over quota)",
+                                                                  "503 capacity (fleet full)"],
+                         colors=["#f0a030", "#d03030"], step="post")
+        row[1].stackplot(xs_t, *by_tenant.values(), labels=tenants, step="post",
+                         colors=[colors[i % len(colors)] for i in range(len(tenants))])
+        row[0].set_ylabel(f"{s.label}\nrejections/s", fontsize=9)
+        for ax in row:
+            ax.set_ylim(bottom=0)
+            ax.grid(True, alpha=0.3)
+    axes[0][0].set_title("by status", fontsize=10)
+    axes[0][1].set_title("by tenant (429 + 503)", fontsize=10)
+    axes[0][0].legend(fontsize=8, loc="upper left")
+    axes[0][1].legend(fontsize=8, loc="upper left")
+    for ax in axes[-1]:
+        ax.set_xlabel(f"time (s; {bin_s:g} s bins)")
+    if quiet:
+        fig.text(0.5, 0.005, f"no 429 or 503 at all: {', '.join(quiet)}", ha="center", va="bottom", fontsize=9)
+    paths.append(save(fig, "rejections over time", "rejections"))
 
-    moving = [s for s in sums if len(s.result.node_timeline) > 1]
-    if moving:
-        fig, ax = plt.subplots(figsize=(12, 3.5))
-        for s in moving:
-            tl = s.result.node_timeline
-            ax.step([t for t, _ in tl] + [s.result.duration_s], [c for _, c in tl] + [tl[-1][1]], where="post",
-                    label=s.label)
-        paths.append(save(fig, [ax], "time (s)", "nodes provisioned", "fleet size", "nodes"))
+    # fleet size
+    fig, ax = plt.subplots(figsize=(13, 3.2))
+    for i, s in enumerate(sums):
+        tl = s.result.node_timeline or [(0.0, s.result.policy.nodes)]
+        ax.step([t for t, _ in tl] + [s.result.duration_s], [c for _, c in tl] + [tl[-1][1]], where="post",
+                color=colors[i % len(colors)], label=s.label, linewidth=2 - 0.25 * i)
+    ax.set_xlabel("time (s)")
+    ax.set_ylabel("nodes provisioned")
+    ax.set_ylim(bottom=0)
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8, loc="upper left")
+    paths.append(save(fig, "fleet size", "nodes"))
     return paths

@@ -130,7 +130,7 @@ def write_report(results: list[ScenarioResult], out: Path, plots: bool = True) -
     for r in results:
         lines.append(r.markdown())
         if plots:
-            for p in report.plots(r.scenario.name, r.summaries, out):
+            for p in report.plots(r.scenario.name, r.summaries, out, r.config):
                 lines += [f"![{p.stem}]({p.name})", ""]
     md = out / "report.md"
     md.write_text("\n".join(lines))

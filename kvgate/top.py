@@ -1,0 +1,342 @@
+"""``kvgate top``: a live view of running kvgate replicas, read from their Prometheus ``/metrics``.
+
+Per tenant: admitted / 429 / 503 / other-rejection rates and requests in flight; per node: KV usage
+and breaker state; per tier: gateway-queue depth and admission-to-completion latency. Rates come from
+two scrapes (counters summed over every ``--metrics`` URL, so several replicas read as one gateway).
+Where the metrics carry a ``pool`` label, every table is split by pool.
+
+With ``rich`` on a terminal the view refreshes in place; otherwise (a pipe, a log file, ``--once``
+without a terminal) it prints plain text frames. ``kvgate demo`` renders the same view with the
+client-side TTFT of each tenant added.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+import time
+import urllib.error
+from collections import defaultdict
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from .stack import http_get
+
+BREAKER = {0: "closed", 1: "half-open", 2: "open"}
+
+
+class ScrapeError(Exception):
+    pass
+
+
+@dataclass(frozen=True)
+class Sample:
+    name: str
+    labels: dict[str, str]
+    value: float
+
+
+@dataclass(frozen=True)
+class Scrape:
+    at: float
+    samples: list[Sample]
+
+
+def scrape(url: str, timeout: float = 2.0) -> Scrape:
+    """One read of a kvgate /metrics endpoint; ScrapeError with the reason if it cannot be read."""
+    try:
+        code, body = http_get(url, timeout=timeout)
+    except (OSError, urllib.error.URLError, ValueError) as e:
+        raise ScrapeError(f"{url}: cannot read metrics ({getattr(e, 'reason', e)})") from e
+    if code != 200:
+        raise ScrapeError(f"{url}: HTTP {code}")
+    try:
+        samples = [Sample(s.name, dict(s.labels), float(s.value))
+                   for fam in text_string_to_metric_families(body.decode(errors="replace")) for s in fam.samples]
+    except ValueError as e:
+        raise ScrapeError(f"{url}: not Prometheus text ({e})") from e
+    if not any(s.name.startswith("kvgate_") for s in samples):
+        raise ScrapeError(f"{url}: no kvgate_* metrics there (is it kvgate's metrics_address?)")
+    return Scrape(time.monotonic(), samples)
+
+
+@dataclass
+class TenantRow:
+    admit: float = 0.0
+    r429: float = 0.0
+    r503: float = 0.0
+    other: float = 0.0
+    shadow: float = 0.0
+    """Per second over the interval; shadow = would-be rejections (admitted)."""
+    inflight: float = 0.0
+    ttft_p50: float | None = None
+    ttft_p99: float | None = None
+    """Client-side TTFT in seconds (the demo knows it; /metrics does not)."""
+
+
+@dataclass
+class NodeRow:
+    kv: float | None = None
+    breaker: int = 0
+    inflight: float = 0.0
+
+
+@dataclass
+class TierRow:
+    queued: float = 0.0
+    p50: float | None = None
+    p99: float | None = None
+    """Admission-to-completion latency over the interval (seconds, from the histogram's buckets)."""
+
+
+@dataclass
+class Pool:
+    tenants: dict[str, TenantRow] = field(default_factory=lambda: defaultdict(TenantRow))
+    nodes: dict[str, NodeRow] = field(default_factory=lambda: defaultdict(NodeRow))
+    tiers: dict[str, TierRow] = field(default_factory=lambda: defaultdict(TierRow))
+
+
+@dataclass
+class View:
+    pools: dict[str, Pool]
+    interval: float
+    sources: int
+    title: str = "kvgate top"
+
+
+def _counters(scrapes: Iterable[Scrape]) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    out: dict[tuple[str, tuple[tuple[str, str], ...]], float] = defaultdict(float)
+    for i, sc in enumerate(scrapes):
+        for s in sc.samples:
+            if s.name == "kvgate_requests_total" or s.name.startswith("kvgate_request_duration_seconds_bucket"):
+                out[(s.name, (("_src", str(i)), *sorted(s.labels.items())))] += s.value
+    return out
+
+
+def _quantile(buckets: list[tuple[float, float]], q: float) -> float | None:
+    """``histogram_quantile`` over cumulative (le, count) pairs."""
+    buckets = sorted(buckets)
+    if not buckets or buckets[-1][1] <= 0:
+        return None
+    rank = q * buckets[-1][1]
+    lo_le, lo_n = 0.0, 0.0
+    for le, n in buckets:
+        if n >= rank:
+            if math.isinf(le):
+                return lo_le
+            return lo_le + (le - lo_le) * ((rank - lo_n) / (n - lo_n) if n > lo_n else 1.0)
+        lo_le, lo_n = le, n
+    return lo_le
+
+
+def build(prev: list[Scrape], cur: list[Scrape], title: str = "kvgate top") -> View:
+    """The view from two scrapes of the same URLs (rates over the time between them)."""
+    interval = max(1e-3, min(c.at - p.at for p, c in zip(prev, cur, strict=True))) if prev else 0.0
+    before, after = _counters(prev), _counters(cur)
+    pools: dict[str, Pool] = defaultdict(Pool)
+    hist: dict[tuple[str, str], dict[float, float]] = defaultdict(lambda: defaultdict(float))
+    for key, v in after.items():
+        name, labels_t = key
+        labels = dict(labels_t)
+        d = max(0.0, v - before.get(key, 0.0)) if interval else v
+        pool = labels.get("pool", "")
+        if name == "kvgate_requests_total":
+            row = pools[pool].tenants[labels.get("tenant", "?")]
+            rate = d / interval if interval else 0.0
+            decision, klass = labels.get("decision"), labels.get("class")
+            if decision == "admit":
+                row.admit += rate
+            elif decision == "shadow_reject":
+                row.shadow += rate
+            elif klass == "policy":
+                row.r429 += rate
+            elif klass == "capacity":
+                row.r503 += rate
+            else:
+                row.other += rate
+        else:
+            le = float(labels.get("le", "inf"))
+            hist[(pool, labels.get("tier", "?"))][le] += d
+    for (pool, tier), b in hist.items():
+        t = pools[pool].tiers[tier]
+        t.p50, t.p99 = _quantile(list(b.items()), 0.5), _quantile(list(b.items()), 0.99)
+    for sc in cur:
+        for s in sc.samples:
+            p = pools[s.labels.get("pool", "")]
+            if s.name == "kvgate_inflight_requests":
+                p.tenants[s.labels.get("tenant", "?")].inflight += s.value
+            elif s.name == "kvgate_queue_depth_requests":
+                p.tiers[s.labels.get("tier", "?")].queued += s.value
+            elif s.name == "kvgate_node_kv_usage_ratio":
+                n = p.nodes[s.labels.get("node", "?")]
+                n.kv = max(n.kv or 0.0, s.value)
+            elif s.name == "kvgate_node_breaker_state":
+                n = p.nodes[s.labels.get("node", "?")]
+                n.breaker = max(n.breaker, int(s.value))
+            elif s.name == "kvgate_node_inflight_requests":
+                p.nodes[s.labels.get("node", "?")].inflight += s.value
+    return View(dict(pools), interval, len(cur), title)
+
+
+# -- rendering -------------------------------------------------------------------------------------
+
+def _ms(x: float | None) -> str:
+    return "-" if x is None else f"{x * 1000:.0f}"
+
+
+def _bar(ratio: float | None, width: int = 20) -> str:
+    if ratio is None:
+        return "[" + "?" * width + "]"
+    n = round(max(0.0, min(1.0, ratio)) * width)
+    return "[" + "#" * n + "." * (width - n) + "]"
+
+
+def text(v: View) -> str:
+    """A plain-text frame (no colours, no cursor movement): for pipes, logs and tests."""
+    lines = [f"{v.title}: {v.sources} source(s), rates over {v.interval:.1f}s"]
+    for name, p in sorted(v.pools.items()):
+        ind = "  "
+        if name:
+            lines.append(f"pool {name}")
+            ind = "    "
+        lines.append(f"{ind}{'tenant':<12}{'admit/s':>9}{'429/s':>8}{'503/s':>8}{'other/s':>9}{'shadow/s':>10}"
+                     f"{'inflight':>10}{'TTFT p50':>10}{'p99 ms':>8}")
+        for t, r in sorted(p.tenants.items()):
+            lines.append(f"{ind}{t:<12}{r.admit:>9.1f}{r.r429:>8.1f}{r.r503:>8.1f}{r.other:>9.1f}{r.shadow:>10.1f}"
+                         f"{r.inflight:>10.0f}{_ms(r.ttft_p50):>10}{_ms(r.ttft_p99):>8}")
+        for n, nr in sorted(p.nodes.items()):
+            kv = "  ?" if nr.kv is None else f"{nr.kv:>4.0%}"
+            lines.append(f"{ind}node {n:<22} KV {_bar(nr.kv)} {kv}  in flight {nr.inflight:>3.0f}  "
+                         f"breaker {BREAKER.get(nr.breaker, '?')}")
+        for t, tr in sorted(p.tiers.items()):
+            lines.append(f"{ind}tier {t:<12} queued {tr.queued:>4.0f}   latency p50 {_ms(tr.p50):>6} ms  "
+                         f"p99 {_ms(tr.p99):>6} ms (admission to end)")
+    return "\n".join(lines)
+
+
+def rich_view(v: View) -> Any:
+    """The same frame as rich tables (imported lazily: rich is only needed on a terminal)."""
+    from rich.console import Group
+    from rich.table import Table
+    from rich.text import Text
+
+    parts: list[Any] = [Text(f"{v.title} — {v.sources} source(s), rates over {v.interval:.1f}s", style="bold")]
+    for name, p in sorted(v.pools.items()):
+        sfx = f" (pool {name})" if name else ""
+        t = Table(title=f"tenants{sfx}", title_justify="left", expand=False)
+        for col in ("tenant", "admit/s", "429/s", "503/s", "other/s", "shadow/s", "in flight", "TTFT p50 ms",
+                    "TTFT p99 ms"):
+            t.add_column(col, justify="left" if col == "tenant" else "right")
+        for tn, r in sorted(p.tenants.items()):
+            t.add_row(tn, f"{r.admit:.1f}", Text(f"{r.r429:.1f}", style="yellow" if r.r429 else ""),
+                      Text(f"{r.r503:.1f}", style="red" if r.r503 else ""), f"{r.other:.1f}", f"{r.shadow:.1f}",
+                      f"{r.inflight:.0f}", _ms(r.ttft_p50), _ms(r.ttft_p99))
+        parts.append(t)
+        if p.nodes:
+            nt = Table(title=f"nodes{sfx}", title_justify="left")
+            for col in ("node", "KV", "", "in flight", "breaker"):
+                nt.add_column(col)
+            for nn, nr in sorted(p.nodes.items()):
+                style = "red" if (nr.kv or 0) > 0.9 else "yellow" if (nr.kv or 0) > 0.7 else "green"
+                state = BREAKER.get(nr.breaker, "?")
+                nt.add_row(nn, Text(_bar(nr.kv), style=style), "?" if nr.kv is None else f"{nr.kv:.0%}",
+                           f"{nr.inflight:.0f}", Text(state, style={"closed": "green", "open": "red"}.get(state,
+                                                                                                   "yellow")))
+            parts.append(nt)
+        qt = Table(title=f"tiers{sfx}", title_justify="left")
+        for col in ("tier", "queued", "latency p50 ms", "p99 ms (admission to end)"):
+            qt.add_column(col, justify="left" if col == "tier" else "right")
+        for tn, tr in sorted(p.tiers.items()):
+            qt.add_row(tn, f"{tr.queued:.0f}", _ms(tr.p50), _ms(tr.p99))
+        parts.append(qt)
+    return Group(*parts)
+
+
+def use_rich(stream: Any = None) -> bool:
+    stream = stream if stream is not None else sys.stdout
+    if not getattr(stream, "isatty", lambda: False)():
+        return False
+    try:
+        import rich  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+class Live:
+    """Shows frames: in place with rich on a terminal, else plain text every ``plain_every`` seconds."""
+
+    def __init__(self, stream: Any = None, plain_every: float = 5.0) -> None:
+        self.stream = stream if stream is not None else sys.stdout
+        self.fancy = use_rich(self.stream)
+        self.plain_every = plain_every
+        self._last = -math.inf
+        self._live: Any = None
+
+    def __enter__(self) -> Live:
+        if self.fancy:
+            from rich.console import Console
+            from rich.live import Live as RichLive
+
+            self._live = RichLive(console=Console(file=self.stream), auto_refresh=False, transient=False)
+            self._live.__enter__()
+        return self
+
+    def show(self, v: View, force: bool = False) -> None:
+        if self._live is not None:
+            self._live.update(rich_view(v), refresh=True)
+        elif force or time.monotonic() - self._last >= self.plain_every:
+            self._last = time.monotonic()
+            print(text(v) + "\n", file=self.stream, flush=True)
+
+    def __exit__(self, *exc: object) -> None:
+        if self._live is not None:
+            self._live.__exit__(None, None, None)
+
+
+def watch(urls: list[str], interval: float, stop: Callable[[], bool], live: Live,
+          decorate: Callable[[View], None] | None = None, title: str = "kvgate top") -> None:
+    """Scrape ``urls`` every ``interval`` seconds until ``stop()``, showing each frame."""
+    prev = [scrape(u) for u in urls]
+    while not stop():
+        deadline = time.monotonic() + interval
+        while time.monotonic() < deadline and not stop():
+            time.sleep(0.05)
+        try:
+            cur = [scrape(u) for u in urls]
+        except ScrapeError:
+            continue  # a replica restarting: keep the last frame
+        v = build(prev, cur, title)
+        if decorate is not None:
+            decorate(v)
+        live.show(v)
+        prev = cur
+
+
+def main(a: argparse.Namespace) -> int:
+    urls = [u if "://" in u else f"http://{u}" for u in a.metrics]
+    try:
+        first = [scrape(u) for u in urls]
+        if a.once:
+            time.sleep(a.interval if a.interval < 2 else 1.0)
+            v = build(first, [scrape(u) for u in urls])
+            if use_rich():
+                from rich.console import Console
+
+                Console().print(rich_view(v))
+            else:
+                print(text(v), flush=True)
+            return 0
+        with Live(plain_every=a.interval) as live:
+            live.show(build([], first))
+            watch(urls, a.interval, lambda: False, live)
+    except ScrapeError as e:
+        print(f"kvgate top: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 0
+    return 0
