@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from ext_proc.config import parse_config
+from ext_proc.config import ConfigError, parse_config
 from kvgate.scenarios import report
 from kvgate.scenarios.driver import Policy, Run, simulate
 from kvgate.scenarios.runner import run
@@ -201,3 +201,36 @@ def test_live_and_virtual_time_agree_on_the_decisions(tmp_path: Path) -> None:
     assert live.tenants["capped"].admitted == virtual.tenants["capped"].admitted == 2  # the burst, both sides
     assert live.all.admitted == virtual.all.admitted
     assert live.all.ttft[0] is not None and virtual.all.ttft[0] is not None
+
+
+def test_a_trace_with_epoch_timestamps_replays_from_its_first_request(tmp_path: Path) -> None:
+    """Absolute timestamps (seconds since 1970) once made the rejections plot allocate a bin per second
+    since the epoch; times now count from the first request."""
+    from kvgate.scenarios.runner import BenchConfig, from_trace
+
+    trace = tmp_path / "epoch.jsonl"
+    t0 = 1_764_000_000.0
+    trace.write_text("".join(json.dumps({"t": t0 + i * 0.5, "tenant": "a", "prompt_tokens": 100,
+                                         "output_tokens": 10, "stream": False}) + "\n" for i in range(20)))
+    sc, reqs = from_trace(trace, BenchConfig(policies=["none"], kvgate={"tenants": [{"name": "a"}]}))
+    assert reqs[0].t == 0.0 and reqs[-1].t == 9.5 and sc.duration_s == 9.5
+    res = run(sc, reqs)
+    assert res.summaries[0].result.duration_s < 60
+
+
+def test_a_bench_config_sets_the_autoscalers_start_size_and_the_scaler_law(tmp_path: Path) -> None:
+    from kvgate.scenarios.runner import load_bench_config
+
+    cfg = tmp_path / "bench.yaml"
+    cfg.write_text(yaml.safe_dump({
+        "nodes": 3, "min_nodes": 2, "max_nodes": 9, "policies": ["autoscale-only", "kvgate+scaler"],
+        "scaler": {"step": 3, "scale_up_threshold": 0.1, "cooldown_s": 30, "warm_pool": 1, "window_s": 20},
+        "kvgate": {"tenants": [{"name": "a"}]}}))
+    bc = load_bench_config(cfg)
+    assert [(p.nodes, p.min_nodes, p.max_nodes) for p in bc.policy_list()] == [(3, 2, 9), (3, 2, 9)]
+    auto = bc.autoscaling()
+    assert (auto.law.step, auto.law.scale_up_threshold, auto.law.cooldown_s, auto.law.warm_pool,
+            auto.window_s) == (3, 0.1, 30, 1, 20)
+    cfg.write_text(yaml.safe_dump({"scaler": {"stepp": 3}}))
+    with pytest.raises(ConfigError, match=r"scaler\.stepp"):
+        load_bench_config(cfg)

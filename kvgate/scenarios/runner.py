@@ -21,10 +21,11 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from ext_proc.config import Config, ConfigError, config_error, load_yaml, parse_config
+from scaler.law import LawSettings
 from sim.profiles import PROFILES, get_profile
 
 from . import report
-from .driver import Policy, simulate
+from .driver import Autoscaling, Policy, simulate
 from .trace import TraceRequest, read_trace
 from .workloads import PLACEHOLDER_NODES, Scenario, get_scenario
 
@@ -32,23 +33,54 @@ PolicyName = Literal["none", "kv-shed", "kvgate", "autoscale-only", "kvgate+scal
 DEFAULT_POLICIES: tuple[PolicyName, ...] = ("none", "kv-shed", "kvgate")
 
 
+class ScalerSettings(BaseModel):
+    """The scaler's control law and the autoscalers' timing in a bench config (``scaler:``); defaults as
+    ``kvgate scaler``'s own."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    step: Annotated[int, Field(ge=1)] = 2
+    scale_up_threshold: Annotated[float, Field(gt=0, le=1)] = 0.25
+    scale_down_threshold: Annotated[float, Field(ge=0, le=1)] = 0.05
+    cooldown_s: Annotated[float, Field(ge=0)] = 600.0
+    warm_pool: Annotated[int, Field(ge=0)] = 0
+    window_s: Annotated[float, Field(gt=0)] = 60.0
+    """The scaler's signal window."""
+    interval_s: Annotated[float, Field(gt=0)] = 15.0
+    """KEDA's pollingInterval (both autoscalers)."""
+    waiting_per_node: Annotated[float, Field(gt=0)] = 4.0
+    """autoscale-only: requests waiting in vLLM per node (its HPA target)."""
+
+
 class BenchConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     profile: str = "8b-h100"
     nodes: Annotated[int, Field(ge=1, le=64)] = 2
+    """The static policies' fleet, and where the autoscaling ones start."""
+    min_nodes: Annotated[int, Field(ge=1, le=64)] = 1
     max_nodes: Annotated[int, Field(ge=1, le=256)] = 16
     kvgate: dict[str, Any] = Field(default_factory=dict)
     policies: list[PolicyName] = Field(default_factory=lambda: list(DEFAULT_POLICIES))
+    scaler: ScalerSettings = ScalerSettings()
     seed: int = 1
 
     def policy_list(self) -> tuple[Policy, ...]:
         n, top = self.nodes, max(self.max_nodes, self.nodes)
+        low = min(self.min_nodes, n)
         known = {"none": Policy("none", n), "kv-shed": Policy("kv-shed", n, "kv-shed"),
                  "kvgate": Policy("kvgate", n, "kvgate"),
-                 "autoscale-only": Policy("autoscale-only", 1, autoscale="queue", max_nodes=top),
-                 "kvgate+scaler": Policy("kvgate+scaler", 1, "kvgate", autoscale="scaler", max_nodes=top)}
+                 "autoscale-only": Policy("autoscale-only", n, autoscale="queue", min_nodes=low, max_nodes=top),
+                 "kvgate+scaler": Policy("kvgate+scaler", n, "kvgate", autoscale="scaler", min_nodes=low,
+                                         max_nodes=top)}
         return tuple(known[p] for p in self.policies)
+
+    def autoscaling(self) -> Autoscaling:
+        s = self.scaler
+        law = LawSettings(min_replicas=min(self.min_nodes, self.nodes), max_replicas=max(self.max_nodes, self.nodes),
+                          step=s.step, scale_up_threshold=s.scale_up_threshold,
+                          scale_down_threshold=s.scale_down_threshold, cooldown_s=s.cooldown_s, warm_pool=s.warm_pool)
+        return Autoscaling(interval_s=s.interval_s, waiting_per_node=s.waiting_per_node, window_s=s.window_s, law=law)
 
 
 def load_bench_config(path: str | Path) -> BenchConfig:
@@ -75,10 +107,14 @@ def load_bench_config(path: str | Path) -> BenchConfig:
 
 def from_trace(trace_path: str | Path, cfg: BenchConfig) -> tuple[Scenario, list[TraceRequest]]:
     trace = read_trace(trace_path)
+    # times count from the first request: a trace of absolute (epoch) timestamps works as it is
+    t0 = trace[0].t
+    if t0:
+        trace = [replace(r, t=r.t - t0) for r in trace]
     name = Path(trace_path).stem
     sc = Scenario(name, f"Trace {Path(trace_path).name}",
                   f"{len(trace)} requests from {trace_path}, {cfg.profile} nodes.", cfg.profile,
-                  trace[-1].t, cfg.kvgate, cfg.policy_list(), (), seed=cfg.seed)
+                  trace[-1].t, cfg.kvgate, cfg.policy_list(), (), seed=cfg.seed, autoscaling=cfg.autoscaling())
     return sc, trace
 
 
