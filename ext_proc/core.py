@@ -258,7 +258,8 @@ class Core:
         if lease is None:
             assert r is not None
             return Answer(request_id, d, reject_reply(r))
-        self._by_request[request_id] = lease.ticket
+        if request_id:
+            self._by_request[request_id] = lease.ticket
         if envoy:
             self._envoy_of[lease.ticket] = envoy
         body, strip = self._rewrite(est, d.tier)
@@ -369,7 +370,7 @@ class Core:
                 verdict = None if e.disconnected else False
         else:
             # no ticket: Envoy never applied an admit reply (it gave up waiting, or the client left first)
-            ticket = self._by_request.get(e.request_id)
+            ticket = self._by_request.get(e.request_id) if e.request_id else None
             responded, outcome, verdict = False, "aborted", None
             if ticket is None and e.request_id:
                 self._tombstones[e.request_id] = self._clock()

@@ -327,3 +327,13 @@ def test_a_request_larger_than_every_nodes_kv_cache_is_400_not_a_503() -> None:
     assert big.decision.rejection.reason == "context-too-long" and big.decision.rejection.param == "max_tokens"
     fits = core.decide(Request("/v1/chat/completions", "r2", "Bearer k", estimate=E(100, 100), body_bytes=10))
     assert not isinstance(fits, Held) and fits.decision.admitted
+
+
+def test_an_entry_without_ticket_or_request_id_releases_nothing() -> None:
+    core = Core(parse_config({"tenants": [{"name": "t", "api_key_sha256": [hash_key("k")]}]}), FakeClock(),
+                log=null_logger())
+    for _ in range(2):
+        a = core.decide(Request("/v1/chat/completions", "", "Bearer k", estimate=E(), body_bytes=10))
+        assert not isinstance(a, Held) and a.decision.admitted
+    assert core.ended(Ended(None, "", 503)) is None
+    assert core.open_leases == 2
