@@ -26,7 +26,7 @@ from __future__ import annotations
 import math
 import random
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import orjson
@@ -82,6 +82,8 @@ class Answer:
     """The rewritten request body, when kvgate changed it (include_usage, priority)."""
     metadata: dict[str, Any] = field(default_factory=dict)
     """What Envoy's side needs (dynamic metadata ``kvgate``): ticket, endpoint, strip_usage, tenant."""
+    held: str | None = None
+    """For the answer to a queued request: the ticket its :class:`Held` named (admitted or not)."""
 
     @property
     def ticket(self) -> str | None:
@@ -148,6 +150,8 @@ class Core:
         self._gone: dict[str, float] = {}
         """Envoys whose access-log connections all ended → when."""
         self._next_reclaim = clock() + RECLAIM_EVERY_S
+        self._ambiguous: set[str] = set()
+        """Request ids more than one open lease carried (ids chosen by clients): never released by id."""
         self._tombstones: dict[str, float] = {}
         """Request ids whose end arrived before any lease: Envoy gave up on them."""
         self.breaker_opens: dict[str, int] = {}
@@ -259,7 +263,12 @@ class Core:
             assert r is not None
             return Answer(request_id, d, reject_reply(r))
         if request_id:
-            self._by_request[request_id] = lease.ticket
+            # two open requests with one id (an id the client chose): neither is released by id
+            if request_id in self._by_request:
+                self._by_request[request_id] = ""
+                self._ambiguous.add(request_id)
+            else:
+                self._by_request[request_id] = lease.ticket
         if envoy:
             self._envoy_of[lease.ticket] = envoy
         body, strip = self._rewrite(est, d.tier)
@@ -335,7 +344,11 @@ class Core:
             w = self._waiting.pop(o.ticket, None)
             if w is None:
                 continue
-            self._outbox.append(self._final(d, w.request_id, w.estimate, w.envoy))
+            a = replace(self._final(d, w.request_id, w.estimate, w.envoy), held=o.ticket)
+            if a.decision.admitted and w.request_id in self._tombstones:
+                # its end was already reported (the client left while it waited): nothing will end it
+                self._release(o.ticket, None, False, "aborted", None)
+            self._outbox.append(a)
 
     def cancel(self, ticket: str) -> None:
         """The stream of a queued request ended before its answer (the client or Envoy gave up)."""
@@ -370,7 +383,7 @@ class Core:
                 verdict = None if e.disconnected else False
         else:
             # no ticket: Envoy never applied an admit reply (it gave up waiting, or the client left first)
-            ticket = self._by_request.get(e.request_id) if e.request_id else None
+            ticket = (self._by_request.get(e.request_id) or None) if e.request_id else None
             responded, outcome, verdict = False, "aborted", None
             if ticket is None and e.request_id:
                 self._tombstones[e.request_id] = self._clock()
@@ -387,7 +400,8 @@ class Core:
         c = self.admission.complete(ticket, usage, responded)
         if c is None:
             return None
-        self._by_request.pop(c.lease.request_id, None)
+        if self._by_request.get(c.lease.request_id) == ticket:
+            del self._by_request[c.lease.request_id]
         self._envoy_of.pop(ticket, None)
         self.stats.completion(c, outcome)
         if c.lease.node is not None and self.fleet is not None:
@@ -473,8 +487,14 @@ class Core:
         if now >= self._next_reclaim:
             self._next_reclaim = now + RECLAIM_EVERY_S
             self._tombstones = {r: t for r, t in self._tombstones.items() if now - t < TOMBSTONE_S}
+            if self._ambiguous:
+                live = {lease.request_id for lease in self.admission.leases()}
+                for rid in [r for r in self._ambiguous if r not in live]:
+                    self._ambiguous.discard(rid)
+                    self._by_request.pop(rid, None)
             for c in self.admission.reclaim_expired():
-                self._by_request.pop(c.lease.request_id, None)
+                if self._by_request.get(c.lease.request_id) == c.lease.ticket:
+                    del self._by_request[c.lease.request_id]
                 self._envoy_of.pop(c.lease.ticket, None)
                 self.stats.completion(c, "reclaimed")
                 if c.lease.node is not None and self.fleet is not None:

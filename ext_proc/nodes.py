@@ -248,7 +248,7 @@ class Fleet:
                 broken += 1
                 continue
             kv = n.projected_kv(tokens)
-            if kv is not None and kv >= n.threshold - reserve:
+            if kv is not None and kv >= n.threshold - reserve and not self._alone_fits(n, tokens, reserve):
                 kv_full += 1
                 continue
             if max_waiting is not None and n.waiting() >= max_waiting:
@@ -270,6 +270,15 @@ class Fleet:
             return Choice(candidates[0])
         a, b = self._rng.sample(candidates, 2)
         return Choice(a if self._score(a, tokens) >= self._score(b, tokens) else b)
+
+    @staticmethod
+    def _alone_fits(n: Node, tokens: int, reserve: float) -> bool:
+        """A request too large for the admit threshold by itself still goes to an idle node whose KV
+        cache holds it: else it could never run anywhere, and would wait for a 503 forever."""
+        cap, s = n.capacity_tokens(), n.snapshot
+        if cap is None or s is None or n.inflight or n.pending or n.waiting():
+            return False
+        return tokens / cap >= n.threshold - reserve and (s.kv_usage or 0.0) + tokens / cap <= 1.0
 
     def max_capacity_tokens(self) -> int | None:
         """The largest KV cache of any known node in tokens (None before any reading): a request

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import os
 import signal
 import socket
@@ -80,6 +81,14 @@ def _attr(msg: Any, name: str) -> str:
         return ""
     v = attrs.fields.get(name)
     return v.string_value if v is not None else ""
+
+
+def _with_attributes(body: ep.ProcessingRequest, first: ep.ProcessingRequest) -> ep.ProcessingRequest:
+    out = ep.ProcessingRequest()
+    out.CopyFrom(body)
+    for k, v in first.attributes.items():
+        out.attributes[k].CopyFrom(v)
+    return out
 
 
 def _metadata(values: dict[str, Any]) -> struct_pb2.Struct:
@@ -270,16 +279,17 @@ class Gateway:
     def flush(self) -> None:
         """Hand the answers the core decided for queued requests to their streams."""
         for a in self.core.answers():
-            # an admitted request is found by its ticket; a rejection out of the queue has no lease: by id
-            by_ticket = self._waiters.pop(a.ticket, None) if a.ticket else None
-            by_id = self._waiters.pop("id:" + a.request_id, None)
-            fut = by_ticket or by_id
+            fut = self._waiters.pop(a.held, None) if a.held else None
             if fut is not None and not fut.done():
                 fut.set_result(a)
 
-    def on_body(self, msg: ep.ProcessingRequest, peer: str) -> Answer | tuple[Held, asyncio.Future[Answer]]:
-        """Decide one inference request: its answer, or for a queued request what its stream awaits."""
+    def on_body(self, msg: ep.ProcessingRequest, peer: str, first: ep.ProcessingRequest | None = None
+                ) -> Answer | tuple[Held, asyncio.Future[Answer]]:
+        """Decide one inference request: its answer, or for a queued request what its stream awaits.
+        ``first``: the headers message of an Envoy that sends one first; it carried the attributes."""
         t0 = time.perf_counter()
+        if first is not None and ATTR_NS not in msg.attributes:
+            msg = _with_attributes(msg, first)
         req = Request(
             path=_attr(msg, ATTR_PATH), request_id=_attr(msg, ATTR_ID), authorization=_attr(msg, ATTR_AUTH) or None,
             body=msg.request_body.body, trusted=_attr(msg, self._trusted_attr) if self._trusted_attr else None,
@@ -295,12 +305,10 @@ class Gateway:
     def wait_for(self, held: Held) -> asyncio.Future[Answer]:
         fut: asyncio.Future[Answer] = asyncio.get_running_loop().create_future()
         self._waiters[held.ticket] = fut
-        self._waiters["id:" + held.request_id] = fut
         return fut
 
     def forget(self, held: Held) -> None:
         self._waiters.pop(held.ticket, None)
-        self._waiters.pop("id:" + held.request_id, None)
 
     def on_headers(self, msg: ep.ProcessingRequest) -> ep.ProcessingResponse:
         """Bodyless routes (GET /v1/models, ...): identity only, no quota."""
@@ -318,11 +326,15 @@ class Gateway:
         md = common.metadata.filter_metadata
         kv = md.get(META_NS)
         ticket = kv.fields["ticket"].string_value if kv is not None and "ticket" in kv.fields else ""
+        if kv is not None and "rejected" in kv.fields and not ticket:
+            return  # kvgate's own refusal ending (the client left during it): it held nothing
         usage = None
         u = md.get(USAGE_NS)
         if u is not None and "prompt_tokens" in u.fields:
-            c = u.fields.get("completion_tokens")
-            usage = Usage(int(u.fields["prompt_tokens"].number_value), int(c.number_value) if c is not None else 0)
+            p = u.fields["prompt_tokens"].number_value
+            c = u.fields["completion_tokens"].number_value if "completion_tokens" in u.fields else 0.0
+            if all(math.isfinite(x) and 0 <= x < 1e12 for x in (p, c)):  # else: charged as unreported
+                usage = Usage(int(p), int(c))
         self.core.ended(Ended(
             ticket or None, entry.request.request_id, entry.response.response_code.value, usage,
             upstream_answered=common.HasField("time_to_first_upstream_rx_byte"),
@@ -356,6 +368,7 @@ class ExtProcServicer:
     ) -> AsyncIterator[ep.ProcessingResponse]:
         gw = self.gw
         gw.open_streams += 1
+        first: ep.ProcessingRequest | None = None
         try:
             async for msg in request_iterator:
                 if isinstance(msg, Undecodable):
@@ -364,7 +377,7 @@ class ExtProcServicer:
                     return
                 kind = msg.WhichOneof("request")
                 if kind == "request_body":
-                    out = gw.on_body(msg, context.peer())
+                    out = gw.on_body(msg, context.peer(), first)
                     if isinstance(out, tuple):  # queued: tell Envoy to wait longer, then wait
                         held, fut = out
                         try:
@@ -373,11 +386,12 @@ class ExtProcServicer:
                             answer = await fut
                         except BaseException:
                             # the client or Envoy gave up (the stream was cancelled) while it waited
-                            gw.forget(held)
                             if not fut.done() or fut.cancelled():  # (a cancelled await cancels fut too)
                                 gw.core.cancel(held.ticket)
                                 gw.flush()
                             raise
+                        finally:
+                            gw.forget(held)
                     else:
                         answer = out
                     yield envoy_reply(answer)
@@ -390,7 +404,8 @@ class ExtProcServicer:
                     if reply.HasField("immediate_response") or msg.request_headers.end_of_stream:
                         return  # refused, or a bodyless request: nothing more to decide
                     # a body follows (an Envoy that sends headers first, e.g. Envoy Gateway): it is
-                    # decided on its own message; the stream must stay open until then
+                    # decided on its own message; Envoy sent the request attributes with this one
+                    first = msg
                     continue
                 if kind is not None:
                     # A phase kvgate did not ask for (a misconfigured Envoy): let it through unchanged.

@@ -250,12 +250,28 @@ def _body(auth: str, body: bytes, request_id: str) -> ep.ProcessingRequest:
     return msg
 
 
+def _headers_with_attributes(auth: str, request_id: str) -> ep.ProcessingRequest:
+    """What a headers-first Envoy sends: the request attributes come with the first message."""
+    msg = _headers(auth, False)
+    attrs = struct_pb2.Struct()
+    attrs.update({ATTR_ID: request_id, ATTR_AUTH: auth, "request.path": "/v1/chat/completions"})
+    msg.attributes[ATTR_NS].CopyFrom(attrs)
+    return msg
+
+
 async def test_an_envoy_that_sends_headers_first_still_gets_the_body_decided() -> None:
     """Envoy Gateway sends the headers message before the buffered body: answering the headers must not
-    close the stream, or the body would pass undecided (a quota bypass)."""
+    close the stream, or the body would pass undecided (a quota bypass). Its attributes come with the
+    headers message."""
     cfg = parse_config({"tenants": [{"name": "t", "api_key_sha256": [hash_key("k")], "max_concurrent": 1}]})
     gw = Gateway(cfg)
     body = json.dumps({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}).encode()
+    bare = ep.ProcessingRequest(request_body=ep.HttpBody(body=body, end_of_stream=True))
+    out = await _run_stream(gw, [_headers_with_attributes("Bearer k", "r0"), bare])
+    assert [r.WhichOneof("response") for r in out] == ["request_headers", "request_body"]
+    assert gw.core.open_leases == 1
+    gw.core.ended(Ended(None, "r0", 503))  # (released by id: the id came from the headers message)
+    assert gw.core.open_leases == 0
     out = await _run_stream(gw, [_headers("Bearer k", False), _body("Bearer k", body, "r1")])
     assert [r.WhichOneof("response") for r in out] == ["request_headers", "request_body"]
     assert gw.core.open_leases == 1  # the body was decided: the slot is taken
@@ -337,3 +353,55 @@ def test_an_entry_without_ticket_or_request_id_releases_nothing() -> None:
         assert not isinstance(a, Held) and a.decision.admitted
     assert core.ended(Ended(None, "", 503)) is None
     assert core.open_leases == 2
+
+
+async def test_streams_the_queue_refused_leave_nothing_behind() -> None:
+    """A queued request refused by the queue has no lease: its waiter was once found by request id and
+    the ticket entry stayed forever — one Future per queue timeout, under overload."""
+    cfg = parse_config({"tenants": [{"name": "t", "api_key_sha256": [hash_key("k")], "tier": "interactive"}],
+                        "tiers": {"interactive": {"priority": 0, "max_queue_wait_ms": 50}},
+                        "nodes": {"static": [{"address": "10.0.0.1:8000", "probe": "http://p"}]}})
+    gw = Gateway(cfg)  # the node never reported: nothing can be placed, the request waits its 50 ms
+    body = json.dumps({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}).encode()
+
+    async def ticker() -> None:
+        for _ in range(40):
+            await asyncio.sleep(0.01)
+            gw.core.tick()
+            gw.flush()
+
+    t = asyncio.create_task(ticker())
+    out = await _run_stream(gw, [_body("Bearer k", body, "q1")])
+    await t
+    assert out[-1].immediate_response.status.code == 503
+    assert gw._waiters == {} and gw.core.queued == 0 and gw.core.open_leases == 0
+
+
+def test_a_request_too_large_for_the_admit_threshold_alone_goes_to_an_idle_node() -> None:
+    """95k tokens on a 100k-token node with a 0.9 threshold: it fits the cache, never the threshold, so it
+    would have waited for a 503 forever; an idle node takes it, a busy one does not."""
+    f = fleet(1, kv_admit_threshold=0.9)
+    f.on_snapshot("10.0.0.0:8000", snap(0.0, blocks=6250), 0.0)  # 100,000 tokens of KV
+    assert f.place(95_000, 90_000, "big", 0.1).node is not None
+    assert f.choose(95_000, 0.2).node is None  # not beside another request
+    f.completed("10.0.0.0:8000", "big", 95_000, True, 1.0)
+    f.on_snapshot("10.0.0.0:8000", snap(0.0, blocks=6250), 1.05)  # the next reading: idle again
+    assert f.choose(95_000, 1.1).node is not None
+    assert f.choose(101_000, 1.1).node is None  # larger than the cache: never (400 at the core)
+
+
+def test_an_answer_out_of_the_queue_for_a_request_already_ended_is_released() -> None:
+    """The client left while queued and Envoy's log of it arrived before the stream's cancellation: the
+    admit out of the queue must not hold the slot until lease_timeout_seconds."""
+    clock = FakeClock()
+    cfg = parse_config({"tenants": [{"name": "t", "api_key_sha256": [hash_key("k")], "max_concurrent": 1}],
+                        "nodes": {"static": [{"address": "10.0.0.1:8000", "probe": "http://p"}]}})
+    core = Core(cfg, clock, log=null_logger())
+    held = core.decide(Request("/v1/chat/completions", "r1", "Bearer k", estimate=E(), body_bytes=10))
+    assert isinstance(held, Held)
+    assert core.ended(Ended(None, "r1", 0, disconnected=True)) is None  # logged first: a tombstone
+    core.snapshot("10.0.0.1:8000", Snapshot(node="n", at=0, ok=True, kv_usage=0.1, blocks_total=1000,
+                                            block_size=16), 0.0)
+    [a] = core.answers()
+    assert a.held == held.ticket
+    assert core.open_leases == 0 and core.admission.tenant_state("t").inflight == 0  # type: ignore[union-attr]
