@@ -162,7 +162,6 @@ class Admission:
         """Node choice (``nodes.Fleet.place``), or None when Envoy's own cluster picks the node."""
         self._tenants: dict[str, TenantState] = {}
         self._leases: dict[str, Lease] = {}
-        self._uncertain: dict[str, str] = {}
         self._held: dict[str, _Held] = {}
         self._outbox: list[Outcome] = []
         self._seq = 0
@@ -363,7 +362,6 @@ class Admission:
         False when it was no longer queued (already released: then it may be on its way upstream)."""
         h = self._held.pop(ticket, None)
         if h is None:
-            self.mark_uncertain(ticket)
             return False
         now = self._clock()
         self.queue.remove(h.entry, now)
@@ -520,7 +518,6 @@ class Admission:
         if lease is None:
             return None
         now = self._clock()
-        self._uncertain.pop(lease.request_id, None)
         charged_tokens = usage.total if usage is not None else (lease.reserved_tokens if responded else 0)
         s = lease.tenant
         if lease.charged:
@@ -543,20 +540,6 @@ class Admission:
             served = 0.0
         self.queue.charge(s.name, served - lease.service)
         return Completion(lease, charged_tokens, usage, seconds, served)
-
-    def mark_uncertain(self, ticket: str) -> None:
-        """The admit reply was sent but its stream broke: Envoy may not have applied it.
-
-        If the request never went upstream, its access-log entry carries the request id but no
-        ticket; ``complete_request_id`` then releases the lease.
-        """
-        lease = self._leases.get(ticket)
-        if lease is not None:
-            self._uncertain[lease.request_id] = ticket
-
-    def complete_request_id(self, request_id: str) -> Completion | None:
-        ticket = self._uncertain.pop(request_id, None)
-        return None if ticket is None else self.complete(ticket, None, responded=False)
 
     def reclaim_expired(self) -> list[Completion]:
         """Release leases whose completion never arrived (lost access log): the last line of defence."""

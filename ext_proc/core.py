@@ -34,9 +34,9 @@ import orjson
 from gpu_probe.snapshot import Snapshot
 
 from . import logs
-from .admission import Admission, Completion, Decision, Outcome, TenantState, Usage
+from .admission import UNKNOWN_TENANT, Admission, Completion, Decision, Outcome, Usage
 from .breaker import State
-from .config import Config
+from .config import Config, Tenant
 from .estimate import Estimate, Estimator
 from .identity import Identifier
 from .nodes import Fleet
@@ -88,10 +88,6 @@ class Answer:
     @property
     def ticket(self) -> str | None:
         return self.decision.lease.ticket if self.decision.lease is not None else None
-
-    @property
-    def node(self) -> str | None:
-        return self.decision.lease.node if self.decision.lease is not None else None
 
 
 @dataclass(frozen=True, slots=True)
@@ -184,27 +180,25 @@ class Core:
         """Decide one inference request now, or hold it in the queue (its answer comes later)."""
         if self._tombstones and req.request_id in self._tombstones:
             # Envoy already gave up on it (and said so): whatever kvgate answers goes nowhere
-            return self._final(Decision("unknown", self.config.lowest_tier, None,
-                                        reject("gateway-unavailable", "Envoy gave up waiting for this decision.")),
-                               req.request_id)
+            return self._final(self._refusal(None, reject("gateway-unavailable",
+                                                          "Envoy gave up waiting for this decision.")), req.request_id)
+        tenant: Tenant | None = None
         try:
-            who = self.identifier.resolve(req.authorization, req.trusted)
-            tenant = who.tenant
+            tenant = self.identifier.resolve(req.authorization, req.trusted).tenant
             if tenant is None and self.config.mode == "enforce":
                 # not even parsed: a caller without a key costs a dict lookup, whatever it sends
-                return self._final(Decision("unknown", self.config.lowest_tier, None, UNKNOWN_KEY), req.request_id)
+                return self._final(self._refusal(None, UNKNOWN_KEY), req.request_id)
             est = req.estimate
             if est is None:
                 default_max = (tenant.default_max_tokens if tenant else None) or \
                     self.config.estimation.default_max_tokens
                 est = self.estimator.estimate(req.body, path=req.path, default_max_tokens=default_max)
-            size = req.body_bytes if req.body_bytes is not None else len(req.body)
-            never = self._never_fits(est)
         except Invalid as e:
-            return self._final(Decision(self._name(req), self._tier(req), None, e.rejection()), req.request_id)
+            return self._final(self._refusal(tenant, e.rejection()), req.request_id)
+        size = req.body_bytes if req.body_bytes is not None else len(req.body)
+        never = self._never_fits(est)
         if never is not None:
-            return self._final(Decision(tenant.name if tenant else "unknown", tenant.tier if tenant else
-                                        self.config.lowest_tier, None, never), req.request_id)
+            return self._final(self._refusal(tenant, never), req.request_id)
         if not est.parsed:
             self.stats.unparsed_bodies.inc()
             self.log.info("body_not_json", request_id=req.request_id, bytes=size,
@@ -221,19 +215,12 @@ class Core:
             return Held(ticket, req.request_id, d.tier, tier.max_queue_wait_ms / 1000.0 if tier else 5.0)
         return self._final(d, req.request_id, est, req.envoy)
 
-    def _name(self, req: Request) -> str:
-        try:
-            t = self.identifier.resolve(req.authorization, req.trusted).tenant
-        except Invalid:
-            return "unknown"
-        return t.name if t is not None else "unknown"
-
-    def _tier(self, req: Request) -> str:
-        try:
-            t = self.identifier.resolve(req.authorization, req.trusted).tenant
-        except Invalid:
-            return self.config.lowest_tier
-        return t.tier if t is not None else self.config.lowest_tier
+    def _refusal(self, tenant: Tenant | None, rejection: Rejection | None) -> Decision:
+        """A decision taken before the admission core (who is asking, what the request is), accounted
+        to the tenant when it is known and to ``unknown`` in the lowest tier when not."""
+        if tenant is None:
+            return Decision(UNKNOWN_TENANT, self.config.lowest_tier, None, rejection)
+        return Decision(tenant.name, tenant.tier, None, rejection)
 
     def _never_fits(self, est: Estimate) -> Rejection | None:
         """A request larger than the KV cache of every node can never run: 400, not a 503 the clients
@@ -306,23 +293,20 @@ class Core:
         """Bodyless routes (GET /v1/models, /health): identity only, no quota; a live node when kvgate
         chooses nodes."""
         try:
-            who = self.identifier.resolve(authorization, trusted)
+            tenant = self.identifier.resolve(authorization, trusted).tenant
         except Invalid as e:
-            return Answer("", Decision("unknown", self.config.lowest_tier, None, e.rejection()),
-                          reject_reply(e.rejection()))
-        if who.tenant is None and self.config.mode == "enforce":
-            return Answer("", Decision("unknown", self.config.lowest_tier, None, UNKNOWN_KEY),
-                          reject_reply(UNKNOWN_KEY))
-        name = who.tenant.name if who.tenant else "unknown"
-        tier = who.tenant.tier if who.tenant else self.config.lowest_tier
-        meta: dict[str, Any] = {"tenant": name}
+            return Answer("", self._refusal(None, e.rejection()), reject_reply(e.rejection()))
+        if tenant is None and self.config.mode == "enforce":
+            return Answer("", self._refusal(None, UNKNOWN_KEY), reject_reply(UNKNOWN_KEY))
+        d = self._refusal(tenant, None)
+        meta: dict[str, Any] = {"tenant": d.tenant}
         if self.fleet is not None:
             c = self.fleet.choose(0, self._clock(), force=True)
             if c.node is None:
                 r = self.admission.no_node(c.reason, c.retry_after)
-                return Answer("", Decision(name, tier, None, r), reject_reply(r))
+                return Answer("", self._refusal(tenant, r), reject_reply(r))
             meta["endpoint"] = c.node.address
-        return Answer("", Decision(name, tier, None, None), None, None, meta)
+        return Answer("", d, None, None, meta)
 
     # -- the queue -------------------------------------------------------------------------------
 
@@ -400,14 +384,19 @@ class Core:
         c = self.admission.complete(ticket, usage, responded)
         if c is None:
             return None
+        self._settle(c, outcome, verdict)
+        self._pump()
+        return c
+
+    def _settle(self, c: Completion, outcome: str, verdict: bool | None) -> None:
+        """What follows a released lease, however it ended: its indexes, metrics, its node."""
+        ticket = c.lease.ticket
         if self._by_request.get(c.lease.request_id) == ticket:
             del self._by_request[c.lease.request_id]
         self._envoy_of.pop(ticket, None)
         self.stats.completion(c, outcome)
         if c.lease.node is not None and self.fleet is not None:
             self.fleet.completed(c.lease.node, ticket, c.charged_tokens, verdict, self._clock())
-        self._pump()
-        return c
 
     # -- Envoys ----------------------------------------------------------------------------------
 
@@ -493,12 +482,7 @@ class Core:
                     self._ambiguous.discard(rid)
                     self._by_request.pop(rid, None)
             for c in self.admission.reclaim_expired():
-                if self._by_request.get(c.lease.request_id) == c.lease.ticket:
-                    del self._by_request[c.lease.request_id]
-                self._envoy_of.pop(c.lease.ticket, None)
-                self.stats.completion(c, "reclaimed")
-                if c.lease.node is not None and self.fleet is not None:
-                    self.fleet.completed(c.lease.node, c.lease.ticket, 0, None, now)
+                self._settle(c, "reclaimed", None)
                 self.log.warning("lease_reclaimed", ticket=c.lease.ticket, tenant=c.lease.tenant.name,
                                  age_s=round(c.seconds, 1), note="no completion arrived from Envoy's access log")
             self._pump()
@@ -507,9 +491,6 @@ class Core:
 
     def now(self) -> float:
         return self._clock()
-
-    def tenants(self) -> list[TenantState]:
-        return self.admission.tenants()
 
     @property
     def queued(self) -> int:

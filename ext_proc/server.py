@@ -43,6 +43,7 @@ from prometheus_client import Counter, start_http_server
 from gpu_probe.snapshot import Snapshot
 
 from . import logs
+from .addresses import join_hostport, split_hostport
 from .admission import Usage
 from .config import Config, ConfigError, load_config
 from .core import Answer, Core, Ended, Held, Request
@@ -216,8 +217,6 @@ class Gateway:
         self._trusted_attr: str | None = None
         self.task_restarts = Counter("kvgate_task_restarts_total", "Background tasks restarted after a failure",
                                      ["task"], registry=self.stats.registry)
-        self.config_info = Counter("kvgate_config_loads_total", "Configs applied (at start and on reload)",
-                                   registry=self.stats.registry)
         self._apply(config)
 
     @property
@@ -235,7 +234,6 @@ class Gateway:
     def _apply(self, config: Config) -> None:
         h = config.identity.trusted_header
         self._trusted_attr = trusted_attr(h) if h else None
-        self.config_info.inc()
 
     # -- config ----------------------------------------------------------------------------------
 
@@ -509,12 +507,6 @@ class Supervisor:
                 await t
 
 
-def split_address(address: str) -> tuple[str, int]:
-    """``host:port`` or ``[v6]:port`` → (host, port) with the brackets removed."""
-    host, _, port = address.rpartition(":")
-    return host.strip("[]") or "0.0.0.0", int(port)
-
-
 async def serve(config: Config, config_path: Path | None, ready: asyncio.Event | None = None) -> None:
     gw = Gateway(config, config_path)
     server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
@@ -526,7 +518,7 @@ async def serve(config: Config, config_path: Path | None, ready: asyncio.Event |
     if port == 0:
         raise ConfigError(f"server.grpc_address: cannot listen on {config.server.grpc_address}")
     try:
-        mhost, mport = split_address(config.server.metrics_address)
+        mhost, mport = split_hostport(config.server.metrics_address)
         start_http_server(mport, addr=mhost, registry=gw.stats.registry)
     except (OSError, ValueError) as e:
         raise ConfigError(f"server.metrics_address: cannot listen on {config.server.metrics_address}: {e}") from None
@@ -608,10 +600,6 @@ async def poll_nodes(gw: Gateway) -> None:
             await asyncio.sleep(interval)
 
 
-def _hostport(ip: str, port: int) -> str:
-    return f"[{ip}]:{port}" if ":" in ip else f"{ip}:{port}"
-
-
 async def discover_nodes(gw: Gateway) -> None:
     """DNS of a headless Service: every address it resolves to (A and AAAA) is a node, with its probe."""
     loop = asyncio.get_running_loop()
@@ -625,7 +613,7 @@ async def discover_nodes(gw: Gateway) -> None:
             infos = await loop.getaddrinfo(dns.name, dns.port, type=socket.SOCK_STREAM)
             ips = sorted({str(i[4][0]) for i in infos})
             entries: list[tuple[str, str, float | None]] = [
-                (_hostport(ip, dns.port), f"http://{_hostport(ip, dns.probe_port)}", None) for ip in ips]
+                (join_hostport(ip, dns.port), f"http://{join_hostport(ip, dns.probe_port)}", None) for ip in ips]
             entries += [(n.address, n.probe, n.kv_admit_threshold) for n in cfg.static]
             if {e[0] for e in entries} != set(gw.core.fleet.nodes):
                 log.info("nodes_discovered", name=dns.name, nodes=[e[0] for e in entries])

@@ -33,6 +33,8 @@ def _hash_key(a: argparse.Namespace) -> int:
 def _envoy_config(a: argparse.Namespace) -> int:
     from dataclasses import replace
 
+    from ext_proc.addresses import split_hostport
+
     from .envoy_config import EnvoyParams, bootstrap, dump, params_for, shipped
 
     def _route(spec: str) -> tuple[str, str]:
@@ -54,7 +56,7 @@ def _envoy_config(a: argparse.Namespace) -> int:
             print("out of date (run: kvgate envoy-config --write): " + ", ".join(stale), file=sys.stderr)
             return 1
         return 0
-    ups = [(h.strip("[]"), int(p)) for h, _, p in (u.rpartition(":") for u in a.upstream)] or [("127.0.0.1", 8000)]
+    ups = [split_hostport(u, default_host="") for u in a.upstream] or [("127.0.0.1", 8000)]
     params = EnvoyParams(
         listen_address=a.listen_address, listen_port=a.listen_port, admin_port=a.admin_port,
         extproc_host=a.extproc_host.strip("[]"), extproc_port=a.extproc_port, upstreams=ups, fail_open=a.fail_open,

@@ -36,6 +36,7 @@ import grpc
 from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
 
 from ext_proc import logs
+from ext_proc.addresses import split_hostport
 
 from . import externalscaler_pb2 as pb
 from . import externalscaler_pb2_grpc as pb_grpc
@@ -218,8 +219,8 @@ async def serve(cfg: ScalerConfig, source: Source | None = None) -> None:
     pb_grpc.add_ExternalScalerServicer_to_server(ExternalScalerServicer(scaler), server)  # type: ignore[no-untyped-call]
     if server.add_insecure_port(cfg.grpc_address) == 0:
         raise OSError(f"grpc_address: cannot listen on {cfg.grpc_address}")
-    host, _, port = cfg.metrics_address.rpartition(":")
-    start_http_server(int(port), addr=host or "0.0.0.0", registry=scaler.registry)
+    host, port = split_hostport(cfg.metrics_address)
+    start_http_server(port, addr=host, registry=scaler.registry)
     await server.start()
     log.info("scaler_serving", grpc=cfg.grpc_address, metrics=cfg.metrics_address, pools=sorted(cfg.pools),
              source=cfg.source.prometheus or cfg.source.kvgate_dns or f"{len(cfg.source.kvgate)} kvgate replica(s)")

@@ -17,6 +17,8 @@ from dataclasses import dataclass, field
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from ext_proc.addresses import join_hostport
+
 from .law import Signals
 
 # what one kvgate replica reports, cumulative
@@ -88,7 +90,7 @@ class DirectSource:
             except OSError:
                 return None
             ips = sorted({str(i[4][0]) for i in infos})
-            urls += [f"http://[{ip}]:{port}/metrics" if ":" in ip else f"http://{ip}:{port}/metrics" for ip in ips]
+            urls += [f"http://{join_hostport(ip, port)}/metrics" for ip in ips]
         return urls
 
     def fetch(self, url: str) -> str:

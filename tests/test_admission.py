@@ -182,15 +182,20 @@ def test_global_shadow_mode_lets_unknown_keys_through_and_counts_them() -> None:
 
 
 def test_uncertain_lease_is_released_by_request_id() -> None:
-    a, _, c = make({"tenants": [{"name": "t", "max_concurrent": 1}]})
-    d = a.decide(c.tenant("t"), "req-1", E(), 1)
-    assert d.lease is not None
-    a.mark_uncertain(d.lease.ticket)
-    assert a.complete_request_id("other") is None
-    done = a.complete_request_id("req-1")
+    """An admit Envoy never applied: the access log names the request id, not the ticket (the gateway
+    core keeps that index now; Admission's own copy of it is gone)."""
+    from ext_proc.core import Core, Ended, Held, Request, null_logger
+    from ext_proc.identity import hash_key
+
+    core = Core(parse_config({"tenants": [{"name": "t", "max_concurrent": 1, "api_key_sha256": [hash_key("k")]}]}),
+                FakeClock(), log=null_logger())
+    d = core.decide(Request("/v1/chat/completions", "req-1", "Bearer k", estimate=E(), body_bytes=1))
+    assert not isinstance(d, Held) and d.ticket is not None
+    assert core.ended(Ended(None, "other")) is None
+    done = core.ended(Ended(None, "req-1"))
     assert done is not None and done.charged_tokens == 0
-    assert a.inflight == 0
-    assert a.complete(d.lease.ticket, None, responded=True) is None
+    assert core.admission.inflight == 0
+    assert core.admission.complete(d.ticket, None, responded=True) is None
 
 
 def test_lost_completions_are_reclaimed_after_the_lease_timeout() -> None:

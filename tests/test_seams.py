@@ -242,21 +242,22 @@ def _headers(auth: str, eos: bool) -> ep.ProcessingRequest:
     return ep.ProcessingRequest(request_headers=ep.HttpHeaders(headers=hs, end_of_stream=eos))
 
 
-def _body(auth: str, body: bytes, request_id: str) -> ep.ProcessingRequest:
-    msg = ep.ProcessingRequest(request_body=ep.HttpBody(body=body, end_of_stream=True))
+def _with_attributes(msg: ep.ProcessingRequest, auth: str, request_id: str) -> ep.ProcessingRequest:
+    """The request attributes Envoy sends with a stream's first message."""
     attrs = struct_pb2.Struct()
     attrs.update({ATTR_ID: request_id, ATTR_AUTH: auth, "request.path": "/v1/chat/completions"})
     msg.attributes[ATTR_NS].CopyFrom(attrs)
     return msg
+
+
+def _body(auth: str, body: bytes, request_id: str) -> ep.ProcessingRequest:
+    return _with_attributes(ep.ProcessingRequest(request_body=ep.HttpBody(body=body, end_of_stream=True)),
+                            auth, request_id)
 
 
 def _headers_with_attributes(auth: str, request_id: str) -> ep.ProcessingRequest:
     """What a headers-first Envoy sends: the request attributes come with the first message."""
-    msg = _headers(auth, False)
-    attrs = struct_pb2.Struct()
-    attrs.update({ATTR_ID: request_id, ATTR_AUTH: auth, "request.path": "/v1/chat/completions"})
-    msg.attributes[ATTR_NS].CopyFrom(attrs)
-    return msg
+    return _with_attributes(_headers(auth, False), auth, request_id)
 
 
 async def test_an_envoy_that_sends_headers_first_still_gets_the_body_decided() -> None:
@@ -285,10 +286,10 @@ async def test_an_envoy_that_sends_headers_first_still_gets_the_body_decided() -
 
 
 def test_ipv6_addresses_keep_their_brackets() -> None:
-    from ext_proc.server import _hostport, split_address
+    from ext_proc.addresses import join_hostport, split_hostport
 
-    assert _hostport("::1", 8000) == "[::1]:8000" and _hostport("10.0.0.1", 8000) == "10.0.0.1:8000"
-    assert split_address("[::1]:9101") == ("::1", 9101) and split_address(":9101") == ("0.0.0.0", 9101)
+    assert join_hostport("::1", 8000) == "[::1]:8000" and join_hostport("10.0.0.1", 8000) == "10.0.0.1:8000"
+    assert split_hostport("[::1]:9101") == ("::1", 9101) and split_hostport(":9101") == ("0.0.0.0", 9101)
 
 
 async def test_a_failing_background_task_restarts_and_only_a_persistent_failure_is_not_serving() -> None:
