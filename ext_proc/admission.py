@@ -25,7 +25,8 @@ from __future__ import annotations
 import math
 import random
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from typing import NamedTuple
 
 from .config import Config, Mode, Tenant
 from .estimate import Estimate
@@ -40,6 +41,11 @@ _UNKNOWN_SLOT = "\x00unknown"
 """Where callers without a known key are accounted: not a name a tenant can have, so a configured
 tenant called ``unknown`` keeps its own quota."""
 EWMA_ALPHA = 0.2
+NORM_ALPHA = 0.02
+"""How slowly a tenant's *norm* request duration follows: about its last 50 requests, against the
+recent mean's last 5 — a fleet that slowed down shows as the recent mean pulling away from the norm."""
+SLOWED = 1.5
+"""Recent mean over norm at which a tenant's concurrency-cap 429s count as the fleet's doing."""
 
 
 @dataclass(slots=True, eq=False)
@@ -53,6 +59,8 @@ class TenantState:
     leases: dict[str, Lease] = field(default_factory=dict)
     """Charged leases in start order: the first is the one expected to end first."""
     mean_seconds: float | None = None
+    norm_seconds: float | None = None
+    """The tenant's usual request duration (a slow EWMA): what ``mean_seconds`` is compared with."""
     mean_output: float | None = None
     """Output tokens per request, as reported: the fair-share counters charge this, not max_tokens."""
 
@@ -79,6 +87,10 @@ class Lease:
     """When it entered the gateway queue (None: never queued)."""
     service: float = 0.0
     """Weighted tokens charged to the tenant's fair-share counter at dispatch (reconciled at the end)."""
+    predicted_ttft: float | None = None
+    """Seconds to the first token kvgate predicted on its node when it dispatched it (None: no prediction)."""
+    slo_miss: bool = False
+    """Dispatched although the prediction says it misses its tier's TTFT target: unmet demand for the scaler."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -229,43 +241,51 @@ class Admission:
                 return Decision(state.name, tier, None, rejection)
             return self._shadow(state, request_id, estimate, rejection, now)
         ticket = self._ticket()
+        placed: Placed | None = None
         if not (self.config.queue.enabled and self.queue.waiting_at_or_above(tier)):
-            node, capacity = self._place(estimate, ticket, tier, now)
+            placed, capacity = self._place(estimate, ticket, tier, now)
             if capacity is None:
-                return Decision(state.name, tier, self._grant(state, ticket, request_id, estimate, now, node), None)
+                lease = self._grant(state, ticket, request_id, estimate, now, placed.node)
+                self._predicted(lease, placed, 0.0)
+                return Decision(state.name, tier, lease, None)
             if state.mode == "shadow":
                 return self._shadow(state, request_id, estimate, capacity, now)
             if not self.config.queue.enabled:
                 return Decision(state.name, tier, None, capacity)
         elif state.mode == "shadow":
             return self._shadow(state, request_id, estimate, self._queue_rejection(state, "queue-ahead", 0.0), now)
-        return self._enqueue(state, ticket, request_id, estimate, now)
+        return self._enqueue(state, ticket, request_id, estimate, now, placed)
+
+    def _predicted(self, lease: Lease, placed: Placed, waited: float) -> None:
+        """Note the node's prediction on the lease, and whether it says the tier's target is missed
+        (counting the time already spent in the gateway queue): unmet demand the scaler acts on."""
+        lease.predicted_ttft = placed.ttft
+        tier = self.config.tiers.get(lease.tier)
+        if placed.ttft is not None and tier is not None and tier.ttft_target_ms is not None:
+            lease.slo_miss = waited + placed.ttft > tier.ttft_target_ms / 1000.0
 
     def _shadow(self, s: TenantState, request_id: str, est: Estimate, rejection: Rejection, now: float) -> Decision:
         """Shadow mode: admitted all the same, holding no quota, on the least bad live node."""
         ticket = self._ticket()
         node = None
         if self.pick is not None:
-            node = self.pick(est, True, ticket, 0.0, False)[0]
+            node = self.pick(est, True, ticket, s.config.tier, 0.0).node
             if node is None:  # no live node at all: nothing to send it to
                 return Decision(s.name, s.config.tier, None, rejection)
         lease = self._grant(s, ticket, request_id, est, now, node, charged=False)
         return Decision(s.name, s.config.tier, lease, rejection)
 
-    def _place(self, est: Estimate, ticket: str, tier_name: str, now: float) -> tuple[str | None, Rejection | None]:
+    def _place(self, est: Estimate, ticket: str, tier_name: str, now: float,
+               waited: float = 0.0) -> tuple[Placed, Rejection | None]:
         """The capacity check: a fleet slot, then a node (which the picker books for ``ticket``)."""
         cap = self.config.fleet.max_inflight
         if cap is not None and self.inflight >= cap:
-            return None, reject(
-                "fleet-inflight", retry_after=self.jittered(self._expected_free(self._leases, self._mean_seconds, now)))
+            wait = self._expected_free(self._leases, self._mean_seconds, now)
+            return Placed(None, "fleet-inflight", wait), reject("fleet-inflight", retry_after=self.jittered(wait))
         if self.pick is None:
-            return None, None
-        tier = self.config.tiers.get(tier_name)
-        # with the tier's priority written into the body, vLLM runs the top tier ahead of whatever
-        # waits there, so its own queue's caps would only hold it back
-        caps = not (self.config.queue.inject_priority and tier_name == self.config.top_tier)
-        node, why, when = self.pick(est, False, ticket, tier.reserve_kv if tier else 0.0, caps)
-        return (node, None) if node is not None else (None, self.no_node(why, when))
+            return Placed(None), None
+        p = self.pick(est, False, ticket, tier_name, waited)
+        return (p, None) if p.node is not None else (p, self.no_node(p.reason, p.wait))
 
     # -- the gateway queue -----------------------------------------------------------------------
 
@@ -274,12 +294,18 @@ class Admission:
         out = est.output_tokens if s.mean_output is None else min(est.output_tokens, s.mean_output)
         return est.prompt_tokens + self.config.queue.output_token_weight * out
 
-    def _enqueue(self, s: TenantState, ticket: str, request_id: str, est: Estimate, now: float) -> Decision:
+    def _enqueue(self, s: TenantState, ticket: str, request_id: str, est: Estimate, now: float,
+                 placed: Placed | None = None) -> Decision:
         tier = s.config.tier
         q = self.queue
         cost = self._service(s, est)
         max_wait = self.config.tiers[tier].max_queue_wait_ms / 1000.0
-        predicted = q.predicted_wait(s.name, tier, cost)
+        if placed is not None and placed.reason == "fleet-queue":
+            # no node is predicted to give it a first token within its tier's max wait: refuse it now
+            return Decision(s.name, tier, None, self._queue_rejection(s, "queue-deadline", placed.wait))
+        # with node choice, the nodes' performance models say when it can go (``fleet-queue`` above);
+        # without it, the queue's own drain rate does
+        predicted = q.predicted_wait(s.name, tier, cost) if self.pick is None else None
         if predicted is not None and predicted > max_wait:
             return Decision(s.name, tier, None, self._queue_rejection(s, "queue-deadline", predicted - max_wait))
         if len(q) >= q.max_size:
@@ -316,34 +342,39 @@ class Admission:
         q = self.queue
         for e in q.expired(now):
             self._drop(e, "queue-timeout", now, out)
-        for e in q.doomed(now):
+        for e in q.doomed(now) if self.pick is None else ():
             self._drop(e, "queue-deadline", now, out)
         blocked: set[str] = set()
         while (nxt := q.peek(blocked)) is not None:
             h = self._held[nxt.key]
-            node, capacity = self._place(h.estimate, nxt.key, nxt.tier, now)
+            placed, capacity = self._place(h.estimate, nxt.key, nxt.tier, now, now - nxt.arrived)
             if capacity is not None:
                 if capacity.reason == "fleet-inflight":
                     break  # no tier can go
-                # this tier's head cannot be placed (its KV reserve, its size): the other tiers still may
+                if placed.reason == "fleet-queue":
+                    self._drop(nxt, "queue-deadline", now, out, placed.wait)  # it cannot make it: say so now
+                    continue
+                # this tier's head cannot be placed (its KV reserve, its size, its target): the others may
                 blocked.add(nxt.tier)
                 continue
             q.take(nxt, now)
             del self._held[nxt.key]
             lease = h.lease
-            lease.node, lease.started = node, now
+            lease.node, lease.started = placed.node, now
+            self._predicted(lease, placed, now - nxt.arrived)
             self._dispatch(lease, h.estimate, now)
             out.append(Outcome(nxt.key, Decision(lease.tenant.name, lease.tier, lease, None), now - nxt.arrived))
         return out
 
-    def _drop(self, e: Entry, reason: str, now: float, out: list[Outcome] | None = None) -> None:
-        """Reject a queued request (503) and give back the quota it held."""
+    def _drop(self, e: Entry, reason: str, now: float, out: list[Outcome] | None = None,
+              excess: float | None = None) -> None:
+        """Reject a queued request (503) and give back the quota it held. ``excess``: the predicted wait
+        until it could be served (the Retry-After), when known."""
         self.queue.remove(e, now)
         h = self._held.pop(e.key)
         s = h.lease.tenant
         self._refund(h.lease, now)
-        excess: float | None = None
-        if reason != "queue-timeout":
+        if excess is None and reason != "queue-timeout":
             p = self.queue.predicted_wait(s.name, e.tier, e.cost)
             excess = None if p is None else p - (e.deadline - e.arrived)
         d = Decision(s.name, e.tier, None, self._queue_rejection(s, reason, excess))
@@ -410,10 +441,11 @@ class Admission:
             )
         if q.max_concurrent is not None and s.inflight >= q.max_concurrent:
             wait = self._slot_free(s, now)
-            return self._policy(
+            r = self._policy(
                 s, "tenant-concurrency",
                 f"Too many concurrent requests for this tenant (limit {q.max_concurrent}).", wait, est, now,
             )
+            return replace(r, fleet_caused=True) if self._fleet_caused(s, est, now) else r
         if s.requests is not None:
             wait = s.requests.seconds_until(1, now)
             if wait > 0:
@@ -430,6 +462,17 @@ class Admission:
                     f"reserves about {est.total}).", wait, est, now,
                 )
         return None
+
+    @staticmethod
+    def _fleet_caused(s: TenantState, est: Estimate, now: float) -> bool:
+        """A concurrency-cap 429 the fleet caused: the tenant is inside its request and token budgets and
+        its requests now last clearly longer than its own norm — a slower fleet holds each request longer
+        (Little's law), so the same traffic hits the same cap. Demand for capacity, not excess."""
+        if s.mean_seconds is None or s.norm_seconds is None or s.mean_seconds <= SLOWED * s.norm_seconds:
+            return False
+        if s.requests is not None and s.requests.seconds_until(1, now) > 0:
+            return False
+        return s.tokens is None or s.tokens.seconds_until(est.total, now) <= 0
 
     def _policy(
         self, s: TenantState, reason: str, message: str, wait: float, est: Estimate, now: float
@@ -529,6 +572,7 @@ class Admission:
         seconds = now - lease.started
         if responded:
             s.mean_seconds = _ewma(s.mean_seconds, seconds)
+            s.norm_seconds = _ewma(s.norm_seconds, seconds, NORM_ALPHA)
             self._mean_seconds = _ewma(self._mean_seconds, seconds)
         w_out = self.config.queue.output_token_weight
         if usage is not None:
@@ -568,14 +612,25 @@ class Admission:
         return out
 
 
-Picker = Callable[[Estimate, bool, str, float, bool], tuple[str | None, str | None, float | None]]
-"""(estimate, shadow, ticket, KV reserve of the tier, whether the per-node queue caps apply) → (node,
-reason when none, seconds until one may have room). A node it returns is booked for that ticket. In
+class Placed(NamedTuple):
+    """What node choice answers: the node booked (None: none), why none, the seconds until one may have
+    room (or, for ``fleet-queue``, until one is predicted to meet the tier's target), the predicted
+    seconds to the first token there."""
+
+    node: str | None
+    reason: str | None = None
+    wait: float | None = None
+    ttft: float | None = None
+
+
+Picker = Callable[[Estimate, bool, str, str, float], Placed]
+"""(estimate, shadow, ticket, tier, seconds it already waited in the gateway queue) → :class:`Placed`.
+A node it returns is booked for that ticket. In
 shadow mode it must return a node whenever any is alive, whatever its load."""
 
 
-def _ewma(prev: float | None, x: float) -> float:
-    return x if prev is None else prev + EWMA_ALPHA * (x - prev)
+def _ewma(prev: float | None, x: float, alpha: float = EWMA_ALPHA) -> float:
+    return x if prev is None else prev + alpha * (x - prev)
 
 
 def _retuned(b: TokenBucket | None, per_minute: float | None, burst: int | None, now: float) -> TokenBucket | None:

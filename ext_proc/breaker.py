@@ -1,11 +1,12 @@
 """A circuit breaker per vLLM node, driven by the node's health rather than by errors alone.
 
 An LLM server does not fail fast: it gets slower as its KV cache fills. So the breaker trips on the
-probe's readings — KV usage above ``kv_threshold`` or recent prefill latency above
-``latency_multiplier`` x the node's *learned* baseline (an EWMA of prefill latency while the node
-was closed and healthy) — and on failed requests while half-open. The latency fed in is prefill
-time *per 1000 prompt tokens*: raw prefill time grows with prompt length, so a baseline learned on
-short chat prompts would trip on the first long RAG prompt (seen in the demo) while the node is fine.
+probe's readings — KV usage above ``kv_threshold`` or the node's step times running above
+``latency_multiplier`` x its *learned* baseline — and on failed requests while half-open. The latency
+signal is relative to the node's own performance model (``perf.py``): observed step time over what the
+model predicts for the batch the node actually ran. Raw latencies measure load, not sickness (prefill
+seconds of a mixed batch grew 8x on healthy busy nodes and opened their breakers); the ratio stays near
+the node's baseline however big its batch, and runs away only when the node itself slows.
 
 closed → open (trip) → half-open after ``recovery_window`` → closed once ``half_open_requests`` real
 requests succeeded *and* the node reads healthy again (KV < ``close_kv``, prefill <
@@ -46,6 +47,16 @@ class BreakerSettings:
     latency_trip_readings: int = 3
     """Consecutive slow readings (with new latency) before a latency trip: one busy interval with a
     few unlucky requests is noise, a node that stays slow is not."""
+
+
+def open_cause(why: str) -> str:
+    """The cause of a transition to open, from its reason: ``kv`` | ``latency`` | ``trial`` (a half-open
+    node that failed its trial or still read unhealthy). Results and metrics count opens by it."""
+    if why.startswith("kv"):
+        return "kv"
+    if why.startswith(("prefill", "step time")):
+        return "latency"
+    return "trial"
 
 
 class Breaker:
@@ -98,7 +109,8 @@ class Breaker:
             if full or slow:
                 against = "baseline" if reference is None or bar == self.baseline else "the peers'"
                 self._go(State.OPEN, f"kv {kv:.2f} > {s.kv_threshold}" if full else
-                         f"prefill {prefill_s:.3f}s > {s.latency_multiplier} x {against} {bar:.3f}s", now)
+                         f"step time {prefill_s:.2f}x its model > {s.latency_multiplier} x {against} "
+                         f"{bar:.2f}x", now)
             elif prefill_s is not None and kv_ok and (
                     self.baseline is None or prefill_s < s.close_latency_multiplier * self.baseline):
                 self._samples += 1

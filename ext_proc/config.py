@@ -224,6 +224,31 @@ class BreakerConfig(_Strict):
     )
 
 
+class Performance(_Strict):
+    """The prior of each node's performance model (``ext_proc/perf.py``): the step time of the model and
+    GPU the pool serves, ``a + b·prefill_tokens + c·decode_seqs + d·context_tokens`` ms. Either a
+    ``profile`` (one of ``kvgate sim --profile``'s: 8b-h100, 8b-a100, 34b-h100, 34b-a100, 70b-h100x4) or
+    the figures; a figure given overrides the profile's. Each node then learns how much faster or
+    slower it really is, so the prior only has to be of the right shape."""
+
+    profile: str = Field(default="8b-h100", description="a built-in step-time profile")
+    a_ms: Annotated[float, Field(ge=0)] | None = None
+    b_ms_per_prefill_token: Annotated[float, Field(ge=0)] | None = None
+    c_ms_per_decode_seq: Annotated[float, Field(ge=0)] | None = None
+    d_ms_per_context_token: Annotated[float, Field(ge=0)] | None = None
+    max_num_batched_tokens: PositiveInt | None = Field(default=None, description="vLLM's per-step token budget")
+    max_num_seqs: PositiveInt | None = None
+
+    @field_validator("profile")
+    @classmethod
+    def _known(cls, v: str) -> str:
+        from sim.profiles import PROFILES
+
+        if v not in PROFILES:
+            raise ValueError(f"unknown profile {v!r}; known: {', '.join(PROFILES)}")
+        return v
+
+
 _ADDRESS = re.compile(r"^(?:(?P<host>[^\s:/\[\]@?#]+)|\[(?P<v6>[^\s\[\]/]+)\]):(?P<port>\d{1,5})$")
 
 
@@ -274,12 +299,22 @@ class Nodes(_Strict):
         description="nodes with a stale snapshot: fallback (only when no fresh node can take it) | serve | avoid",
     )
     max_waiting_requests: PositiveInt | None = Field(
-        default=8, description="requests waiting inside one vLLM node before kvgate holds new ones itself"
+        default=None, description="deprecated (the performance model decides): requests waiting inside one "
+        "vLLM node before kvgate holds new ones itself; still applied when set"
     )
     max_prefill_tokens: PositiveInt | None = Field(
-        default=32768, description="prompt tokens sent to one node and not yet prefilled before kvgate holds new ones"
+        default=None, description="deprecated (the performance model decides): prompt tokens sent to one node "
+        "and not yet prefilled before kvgate holds new ones; still applied when set"
     )
+    performance: Performance = Performance()
     breaker: BreakerConfig = BreakerConfig()
+
+    def deprecations(self) -> list[str]:
+        """Settings still honoured but on their way out: said once per load (logged by the server)."""
+        return [f"nodes.{k} is deprecated: each node's performance model now decides when its queue is long "
+                "enough (a fixed cap, checked against readings a poll old, held requests vLLM could have served); "
+                "it still applies while set" for k in ("max_waiting_requests", "max_prefill_tokens")
+                if getattr(self, k) is not None]
 
     @model_validator(mode="after")
     def _limits(self) -> Nodes:

@@ -34,12 +34,12 @@ import orjson
 from gpu_probe.snapshot import Snapshot
 
 from . import logs
-from .admission import UNKNOWN_TENANT, Admission, Completion, Decision, Outcome, Usage
-from .breaker import State
+from .admission import UNKNOWN_TENANT, Admission, Completion, Decision, Outcome, Placed, Usage
+from .breaker import State, open_cause
 from .config import Config, Tenant
 from .estimate import Estimate, Estimator
 from .identity import Identifier
-from .nodes import Fleet
+from .nodes import Fleet, Level
 from .reasons import UNKNOWN_KEY, Invalid, Rejection, reject
 from .stats import Stats
 from .wire import Reply, reject_reply
@@ -170,6 +170,11 @@ class Core:
                                on_transition=self._transition)
         else:
             self.fleet.reconfigure(config.nodes)
+        if self.fleet is not None:
+            self.fleet.set_levels([Level(self._level(name), t.ttft_target_ms / 1000.0 if t.ttft_target_ms else None)
+                                   for name, t in config.tiers.items()])
+            for warning in config.nodes.deprecations() if config.nodes is not None else ():
+                self.log.warning("config_deprecated", note=warning)
         self.admission.pick = self._pick if self.fleet is not None else None
         self.stats.set_tenants([t.name for t in config.tenants], config.metrics.max_tenant_labels)
         self._pump()
@@ -431,16 +436,37 @@ class Core:
 
     # -- nodes -----------------------------------------------------------------------------------
 
-    def _pick(self, est: Estimate, shadow: bool, ticket: str, reserve: float,
-              caps: bool) -> tuple[str | None, str | None, float | None]:
+    def _pick(self, est: Estimate, shadow: bool, ticket: str, tier_name: str, waited: float) -> Placed:
+        """Node choice for one request of ``tier_name`` that already waited ``waited`` s in the gateway
+        queue: its KV reserve, the vLLM priority level it runs at, what is left of its TTFT target and of
+        its max wait."""
         assert self.fleet is not None
+        cfg = self.config
+        tier = cfg.tiers.get(tier_name)
+        reserve = tier.reserve_kv if tier is not None else 0.0
+        # with the tier's priority written into the body, vLLM runs the top tier ahead of whatever
+        # waits there, so the (deprecated) caps on its own queue would only hold it back
+        caps = not (cfg.queue.inject_priority and tier_name == cfg.top_tier)
+        target = limit = None
+        if tier is not None and tier.ttft_target_ms is not None:
+            target = tier.ttft_target_ms / 1000.0 - waited
+            limit = max(tier.max_queue_wait_ms / 1000.0, tier.ttft_target_ms / 1000.0) - waited
         c = self.fleet.place(est.total, est.prompt_tokens, ticket, self._clock(), force=shadow, reserve=reserve,
-                             queue_caps=caps)
-        return (c.node.address if c.node else None), c.reason, c.retry_after
+                             queue_caps=caps, priority=self._level(tier_name), target=target, limit=limit)
+        return Placed(c.node.address if c.node else None, c.reason, c.retry_after, c.ttft)
+
+    def _level(self, tier_name: str) -> int:
+        """The vLLM priority a tier's requests run at: the one kvgate writes into their bodies, or 0 for
+        all when it writes none (vLLM then serves them first come, first served)."""
+        cfg = self.config
+        tier = cfg.tiers.get(tier_name)
+        if not cfg.queue.inject_priority or tier is None:
+            return 0
+        return tier.vllm_priority if tier.vllm_priority is not None else tier.priority
 
     def _transition(self, node: str, old: State, new: State, why: str) -> None:
         if new is State.OPEN:
-            cause = "kv" if why.startswith("kv") else "latency" if why.startswith("prefill") else "trial"
+            cause = open_cause(why)
             self.breaker_opens[cause] = self.breaker_opens.get(cause, 0) + 1
         self.stats.node_transitions.labels(node, old.value, new.value).inc()
         self.log.warning("breaker_transition", node=node, old=old.value, new=new.value, why=why)

@@ -1,4 +1,4 @@
-"""Which vLLM node takes a request: a datastore of node readings, filters, a score, a picker.
+"""Which vLLM node takes a request: a datastore of node readings, filters, predictions, a picker.
 
 Shaped like the Gateway API Inference Extension's scheduler. Per request:
 
@@ -7,20 +7,27 @@ Shaped like the Gateway API Inference Extension's scheduler. Per request:
    snapshot, plus the requests vLLM had waiting then (they hold no KV yet), plus the tokens kvgate has
    sent there since — would pass ``kv_admit_threshold`` (minus the tier's ``reserve_kv``); nodes with
    a merely stale snapshot are used per ``unknown`` (default: only when no fresh node can take it);
-   and nodes whose own vLLM queue is already long enough (``max_waiting_requests``, and
-   ``max_prefill_tokens`` of prompts sent there and not yet prefilled), so that requests wait in
-   kvgate's queue, where tenants and tiers are known, rather than in vLLM's FCFS one;
-2. *score* — KV headroom left after this request, minus a little per request waiting in vLLM and per
-   request kvgate has in flight there;
-3. *pick* — the better of two random candidates ("power of two choices"), so that concurrent requests
-   do not all herd onto the node that looked best at the last poll.
+2. *predict* — each candidate's time to this request's first token, from the node's performance model
+   (``perf.py``: step-time prior times the node's learned speed factor) and the work ahead of it there:
+   prefill booked at each vLLM priority level (a virtual clock per level, advanced by every dispatch and
+   corrected by every probe reading), a low-priority chunk already running (vLLM schedules running
+   requests first), half a step in progress. Candidates are bounded (``MAX_CANDIDATES``: a sample plus
+   the last best), so a decision costs the same at 8 nodes and at 1,000;
+3. *pick* — a node that meets the tier's TTFT target: the soonest for the top tier; for the others the
+   *fullest* that still meets it (best fit), so long prefills gather where they delay the fewest
+   interactive requests, which in turn go where nothing long is running — prefill isolation emerges
+   from the predictions rather than from a fixed split; and, where it can, one whose booking keeps the
+   work queued behind it within its own tier's target.
 
-No node → a capacity rejection (503) whose Retry-After comes from how fast the fleet is draining.
+No node meets the target → a capacity answer (``fleet-queue``) with the predicted wait until one does:
+the gateway queue holds the request that long if its tier's max wait allows, else refuses it at once.
+No node at all → a capacity rejection (503) whose Retry-After comes from how fast the fleet is draining.
 Pure: time and randomness are injected; the server feeds it probe snapshots from a background poller.
 """
 
 from __future__ import annotations
 
+import math
 import random
 from collections import deque
 from collections.abc import Callable
@@ -30,8 +37,15 @@ from gpu_probe.snapshot import Snapshot
 
 from .breaker import Breaker, BreakerSettings, State
 from .config import Nodes
+from .perf import Speed, StepModel, from_config, step_ratio
 
 DEFAULT_BLOCK = 16
+MAX_CANDIDATES = 8
+TOP_RECENT_S = 10.0
+"""The top tier counts as active (and keeps a node it meets its target on) this long after its last request."""
+TOP_PROMPT_ALPHA = 0.05
+"""Nodes whose prediction a decision computes: all of a small fleet; of a large one a random sample
+plus the node that was best last time."""
 
 
 @dataclass(eq=False)
@@ -45,13 +59,13 @@ class Node:
     """The per-node ``kv_admit_threshold`` as configured (None: follow the fleet default)."""
     snapshot: Snapshot | None = None
     fresh_at: float | None = None
-    pending: deque[tuple[float, int, int]] = field(default_factory=deque)
-    """(when, tokens, prompt tokens) sent since the last fresh snapshot: what it cannot show yet."""
+    pending: deque[tuple[float, int, int, int]] = field(default_factory=deque)
+    """(when, tokens, prompt tokens, priority level) sent since the last fresh snapshot: what it cannot show yet."""
     pending_tokens: int = 0
     """Sum of ``pending``'s tokens, kept as it changes: read on every request, for every node."""
     pending_prompt: int = 0
-    requests: dict[str, tuple[int, int]] = field(default_factory=dict)
-    """kvgate's requests in flight here, in dispatch order: ticket → (tokens, prompt tokens)."""
+    requests: dict[str, tuple[int, int, int]] = field(default_factory=dict)
+    """kvgate's requests in flight here, in dispatch order: ticket → (tokens, prompt tokens, vLLM priority)."""
     waiting_tokens: int = 0
     """Tokens of the requests vLLM had waiting at the last snapshot: they hold no KV yet, so the KV
     reading does not show them (taken as kvgate's newest requests sent before it: vLLM is FCFS)."""
@@ -61,6 +75,15 @@ class Node:
     """The last *new* prefill latency reading (s per 1k prompt tokens): what its peers are compared with."""
     trials: set[str] = field(default_factory=set)
     """Tickets sent here as half-open trials: a trial that ends without a verdict gives its place back."""
+    speed: Speed = field(default_factory=Speed)
+    busy: dict[int, float] = field(default_factory=dict)
+    """vLLM priority level → when the prefill booked here at that level or a more urgent one is done (a
+    virtual clock: every dispatch advances it, every probe reading corrects it)."""
+    running_low: deque[tuple[float, float]] = field(default_factory=deque)
+    """(start, end) of the less urgent prefills booked here, in order: the one running at a given time
+    holds every step's budget until its end, whatever arrives (vLLM schedules running requests first)."""
+    waiting_by_level: dict[int, int] = field(default_factory=dict)
+    """Prompt tokens vLLM had waiting at the last reading, by priority level (kvgate's requests)."""
     _last_completion: float | None = None
 
     @property
@@ -78,20 +101,21 @@ class Node:
         return self.waiting_prompt + self.pending_prompt
 
     def _count_waiting(self) -> None:
-        """At a new reading: which of kvgate's requests are the ones vLLM says are waiting."""
+        """At a new reading: which of kvgate's requests are the ones vLLM says are waiting — the newest
+        sent before the reading, least urgent first (vLLM's queue is FCFS within a priority level)."""
         w = round(self.snapshot.waiting or 0.0) if self.snapshot is not None else 0
-        skip = len(self.pending)  # the newest: sent after the reading was taken
         tokens = prompt = 0
+        by_level: dict[int, int] = {}
         if w:
-            for ticket in reversed(self.requests):
-                if skip:
-                    skip -= 1
-                    continue
-                t, pr = self.requests[ticket]
-                tokens, prompt, w = tokens + t, prompt + pr, w - 1
-                if not w:
-                    break
-        self.waiting_tokens, self.waiting_prompt = tokens, prompt
+            skip = len(self.pending)  # the newest: sent after the reading was taken
+            sent = list(self.requests.values())
+            sent = sent[:len(sent) - skip] if skip else sent
+            order = sorted(range(len(sent)), key=lambda i: (-sent[i][2], -i))
+            for i in order[:w]:
+                t, pr, level = sent[i]
+                tokens, prompt = tokens + t, prompt + pr
+                by_level[level] = by_level.get(level, 0) + pr
+        self.waiting_tokens, self.waiting_prompt, self.waiting_by_level = tokens, prompt, by_level
 
     def capacity_tokens(self) -> int | None:
         s = self.snapshot
@@ -114,6 +138,17 @@ class Choice:
     node: Node | None
     reason: str | None = None
     retry_after: float | None = None
+    ttft: float | None = None
+    """The predicted seconds to the first token on the chosen node (or, with no node meeting the target,
+    on the best one)."""
+
+
+@dataclass(frozen=True)
+class Level:
+    """A vLLM priority level the tiers map to, and the TTFT target of its most urgent tier (seconds)."""
+
+    priority: int
+    target: float | None
 
 
 def breaker_settings(cfg: Nodes) -> BreakerSettings:
@@ -131,10 +166,27 @@ class Fleet:
         self._rng = rng or random.Random()
         self.nodes: dict[str, Node] = {}
         self._on_transition = on_transition
+        self.model: StepModel = from_config(cfg.performance)
+        self.levels: tuple[Level, ...] = (Level(0, None),)
+        """The priority levels requests arrive at (``set_levels``), most urgent first."""
+        self._best: Node | None = None
+        self._top_seen = -math.inf
+        self._top_prompt = 256.0
+        """The top tier's typical prompt (an EWMA): what a node is checked against to keep it fit for the top tier."""
         self.set_nodes([(n.address, n.probe, n.kv_admit_threshold) for n in cfg.static])
+
+    def set_levels(self, levels: list[Level]) -> None:
+        """The vLLM priority levels of the tiers (one level 0 when kvgate writes no priority into bodies:
+        vLLM is then FCFS) and each level's tightest TTFT target."""
+        merged: dict[int, float | None] = {}
+        for lv in levels:
+            old = merged.get(lv.priority, lv.target)
+            merged[lv.priority] = lv.target if old is None else (old if lv.target is None else min(old, lv.target))
+        self.levels = tuple(Level(p, merged[p]) for p in sorted(merged)) or (Level(0, None),)
 
     def reconfigure(self, cfg: Nodes) -> None:
         self.cfg = cfg
+        self.model = from_config(cfg.performance)
         settings = breaker_settings(cfg)
         for n in self.nodes.values():
             n.breaker.s = settings
@@ -172,15 +224,51 @@ class Fleet:
         n.fresh_at = now - age_s
         taken = now - age_s
         while n.pending and n.pending[0][0] <= taken:
-            _, tokens, prompt = n.pending.popleft()
+            _, tokens, prompt, _ = n.pending.popleft()
             n.pending_tokens -= tokens
             n.pending_prompt -= prompt
         n._count_waiting()
-        latency = snap.prefill_s_per_ktok if snap.latency_fresh is not False else None
-        if latency is not None:
-            n.latency = latency
-        n.breaker.observe(snap.kv_usage, latency, now, self._may_open_another(), self._peer_latency(n, now),
-                          self._another_closed(n, now))
+        ratio = None
+        if snap.step_fresh is not False:
+            ratio = step_ratio(self.model, snap.itl_s, snap.step_tokens, snap.step_decode, snap.running,
+                               self._context(n))
+        if ratio is not None:
+            n.latency = ratio
+            n.speed.observe(ratio)
+        n.breaker.observe(snap.kv_usage, ratio, now, self._may_open_another(), None, self._another_closed(n, now))
+        self._correct(n, now)
+
+    def _context(self, n: Node) -> float:
+        """Tokens in the node's KV cache at its last reading."""
+        s = n.snapshot
+        if s is None or s.kv_usage is None:
+            return 0.0
+        cap = n.capacity_tokens()
+        return s.kv_usage * cap if cap is not None else 0.0
+
+    def _load(self, n: Node) -> tuple[float, float]:
+        """(sequences decoding, context tokens) the node's steps carry now: the last reading plus what
+        was sent since."""
+        s = n.snapshot
+        running = (s.running or 0.0) if s is not None else float(n.inflight)
+        return min(running + len(n.pending), float(self.model.max_seqs)), self._context(n) + n.pending_tokens
+
+    def _correct(self, n: Node, now: float) -> None:
+        """A reading shows what vLLM really has waiting: the virtual clocks become that backlog's predicted
+        prefill time (by level), plus what was sent since; booked work the reading no longer shows as
+        waiting is running or done — at most a chunk of it still ahead."""
+        m, f = self.model, n.speed.factor
+        decode, context = self._load(n)
+        chunk_s = (m.step(m.chunk(decode), decode, context)) * f
+        behind: float = 0.0
+        pending_by_level: dict[int, int] = {}
+        for _, _, pr, level in n.pending:
+            pending_by_level[level] = pending_by_level.get(level, 0) + pr
+        for lv in self.levels:
+            behind += n.waiting_by_level.get(lv.priority, 0) + pending_by_level.get(lv.priority, 0)
+            seen = now + m.prefill(behind, decode, context) * f if behind else now
+            old = n.busy.get(lv.priority, now)
+            n.busy[lv.priority] = max(seen, min(old, now + chunk_s))
 
     def _peer_latency(self, node: Node, now: float) -> float | None:
         """The median recent prefill latency of the other fresh, closed nodes: what this node is
@@ -215,21 +303,24 @@ class Fleet:
 
     def place(
         self, tokens: int, prompt_tokens: int, ticket: str, now: float, force: bool = False, reserve: float = 0.0,
-        queue_caps: bool = True,
+        queue_caps: bool = True, priority: int = 0, target: float | None = None, limit: float | None = None,
     ) -> Choice:
         """Choose a node and book the request there (what ``Admission`` calls)."""
-        c = self.choose(tokens, now, force, prompt_tokens, reserve, queue_caps)
+        c = self.choose(tokens, now, force, prompt_tokens, reserve, queue_caps, priority, target, limit)
         if c.node is not None:
-            self.dispatched(c.node.address, ticket, tokens, prompt_tokens, now)
+            self.dispatched(c.node.address, ticket, tokens, prompt_tokens, now, priority, c.ttft)
         return c
 
     def choose(
         self, tokens: int, now: float, force: bool = False, prompt_tokens: int = 0, reserve: float = 0.0,
-        queue_caps: bool = True,
+        queue_caps: bool = True, priority: int = 0, target: float | None = None, limit: float | None = None,
     ) -> Choice:
         """``force``: any live node, whatever its load or breaker (shadow mode, bodyless routes).
         ``reserve``: KV fraction to leave free below each node's threshold (for more important tiers).
-        ``queue_caps``: whether ``max_waiting_requests`` / ``max_prefill_tokens`` apply."""
+        ``queue_caps``: whether the deprecated ``max_waiting_requests`` / ``max_prefill_tokens`` apply.
+        ``priority``: the vLLM priority level the request runs at; ``target``: seconds to its first token
+        its tier's TTFT target leaves from now (None: no target — the soonest node); ``limit``: the latest
+        first token still worth serving, in seconds from now (the tier's max wait; default ``target``)."""
         if force:
             live = [n for n in self.nodes.values() if self.status(n, now) != "dead"]
             if not live:
@@ -266,10 +357,88 @@ class Fleet:
             reason = ("fleet-kv" if kv_full else "fleet-queue" if queue_full else
                       "fleet-breakers-open" if broken else "fleet-no-healthy-node")
             return Choice(None, reason, self._retry_after(tokens, now))
-        if len(candidates) == 1:
-            return Choice(candidates[0])
-        a, b = self._rng.sample(candidates, 2)
-        return Choice(a if self._score(a, tokens) >= self._score(b, tokens) else b)
+        if len(candidates) > MAX_CANDIDATES:
+            sample = self._rng.sample(candidates, MAX_CANDIDATES - 1)
+            if self._best is not None and self._best in candidates and self._best not in sample:
+                sample.append(self._best)
+            candidates = sample
+        scored = [(self.predict(n, prompt_tokens, priority, now), n) for n in candidates]
+        soonest, first = min(scored, key=lambda x: (x[0], -self._score(x[1], tokens)))
+        self._best = first
+        top = self.levels[0]
+        if priority == top.priority:
+            self._top_seen = now
+            self._top_prompt += TOP_PROMPT_ALPHA * (prompt_tokens - self._top_prompt)
+        elif top.target is not None and now - self._top_seen < TOP_RECENT_S:
+            # Less urgent work while the top tier has traffic: the top tier keeps a node where it meets its
+            # target. A long prefill running on a node delays every request there by its chunks (vLLM runs
+            # running requests first, whatever their priority), so the last such node takes none of it.
+            clean = [n for _, n in scored
+                     if self.predict(n, round(self._top_prompt), top.priority, now) <= top.target]
+            if len(clean) == 1 and len(scored) > 1:
+                scored = [(t, n) for t, n in scored if n is not clean[0]]
+                soonest, first = min(scored, key=lambda x: (x[0], -self._score(x[1], tokens)))
+        if target is None or soonest > (limit if limit is not None else target):
+            if target is None:
+                return Choice(first, ttft=soonest)
+            # no node can give it its first token within its tier's max wait: waiting does not change that
+            # (the backlog ahead drains as fast as the wait runs), so the gateway refuses it now
+            return Choice(None, "fleet-queue", max(0.0, soonest - target), soonest)
+        meets = [(t, n) for t, n in scored if t <= target]
+        if not meets or priority == top.priority or not self._long(first, prompt_tokens, top):
+            # the soonest: for the top tier, for a target already lost, and for a prefill too short to
+            # cost a top-tier request its target when it runs beside it
+            return Choice(first, ttft=soonest)
+        # a long prefill goes to the fullest node that still meets its target (best fit), where the
+        # booking keeps what waits behind it within its own target: long prefills gather, the rest of
+        # the fleet stays quick for the top tier
+        kind = [(t, n) for t, n in meets if self._keeps_targets(n, prompt_tokens, priority, now)] or meets
+        t, n = max(kind, key=lambda x: (x[0], self._score(x[1], tokens)))
+        return Choice(n, ttft=t)
+
+    def predict(self, n: Node, prompt_tokens: int, priority: int, now: float) -> float:
+        """Seconds until a request of ``prompt_tokens`` at ``priority`` gets its first token on ``n``:
+        the prefill booked ahead of it at its level or a more urgent one, the rest of the step in
+        progress (with a chunk of less urgent prefill in it when some is booked), and its own prefill —
+        all at the node's learned speed. A less urgent prompt longer than one step's budget delays it
+        by more steps than this says (a100-class budgets of 2,048 tokens): the learned factor does not
+        see that, the breaker does not need to."""
+        m, f = self.model, n.speed.factor
+        decode, context = self._load(n)
+        ahead = max(0.0, n.busy.get(priority, now) - now)
+        below = max(0.0, max(n.busy.values(), default=now) - now - ahead)
+        step = m.step(0, decode, context) * f
+        # a less urgent prefill already running keeps the steps' budget until it is done; else a request
+        # arrives on average halfway through the step in progress
+        low = n.running_low
+        while low and low[0][1] <= now:
+            low.popleft()
+        if low and low[0][0] <= now:
+            current = low[0][1] - now
+        else:
+            current = (min(below, step + m.b * m.chunk(decode) * f) if below else step if decode or ahead else 0.0) / 2
+        return ahead + current + m.prefill(prompt_tokens, decode, context) * f
+
+    def _long(self, n: Node, prompt_tokens: int, top: Level) -> bool:
+        """A prefill long enough that a top-tier request arriving behind it would miss its target."""
+        if top.target is None:
+            return False
+        decode, context = self._load(n)
+        return self.model.prefill(prompt_tokens, decode, context) * n.speed.factor > top.target
+
+    def _keeps_targets(self, n: Node, prompt_tokens: int, priority: int, now: float) -> bool:
+        """Whether booking this prefill on ``n`` keeps the work queued behind it (at its own and less
+        urgent levels) within those levels' targets; a node with nothing booked always does."""
+        m, f = self.model, n.speed.factor
+        decode, context = self._load(n)
+        cost = m.prefill(prompt_tokens, decode, context) * f
+        for lv in self.levels:
+            if lv.priority < priority or lv.target is None:
+                continue
+            booked = n.busy.get(lv.priority, now)
+            if booked > now and booked + cost - now > lv.target:
+                return False
+        return True
 
     @staticmethod
     def _alone_fits(n: Node, tokens: int, reserve: float) -> bool:
@@ -311,14 +480,25 @@ class Fleet:
 
     # -- request life ----------------------------------------------------------------------------
 
-    def dispatched(self, address: str, ticket: str, tokens: int, prompt_tokens: int, now: float) -> None:
+    def dispatched(self, address: str, ticket: str, tokens: int, prompt_tokens: int, now: float,
+                   priority: int = 0, ttft: float | None = None) -> None:
         n = self.nodes.get(address)
         if n is None:
             return
-        n.pending.append((now, tokens, prompt_tokens))
+        n.pending.append((now, tokens, prompt_tokens, priority))
         n.pending_tokens += tokens
         n.pending_prompt += prompt_tokens
-        n.requests[ticket] = (tokens, prompt_tokens)
+        n.requests[ticket] = (tokens, prompt_tokens, priority)
+        # its prefill now runs ahead of everything booked at less urgent levels
+        m = self.model
+        decode, context = self._load(n)
+        cost = m.prefill(prompt_tokens, decode, context) * n.speed.factor
+        start = max(n.busy.get(priority, now), now)
+        if priority != self.levels[0].priority:
+            n.running_low.append((start, start + cost))
+        for lv in self.levels:
+            if lv.priority >= priority:
+                n.busy[lv.priority] = max(n.busy.get(lv.priority, now), now) + cost
         if n.breaker.dispatched():
             n.trials.add(ticket)
 

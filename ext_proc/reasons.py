@@ -125,6 +125,10 @@ class Rejection:
     tokens: RateLimitView | None = None
     param: str | None = None
     """The request parameter at fault (OpenAI ``error.param``), for invalid requests."""
+    fleet_caused: bool = False
+    """A policy (429) rejection the fleet caused rather than the tenant: a concurrency-cap 429 for a
+    tenant inside its request and token budgets whose requests now last clearly longer than its own
+    norm (a slower fleet holds each request longer). The scaler counts these as unmet demand."""
 
 
 def reject(name: str, message: str | None = None, retry_after: float | None = None, *,

@@ -83,9 +83,19 @@ class Stats:
             "kvgate_tenant_service_tokens_total",
             "Service each tenant received, in weighted tokens (prompt + queue.output_token_weight x completion): "
             "what fair queueing equalises (per unit of weight)", ["tenant"], registry=r)
+        self.fleet_caused = Counter(
+            "kvgate_fleet_caused_rejections_total",
+            "429s the fleet caused: a concurrency-cap rejection of a tenant inside its request and token "
+            "budgets whose requests last clearly longer than its own norm (unmet demand for the scaler)",
+            ["tenant", "tier"], registry=r)
+        self.slo_misses = Counter(
+            "kvgate_predicted_slo_misses_total",
+            "Requests admitted although kvgate predicted they miss their tier's TTFT target (unmet demand "
+            "for the scaler)", ["tenant", "tier"], registry=r)
         self._allowed: frozenset[str] = frozenset()
         self._max = max_tenant_labels
         self._req_children: dict[tuple[str, str, str, str, str], Counter] = {}
+        self._unmet_children: dict[tuple[bool, str, str], Counter] = {}
         self._state: _State | None = None
         r.register(_StateCollector(self))
 
@@ -99,6 +109,7 @@ class Stats:
             self._max = max_labels
         self._allowed = frozenset(names[: self._max]) | {"unknown"}
         self._req_children.clear()
+        self._unmet_children.clear()
 
     def label(self, tenant: str) -> str:
         return tenant if tenant in self._allowed else OTHER
@@ -116,6 +127,19 @@ class Stats:
         child.inc()
         if d.lease is not None:
             self.tokens.labels(self.label(d.tenant), "reserved").inc(d.lease.reserved_tokens)
+            if d.lease.slo_miss:
+                self._unmet(False, d.tenant, d.tier).inc()
+        elif r is not None and r.fleet_caused:
+            self._unmet(True, d.tenant, d.tier).inc()
+
+    def _unmet(self, fleet: bool, tenant: str, tier: str) -> Counter:
+        """The cached child of the fleet-caused (``fleet``) or the predicted-miss counter."""
+        key = (fleet, tenant, tier)
+        child = self._unmet_children.get(key)
+        if child is None:
+            child = (self.fleet_caused if fleet else self.slo_misses).labels(self.label(tenant), tier)
+            self._unmet_children[key] = child
+        return child
 
     def completion(self, c: Completion, outcome: str) -> None:
         t = self.label(c.lease.tenant.name)

@@ -19,6 +19,7 @@ HISTOGRAMS = {
     "queue": "vllm:request_queue_time_seconds",
     "e2e": "vllm:e2e_request_latency_seconds",
     "request_prompt": "vllm:request_prompt_tokens",
+    "iteration": "vllm:iteration_tokens_total",
 }
 COUNTERS = {
     "preemptions": "vllm:num_preemptions",

@@ -37,6 +37,14 @@ class Snapshot:
     """Whether requests finished since the previous reading, i.e. whether ``prefill_s_per_ktok`` is new.
     A node that gets no traffic (its breaker open) keeps showing its last, old figure; None: unknown."""
     queue_s: float | None = None
+    step_fresh: bool | None = None
+    """Whether tokens were decoded since the previous reading, i.e. whether ``itl_s`` (the mean engine step
+    time while decoding) and the batch figures below describe the last interval; None: unknown."""
+    step_tokens: float | None = None
+    """Tokens per engine step over the last interval (vLLM's iteration-tokens histogram): the batch the
+    step times were measured on."""
+    step_decode: float | None = None
+    """Of those, decode tokens per step (generated tokens / steps): the rest is prefill."""
     gpu_memory_used_bytes: int | None = None
     gpu_memory_total_bytes: int | None = None
     gpu_utilization: float | None = None
@@ -79,7 +87,8 @@ _FIELDS: dict[str, type] = {
     "node": str, "at": float, "ok": bool, "error": str, "kv_usage": float, "kv_metric": str, "blocks_total": int,
     "blocks_used": int, "block_size": int, "running": float, "waiting": float, "preemptions_per_s": float,
     "ttft_s": float, "itl_s": float, "prefill_s": float, "prefill_s_per_ktok": float, "latency_fresh": bool,
-    "queue_s": float, "gpu_memory_used_bytes": int, "gpu_memory_total_bytes": int, "gpu_utilization": float,
+    "queue_s": float, "step_fresh": bool, "step_tokens": float, "step_decode": float,
+    "gpu_memory_used_bytes": int, "gpu_memory_total_bytes": int, "gpu_utilization": float,
     "engines": list,
 }
 
@@ -95,8 +104,9 @@ class Deriver:
     def update(self, readings: dict[tuple[str, str], EngineReading], at: float,
                gpu: dict[str, Any] | None = None) -> Snapshot:
         dt = None if self._prev_at is None else at - self._prev_at
+        had_prev = bool(self._prev)
         sums: dict[str, list[float]] = {}
-        preempted = 0.0
+        preempted = generated = 0.0
         for key, r in readings.items():
             prev = self._prev.get(key)
             if prev is None:
@@ -107,13 +117,21 @@ class Deriver:
                     acc = sums.setdefault(name, [0.0, 0.0])
                     acc[0] += total - p_total
                     acc[1] += count - p_count
-            preempted += max(0.0, r.counters.get("preemptions", 0.0) - prev.counters.get("preemptions", 0.0))
+            c, pc = r.counters, prev.counters
+            preempted += max(0.0, c.get("preemptions", 0.0) - pc.get("preemptions", 0.0))
+            generated += max(0.0, c.get("generation_tokens", 0.0) - pc.get("generation_tokens", 0.0))
         for name, (total, count) in sums.items():
             self._recent[name] = total / count
         # both observed when requests finish, over the same requests: seconds of prefill per prompt token
         fresh = "prefill" in sums and "request_prompt" in sums and sums["request_prompt"][0] > 0
         if fresh:
             self._recent["prefill_per_ktok"] = 1000.0 * sums["prefill"][0] / sums["request_prompt"][0]
+        # the batch the interval's steps ran: what a node's performance model predicts their time from
+        steps = sums.get("iteration")
+        step_tokens = step_decode = None
+        if steps is not None and steps[1] > 0:
+            step_tokens = steps[0] / steps[1]
+            step_decode = min(step_tokens, generated / steps[1])
         if dt is not None and dt > 0 and self._prev:
             self._preempt_rate = preempted / dt
         self._prev, self._prev_at = readings, at
@@ -136,6 +154,7 @@ class Deriver:
             prefill_s=self._recent.get("prefill", self._recent.get("ttft")),
             prefill_s_per_ktok=self._recent.get("prefill_per_ktok"), latency_fresh=fresh,
             queue_s=self._recent.get("queue"),
+            step_fresh="itl" in sums if had_prev else None, step_tokens=step_tokens, step_decode=step_decode,
             gpu_memory_used_bytes=gpu.get("memory_used"), gpu_memory_total_bytes=gpu.get("memory_total"),
             gpu_utilization=gpu.get("utilization"),
             engines=[{"model": r.model, "engine": r.engine, "kv_usage": r.kv_usage, "running": r.running,

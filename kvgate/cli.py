@@ -196,6 +196,40 @@ def _bench_scenarios(a: argparse.Namespace) -> int:
     return 1 if any(s.result.lost for r in results for s in r.summaries) else 0
 
 
+def _bench_families(a: argparse.Namespace) -> int:
+    import time
+
+    from .scenarios.families import FAMILIES, POLICIES, SeedRun, heading, run_family, to_json
+
+    if a.seeds < 1 or not a.scale > 0:
+        print("kvgate: --seeds must be at least 1 and --scale above 0", file=sys.stderr)
+        return 2
+    names = list(dict.fromkeys(a.family or FAMILIES))
+    policies = tuple(dict.fromkeys(a.policies or POLICIES))
+    seeds = list(range(1, a.seeds + 1))
+
+    def progress(r: SeedRun) -> None:
+        if not a.json:
+            print(r.markdown(), flush=True)
+
+    t0 = time.perf_counter()
+    results = []
+    for name in names:
+        if not a.json:
+            print(heading(name), flush=True)
+        r = run_family(name, seeds, a.scale, policies, on_run=progress)
+        results.append(r)
+        if not a.json:
+            print(r.table(), flush=True)
+    wall = time.perf_counter() - t0
+    if a.json:
+        print(json.dumps(to_json(results, seeds, a.scale, policies, wall), indent=2))
+    else:
+        print(f"wall time: {wall:.1f} s ({len(names)} families x {len(seeds)} seeds x {len(policies)} policies, "
+              f"scale {a.scale:g})")
+    return 1 if any(s.result.lost for fr in results for sr in fr.runs for s in sr.result.summaries) else 0
+
+
 def _bench_trace(a: argparse.Namespace) -> int:
     from .scenarios.trace import write_trace
     from .scenarios.workloads import get_scenario
@@ -353,6 +387,17 @@ def parser() -> argparse.ArgumentParser:
     b.add_argument("--no-plots", action="store_true")
     b.add_argument("--json", action="store_true")
     b.set_defaults(fn=_bench_scenarios)
+    from .scenarios.families import FAMILIES, POLICIES
+
+    b = bsub.add_parser("families", help="generated workload families (bursty, diurnal, shifting mixes) over "
+                        "several seeds: median and worst seed per policy")
+    b.add_argument("--family", action="append", choices=list(FAMILIES), help="default: all of them (repeatable)")
+    b.add_argument("--seeds", type=int, default=3, help="seeds 1..N per family (default 3)")
+    b.add_argument("--scale", type=float, default=1.0, help="shorten the runs (0.1 = the first tenth of each)")
+    b.add_argument("--policies", nargs="+", choices=list(POLICIES), default=None,
+                   help=f"default: {' '.join(POLICIES)}")
+    b.add_argument("--json", action="store_true", help="one JSON document on stdout (stable field names)")
+    b.set_defaults(fn=_bench_families)
     b = bsub.add_parser("trace", help="write a built-in scenario's trace (JSONL)")
     b.add_argument("--scenario", required=True, choices=list(SCENARIOS))
     b.add_argument("--out", type=Path, required=True)

@@ -1,9 +1,12 @@
 """Where the scaler's signals come from: every kvgate replica's /metrics, or a Prometheus that scrapes them.
 
 Both give the same ``Signals``: per-tenant admitted and capacity-rejected requests over the window,
-policy rejections, requests held in kvgate's queues now, and the vLLM replicas kvgate sees. Shadow-mode
-would-be rejections are admits (they reached the fleet). The PromQL here is also what the README
-offers as a KEDA Prometheus trigger, for users who want no scaler service.
+policy rejections (and, of those, the ones for a tenant's own request or token budget and the ones the
+fleet caused), admitted requests predicted to miss their SLO, requests held in kvgate's queues now,
+and the vLLM replicas kvgate sees. Shadow-mode would-be rejections are admits (they reached the
+fleet). A kvgate of an older version exports no fleet-caused or predicted-miss counters: read as none.
+The PromQL of ``TRIGGER_QUERY`` is what the README offers as a KEDA Prometheus trigger, for users who
+want no scaler service.
 """
 
 from __future__ import annotations
@@ -23,7 +26,14 @@ from .law import Signals
 
 # what one kvgate replica reports, cumulative
 Totals = dict[tuple[str, str], float]
-"""(kind, tenant) → count; kind: admitted | capacity | policy."""
+"""(kind, tenant) → count; kind: admitted | capacity | policy | budget (of policy: a tenant's own request
+or token budget) | fleet (of policy: caused by the fleet) | slo_miss (of admitted: predicted to miss)."""
+
+KINDS = ("admitted", "capacity", "policy", "budget", "fleet", "slo_miss")
+BUDGET_REASONS = ("tenant-requests", "tenant-tokens")
+"""The 429 reasons of a tenant over its own budget: never a scaling signal."""
+FLEET_CAUSED = "kvgate_fleet_caused_rejections_total"
+PREDICTED_MISSES = "kvgate_predicted_slo_misses_total"
 
 
 @dataclass(frozen=True)
@@ -49,6 +59,12 @@ def parse_kvgate(text: str) -> Reading:
                         "capacity" if cls == "capacity" else "policy" if cls == "policy" else None)
                 if kind is not None:
                     totals[(kind, tenant)] = totals.get((kind, tenant), 0.0) + s.value
+                if kind == "policy" and s.labels.get("reason") in BUDGET_REASONS:
+                    totals[("budget", tenant)] = totals.get(("budget", tenant), 0.0) + s.value
+            elif s.name in (FLEET_CAUSED, PREDICTED_MISSES):
+                kind = "fleet" if s.name == FLEET_CAUSED else "slo_miss"
+                tenant = s.labels.get("tenant", "")
+                totals[(kind, tenant)] = totals.get((kind, tenant), 0.0) + s.value
             elif s.name == "kvgate_queue_depth_requests":
                 held += s.value
             elif s.name == "kvgate_nodes_total":
@@ -61,10 +77,11 @@ def parse_kvgate(text: str) -> Reading:
 
 
 def _signals(at: float, delta: Totals, held: float, nodes: int | None, complete: bool) -> Signals:
-    by: dict[str, dict[str, float]] = {"admitted": {}, "capacity": {}, "policy": {}}
+    by: dict[str, dict[str, float]] = {k: {} for k in KINDS}
     for (kind, tenant), v in delta.items():
         by[kind][tenant] = by[kind].get(tenant, 0.0) + v
-    return Signals(at, by["admitted"], by["capacity"], by["policy"], held, nodes, complete)
+    return Signals(at, by["admitted"], by["capacity"], by["policy"], held, nodes, complete,
+                   fleet_caused=by["fleet"], budget_rejected=by["budget"], slo_missed=by["slo_miss"])
 
 
 @dataclass
@@ -138,6 +155,11 @@ QUERIES = {
     "admitted": 'sum by (tenant) (increase(kvgate_requests_total{decision=~"admit|shadow_reject"}[%s]))',
     "capacity": 'sum by (tenant) (increase(kvgate_requests_total{decision="reject",class="capacity"}[%s]))',
     "policy": 'sum by (tenant) (increase(kvgate_requests_total{decision="reject",class="policy"}[%s]))',
+    "budget": 'sum by (tenant) (increase(kvgate_requests_total{decision="reject",class="policy",'
+              f'reason=~"{"|".join(BUDGET_REASONS)}"}}[%s]))',
+    # absent from an older kvgate: no series, an empty answer, none counted
+    "fleet": f"sum by (tenant) (increase({FLEET_CAUSED}[%s]))",
+    "slo_miss": f"sum by (tenant) (increase({PREDICTED_MISSES}[%s]))",
     "held": "sum(kvgate_queue_depth_requests)",
     "nodes": "max(sum by (instance) (kvgate_nodes_total))",
     "replicas_up": 'count(up{job="%s"} == 1)',
@@ -171,7 +193,7 @@ class PrometheusSource:
         w = f"{int(self.window_s)}s"
         try:
             delta: Totals = {}
-            for kind in ("admitted", "capacity", "policy"):
+            for kind in KINDS:
                 for labels, v in self.query(QUERIES[kind] % w):
                     delta[(kind, labels.get("tenant", ""))] = v
             held = sum(v for _, v in self.query(QUERIES["held"]))

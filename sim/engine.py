@@ -48,7 +48,14 @@ class Engine:
         ))
         self._rng = random.Random(o.seed)
         self._plan: Plan | None = None
+        self._began = 0.0
         self.steps = 0
+        self.step_tokens = 0
+        """Tokens scheduled over all steps (vLLM's iteration-tokens histogram's sum; ``steps`` its count)."""
+        self.itl_sum = 0.0
+        self.itl_count = 0
+        """Inter-token latency as vLLM observes it, summed per decode token: each step's duration once per
+        sequence it decoded (the cheap equivalent of observing every token)."""
 
     def add(self, req: Request) -> None:
         self.scheduler.add(req)
@@ -64,6 +71,7 @@ class Engine:
         if plan.empty:
             return None
         self._plan = plan
+        self._began = now
         ms = self.profile.step_ms(plan.prefill_tokens, plan.decode_seqs, plan.context_tokens)
         if self.options.noise:
             sigma = self.options.noise
@@ -77,6 +85,10 @@ class Engine:
         if plan is None:
             raise RuntimeError("no step in progress")
         self.steps += 1
+        self.step_tokens += plan.prefill_tokens + plan.decode_seqs
+        if plan.decode_seqs:
+            self.itl_sum += (at - self._began) * plan.decode_seqs
+            self.itl_count += plan.decode_seqs
         events = self.scheduler.finish_step(plan, at, self.every_token or self.on_tokens is not None)
         if self.on_step is not None:
             self.on_step(plan, at)

@@ -46,22 +46,28 @@ KIB = 1024
 PROFILES: dict[str, Profile] = {
     p.name: p
     for p in (
-        Profile("8b-h100", "meta-llama/Llama-3.1-8B-Instruct", 6.0, 0.020, 0.006, 5.2e-5,
+        # a, c: Vidur H100 Llama-2-7B linear ops x1.1 (its 8B/7B A100 ratio), decode 1-256 seqs; b, d kept
+        Profile("8b-h100", "meta-llama/Llama-3.1-8B-Instruct", 7.0, 0.020, 0.015, 5.2e-5,
                 kv_tokens=436_896, kv_bytes_per_token=128 * KIB, max_num_batched_tokens=8192,
                 max_num_seqs=1024, max_model_len=131_072, cold_start_s=30.0),
-        Profile("8b-a100", "meta-llama/Llama-3.1-8B-Instruct", 12.0, 0.050, 0.012, 8.7e-5,
+        # b, c: Vidur A100 Llama-3-8B linear ops (+ attention for b), 1-2k-token chunks, decode 1-256 seqs;
+        # d: Vidur A100 decode attention (~1.65 TB/s of KV reads); a kept
+        Profile("8b-a100", "meta-llama/Llama-3.1-8B-Instruct", 12.0, 0.070, 0.044, 7.9e-5,
                 kv_tokens=436_896, kv_bytes_per_token=128 * KIB, max_num_batched_tokens=2048,
                 max_num_seqs=256, max_model_len=131_072, cold_start_s=45.0),
-        # BLIS's fitted beta for a 34B model on one H100 (a, b, c); d scaled from 8B by KV size.
-        Profile("34b-h100", "codellama/CodeLlama-34b-Instruct-hf", 26.6, 0.096, 0.057, 7.8e-5,
-                kv_tokens=35_000, kv_bytes_per_token=192 * KIB, max_num_batched_tokens=8192,
+        # a, b, KV (2537 blocks): BLIS 34B/H100/TP1 fit; c: Vidur H100 CodeLlama-34B linear ops, 1-128
+        # seqs (BLIS's 0.057 also holds attention, which d carries here); d kept
+        Profile("34b-h100", "codellama/CodeLlama-34b-Instruct-hf", 26.6, 0.096, 0.022, 7.8e-5,
+                kv_tokens=40_592, kv_bytes_per_token=192 * KIB, max_num_batched_tokens=8192,
                 max_num_seqs=1024, max_model_len=16_384, cold_start_s=60.0),
-        # the field guide's 34B on an A100 80GB: the H100 figures scaled by the measured 8B A100/H100
-        # ratios (a x2.0, b x2.5, c x2.0, d x1.67)
-        Profile("34b-a100", "codellama/CodeLlama-34b-Instruct-hf", 53.2, 0.240, 0.114, 1.3e-4,
-                kv_tokens=35_000, kv_bytes_per_token=192 * KIB, max_num_batched_tokens=2048,
+        # a, b, c: Vidur A100 CodeLlama-34B linear ops (+ attention for b), 1-128 seqs; d as 8b-a100
+        # scaled to 192 KiB/token; KV: the H100 figure
+        Profile("34b-a100", "codellama/CodeLlama-34b-Instruct-hf", 46.0, 0.300, 0.080, 1.2e-4,
+                kv_tokens=40_592, kv_bytes_per_token=192 * KIB, max_num_batched_tokens=2048,
                 max_num_seqs=256, max_model_len=16_384, cold_start_s=75.0),
-        Profile("70b-h100x4", "meta-llama/Llama-3.1-70B-Instruct", 12.6, 0.065, 0.015, 3.3e-5,
+        # a, c: Vidur H100 Llama-2-70B TP4 linear ops + 160 NCCL all-reduces per step, 1-512 seqs;
+        # b, d kept (Vidur: b 0.06)
+        Profile("70b-h100x4", "meta-llama/Llama-3.1-70B-Instruct", 18.5, 0.065, 0.049, 3.3e-5,
                 kv_tokens=458_752, kv_bytes_per_token=320 * KIB, max_num_batched_tokens=8192,
                 max_num_seqs=1024, max_model_len=131_072, cold_start_s=90.0),
     )

@@ -1,4 +1,4 @@
-from ext_proc.breaker import Breaker, BreakerSettings, State
+from ext_proc.breaker import Breaker, BreakerSettings, State, open_cause
 
 S = BreakerSettings(kv_threshold=0.95, latency_multiplier=3.0, recovery_window_s=30, half_open_requests=2,
                     close_kv=0.85, close_latency_multiplier=1.5, baseline_alpha=0.5, min_baseline_samples=3)
@@ -34,7 +34,7 @@ def test_trips_on_kv_and_on_latency() -> None:
         assert b2.state is State.CLOSED
     b2.observe(0.3, None, 11.5)  # no request finished: no latency news, the count stands
     b2.observe(0.3, 0.31, 12)  # the third slow reading in a row
-    assert b2.state is State.OPEN and "prefill" in log2[-1][2]
+    assert b2.state is State.OPEN and open_cause(log2[-1][2]) == "latency"
     b3, _ = learned()
     for t in (10, 11, 12):
         b3.observe(0.3, 0.29, t)

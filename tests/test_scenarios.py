@@ -15,7 +15,7 @@ import yaml
 from ext_proc.config import ConfigError, parse_config
 from kvgate.scenarios import report
 from kvgate.scenarios.driver import Policy, Run, simulate
-from kvgate.scenarios.runner import run
+from kvgate.scenarios.runner import ScenarioResult, run
 from kvgate.scenarios.trace import TraceError, TraceRequest, read_trace, write_trace
 from kvgate.scenarios.workloads import SCENARIOS, get_scenario
 from sim.profiles import get_profile
@@ -64,13 +64,16 @@ def test_bad_lines_are_reported_with_their_numbers(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("name", list(SCENARIOS))
 def test_each_scenario_is_deterministic_and_accounts_for_every_request(name: str) -> None:
-    a = run(get_scenario(name), scale=0.15)
+    sc = get_scenario(name)
+    a = run(sc, scale=0.15)
     b = run(get_scenario(name), scale=0.15)
     assert a.to_json() == b.to_json()
     assert len({s.label for s in a.summaries}) == len(a.summaries) >= 3
     for s in a.summaries:
         g = s.all
-        assert s.result.lost == 0 and g.offered == a.requests
+        # the ideal row is offered what its Ideal keeps of the trace (noisy-neighbour: the chat tenants)
+        offered = len(sc.ideal.offered(a.config, sc.trace(0.15))) if s.ideal and sc.ideal else a.requests
+        assert s.result.lost == 0 and g.offered == offered
         assert g.admitted + g.rejected_policy + g.rejected_capacity + g.rejected_other == g.offered
         assert all(o.e2e is not None and o.ttft is not None for o in s.result.outcomes if o.status == 200)
         assert s.gpu_hours > 0
@@ -125,6 +128,122 @@ def test_the_scaler_adds_nodes_on_capacity_rejections() -> None:
     timeline = sums["kvgate+scaler"].result.node_timeline
     assert max(c for _, c in timeline) >= 4  # from one node (+1 warm) up in steps
     assert sums["kvgate+scaler"].avg_gpus < sums["none"].avg_gpus
+
+
+# -- the ideal reference rows ------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def at_tenth() -> dict[str, ScenarioResult]:
+    return {n: run(get_scenario(n), scale=0.1) for n in SCENARIOS}
+
+
+def test_disturbed_scenarios_have_an_ideal_row_and_diurnal_has_none(at_tenth: dict[str, ScenarioResult]) -> None:
+    for name, nodes in (("noisy-neighbour", 2), ("overload", 3)):
+        res = at_tenth[name]
+        ideal = [s for s in res.summaries if s.ideal]
+        assert [s.label for s in ideal] == [f"ideal ({nodes} nodes)"] and res.summaries[-1] is ideal[0]
+        assert ideal[0].result.policy.admission == "none" and ideal[0].result.breaker_opens == 0
+        entries = res.to_json()["policies"]
+        assert [e["ideal"] for e in entries] == [False] * (len(entries) - 1) + [True]
+        assert entries[-1]["policy"] == f"ideal ({nodes} nodes)" and entries[-1]["ideal_scope"]["nodes"] == nodes
+        assert f"| ideal ({nodes} nodes)" in res.markdown() and "*ideal (" in res.markdown()
+    diurnal = at_tenth["diurnal"]
+    assert get_scenario("diurnal").ideal is None
+    assert not any(s.ideal for s in diurnal.summaries) and "ideal" not in diurnal.markdown()
+    assert all(e["ideal"] is False for e in diurnal.to_json()["policies"])
+
+
+def test_the_overload_ideal_takes_the_slowed_node_out_exactly_while_it_is_slow(
+        at_tenth: dict[str, ScenarioResult]) -> None:
+    sc = get_scenario("overload")
+    assert sc.ideal is not None
+    slow, healthy = sc.degrade  # the outage is the disturbance's window, on its node
+    (out,) = sc.ideal.out
+    assert (out.node, out.start, out.end) == (slow.node, slow.at, healthy.at) and healthy.factor == 1.0
+    res = at_tenth["overload"]
+    ideal = next(s for s in res.summaries if s.ideal)
+    start, end = out.start * 0.1, out.end * 0.1  # scaled as degrade is
+    assert res.to_json()["policies"][-1]["ideal_scope"]["out"] == [{"node": 0, "start": start, "end": end}]
+    to_0 = [o.decided_at for o in ideal.result.outcomes if o.node == 0 and o.decided_at is not None]
+    assert len(to_0) == sum(1 for o in ideal.result.outcomes if o.node == 0) > 0
+    assert all(not start <= t < end for t in to_0)
+    assert any(t < start for t in to_0) and any(t >= end for t in to_0)  # out only for the window
+    assert ideal.all.admitted == ideal.all.offered == res.requests  # the whole trace, on the other nodes
+    during = {o.node for o in ideal.result.outcomes if o.decided_at is not None and start <= o.decided_at < end}
+    assert during == {1, 2}
+    # and node 0 is never slowed in it: the row is the same run as one without any degrade event
+    plain = simulate(res.config, sc.ideal.policy, get_profile(sc.profile), sc.trace(0.1), sc.seed,
+                     autoscaling=sc.autoscaling, outages=sc.ideal.scaled(0.1))
+    assert [(o.node, o.ttft, o.e2e) for o in plain.outcomes] == [(o.node, o.ttft, o.e2e) for o in ideal.result.outcomes]
+
+
+def test_the_json_of_a_single_scenario_run_carries_the_ideal_row() -> None:
+    r = kvgate("bench", "scenarios", "--scenario", "overload", "--scale", "0.05", "--json")
+    assert r.returncode == 0, r.stderr
+    (doc,) = json.loads(r.stdout)
+    assert [(e["policy"], e["ideal"]) for e in doc["policies"]] == [
+        ("none (3 nodes)", False), ("kv-shed (3 nodes)", False), ("kvgate (3 nodes)", False),
+        ("ideal (3 nodes)", True)]
+    assert all(sum(e["breaker_opens_by_cause"].values()) == e["breaker_opens"] for e in doc["policies"])
+
+
+def test_outages_are_for_plain_least_request_only() -> None:
+    from kvgate.scenarios.driver import Outage
+
+    cfg = parse_config({"tenants": [{"name": "a"}], "nodes": NODES})
+    with pytest.raises(ValueError, match="least-request"):
+        Run(cfg, Policy("kvgate", 2, "kvgate"), get_profile("8b-h100"), [TraceRequest(0, "a", 10, 1)],
+            outages=(Outage(0, 1, 0),))
+    trace = [TraceRequest(i * 0.1, "a", 10, 1) for i in range(10)]
+    r = simulate(cfg, Policy("none", 1), get_profile("8b-h100"), trace, outages=(Outage(0.25, 0.55, 0),))
+    refused = [o.req.t for o in r.outcomes if o.status == 503]  # the only node out: nowhere to go
+    assert refused == pytest.approx([0.3, 0.4, 0.5]) and all(o.reason == "no-node" for o in r.outcomes
+                                                            if o.status == 503)
+
+
+def test_the_noisy_neighbour_ideal_offers_only_the_interactive_tenants(at_tenth: dict[str, ScenarioResult]) -> None:
+    res = at_tenth["noisy-neighbour"]
+    ideal = next(s for s in res.summaries if s.ideal)
+    top = res.config.top_tier
+    chat = {t.name for t in res.config.tenants if t.tier == top}
+    assert chat == {"chat-a", "chat-b"}
+    assert ideal.result.outcomes and {o.req.tenant for o in ideal.result.outcomes} == chat  # no RAG request
+    n_chat = sum(1 for r in get_scenario("noisy-neighbour").trace(0.1) if r.tenant in chat)
+    assert ideal.all.offered == n_chat < res.requests
+    # the removed tenant is absent, not reported as 0% served; the figures are over the chat tenants
+    assert set(ideal.tenants) == chat and set(ideal.tiers) == {top} and "rag" not in ideal.served_tokens
+    assert ideal.all.slo == ideal.tiers[top].slo is not None
+    entry = res.to_json()["policies"][-1]
+    assert "rag" not in entry["tenants"] and entry["ideal_scope"]["not_offered"] == ["rag"]
+    assert "| ideal (2 nodes)   | rag" not in res.markdown()
+
+
+def test_an_ideal_offered_nothing_reports_no_figures_and_divides_by_nothing() -> None:
+    from kvgate.scenarios.workloads import SHORT, Ideal, Scenario, Stream, const
+
+    sc = Scenario("quiet", "quiet", "", "8b-h100", 20.0,
+                  {"tenants": [{"name": "app", "tier": "standard"}], "nodes": NODES},
+                  (Policy("none", 1),), (Stream("app", SHORT, const(1.0)),),
+                  ideal=Ideal(1, tiers=("interactive",)))
+    res = run(sc)
+    ideal = res.summaries[-1]
+    assert ideal.ideal and ideal.all.offered == 0 and ideal.all.slo is None and ideal.all.ttft == (None,) * 3
+    assert ideal.goodput == 0 and ideal.goodput_per_gpu == 0 and not ideal.tenants
+    assert "| ideal (1 nodes)" in res.markdown() and res.to_json()["policies"][-1]["ideal_scope"]["tenants"] == []
+
+
+def test_breaker_opens_are_counted_by_cause(at_tenth: dict[str, ScenarioResult]) -> None:
+    opened = 0
+    for res in at_tenth.values():
+        for s, e in zip(res.summaries, res.to_json()["policies"], strict=True):
+            by = e["breaker_opens_by_cause"]
+            assert set(by) == {"latency", "kv", "trial"} and sum(by.values()) == e["breaker_opens"]
+            assert by == s.breaker_opens_by_cause
+            opened += e["breaker_opens"]
+    assert opened > 0  # the overload's slowed node trips kvgate's breaker even at a tenth of the run
+    kvgate_row = next(s for s in at_tenth["overload"].summaries if s.result.policy.name == "kvgate")
+    assert kvgate_row.breaker_opens_by_cause["latency"] > 0  # node 0 is slow, not full
+    assert "breaker opens (lat/kv/trial)" in at_tenth["overload"].markdown()
 
 
 # -- the report --------------------------------------------------------------------------------------

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 from ext_proc.admission import Decision, Usage
+from ext_proc.breaker import open_cause
 from ext_proc.config import Config, parse_config
 from ext_proc.core import Answer, Core, Ended, Held, null_logger
 from ext_proc.core import Request as GatewayRequest
@@ -34,6 +35,7 @@ from ext_proc.identity import hash_key
 from gpu_probe.parse import EngineReading
 from gpu_probe.snapshot import Deriver
 from scaler.law import ControlLaw, LawSettings, Signals
+from scaler.signals import BUDGET_REASONS, KINDS
 from sim.engine import Engine, EngineOptions
 from sim.profiles import Profile
 from sim.scheduler import Request
@@ -45,6 +47,10 @@ PUMP_INTERVAL_S = 0.05
 PROBE_INTERVAL_S = 0.5
 """As ``kvgate probe --interval``'s default."""
 CHARS_PER_TOKEN = 4
+
+BREAKER_CAUSES = ("latency", "kv", "trial")
+"""A breaker's opening by cause (``ext_proc.breaker.open_cause``, what kvgate's metric counts): a latency
+trip, a KV trip, or a re-open while half-open (a trial failed or the node still read unhealthy)."""
 
 Admit = Literal["none", "kv-shed", "kvgate"]
 Autoscale = Literal["none", "queue", "scaler"]
@@ -60,14 +66,20 @@ class Policy:
     autoscale: Autoscale = "none"
     min_nodes: int = 1
     max_nodes: int = 16
+    ideal: bool = False
+    """A scenario's ideal reference (``workloads.Ideal``), not a policy to compare as one."""
 
     @property
     def label(self) -> str:
         return f"{self.name} ({self.nodes}{'+' if self.autoscale != 'none' else ''} nodes)"
 
-    def configure(self, base: Config) -> Config:
-        """The kvgate config this policy runs with; every tenant gets the run's API key."""
+    def configure(self, base: Config, profile: str | None = None) -> Config:
+        """The kvgate config this policy runs with; every tenant gets the run's API key. ``profile``: the
+        simulated nodes' step-time profile, the prior of kvgate's performance model unless the config
+        names one (what an operator sets in ``nodes.performance`` for the model and GPU the pool runs)."""
         doc = kv_shed_config(base) if self.admission == "kv-shed" else base.model_dump(mode="json")
+        if profile is not None and base.nodes is not None and "performance" not in base.nodes.model_fields_set:
+            doc.setdefault("nodes", {})["performance"] = {"profile": profile}
         for t in doc.get("tenants", []):
             t["api_key_sha256"] = [hash_key(run_key(t["name"]))]
         return parse_config(doc)
@@ -102,6 +114,21 @@ class Degrade:
     at: float
     node: int
     factor: float
+
+
+@dataclass(frozen=True)
+class Outage:
+    """From ``start`` to ``end`` (virtual seconds) the node ``node`` (index) is out of service: plain
+    least-request routing (the ``none`` admission) sends it no new request; what it already runs
+    finishes there at its normal speed. An ideal reference's way of taking a sick node out exactly
+    while it is sick (no detection delay, no false positives)."""
+
+    start: float
+    end: float
+    node: int
+
+    def covers(self, node: int, t: float) -> bool:
+        return node == self.node and self.start <= t < self.end
 
 
 @dataclass
@@ -148,12 +175,16 @@ class SimNode:
             h[1] += 1.0
 
     def reading(self) -> EngineReading:
-        s = self.engine.scheduler
+        e = self.engine
+        s = e.scheduler
         return EngineReading(self.engine.profile.model_name, "0", kv_usage=s.kv_usage,
                              kv_metric="vllm:kv_cache_usage_perc",
                              running=float(len(s.running)), waiting=float(s.num_waiting),
-                             counters={"preemptions": float(s.preemptions)},
-                             hist={k: (v[0], v[1]) for k, v in self.hist.items()},
+                             counters={"preemptions": float(s.preemptions),
+                                       "generation_tokens": float(s.generation_tokens)},
+                             hist={**{k: (v[0], v[1]) for k, v in self.hist.items()},
+                                   "itl": (e.itl_sum, float(e.itl_count)),
+                                   "iteration": (float(e.step_tokens), float(e.steps))},
                              num_gpu_blocks=s.cfg.num_gpu_blocks, block_size=s.cfg.block_size)
 
     @property
@@ -174,6 +205,8 @@ class RunResult:
     """(time, nodes provisioned) at every change."""
     breaker_opens: int
     lost: int
+    breaker_opens_by_cause: dict[str, int] = field(default_factory=dict)
+    """``breaker_opens`` split by cause (latency | kv | trial), as kvgate's core classifies them."""
 
 
 def _slowed(p: Profile, factor: float) -> Profile:
@@ -193,11 +226,15 @@ def kv_shed_config(base: Config) -> dict[str, Any]:
 
 class Run:
     """The event loop. Events: arrivals (from the trace), node step ends, the pump/probe tick, the
-    autoscaler's tick, node start-ups and scenario events (a node slowing down)."""
+    autoscaler's tick, node start-ups and scenario events (a node slowing down). ``outages`` (plain
+    least-request only) take a node out of node choice for a window; they need no event."""
 
     def __init__(self, config: Config, policy: Policy, profile: Profile, trace: list[TraceRequest],
                  seed: int = 0, engine: EngineOptions | None = None, autoscaling: Autoscaling | None = None,
-                 cold_start_s: float | None = None, degrade: tuple[Degrade, ...] = ()) -> None:
+                 cold_start_s: float | None = None, degrade: tuple[Degrade, ...] = (),
+                 outages: tuple[Outage, ...] = ()) -> None:
+        if outages and policy.admission != "none":
+            raise ValueError("outages apply to plain least-request routing (admission none) only")
         self.now = 0.0
         self.policy = policy
         self.profile = profile
@@ -206,8 +243,9 @@ class Run:
         self.auto = autoscaling or Autoscaling()
         self.cold_start_s = profile.cold_start_s if cold_start_s is None else cold_start_s
         self.degrade = sorted(degrade, key=lambda d: d.at)
+        self.outages = tuple(outages)
         self.base_config = config
-        self.config = config = policy.configure(config)
+        self.config = config = policy.configure(config, profile.name)
         priority = policy.admission == "kvgate" and config.queue.inject_priority
         self.engine_options = replace(engine or EngineOptions(), policy="priority" if priority else "fcfs")
         base = self.base_config  # tiers for the report: the same for every policy
@@ -219,13 +257,16 @@ class Run:
         self._by_address: dict[str, SimNode] = {}
         self.node_timeline: list[tuple[float, int]] = []
         self.breaker_opens = 0
+        self.breaker_opens_by_cause: dict[str, int] = {c: 0 for c in BREAKER_CAUSES}
         self.transitions: list[tuple[float, str, str, str, str]] = []
         self._inflight: dict[Request, tuple[int, str | None]] = {}
         """Engine request → (outcome index, kvgate ticket)."""
         self._held: dict[str, int] = {}
         """Request id of a queued request → outcome index."""
         self._decisions: deque[tuple[float, str, str]] = deque()
-        """(time, kind, tenant) for the scaler's window: admitted | capacity | policy."""
+        """(time, kind, tenant) for the scaler's window: admitted | capacity | policy, and besides those
+        budget (a policy 429 for the tenant's own budget), fleet (a 429 the fleet caused), slo_miss (admitted,
+        predicted to miss its TTFT target)."""
         self._desired_history: deque[tuple[float, int]] = deque()
         self._next_poll = 0.0
         self.core: Core | None = None
@@ -237,7 +278,8 @@ class Run:
                              on_transition=self._transition)
         if policy.autoscale == "scaler":
             self.law = ControlLaw(replace(self.auto.law, min_replicas=policy.min_nodes,
-                                          max_replicas=policy.max_nodes))
+                                          max_replicas=policy.max_nodes, cold_start_s=self.cold_start_s,
+                                          window_s=self.auto.window_s))
         for _ in range(policy.nodes):
             self._provision(ready=True)
         self.node_timeline = [(trace[0].t if trace else 0.0, policy.nodes)]
@@ -299,6 +341,8 @@ class Run:
         self.transitions.append((self.now, node, old.value, new.value, why))
         if new.value == "open":
             self.breaker_opens += 1
+            cause = open_cause(why)  # kvgate's own classification, as its metric counts it
+            self.breaker_opens_by_cause[cause] = self.breaker_opens_by_cause.get(cause, 0) + 1
 
     def _probe(self, n: SimNode) -> None:
         if self.now - n.snapshot_at >= PROBE_INTERVAL_S - 1e-9:
@@ -339,11 +383,13 @@ class Run:
         o.status, o.reason, o.klass, o.decided_at = status, reason, klass, self.now
         if klass in ("capacity", "policy"):
             self._decisions.append((self.now, klass, o.req.tenant))
+        if klass == "policy" and reason in BUDGET_REASONS:
+            self._decisions.append((self.now, "budget", o.req.tenant))
 
     def _arrive(self, i: int) -> None:
         r = self.outcomes[i].req
         if self.core is None:
-            ready = [n for n in self.nodes if n.state == "ready"]
+            ready = [n for n in self.nodes if n.state == "ready" and not self._out(n)]
             if not ready:
                 self._reject(i, 503, "no-node", "capacity")
                 return
@@ -360,6 +406,10 @@ class Run:
             self._decided(i, out.decision)
         self._answers()
 
+    def _out(self, n: SimNode) -> bool:
+        """Out of service now (an ``Outage``)."""
+        return any(o.covers(n.index, self.now) for o in self.outages)
+
     def _answers(self) -> None:
         """Requests the core decided out of its queue."""
         assert self.core is not None
@@ -375,9 +425,13 @@ class Run:
             assert d.lease is not None and d.lease.node is not None
             self._send(i, self._by_address[d.lease.node], d.lease.ticket)
             self._decisions.append((self.now, "admitted", self.outcomes[i].req.tenant))
+            if d.lease.slo_miss:
+                self._decisions.append((self.now, "slo_miss", self.outcomes[i].req.tenant))
         else:
             assert d.rejection is not None
             self._reject(i, d.rejection.status, d.rejection.reason, d.rejection.klass)
+            if d.rejection.fleet_caused:
+                self._decisions.append((self.now, "fleet", self.outcomes[i].req.tenant))
 
     def _step_end(self, n: SimNode) -> None:
         n.busy = False
@@ -437,11 +491,12 @@ class Run:
             horizon = self.now - self.auto.window_s
             while self._decisions and self._decisions[0][0] < horizon:
                 self._decisions.popleft()
-            by: dict[str, dict[str, float]] = {"admitted": {}, "capacity": {}, "policy": {}}
+            by: dict[str, dict[str, float]] = {k: {} for k in KINDS}
             for _, kind, tenant in self._decisions:
                 by[kind][tenant] = by[kind].get(tenant, 0.0) + 1
             sig = Signals(self.now, by["admitted"], by["capacity"], by["policy"], float(self.core.queued),
-                          len(ready), True)
+                          len(ready), True, fleet_caused=by["fleet"], budget_rejected=by["budget"],
+                          slo_missed=by["slo_miss"])
             target = self.law.decide(sig, self.now).desired
         if target > provisioned:
             for _ in range(target - provisioned):
@@ -497,7 +552,7 @@ class Run:
         gpu_s = sum(min(n.stopped_at or last, last) - n.provisioned_at for n in self.nodes)
         lost = sum(1 for o in self.outcomes if o.status == 0 or (o.status == 200 and o.e2e is None))
         return RunResult(self.policy, self.outcomes, last - start, gpu_s * gpus, gpus, self.node_timeline,
-                         self.breaker_opens, lost)
+                         self.breaker_opens, lost, dict(self.breaker_opens_by_cause))
 
     def _busy(self) -> bool:
         return bool(self._inflight or self._held)

@@ -12,6 +12,17 @@ Definitions (also in the README):
 * Fairness: Jain's index of the weighted tokens each tenant was served, each divided by its weighted
   max-min fair share of the total that was served (so a tenant that asked for less than its share is
   not "unfair" by being served less). 1.0 = every tenant got its fair share.
+* Fairness over time (``jain_60s_mean``, ``jain_60s_min``): the same index per 60 s window of arrivals,
+  over the tenants active in that window (see ``jain_windows``); the mean over windows, and the worst
+  window. A run can be fair in total and starve a tenant for a minute; these show it.
+* Breaker opens: the total, and by cause as kvgate classifies them (``ext_proc.breaker.open_cause``):
+  ``latency`` (a prefill-latency trip), ``kv`` (a KV trip), ``trial`` (re-opened while half-open).
+* The ideal row (``ideal (N nodes)``, ``"ideal": true`` in JSON; ``Scenario.ideal``): policy none
+  without the scenario's disturbance, a reference rather than a policy. Its figures are over what it
+  was offered: where the ideal removes tenants from the trace (noisy-neighbour keeps only the
+  interactive tier), SLO attainment, latency and Jain are over the kept tenants alone, and a removed
+  tenant has no row at all (not a 0%-served one); every ratio is guarded, so an ideal offered nothing
+  reports ``-``/None, never a division by zero.
 """
 
 from __future__ import annotations
@@ -24,7 +35,7 @@ from typing import Any
 
 from ext_proc.config import Config
 
-from .driver import Outcome, RunResult
+from .driver import BREAKER_CAUSES, Outcome, RunResult
 
 
 def percentile(xs: Sequence[float], p: float) -> float | None:
@@ -113,6 +124,22 @@ class Summary:
     goodput_per_gpu: float
     fairness: float | None
     served_tokens: dict[str, float]
+    jain_60s_mean: float | None = None
+    """Jain's index (as ``fairness``) per 60 s window of arrivals over the tenants active in it
+    (``jain_windows``), averaged over the windows; None: no window with two active tenants."""
+    jain_60s_min: float | None = None
+    """The same index in the worst 60 s window."""
+
+    @property
+    def ideal(self) -> bool:
+        """The scenario's ideal reference row (``Scenario.ideal``), not a policy: its figures cover only
+        what it was offered (a tenant removed from its trace has no row, not a 0% one)."""
+        return self.result.policy.ideal
+
+    @property
+    def breaker_opens_by_cause(self) -> dict[str, int]:
+        """Every cause, 0 when none opened (a policy without kvgate's core has no breakers)."""
+        return {**{c: 0 for c in BREAKER_CAUSES}, **self.result.breaker_opens_by_cause}
 
     def to_json(self) -> dict[str, Any]:
         a = self.all
@@ -122,7 +149,9 @@ class Summary:
             "rejected_503": a.rejected_capacity, "lost": self.result.lost,
             "ttft_p50_p95_p99": a.ttft, "e2e_p50_p95_p99": a.e2e, "slo_attainment": a.slo,
             "goodput_rps": self.goodput, "goodput_per_gpu": self.goodput_per_gpu, "jain": self.fairness,
-            "breaker_opens": self.result.breaker_opens,
+            "jain_60s_mean": self.jain_60s_mean, "jain_60s_min": self.jain_60s_min,
+            "breaker_opens": self.result.breaker_opens, "breaker_opens_by_cause": self.breaker_opens_by_cause,
+            "ideal": self.ideal,
             "tiers": {t: {"ttft_p50_p95_p99": g.ttft, "slo_attainment": g.slo, "offered": g.offered,
                           "admitted": g.admitted} for t, g in self.tiers.items()},
             "tenants": {t: {"offered": g.offered, "admitted": g.admitted, "rejected_429": g.rejected_policy,
@@ -156,7 +185,49 @@ def summarize(r: RunResult, config: Config) -> Summary:
     return Summary(r.policy.label, r, a, {t: group((o for o in r.outcomes if o.tier == t), targets) for t in tiers},
                    {t: group((o for o in r.outcomes if o.req.tenant == t), targets) for t in tenants}, reasons,
                    r.gpu_seconds / 3600.0, avg_gpus, goodput, goodput / avg_gpus if avg_gpus else 0.0, fairness,
-                   served)
+                   served, **_windowed(r.outcomes, weight, w_out))
+
+
+JAIN_WINDOW_S = 60.0
+
+
+def jain_windows(outcomes: Sequence[Outcome], weight: dict[str, float], output_token_weight: float = 1.0,
+                 window_s: float = JAIN_WINDOW_S) -> list[float]:
+    """Jain's index per window, in time order: ``summarize``'s whole-run ``fairness``, computed the same
+    way over the requests that *arrived* in each window of ``window_s`` seconds (counted from the first
+    arrival; the last one may be shorter). Per window: each active tenant's demand (prompt +
+    ``output_token_weight`` x output tokens of the requests it offered in the window) and what of it was
+    served (admitted), the weighted max-min fair shares of what the window served, and Jain's index of
+    served / fair share. Active tenants: those that offered a request in the window (a tenant silent for
+    a minute is not starved in it). Windows with fewer than two active tenants say nothing about fairness
+    and are left out, as are windows where nothing was served (no index)."""
+    if not outcomes:
+        return []
+    start = min(o.req.t for o in outcomes)
+    demand: dict[int, dict[str, float]] = {}
+    served: dict[int, dict[str, float]] = {}
+    for o in outcomes:
+        k = int((o.req.t - start) // window_s)
+        cost = o.req.prompt_tokens + output_token_weight * o.req.output_tokens
+        d, s = demand.setdefault(k, {}), served.setdefault(k, {})
+        d[o.req.tenant] = d.get(o.req.tenant, 0.0) + cost
+        s[o.req.tenant] = s.get(o.req.tenant, 0.0) + (cost if o.status == 200 else 0.0)
+    out = []
+    for k in sorted(demand):
+        d, s = demand[k], served[k]
+        if len(d) < 2:
+            continue
+        w = {t: weight.get(t, 1.0) for t in d}
+        fair = max_min_shares({t: d[t] / w[t] for t in d}, w, sum(s.values()))
+        j = jain([s[t] / fair[t] for t in d if fair[t] > 0])
+        if j is not None:
+            out.append(j)
+    return out
+
+
+def _windowed(outcomes: Sequence[Outcome], weight: dict[str, float], w_out: float) -> dict[str, float | None]:
+    js = jain_windows(outcomes, weight, w_out)
+    return {"jain_60s_mean": sum(js) / len(js) if js else None, "jain_60s_min": min(js) if js else None}
 
 
 # -- tables ----------------------------------------------------------------------------------------
@@ -188,10 +259,18 @@ def overview(sums: list[Summary]) -> str:
                      str(a.rejected_policy), str(a.rejected_capacity), str(s.result.lost),
                      f"{fmt_s(a.ttft[0])} / {fmt_s(a.ttft[2])}", f"{fmt_s(a.e2e[2])}", _pct(a.slo),
                      f"{s.goodput:.2f}", f"{s.goodput_per_gpu:.2f}",
-                     "-" if s.fairness is None else f"{s.fairness:.2f}", str(s.result.breaker_opens)])
+                     "-" if s.fairness is None else f"{s.fairness:.2f}", _opens(s)])
     return table(["policy", "GPUs (avg)", "GPU-h", "offered", "admitted", "429", "503", "lost",
                    "TTFT p50 / p99", "e2e p99", "SLO met", "goodput req/s", "per GPU", "Jain",
-                   "breaker opens"], rows)
+                   "breaker opens (lat/kv/trial)"], rows)
+
+
+def _opens(s: Summary) -> str:
+    """The total, and its split by cause when any opened: ``7 (5/0/2)``."""
+    total = s.result.breaker_opens
+    if not total:
+        return "0"
+    return f"{total} ({'/'.join(str(n) for n in s.breaker_opens_by_cause.values())})"
 
 
 def by_tier(sums: list[Summary]) -> str:
@@ -228,10 +307,14 @@ PLOTS_HINT = "pip install 'kvgate[bench]'"
 
 
 def plots_available() -> bool:
-    """matplotlib is an optional extra (``kvgate[bench]``); without it no PNG is written."""
-    import importlib.util
-
-    return importlib.util.find_spec("matplotlib") is not None
+    """matplotlib is an optional extra (``kvgate[bench]``); without it no PNG is written. Tried by
+    importing it: a package that is found but does not import (a broken install) counts as absent, so
+    the report is still written and the caller says why there are no plots."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 def plots(name: str, sums: list[Summary], out: Path, config: Config | None = None) -> list[Path]:

@@ -126,6 +126,10 @@ class ScenarioResult:
     summaries: list[report.Summary]
     seconds: float
     """Wall-clock time the whole comparison took."""
+    ideal_note: str = ""
+    """What the ideal row (if any) was offered, in words."""
+    ideal_scope: dict[str, Any] | None = None
+    """The same for ``--json``: the ideal entry's ``ideal_scope``."""
 
     def markdown(self) -> str:
         sc = self.scenario
@@ -133,14 +137,18 @@ class ScenarioResult:
         if sc.guide:
             parts += [f"The field guide: {sc.guide}", ""]
         parts += [f"{self.requests} requests, seed {sc.seed}; simulated in {self.seconds:.1f} s of wall time.", "",
-                  report.overview(self.summaries), "", "Per SLA tier:", "", report.by_tier(self.summaries), "",
+                  report.overview(self.summaries), ""]
+        if sc.ideal is not None:
+            parts += [self.ideal_note, ""]
+        parts += ["Per SLA tier:", "", report.by_tier(self.summaries), "",
                   "Per tenant:", "", report.by_tenant(self.summaries), "", "Rejections by reason:", "",
                   report.reasons(self.summaries), ""]
         return "\n".join(parts)
 
     def to_json(self) -> dict[str, Any]:
         return {"scenario": self.scenario.name, "requests": self.requests, "seed": self.scenario.seed,
-                "policies": [s.to_json() for s in self.summaries]}
+                "policies": [{**s.to_json(), **({"ideal_scope": self.ideal_scope} if s.ideal else {})}
+                             for s in self.summaries]}
 
 
 def run(sc: Scenario, trace: list[TraceRequest] | None = None, scale: float = 1.0) -> ScenarioResult:
@@ -155,7 +163,18 @@ def run(sc: Scenario, trace: list[TraceRequest] | None = None, scale: float = 1.
         r = simulate(config, p, profile, trace, sc.seed, autoscaling=sc.autoscaling, degrade=degrade,
                      cold_start_s=sc.cold_start_s)
         sums.append(report.summarize(r, config))
-    return ScenarioResult(sc, config, len(trace), sums, time.perf_counter() - t0)
+    note, scope = "", None
+    if sc.ideal is not None:  # the reference: policy none, no disturbance, same seed, same run
+        ideal = sc.ideal
+        outages = ideal.scaled(scale)
+        r = simulate(config, ideal.policy, profile, ideal.offered(config, trace), sc.seed,
+                     autoscaling=sc.autoscaling, outages=outages, cold_start_s=sc.cold_start_s)
+        sums.append(report.summarize(r, config))
+        kept, removed = ideal.tenants(config, trace)
+        note = ideal.describe(config, trace, scale)
+        scope = {"nodes": ideal.nodes, "tenants": kept, "not_offered": removed,
+                 "out": [{"node": o.node, "start": o.start, "end": o.end} for o in outages]}
+    return ScenarioResult(sc, config, len(trace), sums, time.perf_counter() - t0, note, scope)
 
 
 def write_report(results: list[ScenarioResult], out: Path, plots: bool = True) -> Path:

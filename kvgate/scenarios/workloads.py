@@ -7,12 +7,13 @@ from __future__ import annotations
 import math
 import random
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
+from ext_proc.config import Config
 from scaler.law import LawSettings
 
-from .driver import Autoscaling, Degrade, Policy
+from .driver import Autoscaling, Degrade, Outage, Policy
 from .trace import TraceRequest
 
 Rate = Callable[[float], float]
@@ -80,6 +81,59 @@ def const(r: float) -> Rate:
 
 
 @dataclass(frozen=True)
+class Ideal:
+    """A scenario's reference row, run beside its policies over the same trace: policy ``none`` (plain
+    least-request) on ``nodes`` nodes *without* the scenario's disturbance — no ``degrade`` events, and
+    only the requests ``tiers`` keeps, with ``out`` taking nodes out of node choice. Labelled
+    ``ideal (N nodes)``; not a policy anyone can deploy, the bar the policies are read against."""
+
+    nodes: int
+    tiers: tuple[str, ...] | None = None
+    """Offer only the requests of tenants in these SLA tiers (None: the whole trace). The other tenants
+    are not offered at all, so the row's figures (SLO, latency, Jain) are over the kept tenants alone."""
+    out: tuple[Outage, ...] = ()
+    """Nodes out of service, each for a window (scaled with ``--scale`` as ``degrade`` is)."""
+
+    @property
+    def policy(self) -> Policy:
+        return Policy("ideal", self.nodes, ideal=True)
+
+    def tenants(self, config: Config, trace: list[TraceRequest]) -> tuple[list[str], list[str]]:
+        """(kept, removed) tenants of ``trace``; a tenant the config lacks counts in its lowest tier, as
+        the driver reports it."""
+        names = sorted({r.tenant for r in trace})
+        if self.tiers is None:
+            return names, []
+
+        def tier(name: str) -> str:
+            t = config.tenant(name)
+            return t.tier if t is not None else config.lowest_tier
+
+        kept = [n for n in names if tier(n) in self.tiers]
+        return kept, [n for n in names if n not in kept]
+
+    def offered(self, config: Config, trace: list[TraceRequest]) -> list[TraceRequest]:
+        kept = set(self.tenants(config, trace)[0])
+        return [r for r in trace if r.tenant in kept]
+
+    def scaled(self, scale: float) -> tuple[Outage, ...]:
+        return tuple(replace(o, start=o.start * scale, end=o.end * scale) for o in self.out)
+
+    def describe(self, config: Config, trace: list[TraceRequest], scale: float = 1.0) -> str:
+        kept, removed = self.tenants(config, trace)
+        what = []
+        if removed:
+            what.append(f"only the {' / '.join(self.tiers or ())} tier's tenants ({', '.join(kept) or 'none'}) "
+                        f"are offered; {', '.join(removed)}'s requests are removed from the trace, so the row's "
+                        f"SLO and latency figures are over {', '.join(kept) or 'nothing'} alone")
+        for o in self.scaled(scale):
+            what.append(f"node {o.node} is out of service from {o.start:g} s to {o.end:g} s (it takes no new "
+                        "request and is not slowed: what it runs finishes at normal speed), in again after")
+        return (f"*{self.policy.label}*: policy none (least-request) without the disturbance"
+                + (": " + "; ".join(what) if what else "") + ". A reference to read the policies against.")
+
+
+@dataclass(frozen=True)
 class Scenario:
     name: str
     title: str
@@ -96,6 +150,8 @@ class Scenario:
     cold_start_s: float | None = None
     guide: str = ""
     """What the field guide reports for this case."""
+    ideal: Ideal | None = None
+    """The reference row (policy none without the disturbance); None: the scenario has no disturbance."""
 
     def trace(self, scale: float = 1.0) -> list[TraceRequest]:
         """The scenario's requests; ``scale`` < 1 shortens the run (tests)."""
@@ -136,6 +192,7 @@ def _noisy_neighbour() -> Scenario:
         streams,
         guide="34B on A100 80GB, 60% short / 40% long at 200 req/s: p99 2.1 s on 4 nodes, 1.8 s on 8, "
               "340 ms with admission control on 2.",
+        ideal=Ideal(2, tiers=("interactive",)),  # the chat tenants alone on the same fleet: no flood
     )
 
 
@@ -160,6 +217,7 @@ def _overload() -> Scenario:
         (Policy("none", 3), Policy("kv-shed", 3, "kv-shed"), Policy("kvgate", 3, "kvgate")),
         streams, degrade=(Degrade(60.0, 0, 6.0), Degrade(210.0, 0, 1.0)),
         guide="a circuit breaker on KV and latency took p99 from 6.2 s to 480 ms at peak.",
+        ideal=Ideal(3, out=(Outage(60.0, 210.0, 0),)),  # node 0 out exactly while it is slow, not slowed
     )
 
 

@@ -1,0 +1,106 @@
+"""A performance model per vLLM node: how long its engine steps take, so when a request would get its
+first token there and how much it would delay the requests already there.
+
+A vLLM v1 engine step costs ``a + b·prefill_tokens + c·decode_seqs + d·context_tokens`` — the form
+published simulators fit to vLLM (Vidur, BLIS) and kvgate's simulated node (``sim/``) runs. The four
+coefficients and the step's token budget (``max_num_batched_tokens``) are a *prior* from the config
+(``nodes.performance``: a profile name or the figures); online, each node learns a **speed factor**:
+its observed step time (vLLM's inter-token latency: one step per decoded token) over what the prior
+predicts for the batch it actually ran (vLLM's iteration-tokens histogram: tokens per step; generated
+tokens: the decode part). A node on other hardware than the prior's learns its factor in a few readings;
+a node whose factor runs away from its own learned baseline is sick (``breaker.py``) — a big batch is
+not, because the model already accounts for it.
+
+The factor is one scalar rather than a fresh fit of four coefficients: a probe interval gives one
+aggregate reading, not per-step samples, and a scalar fit from such readings is stable where four are not.
+
+Pure arithmetic; no clock.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from .config import Performance
+
+MIN_FACTOR, MAX_FACTOR = 0.1, 50.0
+FACTOR_ALPHA = 0.3
+"""How fast the speed factor follows new readings (an EWMA): a slowed node shows within a few readings."""
+
+
+@dataclass(frozen=True, slots=True)
+class StepModel:
+    """A step-time model in seconds, and the engine's per-step limits."""
+
+    a: float
+    """Fixed cost of a step (s)."""
+    b: float
+    """Per prefill token (s)."""
+    c: float
+    """Per decoding sequence (s)."""
+    d: float
+    """Per token of context attended (s)."""
+    max_batched_tokens: int = 8192
+    max_seqs: int = 1024
+
+    def step(self, prefill: float, decode: float, context: float) -> float:
+        return self.a + self.b * prefill + self.c * decode + self.d * context
+
+    def chunk(self, decode: float) -> float:
+        """Prefill tokens one step has room for beside ``decode`` running sequences (vLLM schedules
+        running requests first: each decode takes one token of the step's budget)."""
+        return max(self.max_batched_tokens - min(decode, self.max_seqs), self.max_batched_tokens / 16)
+
+    def prefill(self, tokens: float, decode: float, context: float) -> float:
+        """Seconds to prefill ``tokens`` with nothing ahead, beside ``decode`` sequences holding
+        ``context`` tokens: chunked into steps of :meth:`chunk` tokens, each also decoding the rest."""
+        if tokens <= 0:
+            return 0.0
+        steps = math.ceil(tokens / self.chunk(decode))
+        # each step attends the running context plus what is prefilled so far (on average half the prompt)
+        return steps * (self.a + self.c * decode + self.d * (context + tokens / 2)) + self.b * tokens
+
+
+@dataclass(slots=True)
+class Speed:
+    """A node's speed factor: observed step time over the model's, smoothed."""
+
+    factor: float = 1.0
+    readings: int = 0
+
+    def observe(self, ratio: float) -> None:
+        ratio = min(MAX_FACTOR, max(MIN_FACTOR, ratio))
+        self.factor = ratio if self.readings == 0 else self.factor + FACTOR_ALPHA * (ratio - self.factor)
+        self.readings += 1
+
+
+def step_ratio(model: StepModel, step_s: float | None, step_tokens: float | None, step_decode: float | None,
+               running: float | None, context: float | None) -> float | None:
+    """Observed over modelled step time for one probe interval, or None when the interval says nothing
+    (no decode step). ``step_s``: the mean inter-token latency; ``step_tokens``/``step_decode``: tokens
+    and decode tokens per step (None from a vLLM without the iteration-tokens histogram: then the batch is
+    taken as the running sequences decoding); ``context``: tokens held in the KV cache."""
+    if step_s is None or step_s <= 0:
+        return None
+    if step_tokens is not None and step_decode is not None:
+        decode, prefill = step_decode, max(0.0, step_tokens - step_decode)
+    else:
+        decode, prefill = (running or 0.0), 0.0
+    modelled = model.step(prefill, decode, context or 0.0)
+    return step_s / modelled if modelled > 0 else None
+
+
+def from_config(p: Performance) -> StepModel:
+    """The prior of ``nodes.performance``: its profile's figures, each overridden where given."""
+    from sim.profiles import get_profile
+
+    prof = get_profile(p.profile)
+
+    def pick(v: float | None, default: float) -> float:
+        return (v if v is not None else default) / 1000.0
+
+    return StepModel(pick(p.a_ms, prof.a_ms), pick(p.b_ms_per_prefill_token, prof.b_ms_per_prefill_token),
+                     pick(p.c_ms_per_decode_seq, prof.c_ms_per_decode_seq),
+                     pick(p.d_ms_per_context_token, prof.d_ms_per_context_token),
+                     p.max_num_batched_tokens or prof.max_num_batched_tokens, p.max_num_seqs or prof.max_num_seqs)

@@ -1,0 +1,553 @@
+"""``kvgate bench families``: generated workload families, traffic nobody tuned kvgate for.
+
+The three built-in scenarios (``workloads.py``) are the field guide's cases, each hand-set. A family is
+a *generator*: for a (family, seed) it draws a whole case (tenants, their tiers and traffic, a model
+profile, a small static fleet, an offered load, kvgate's config) and every policy runs over the same
+trace through the production path (``runner.run`` → ``driver.simulate``). Several seeds per family
+give a median and a worst case instead of one hand-picked figure. Deterministic: one
+``random.Random`` per (family, seed), never the global one; the same (family, seed) always gives the
+same scenario and the same trace.
+
+Families (the names are an interface; they stay):
+
+* ``bursty-onoff`` — each tenant alternates on and off periods of random (exponential) lengths;
+* ``bursty-mmpp`` — each tenant a Markov-modulated Poisson process: 2-3 rate states, random switching;
+* ``diurnal`` — a day compressed into the run (trough at start and end, peak mid-run; batch tenants in
+  anti-phase, as night jobs) and a burst of 1.5-3x for 30-90 s on the interactive and standard tenants;
+* ``mixed`` — each tenant's share of long requests shifts over the run (piecewise linear), so the mix of
+  short and long prompts the fleet sees changes under a steady request rate.
+
+What every seed draws (``family``):
+
+* 2-5 tenants over the tiers interactive / standard / batch, at least one interactive (with three or
+  more, each tier at least once), named ``chat-N`` / ``api-N`` / ``batch-N``, each with a share of the
+  requests (lognormal weights) and of long requests (interactive 0-10%, standard 10-50%, batch 40-90%);
+  requests are ``workloads.SHORT`` or ``workloads.LONG`` (long ones reserve ``max_tokens: 1024``
+  outside the interactive tier);
+* the profile, rotating over ``8b-h100``, ``34b-h100``, ``70b-h100x4`` with the seed (and the family,
+  so one seed gives each family a different one): three seeds cover the three;
+* a static fleet of 2-4 nodes, a run of 300-600 s (whole 30 s), and an offered load of 60-110% of the
+  fleet's estimated capacity (``node_capacity_rps``), averaged over the run (bursts go above it);
+* kvgate's config: the tenants with their tiers; every batch tenant ``max_concurrent`` 8, 16 or 32 (a
+  round number, not fitted to the fleet); half the standard tenants ``tokens_per_minute`` of 1.5-3x
+  their mean demand (two significant figures); ``queue: {inject_priority: true}``; the nodes
+  placeholder (``PLACEHOLDER_NODES``).
+
+Policies (default: all five): ``none``, ``kv-shed`` and ``kvgate`` on the drawn fleet;
+``autoscale-only`` and ``kvgate+scaler`` start at that fleet, between 1 and min(16, 3x) nodes, with
+``kvgate scaler``'s default law except a 120 s cooldown (runs are 5-10 minutes: the default 10-minute
+cooldown would never scale down).
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import statistics
+import time
+from bisect import bisect_right
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from functools import cache
+from typing import Any
+
+from sim.profiles import Profile, get_profile
+
+from . import report
+from .runner import BenchConfig, PolicyName, ScalerSettings, ScenarioResult, run
+from .trace import TraceRequest
+from .workloads import LONG, PLACEHOLDER_NODES, SHORT, Rate, Scenario, Shape, Stream
+
+FAMILIES: dict[str, str] = {
+    "bursty-onoff": "tenants alternating on/off periods of random lengths",
+    "bursty-mmpp": "Markov-modulated Poisson: 2-3 rate states per tenant, random switching",
+    "diurnal": "a compressed day (batch in anti-phase) and a burst on the interactive and standard tenants",
+    "mixed": "each tenant's short/long prompt mix shifts over the run",
+}
+"""Family name → what it is. The names are an interface (CLI, JSON): keep them stable."""
+
+FAMILY_PROFILES = ("8b-h100", "34b-h100", "70b-h100x4")
+POLICIES: tuple[PolicyName, ...] = ("none", "kv-shed", "kvgate", "autoscale-only", "kvgate+scaler")
+TIERS = ("interactive", "standard", "batch")
+PREFIX = {"interactive": "chat", "standard": "api", "batch": "batch"}
+LONG_SHARE = {"interactive": (0.0, 0.1), "standard": (0.1, 0.5), "batch": (0.4, 0.9)}
+"""Range of a tenant's share of long requests, by tier (``mixed``: the range its share moves in)."""
+LONG_MAX_TOKENS = 1024
+SCALER = ScalerSettings(cooldown_s=120.0)
+GRID_S = 0.25
+"""Step of the grid rates are integrated and their peak found on (piecewise-constant segments last
+at least ``MIN_SEGMENT_S``, so none falls between two points)."""
+MIN_SEGMENT_S = 2.0
+WINDOW_S = report.JAIN_WINDOW_S
+
+METRICS: dict[str, tuple[str, bool]] = {
+    "interactive_slo": ("interactive SLO", True),
+    "slo": ("SLO (all)", True),
+    "goodput_per_gpu": ("goodput/GPU", True),
+    "gpu_hours": ("GPU-h", False),
+    "jain": ("Jain", True),
+    "jain_60s_mean": ("Jain 60 s mean", True),
+    "jain_60s_min": ("Jain 60 s worst", True),
+}
+"""Per family and policy, over the seeds: name → (table header, higher is better). ``worst`` is the
+lowest seed's value, the highest for ``gpu_hours``."""
+
+
+# -- capacity ----------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Moments:
+    """Expected sizes of one request shape."""
+
+    prompt: float
+    """E[P], prompt tokens."""
+    output: float
+    """E[O], output tokens."""
+    output_ctx: float
+    """E[O·(P + O/2)]: KV tokens held, summed over a request's decode steps."""
+
+
+@cache
+def moments(shape: Shape, points: int = 400) -> Moments:
+    """``shape``'s moments, by quadrature over the normal's quantiles (the clipping included)."""
+    nd = statistics.NormalDist()
+    zs = [nd.inv_cdf((j + 0.5) / points) for j in range(points)]
+
+    def values(median: int, lo_hi: tuple[int, int]) -> list[float]:
+        return [float(min(lo_hi[1], max(lo_hi[0], round(median * math.exp(shape.sigma * z))))) for z in zs]
+
+    ps = values(shape.prompt_median, shape.prompt_range)
+    os_ = values(shape.output_median, shape.output_range)
+    ep, eo = statistics.fmean(ps), statistics.fmean(os_)
+    return Moments(ep, eo, eo * ep + statistics.fmean(o * o for o in os_) / 2)
+
+
+def node_capacity_rps(profile: Profile, long_share: float) -> float:
+    """Requests per second one node serves at saturation, for a mix of ``SHORT`` and ``LONG`` requests
+    (``long_share`` of them long), from the profile's step-time model
+    ``step_ms = a + b·prefill_tokens + c·decode_seqs + d·context_tokens``.
+
+    Over a second of a busy node, the steps' costs add up to 1000 ms. Every request brings
+    ``W = b·E[P] + c·E[O] + d·E[O·(P + O/2)]`` ms (its prefill, its decode slots, the KV it holds at
+    each decode step: on average P + O/2), whatever the batch; the fixed ``a`` per step is shared by
+    the batch, ``a·E[O]/B`` ms per request. The batch is as large as the node allows:
+    ``B = min(max_num_seqs, kv_tokens / (E[O·(P + O/2)] / E[O]))`` (the KV a decoding sequence holds,
+    weighted by its decode steps). So ``capacity = 1000 / (W + a·E[O]/B)``.
+
+    A saturation throughput, not a latency-bound one: at 100% the queue grows without bound and TTFT
+    targets are missed well before. It ignores preemption, the chunked-prefill budget
+    (``max_num_batched_tokens``) and the gateway; it is the yardstick an offered load is set against."""
+    s, lg, f = moments(SHORT), moments(LONG), long_share
+    ep = (1 - f) * s.prompt + f * lg.prompt
+    eo = (1 - f) * s.output + f * lg.output
+    eoc = (1 - f) * s.output_ctx + f * lg.output_ctx
+    work_ms = profile.b_ms_per_prefill_token * ep + profile.c_ms_per_decode_seq * eo \
+        + profile.d_ms_per_context_token * eoc
+    batch = min(float(profile.max_num_seqs), profile.kv_tokens / (eoc / eo))
+    return 1000.0 / (work_ms + profile.a_ms * eo / batch)
+
+
+# -- rates -------------------------------------------------------------------------------------------
+
+def _const(x: float) -> Rate:
+    return lambda t: x
+
+
+def _steps(times: Sequence[float], levels: Sequence[float]) -> Rate:
+    """Piecewise constant: ``levels[i]`` from ``times[i]`` on (``times[0]`` = 0)."""
+    ts, ls = tuple(times), tuple(levels)
+    return lambda t: ls[max(0, bisect_right(ts, t) - 1)]
+
+
+def _linear(times: Sequence[float], values: Sequence[float]) -> Rate:
+    """Piecewise linear through (times[i], values[i]), constant outside."""
+    ts, vs = tuple(times), tuple(values)
+
+    def rate(t: float) -> float:
+        i = bisect_right(ts, t)
+        if i == 0:
+            return vs[0]
+        if i >= len(ts):
+            return vs[-1]
+        t0, t1 = ts[i - 1], ts[i]
+        return vs[i - 1] + (vs[i] - vs[i - 1]) * (t - t0) / (t1 - t0)
+
+    return rate
+
+
+def _scaled(f: Rate, k: float) -> Rate:
+    return lambda t: k * f(t)
+
+
+def _part(k: float, u: Rate, p: Rate, long: bool) -> Rate:
+    """A tenant's short (``long`` False) or long requests: ``k·u(t)·(1 - p(t))`` or ``k·u(t)·p(t)``."""
+    if long:
+        return lambda t: k * u(t) * p(t)
+    return lambda t: k * u(t) * (1.0 - p(t))
+
+
+def _grid(horizon: float) -> list[float]:
+    """Midpoints of the ``GRID_S`` cells of [0, horizon)."""
+    return [(i + 0.5) * GRID_S for i in range(max(1, math.ceil(horizon / GRID_S)))]
+
+
+def _mean(f: Rate, horizon: float) -> float:
+    g = _grid(horizon)
+    return sum(f(t) for t in g) / len(g)
+
+
+def _peak(f: Rate, horizon: float) -> float:
+    """An upper bound of ``f`` over [0, horizon] for thinning (2% over the grid's maximum)."""
+    pts = [i * GRID_S for i in range(math.ceil(horizon / GRID_S) + 1)]
+    return 1.02 * max(f(t) for t in pts)
+
+
+def arrivals(streams: Sequence[Stream], duration_s: float, seed: int, until: float | None = None) -> list[TraceRequest]:
+    """Non-homogeneous Poisson arrivals by thinning, one RNG per stream, as ``workloads.poisson`` but with
+    each rate's peak found on a fine grid over the whole ``duration_s`` (``poisson`` samples 201 points,
+    which can miss a short burst and clip it). ``until`` < ``duration_s`` cuts the run short; what it
+    gives is then exactly the start of the full trace."""
+    end = duration_s if until is None else until
+    horizon = max(duration_s, end)
+    out: list[TraceRequest] = []
+    for k, s in enumerate(streams):
+        rng = random.Random(seed * 7919 + k)
+        peak = _peak(s.rate, horizon)
+        if peak <= 0:
+            continue
+        t = 0.0
+        while True:
+            t += rng.expovariate(peak)
+            if t >= end:
+                break
+            if rng.random() * peak > s.rate(t):
+                continue
+            prompt, output = s.shape.draw(rng)
+            out.append(TraceRequest(round(t, 6), s.tenant, prompt, output, rng.random() < s.stream_share,
+                                    max(output, s.max_tokens) if s.max_tokens else None))
+    out.sort(key=lambda r: r.t)
+    return out
+
+
+# -- the generator -----------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class TenantPlan:
+    name: str
+    tier: str
+    share: float
+    """Share of the run's requests."""
+    long_share: float
+    """Share of its requests that are long (``mixed``: averaged over the run)."""
+    pattern: str = ""
+    """Its traffic pattern, in words."""
+    quota: tuple[tuple[str, int], ...] = ()
+    """Quota fields of its kvgate tenant entry."""
+
+
+@dataclass(frozen=True)
+class FamilyScenario(Scenario):
+    """A scenario drawn by ``family``; ``trace`` uses ``arrivals`` (every rate's exact peak)."""
+
+    family: str = ""
+    nodes: int = 2
+    """The static fleet (and where the autoscalers start)."""
+    load: float = 1.0
+    """Offered load: the run's mean request rate over the fleet's estimated capacity."""
+    capacity_rps: float = 0.0
+    """The fleet's estimated capacity (``node_capacity_rps`` x nodes) for the run's mix."""
+    long_share: float = 0.0
+    """Expected share of long requests over the run."""
+    trace_seed: int = 0
+    plan: tuple[TenantPlan, ...] = ()
+
+    def trace(self, scale: float = 1.0) -> list[TraceRequest]:
+        """The requests; ``scale`` < 1 keeps the start of the run (the same requests as at scale 1)."""
+        return arrivals(list(self.streams), self.duration_s, self.trace_seed, until=self.duration_s * scale)
+
+    @property
+    def offered_rps(self) -> float:
+        return self.load * self.capacity_rps
+
+    def describe(self) -> str:
+        ts = ", ".join(f"{p.name} ({p.tier}, {100 * p.share:.0f}% of requests, {100 * p.long_share:.0f}% long"
+                       + "".join(f", {k} {v}" for k, v in p.quota) + ")" for p in self.plan)
+        return (f"{self.profile} x {self.nodes} nodes, {self.duration_s:g} s, offered load {100 * self.load:.0f}% "
+                f"of the fleet's estimated capacity ({self.offered_rps:.1f} of {self.capacity_rps:.1f} req/s, "
+                f"{100 * self.long_share:.0f}% long); {len(self.plan)} tenants: {ts}")
+
+
+Pattern = Callable[[random.Random, list[tuple[str, str, float]], float], list[tuple[Rate, Rate | None, str]]]
+"""(rng, [(name, tier, base long share)], duration) → per tenant (unit rate u(t), long share p(t) or None
+for the constant base share, description)."""
+
+
+def _onoff(rng: random.Random, tenants: list[tuple[str, str, float]], duration: float) -> list[
+        tuple[Rate, Rate | None, str]]:
+    out: list[tuple[Rate, Rate | None, str]] = []
+    for _ in tenants:
+        mean_on, mean_off = rng.uniform(15.0, 60.0), rng.uniform(10.0, 90.0)
+        on = rng.random() < 0.5
+        t, times, levels = 0.0, [], []
+        while t < duration:
+            times.append(t)
+            levels.append(1.0 if on else 0.0)
+            t += max(MIN_SEGMENT_S, rng.expovariate(1.0 / (mean_on if on else mean_off)))
+            on = not on
+        out.append((_steps(times, levels), None, f"on ~{mean_on:.0f} s / off ~{mean_off:.0f} s"))
+    return out
+
+
+def _mmpp(rng: random.Random, tenants: list[tuple[str, str, float]], duration: float) -> list[
+        tuple[Rate, Rate | None, str]]:
+    out: list[tuple[Rate, Rate | None, str]] = []
+    for _ in tenants:
+        n = rng.choice((2, 3))
+        states = [rng.uniform(0.1, 0.5), *([1.0] if n == 3 else []), rng.uniform(2.0, 6.0)]
+        hold = [rng.uniform(10.0, 60.0) for _ in states]
+        s = rng.randrange(n)
+        t, times, levels = 0.0, [], []
+        while t < duration:
+            times.append(t)
+            levels.append(states[s])
+            t += max(MIN_SEGMENT_S, rng.expovariate(1.0 / hold[s]))
+            s = rng.choice([i for i in range(n) if i != s])
+        desc = ", ".join(f"{x:.2g}x for ~{h:.0f} s" for x, h in zip(states, hold, strict=True))
+        out.append((_steps(times, levels), None, f"{n} states ({desc})"))
+    return out
+
+
+def _diurnal(rng: random.Random, tenants: list[tuple[str, str, float]], duration: float) -> list[
+        tuple[Rate, Rate | None, str]]:
+    trough = rng.uniform(0.15, 0.4)
+    start = rng.uniform(0.3, 0.8) * duration
+    end = start + rng.uniform(30.0, 90.0)
+    mult = rng.uniform(1.5, 3.0)
+
+    def day(anti: bool, bursts: bool) -> Rate:
+        def rate(t: float) -> float:
+            x = (1.0 - math.cos(2.0 * math.pi * t / duration)) / 2.0
+            level = trough + (1.0 - trough) * (1.0 - x if anti else x)
+            return level * (mult if bursts and start <= t < end else 1.0)
+
+        return rate
+
+    out: list[tuple[Rate, Rate | None, str]] = []
+    for _, tier, _ in tenants:
+        anti = tier == "batch"
+        desc = ("night jobs: peaks at start and end" if anti else "peaks mid-run") + f", trough {trough:.0%} " \
+            "of peak" + ("" if anti else f", burst {mult:.1f}x from {start:.0f} s to {end:.0f} s")
+        out.append((day(anti, not anti), None, desc))
+    return out
+
+
+def _mixed(rng: random.Random, tenants: list[tuple[str, str, float]], duration: float) -> list[
+        tuple[Rate, Rate | None, str]]:
+    out: list[tuple[Rate, Rate | None, str]] = []
+    for _, tier, _ in tenants:
+        lo, hi = LONG_SHARE[tier]
+        if tier != "batch":
+            hi = min(1.0, hi + 0.2)  # a tenant whose traffic turns long for a while (a new RAG feature)
+        span = hi - lo
+        first, last = rng.uniform(lo, lo + 0.25 * span), rng.uniform(hi - 0.25 * span, hi)
+        if rng.random() < 0.5:
+            first, last = last, first
+        inner = sorted(rng.uniform(0.15, 0.85) * duration for _ in range(rng.randint(1, 3)))
+        times = [0.0, *inner, duration]
+        values = [first, *(rng.uniform(lo, hi) for _ in inner), last]
+        desc = "long share " + " -> ".join(f"{100 * v:.0f}%" for v in values) + " at " + \
+            ", ".join(f"{t:.0f}" for t in times) + " s"
+        out.append((_const(1.0), _linear(times, values), desc))
+    return out
+
+
+PATTERNS: dict[str, Pattern] = {"bursty-onoff": _onoff, "bursty-mmpp": _mmpp, "diurnal": _diurnal, "mixed": _mixed}
+
+
+def _two_figures(x: float) -> int:
+    if x <= 0:
+        return 1
+    e = math.floor(math.log10(x)) - 1
+    return max(1, int(round(x / 10**e) * 10**e))
+
+
+def family(name: str, seed: int, policies: Sequence[PolicyName] = POLICIES) -> FamilyScenario:
+    """The scenario of family ``name`` for ``seed`` (see the module's docstring for what it draws)."""
+    if name not in FAMILIES:
+        raise ValueError(f"unknown family {name!r}; known: {', '.join(FAMILIES)}")
+    rng = random.Random(f"kvgate-families/{name}/{seed}")
+    profile = FAMILY_PROFILES[(seed + list(FAMILIES).index(name)) % len(FAMILY_PROFILES)]
+    nodes = rng.randint(2, 4)
+    duration = 30.0 * rng.randint(10, 20)
+    load = round(rng.uniform(0.6, 1.1), 2)
+    trace_seed = rng.randrange(1, 2**31)
+
+    n = rng.randint(2, 5)
+    tiers = ["interactive", *(["standard", "batch"] if n >= 3 else [rng.choice(("standard", "batch"))])]
+    tiers += [rng.choice(TIERS) for _ in range(n - len(tiers))]
+    tiers.sort(key=TIERS.index)
+    counts: dict[str, int] = {}
+    tenants: list[tuple[str, str, float]] = []
+    for tier in tiers:
+        counts[tier] = counts.get(tier, 0) + 1
+        tenants.append((f"{PREFIX[tier]}-{counts[tier]}", tier, rng.uniform(*LONG_SHARE[tier])))
+    weights = [rng.lognormvariate(0.0, 0.5) for _ in tenants]
+    shares = [w / sum(weights) for w in weights]
+
+    shapes = PATTERNS[name](rng, tenants, duration)
+    units: list[tuple[Rate, Rate]] = []
+    for (_, _, base), (u, p, _) in zip(tenants, shapes, strict=True):
+        m = _mean(u, duration)
+        units.append((_scaled(u, 1.0 / m) if m > 0 else _const(1.0), p if p is not None else _const(base)))
+
+    # expected requests at one request/s in all, short and long: the run's mix, hence its capacity
+    g = _grid(duration)
+    long_avg = [sum(p(t) * u(t) for t in g) / sum(u(t) for t in g) for u, p in units]
+    long_total = sum(sh * la for sh, la in zip(shares, long_avg, strict=True))
+    capacity = nodes * node_capacity_rps(get_profile(profile), long_total)
+    k = load * capacity
+
+    s_m, l_m = moments(SHORT), moments(LONG)
+    streams: list[Stream] = []
+    plan: list[TenantPlan] = []
+    entries: list[dict[str, Any]] = []
+    for (tname, tier, _), share, la, (u, p), (_, _, desc) in zip(tenants, shares, long_avg, units, shapes,
+                                                                 strict=True):
+        reserve = LONG_MAX_TOKENS if tier != "interactive" else None
+        streams.append(Stream(tname, SHORT, _part(k * share, u, p, long=False)))
+        streams.append(Stream(tname, LONG, _part(k * share, u, p, long=True), max_tokens=reserve))
+        quota: list[tuple[str, int]] = []
+        if tier == "batch":
+            quota.append(("max_concurrent", rng.choice((8, 16, 32))))
+        elif tier == "standard" and rng.random() < 0.5:
+            tokens = (1 - la) * (s_m.prompt + s_m.output) + la * (l_m.prompt + (reserve or l_m.output))
+            quota.append(("tokens_per_minute", _two_figures(60.0 * k * share * tokens * rng.uniform(1.5, 3.0))))
+        plan.append(TenantPlan(tname, tier, share, la, desc, tuple(quota)))
+        entries.append({"name": tname, "tier": tier, **dict(quota)})
+    config: dict[str, Any] = {"tenants": entries, "queue": {"inject_priority": True}, "nodes": PLACEHOLDER_NODES}
+    bench = BenchConfig(profile=profile, nodes=nodes, min_nodes=1, max_nodes=min(16, 3 * nodes), kvgate=config,
+                        policies=list(policies), scaler=SCALER, seed=seed)
+    sc = FamilyScenario(
+        f"{name}-{seed}", f"{name}, seed {seed}", FAMILIES[name], profile, duration, config, bench.policy_list(),
+        tuple(streams), seed=seed, autoscaling=bench.autoscaling(), family=name, nodes=nodes, load=load,
+        capacity_rps=capacity, long_share=long_total, trace_seed=trace_seed, plan=tuple(plan))
+    return sc
+
+
+# -- running and reporting ---------------------------------------------------------------------------
+
+def metric(s: report.Summary, name: str) -> float | None:
+    """One of ``METRICS`` for one policy's run."""
+    if name == "interactive_slo":
+        g = s.tiers.get("interactive")
+        return g.slo if g is not None else None
+    values: dict[str, float | None] = {
+        "slo": s.all.slo, "goodput_per_gpu": s.goodput_per_gpu, "gpu_hours": s.gpu_hours, "jain": s.fairness,
+        "jain_60s_mean": s.jain_60s_mean, "jain_60s_min": s.jain_60s_min}
+    return values[name]
+
+
+def aggregate(values: Sequence[float | None], higher_is_better: bool) -> dict[str, Any]:
+    """``median`` (``statistics.median``: the middle seed, or the mean of the two middle ones) and
+    ``worst`` over the seeds that have a value, and ``per_seed`` in seed order (None: no value, e.g.
+    no interactive request in a very short run)."""
+    xs = [x for x in values if x is not None]
+    worst = (min(xs) if higher_is_better else max(xs)) if xs else None
+    return {"median": statistics.median(xs) if xs else None, "worst": worst, "per_seed": list(values)}
+
+
+@dataclass
+class SeedRun:
+    scenario: FamilyScenario
+    result: ScenarioResult
+
+    def summary(self, policy: str) -> report.Summary | None:
+        return next((s for s in self.result.summaries if s.result.policy.name == policy and not s.ideal), None)
+
+    def markdown(self) -> str:
+        sc = self.scenario
+        return (f"* seed {sc.seed}: {sc.describe()}; {self.result.requests} requests, simulated in "
+                f"{self.result.seconds:.1f} s\n")
+
+    def to_json(self) -> dict[str, Any]:
+        sc = self.scenario
+        return {"seed": sc.seed, "profile": sc.profile, "nodes": sc.nodes, "duration_s": sc.duration_s,
+                "offered_load": sc.load, "capacity_rps": round(sc.capacity_rps, 3),
+                "offered_rps": round(sc.offered_rps, 3), "long_share": round(sc.long_share, 4),
+                "requests": self.result.requests, "wall_s": round(self.result.seconds, 3),
+                "lost": sum(s.result.lost for s in self.result.summaries),
+                "tenants": [{"name": p.name, "tier": p.tier, "share": round(p.share, 4),
+                             "long_share": round(p.long_share, 4), "pattern": p.pattern, **dict(p.quota)}
+                            for p in sc.plan]}
+
+
+@dataclass
+class FamilyResult:
+    family: str
+    policies: tuple[PolicyName, ...]
+    runs: list[SeedRun]
+    seconds: float
+
+    def rows(self) -> dict[str, dict[str, dict[str, Any]]]:
+        """policy → metric → ``aggregate``."""
+        return {p: {m: aggregate([metric(s, m) if (s := r.summary(p)) is not None else None for r in self.runs],
+                                 better) for m, (_, better) in METRICS.items()}
+                for p in self.policies}
+
+    def to_json(self) -> dict[str, Any]:
+        return {"family": self.family, "about": FAMILIES[self.family], "wall_s": round(self.seconds, 3),
+                "seeds": [r.to_json() for r in self.runs],
+                "policies": [{"policy": p, **ms} for p, ms in self.rows().items()]}
+
+    def markdown(self) -> str:
+        return "\n".join([heading(self.family), *(r.markdown() for r in self.runs), self.table()])
+
+    def table(self) -> str:
+        """The policies' table, and the family's wall time."""
+        return "\n".join([table(self.rows()), "", f"Each cell: median / worst of {len(self.runs)} seed(s) "
+                          f"(worst: the lowest, the highest for GPU-h). Wall time for the family: "
+                          f"{self.seconds:.1f} s.", ""])
+
+
+def heading(name: str) -> str:
+    return f"## {name}: {FAMILIES[name]}\n"
+
+
+def _cell(name: str, agg: dict[str, Any]) -> str:
+    def one(x: float | None) -> str:
+        if x is None:
+            return "-"
+        if name in ("interactive_slo", "slo"):
+            return f"{100 * x:.1f}%"
+        return f"{x:.2f}"
+
+    return f"{one(agg['median'])} / {one(agg['worst'])}"
+
+
+def table(rows: dict[str, dict[str, dict[str, Any]]]) -> str:
+    return report.table(["policy", *(h for h, _ in METRICS.values())],
+                        [[p, *(_cell(m, ms[m]) for m in METRICS)] for p, ms in rows.items()])
+
+
+def run_family(name: str, seeds: Sequence[int], scale: float = 1.0, policies: Sequence[PolicyName] = POLICIES,
+               on_run: Callable[[SeedRun], None] | None = None) -> FamilyResult:
+    """Every policy over each seed's scenario of family ``name`` (``runner.run``, the production path)."""
+    t0 = time.perf_counter()
+    runs = []
+    for seed in seeds:
+        sc = family(name, seed, policies)
+        r = SeedRun(sc, run(sc, sc.trace(scale), scale))
+        runs.append(r)
+        if on_run is not None:
+            on_run(r)
+    return FamilyResult(name, tuple(policies), runs, time.perf_counter() - t0)
+
+
+def to_json(results: Sequence[FamilyResult], seeds: Sequence[int], scale: float,
+            policies: Sequence[PolicyName], seconds: float) -> dict[str, Any]:
+    """The ``--json`` document (field names are stable)."""
+    return {"kind": "kvgate-bench-families", "version": 1, "scale": scale, "seeds": list(seeds),
+            "policies": list(policies), "window_s": WINDOW_S,
+            "metrics": {m: {"higher_is_better": better, "worst": "min" if better else "max"}
+                        for m, (_, better) in METRICS.items()},
+            "wall_s": round(seconds, 3), "families": [r.to_json() for r in results]}

@@ -1,0 +1,179 @@
+"""Workload families (``kvgate bench families``): deterministic generation, valid cases, the capacity
+yardstick, the windowed Jain index, the command's JSON, and the missing-matplotlib message."""
+
+from __future__ import annotations
+
+import builtins
+import json
+import sys
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pytest
+
+from ext_proc.config import parse_config
+from kvgate.cli import main
+from kvgate.scenarios import report
+from kvgate.scenarios.driver import Outcome, Policy, RunResult
+from kvgate.scenarios.families import (
+    FAMILIES,
+    FAMILY_PROFILES,
+    METRICS,
+    POLICIES,
+    arrivals,
+    family,
+    node_capacity_rps,
+)
+from kvgate.scenarios.trace import TraceRequest
+from kvgate.scenarios.workloads import SHORT, Stream, poisson
+from sim.profiles import get_profile
+
+SEEDS = (1, 2, 3)
+
+
+# -- generation --------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_a_family_is_deterministic_per_seed(name: str) -> None:
+    a, b = family(name, 2), family(name, 2)
+    assert a.config == b.config and a.describe() == b.describe()
+    assert a.trace(0.2) == b.trace(0.2)
+    assert family(name, 3).trace(0.2) != a.trace(0.2)
+    # a shortened run is the start of the full one (the same requests, not a redraw)
+    full = a.trace()
+    assert a.trace(0.2) == [r for r in full if r.t < a.duration_s * 0.2]
+
+
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_each_seed_draws_a_valid_case(name: str) -> None:
+    profiles = set()
+    for seed in SEEDS:
+        sc = family(name, seed)
+        profiles.add(sc.profile)
+        cfg = parse_config(sc.config)  # a valid kvgate config
+        tiers = {t.name: t.tier for t in cfg.tenants}
+        assert 2 <= len(tiers) <= 5 and "interactive" in tiers.values()
+        assert set(tiers.values()) <= {"interactive", "standard", "batch"}
+        if len(tiers) >= 3:
+            assert set(tiers.values()) == {"interactive", "standard", "batch"}
+        assert all(t.max_concurrent for t in cfg.tenants if t.tier == "batch")
+        assert cfg.queue.inject_priority and cfg.nodes is not None
+        assert 2 <= sc.nodes <= 4 and 300 <= sc.duration_s <= 600 and 0.6 <= sc.load <= 1.1
+        assert [p.name for p in sc.policies] == list(POLICIES)
+        for p in sc.policies:
+            assert p.nodes == sc.nodes and p.min_nodes == 1
+        trace = sc.trace()
+        assert {r.tenant for r in trace} <= set(tiers)
+        # the offered rate is the drawn load of the estimated capacity (Poisson noise aside)
+        assert len(trace) / sc.duration_s == pytest.approx(sc.offered_rps, rel=0.1)
+        assert {r.prompt_tokens > 1024 for r in trace} == {True, False}  # short and long requests
+    assert profiles == set(FAMILY_PROFILES)
+
+
+def test_the_capacity_yardstick_agrees_with_the_overload_scenario() -> None:
+    # workloads.py: 55 req/s of 85% short / 15% long on three 8b-h100 nodes is "about 55%" load
+    cap = 3 * node_capacity_rps(get_profile("8b-h100"), 0.15)
+    assert 0.5 < 55.0 / cap < 0.65
+    assert node_capacity_rps(get_profile("8b-h100"), 0.0) > node_capacity_rps(get_profile("8b-h100"), 0.5)
+    assert node_capacity_rps(get_profile("34b-h100"), 0.3) < node_capacity_rps(get_profile("8b-h100"), 0.3)
+
+
+def test_a_short_burst_is_not_clipped() -> None:
+    """poisson() finds a rate's peak on 201 points (every 3 s here): a burst between two of them is clipped
+    to the base rate; arrivals() finds it."""
+    def rate(t: float) -> float:
+        return 100.0 if 301.0 <= t < 302.5 else 1.0
+
+    s = [Stream("a", SHORT, rate)]
+    burst = [r for r in arrivals(s, 600.0, 1) if 301.0 <= r.t < 302.5]
+    assert 100 < len(burst) < 200
+    assert len([r for r in poisson(s, 600.0, 1) if 301.0 <= r.t < 302.5]) < 10
+
+
+# -- the windowed Jain index -------------------------------------------------------------------------
+
+def test_windowed_jain_sees_a_tenant_starved_for_one_window() -> None:
+    cfg = parse_config({"tenants": [{"name": "a"}, {"name": "b"}]})
+    outcomes = []
+    for w in range(3):
+        for i in range(10):
+            for tenant in ("a", "b"):
+                starved = tenant == "a" and w == 1
+                outcomes.append(Outcome(TraceRequest(w * 60.0 + i, tenant, 90, 10), "standard",
+                                        status=429 if starved else 200, klass="policy" if starved else "",
+                                        ttft=None if starved else 0.1, e2e=None if starved else 0.5))
+    r = RunResult(Policy("none", 1), outcomes, 180.0, 180.0, 1, [(0.0, 1)], 0, 0)
+    s = report.summarize(r, cfg)
+    assert report.jain_windows(outcomes, {"a": 1.0, "b": 1.0}) == pytest.approx([1.0, 0.5, 1.0])
+    # whole run: a got 20 of 30, b 30 of 30, fair shares 25 each -> (0.8, 1.2) -> 4 / 4.16
+    assert s.fairness == pytest.approx(4 / 4.16)
+    assert s.jain_60s_min == pytest.approx(0.5) and s.jain_60s_mean == pytest.approx(2.5 / 3)
+    assert s.jain_60s_min < s.jain_60s_mean < s.fairness
+    doc = s.to_json()
+    assert doc["jain"] == s.fairness and doc["jain_60s_min"] == s.jain_60s_min
+    assert doc["jain_60s_mean"] == s.jain_60s_mean
+    # a window with a single active tenant says nothing about fairness
+    alone = [o for o in outcomes if not (o.req.tenant == "b" and o.req.t >= 120)]
+    assert report.jain_windows(alone, {"a": 1.0, "b": 1.0}) == pytest.approx([1.0, 0.5])
+
+
+# -- the command -------------------------------------------------------------------------------------
+
+def test_the_families_command_prints_the_documented_json(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["bench", "families", "--family", "mixed", "--seeds", "1", "--scale", "0.05", "--json"]) == 0
+    doc: dict[str, Any] = json.loads(capsys.readouterr().out)
+    assert {"kind", "version", "scale", "seeds", "policies", "window_s", "metrics", "wall_s", "families"} <= set(doc)
+    assert doc["kind"] == "kvgate-bench-families" and doc["seeds"] == [1] and doc["scale"] == 0.05
+    assert doc["policies"] == list(POLICIES) and set(doc["metrics"]) == set(METRICS)
+    assert doc["metrics"]["gpu_hours"]["worst"] == "max" and doc["metrics"]["slo"]["worst"] == "min"
+    [fam] = doc["families"]
+    assert fam["family"] == "mixed" and fam["wall_s"] >= 0
+    [seed] = fam["seeds"]
+    assert {"seed", "profile", "nodes", "duration_s", "offered_load", "capacity_rps", "offered_rps",
+            "long_share", "requests", "wall_s", "lost", "tenants"} <= set(seed)
+    assert seed["lost"] == 0 and seed["requests"] > 0
+    assert all({"name", "tier", "share", "long_share", "pattern"} <= set(t) for t in seed["tenants"])
+    assert [p["policy"] for p in fam["policies"]] == list(POLICIES)
+    for p in fam["policies"]:
+        for m in ("interactive_slo", "slo", "goodput_per_gpu", "gpu_hours", "jain", "jain_60s_mean",
+                  "jain_60s_min"):
+            assert set(p[m]) == {"median", "worst", "per_seed"} and len(p[m]["per_seed"]) == 1
+            assert p[m]["median"] == p[m]["worst"] == p[m]["per_seed"][0]
+        assert p["gpu_hours"]["median"] > 0 and 0 <= p["slo"]["median"] <= 1
+
+
+def test_the_families_command_prints_a_table(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["bench", "families", "--family", "mixed", "--seeds", "1", "--scale", "0.05",
+                 "--policies", "none", "kvgate"]) == 0
+    out = capsys.readouterr().out
+    assert "## mixed" in out and "* seed 1: " in out and "| kvgate " in out and "wall time: " in out
+    assert "| kv-shed" not in out
+    assert main(["bench", "families", "--seeds", "0"]) == 2
+
+
+# -- matplotlib is optional --------------------------------------------------------------------------
+
+@pytest.mark.parametrize("how", ["absent", "broken"])
+def test_without_matplotlib_the_report_says_so(how: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                               capsys: pytest.CaptureFixture[str]) -> None:
+    for mod in [m for m in sys.modules if m == "matplotlib" or m.startswith("matplotlib.")]:
+        monkeypatch.delitem(sys.modules, mod)
+    if how == "absent":
+        monkeypatch.setitem(sys.modules, "matplotlib", None)  # what `import matplotlib` fails on
+    else:  # installed but failing to import
+        real = builtins.__import__
+
+        def fail(name: str, *args: Any, **kw: Any) -> ModuleType:
+            if name == "matplotlib" or name.startswith("matplotlib."):
+                raise ImportError("matplotlib is broken")
+            return real(name, *args, **kw)
+
+        monkeypatch.setattr(builtins, "__import__", fail)
+    out = tmp_path / "out"
+    assert main(["bench", "scenarios", "--scenario", "noisy-neighbour", "--scale", "0.02", "--out", str(out),
+                 "--json"]) == 0
+    err = capsys.readouterr().err
+    assert "matplotlib is not installed" in err and "pip install 'kvgate[bench]'" in err
+    assert (out / "report.md").is_file() and (out / "results.json").is_file()
+    assert not list(out.glob("*.png"))
