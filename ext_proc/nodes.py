@@ -41,6 +41,8 @@ from .perf import Speed, StepModel, from_config, step_ratio
 
 DEFAULT_BLOCK = 16
 MAX_CANDIDATES = 8
+SCAN_LIMIT = 4 * MAX_CANDIDATES
+"""Nodes a decision filters in a large fleet (a random sample): the filters cost per node too."""
 TOP_RECENT_S = 10.0
 """The top tier counts as active (and keeps a node it meets its target on) this long after its last request."""
 TOP_PROMPT_ALPHA = 0.05
@@ -72,7 +74,7 @@ class Node:
     waiting_prompt: int = 0
     drain_tokens_per_s: float | None = None
     latency: float | None = None
-    """The last *new* prefill latency reading (s per 1k prompt tokens): what its peers are compared with."""
+    """The last step-time reading relative to the node's model (observed / modelled): the breaker's signal."""
     trials: set[str] = field(default_factory=set)
     """Tickets sent here as half-open trials: a trial that ends without a verdict gives its place back."""
     speed: Speed = field(default_factory=Speed)
@@ -170,6 +172,7 @@ class Fleet:
         self.levels: tuple[Level, ...] = (Level(0, None),)
         """The priority levels requests arrive at (``set_levels``), most urgent first."""
         self._best: Node | None = None
+        self._order: list[Node] = []
         self._top_seen = -math.inf
         self._top_prompt = 256.0
         """The top tier's typical prompt (an EWMA): what a node is checked against to keep it fit for the top tier."""
@@ -204,6 +207,7 @@ class Fleet:
             n.probe, n.threshold, n.override = probe, threshold, override
             nodes[address] = n
         self.nodes = nodes
+        self._order = list(nodes.values())
 
     def _hook(self, address: str) -> Callable[[State, State, str], None] | None:
         cb = self._on_transition
@@ -270,16 +274,6 @@ class Fleet:
             old = n.busy.get(lv.priority, now)
             n.busy[lv.priority] = max(seen, min(old, now + chunk_s))
 
-    def _peer_latency(self, node: Node, now: float) -> float | None:
-        """The median recent prefill latency of the other fresh, closed nodes: what this node is
-        compared with, besides its own past."""
-        xs = sorted(n.latency for n in self.nodes.values() if n is not node and n.latency is not None
-                    and n.breaker.state is State.CLOSED and self.status(n, now) == "fresh")
-        if not xs:
-            return None
-        m = len(xs) // 2
-        return xs[m] if len(xs) % 2 else (xs[m - 1] + xs[m]) / 2
-
     def _another_closed(self, node: Node, now: float) -> bool:
         """Whether another live node is closed: a KV trip never opens the last one."""
         return any(n is not node and n.breaker.state is State.CLOSED and self.status(n, now) != "dead"
@@ -326,12 +320,26 @@ class Fleet:
             if not live:
                 return Choice(None, "fleet-no-healthy-node", 1.0)
             return Choice(max(live, key=lambda n: self._score(n, tokens)))
+        pool: list[Node] = self._order
+        if len(pool) > SCAN_LIMIT:  # a large fleet: filter a sample (and the last best), the whole only if none fits
+            pool = self._rng.sample(pool, SCAN_LIMIT)
+            if self._best is not None and self._best.address in self.nodes:
+                pool.append(self._best)
+        c = self._choose(pool, tokens, now, prompt_tokens, reserve, queue_caps, priority, target, limit)
+        if c.node is None and pool is not self._order:
+            c = self._choose(self._order, tokens, now, prompt_tokens, reserve, queue_caps, priority, target, limit)
+        return c
+
+    def _choose(
+        self, pool: list[Node], tokens: int, now: float, prompt_tokens: int, reserve: float, queue_caps: bool,
+        priority: int, target: float | None, limit: float | None,
+    ) -> Choice:
         fresh: list[Node] = []
         unknown: list[Node] = []
         kv_full = broken = queue_full = 0
         max_waiting, max_prefill = (self.cfg.max_waiting_requests, self.cfg.max_prefill_tokens) if queue_caps else (
             None, None)
-        for n in self.nodes.values():
+        for n in pool:
             st = self.status(n, now)
             if st == "dead":
                 continue
@@ -369,29 +377,34 @@ class Fleet:
         if priority == top.priority:
             self._top_seen = now
             self._top_prompt += TOP_PROMPT_ALPHA * (prompt_tokens - self._top_prompt)
-        elif top.target is not None and now - self._top_seen < TOP_RECENT_S:
-            # Less urgent work while the top tier has traffic: the top tier keeps a node where it meets its
-            # target. A long prefill running on a node delays every request there by its chunks (vLLM runs
-            # running requests first, whatever their priority), so the last such node takes none of it.
-            clean = [n for _, n in scored
-                     if self.predict(n, round(self._top_prompt), top.priority, now) <= top.target]
-            if len(clean) == 1 and len(scored) > 1:
-                scored = [(t, n) for t, n in scored if n is not clean[0]]
-                soonest, first = min(scored, key=lambda x: (x[0], -self._score(x[1], tokens)))
+        elif (top.target is not None and now - self._top_seen < TOP_RECENT_S and len(scored) > 1
+              and self._long(first, prompt_tokens, top)):
+            # A long, less urgent prefill while the top tier has traffic: a long prefill running on a node
+            # delays every request there by its chunks (vLLM runs running requests first, whatever their
+            # priority), so the top tier keeps the last node with none booked.
+            # It joins the long prefills already booked where it can still make its max wait, else takes
+            # a node of its own — never the last one without.
+            busy = [(t, n) for t, n in scored if self._low_booked(n, now)]
+            clear = [(t, n) for t, n in scored if not self._low_booked(n, now)]
+            limit_s = limit if limit is not None else target
+            if busy and (len(clear) == 1 or limit_s is None or min(t for t, _ in busy) <= limit_s):
+                scored = busy
+            soonest, first = min(scored, key=lambda x: (x[0], -self._score(x[1], tokens)))
         if target is None or soonest > (limit if limit is not None else target):
             if target is None:
                 return Choice(first, ttft=soonest)
             # no node can give it its first token within its tier's max wait: waiting does not change that
             # (the backlog ahead drains as fast as the wait runs), so the gateway refuses it now
             return Choice(None, "fleet-queue", max(0.0, soonest - target), soonest)
-        meets = [(t, n) for t, n in scored if t <= target]
-        if not meets or priority == top.priority or not self._long(first, prompt_tokens, top):
-            # the soonest: for the top tier, for a target already lost, and for a prefill too short to
-            # cost a top-tier request its target when it runs beside it
+        if priority == top.priority or not self._long(first, prompt_tokens, top):
+            # the soonest: for the top tier, and for a prefill too short to cost a top-tier request its
+            # target when it runs beside it
             return Choice(first, ttft=soonest)
-        # a long prefill goes to the fullest node that still meets its target (best fit), where the
-        # booking keeps what waits behind it within its own target: long prefills gather, the rest of
-        # the fleet stays quick for the top tier
+        # a long prefill goes to the fullest node that still meets its target — or, its target lost, its
+        # max wait — (best fit), where the booking keeps what waits behind it within its own target:
+        # long prefills gather, the rest of the fleet stays quick for the top tier
+        meets = [(t, n) for t, n in scored if t <= target] or [
+            (t, n) for t, n in scored if t <= (limit if limit is not None else target)]
         kind = [(t, n) for t, n in meets if self._keeps_targets(n, prompt_tokens, priority, now)] or meets
         t, n = max(kind, key=lambda x: (x[0], self._score(x[1], tokens)))
         return Choice(n, ttft=t)
@@ -411,13 +424,18 @@ class Fleet:
         # a less urgent prefill already running keeps the steps' budget until it is done; else a request
         # arrives on average halfway through the step in progress
         low = n.running_low
-        while low and low[0][1] <= now:
-            low.popleft()
-        if low and low[0][0] <= now:
+        if self._low_booked(n, now) and low[0][0] <= now:
             current = low[0][1] - now
         else:
             current = (min(below, step + m.b * m.chunk(decode) * f) if below else step if decode or ahead else 0.0) / 2
         return ahead + current + m.prefill(prompt_tokens, decode, context) * f
+
+    def _low_booked(self, n: Node, now: float) -> bool:
+        """Whether less urgent prefill is booked on ``n`` beyond now."""
+        low = n.running_low
+        while low and low[0][1] <= now:
+            low.popleft()
+        return bool(low)
 
     def _long(self, n: Node, prompt_tokens: int, top: Level) -> bool:
         """A prefill long enough that a top-tier request arriving behind it would miss its target."""

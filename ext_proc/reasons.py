@@ -73,7 +73,7 @@ _TABLE: tuple[Reason, ...] = (
     Reason("fleet-kv", 503, "capacity", "server_error", "fleet_kv",
            "No inference node has KV-cache room for this request now" + _RETRY),
     Reason("fleet-queue", 503, "capacity", "server_error", "fleet_queue",
-           "Every inference node already has a full queue" + _RETRY),
+           "Every inference node already has too much work queued to serve this request in time" + _RETRY),
     Reason("fleet-breakers-open", 503, "capacity", "server_error", "fleet_breakers_open",
            "Every inference node is out of service (circuit breaker open)" + _RETRY),
     Reason("fleet-no-healthy-node", 503, "capacity", "server_error", "fleet_no_healthy_node",

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import os
+import random
 import re
 import shutil
 import subprocess
@@ -256,4 +257,49 @@ def queue_scaling(sizes: tuple[int, ...] = (0, 1_000, 10_000), ops: int = 3000, 
                   + ", ".join(f"{k.removesuffix('_us')} x{last[k] / ref[k]:.2f}"
                               for k in ("enqueue_us", "pump_us", "release_us"))
                   + f" (log2 ratio {math.log2(last['queued']) / math.log2(ref['queued']):.2f})")
+    return rows
+
+
+def node_choice(sizes: tuple[int, ...] = (8, 64, 1_000), ops: int = 5000, quiet: bool = False
+                ) -> list[dict[str, float]]:
+    """``kvgate bench nodes``: what one node choice costs as the fleet grows — the whole ``Fleet.place``
+    (filters, predictions, pick, booking) and the predictions' share of it (``Fleet.predict`` over the
+    candidates a decision looks at), with every node read by a probe and carrying work."""
+    from ext_proc.config import Nodes
+    from ext_proc.nodes import MAX_CANDIDATES, Fleet, Level
+    from gpu_probe.snapshot import Snapshot
+
+    rows = []
+    for n in sizes:
+        cfg = Nodes.model_validate({"static": [{"address": f"10.0.{i // 250}.{i % 250}:8000",
+                                                "probe": f"http://10.0.{i // 250}.{i % 250}:9102"}
+                                               for i in range(n)]})
+        fleet = Fleet(cfg, rng=random.Random(1))
+        fleet.set_levels([Level(0, 0.2), Level(1, 1.0), Level(2, 5.0)])
+        rng = random.Random(2)
+        now = 100.0
+        for node in fleet.nodes.values():
+            snap = Snapshot(node.address, now, True, kv_usage=rng.uniform(0.2, 0.7), blocks_total=27_306,
+                            block_size=16, running=float(rng.randint(5, 60)), waiting=float(rng.randint(0, 3)),
+                            itl_s=0.02, step_fresh=True, step_tokens=400.0, step_decode=30.0)
+            fleet.on_snapshot(node.address, snap, now)
+        prompts = [rng.choice((200, 300, 3000)) for _ in range(ops)]
+        t0 = time.perf_counter()
+        for i, p in enumerate(prompts):
+            c = fleet.place(p + 200, p, f"t{i}", now, priority=i % 3, target=0.2 * (1 + 4 * (i % 3)), limit=5.0)
+            if c.node is not None:
+                fleet.completed(c.node.address, f"t{i}", p + 200, True, now)
+        place_us = (time.perf_counter() - t0) / ops * 1e6
+        sample = list(fleet.nodes.values())[:MAX_CANDIDATES]
+        t0 = time.perf_counter()
+        for i, p in enumerate(prompts):
+            for node in sample:
+                fleet.predict(node, p, i % 3, now)
+        predict_us = (time.perf_counter() - t0) / ops * 1e6
+        rows.append({"nodes": n, "place_us": place_us, "predict_us": predict_us})
+    if not quiet:
+        print(f"kvgate bench nodes: one node choice, {ops} decisions per figure (µs per decision)")
+        print(f"{'nodes':>6} {'place (all of it)':>18} {'of which predictions':>21}")
+        for r in rows:
+            print(f"{int(r['nodes']):>6} {r['place_us']:>18.1f} {r['predict_us']:>21.1f}")
     return rows

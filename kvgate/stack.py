@@ -198,6 +198,9 @@ class Stack:
                 {"address": "{}:{}".format(*_hostport(u)), "probe": f"http://127.0.0.1:{pp}"}
                 for u, pp in zip(urls, self.probe_ports, strict=True)]
             nodes_cfg.setdefault("poll_interval_seconds", 0.2)
+            args = self.sim_args or []
+            if not external and "--profile" in args[:-1]:  # the simulated nodes' profile: the model's prior
+                nodes_cfg.setdefault("performance", {"profile": args[args.index("--profile") + 1]})
             self.kvgate_config = {**self.kvgate_config, "nodes": nodes_cfg}
         if self.with_kvgate:
             self.start_kvgate()

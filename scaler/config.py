@@ -26,6 +26,21 @@ class Pool(_Strict):
     warm_pool: Annotated[int, Field(ge=0)] = 0
     concentration: Annotated[float, Field(gt=0, le=1)] = Field(
         default=0.8, description="one tenant's share of capacity rejections that makes them its problem")
+    cold_start_seconds: Annotated[float, Field(ge=0)] = Field(
+        default=60.0, description="a replica's model-load time: how far ahead the unmet rate's trend is projected")
+    trend_window_seconds: Annotated[float, Field(gt=0)] = Field(
+        default=60.0, description="the evaluations the unmet rate's trend is fitted over")
+    spread_share: Annotated[float, Field(gt=0, le=1)] = Field(
+        default=0.3, description="rejections spread over the tenants at this share of their requests count "
+        "every 429 of the tenants inside their budgets")
+    spread_tenants: Annotated[float, Field(gt=0, le=1)] = Field(
+        default=0.5, description="... when at least this share of the active tenants (and two) have rejections")
+    scale_down_kv_usage: Annotated[float, Field(gt=0, le=1)] = Field(
+        default=0.5, description="scale down only if the replicas left beyond the warm pool would run at most "
+        "at this mean KV-cache usage")
+    warm_pool_kv_usage: Annotated[float, Field(gt=0, le=1)] = Field(
+        default=0.65, description="the replicas beyond the warm pool above this mean KV-cache usage: one more "
+        "replica, to keep the pool spare")
 
     @model_validator(mode="after")
     def _order(self) -> Pool:
@@ -33,12 +48,20 @@ class Pool(_Strict):
             raise ValueError("max_replicas: must be at least min_replicas")
         if self.scale_down_threshold >= self.scale_up_threshold:
             raise ValueError("scale_down_threshold: must be below scale_up_threshold")
+        if self.scale_down_kv_usage >= self.warm_pool_kv_usage:
+            raise ValueError("scale_down_kv_usage: must be below warm_pool_kv_usage (the gap keeps a scale-down "
+                             "from causing the next scale-up)")
         return self
 
-    def law(self, stale_after_s: float) -> LawSettings:
-        return LawSettings(self.min_replicas, self.max_replicas, self.step, self.scale_up_threshold,
-                           self.scale_down_threshold, self.cooldown_seconds, self.warm_pool, self.concentration,
-                           stale_after_s)
+    def law(self, stale_after_s: float, window_s: float = 60.0) -> LawSettings:
+        return LawSettings(
+            min_replicas=self.min_replicas, max_replicas=self.max_replicas, step=self.step,
+            scale_up_threshold=self.scale_up_threshold, scale_down_threshold=self.scale_down_threshold,
+            cooldown_s=self.cooldown_seconds, warm_pool=self.warm_pool, concentration=self.concentration,
+            stale_after_s=stale_after_s, cold_start_s=self.cold_start_seconds,
+            trend_window_s=self.trend_window_seconds, spread_share=self.spread_share,
+            spread_tenants=self.spread_tenants, scale_down_kv_usage=self.scale_down_kv_usage,
+            warm_pool_kv_usage=self.warm_pool_kv_usage, window_s=window_s)
 
 
 class Source(_Strict):

@@ -3,36 +3,40 @@
 Autoscaling acts on **unmet demand**: requests the fleet could not serve within their SLO, as a share
 of the requests that wanted the fleet. Unmet, per window:
 
-* capacity rejections (503: the fleet could not take a request);
+* capacity rejections (503: the fleet could not take a request; a held request that cannot make its
+  deadline leaves kvgate's queue as one, ``queue-deadline``);
 * fleet-caused 429s: a concurrency-cap 429 for a tenant inside its request and token budgets whose
   requests last clearly longer than its own norm (a slower fleet holds every request longer, so the
-  same traffic hits the cap; kvgate marks these, ``kvgate_fleet_caused_rejections_total``);
+  same traffic hits the cap; ``kvgate_fleet_caused_rejections_total``);
 * predicted SLO misses: requests kvgate admitted although its prediction says they miss their tier's
-  TTFT target (``kvgate_predicted_slo_misses_total``; a held request that cannot make its deadline
-  leaves the queue as a ``queue-deadline`` 503, counted above);
-* every other concurrency 429 too when rejections are *spread*: ≥ ``spread_tenants`` (half) of the
-  active tenants have rejections, together ≥ ``spread_share`` (30%) of their requests, and no tenant
-  holds ≥ ``concentration`` of them (the field guide's rule: 30% across all tenants is a capacity
-  signal, not a quota one).
+  TTFT target (``kvgate_predicted_slo_misses_total``);
+* every other 429 of the tenants inside their budgets when rejections are *spread*: at least
+  ``spread_tenants`` (half, and at least two) of the active tenants have rejections, together
+  ≥ ``spread_share`` (30%) of their requests, none holding ≥ ``concentration`` of them (the field
+  guide's rule: 30% across all tenants is a capacity signal, not a quota one).
 
-A tenant over its own request or token budget never scales the fleet: those 429s never count, and
-none of that tenant's other 429s count under the spread rule. Demand = admitted + capacity-rejected +
-the 429s counted. Per evaluation, over the signal window:
+A tenant over its own request or token budget never scales the fleet: those 429s never count, nor,
+under the spread rule, its other 429s. Demand = admitted + capacity-rejected + the 429s counted.
+Per evaluation, over the signal window:
 
-* unmet rate > ``scale_up_threshold``, or the rate projected over a cold start (its trend over the
-  last ``trend_window_s`` × ``cold_start_s``) above it → scale up, by the shortfall: ``replicas ×
-  u / (1 − u)`` (u: the larger of the two, at most 75%), at least ``step``;
+* unmet rate > ``scale_up_threshold``, or the rate projected one cold start ahead (its least-squares
+  trend over ``trend_window_s``, rising only, times ``cold_start_s``) above it → scale up by the
+  shortfall: the window's fleet (replicas up, time-weighted) served 1 - u of its demand, so it
+  needed that / (1 - u) (u: the larger of rate and projection, at most 75%); add what the replicas
+  up now lack, at least ``step`` (nothing when replicas that came up during the window cover it);
+* a scale-up is not repeated while the replicas it asked for are not there yet (models take 30-90 s
+  to load): unmet demand during a cold start is expected and must not compound;
 * rejections concentrated in one tenant's quota — one tenant has ≥ ``concentration`` (80%) of all
   rejections, mostly 429s of its own (not fleet-caused) — is a policy problem: reported
   (``Verdict.policy_tenant``), and the law acts on the unmet rate without that tenant (its quota
   overflowing as 503s does not buy GPUs; other tenants' unmet demand still does);
-* a scale-up is not repeated while the replicas it asked for are not there yet (models take 30-90 s
-  to load): unmet demand during a cold start is expected and must not compound;
-* scale down by one when the unmet rate (and its projection) stayed under ``scale_down_threshold``
-  for ``cooldown_s``, the last scale-up is older than ``cooldown_s``, and — once the law has seen the
-  fleet full (a window with the unmet rate over the threshold: its admitted requests per replica) —
-  one replica fewer would carry at most ``scale_down_utilisation`` of that load each (the warm pool
-  not counted as carrying any); then wait another cooldown. Never while unmet demand is present;
+* the warm pool is kept spare: when the replicas beyond it would carry the fleet's KV-cache usage at
+  more than ``warm_pool_kv_usage`` (the warm replicas are carrying demand), one more replica;
+* scale down by one when the unmet rate and its projection stayed under ``scale_down_threshold``
+  for ``cooldown_s`` (never while unmet demand is present; any scale-up restarts the cooldown) and
+  the replicas left beyond the warm pool would carry the fleet's KV-cache usage at most at
+  ``scale_down_kv_usage`` (when kvgate reports it); then wait another cooldown. The gap between the
+  two KV bounds is the hysteresis: a scale-down never makes the next scale-up;
 * in between → hold (and the cooldown starts again);
 * missing, incomplete or stale data → hold; never scale down on no data, and never answer fewer
   replicas than the signal last reported up (``observed``): a law whose own level is below what is
@@ -40,11 +44,12 @@ the 429s counted. Per evaluation, over the signal window:
 * no verdict until the first complete window (``ControlLaw.ready``): after a (re)start the law knows
   neither the window nor, maybe, the pool's size, so it says so (``Verdict.ready`` False) instead of
   guessing; the server answers KEDA with an error until then, so KEDA's own fallback applies;
-* requests held in kvgate's queue with no replica at all → at least one (scale from zero);
+* requests held in kvgate's queue with no replica beyond the warm pool → at least one (scale from
+  zero; sized as a scale-up when the replicas up are short);
 * ``warm_pool`` replicas on top of demand; the result is clamped to [min, max].
 
 Every verdict's reason names the numbers it acted on (the unmet rate split by cause, the projection,
-the utilisation). Pure: the caller passes the time and the signals.
+the KV-cache usage). Pure: the caller passes the time and the signals.
 """
 
 from __future__ import annotations
@@ -55,7 +60,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 MAX_SIZING_SHARE = 0.75
-"""The unmet share a scale-up is sized on is capped here (at most 3 × the replicas up are added at once)."""
+"""The unmet share a scale-up is sized on is capped here (at most 3 times the replicas up are added at once)."""
 
 
 @dataclass(frozen=True)
@@ -77,11 +82,14 @@ class LawSettings:
     """Rejections spread over the tenants at this share of their requests count every 429 (a capacity signal)."""
     spread_tenants: float = 0.5
     """... when at least this share of the active tenants (and at least two) have rejections."""
-    scale_down_utilisation: float = 0.6
-    """Scale down only if one replica fewer would each carry at most this share of the load per replica
-    seen when the fleet was last full."""
+    scale_down_kv_usage: float = 0.5
+    """Scale down only if the replicas left beyond the warm pool would carry the fleet's KV-cache usage at
+    most at this mean (when kvgate reports it)."""
+    warm_pool_kv_usage: float = 0.65
+    """With a warm pool: the replicas beyond it carrying the fleet's KV-cache usage above this mean (the
+    warm replicas carry demand) → one more replica, to keep the pool spare."""
     window_s: float = 60.0
-    """The signal window (a load-per-replica sample needs the same replicas up for a whole window)."""
+    """The signal window: a scale-up is sized on the replicas up over it."""
 
 
 @dataclass(frozen=True)
@@ -108,6 +116,8 @@ class Signals:
     """Of ``policy_rejected``: 429s for the tenant's own request or token budget."""
     slo_missed: dict[str, float] = field(default_factory=dict)
     """Of ``admitted``: requests admitted although predicted to miss their tier's TTFT target. Absent: none."""
+    kv_usage: float | None = None
+    """The mean KV-cache usage of the replicas up now (0-1, ``kvgate_node_kv_usage_ratio``); None: unknown."""
 
     @property
     def capacity_total(self) -> float:
@@ -199,7 +209,7 @@ class Verdict:
     action: Action
     reason: str
     reject_rate: float | None = None
-    """The unmet-demand rate the law acted on (``unmet.rate``, without a quota tenant's own)."""
+    """The unmet-demand rate the law acted on (``unmet.rate``; without a quota tenant's, when there is one)."""
     policy_tenant: str | None = None
     missing_data: bool = False
     """Held because the data was missing, incomplete or stale (``reason`` says which)."""
@@ -208,9 +218,9 @@ class Verdict:
     unmet: Unmet | None = None
     """The window's unmet demand by cause (every tenant)."""
     projected: float | None = None
-    """The unmet rate projected one cold start ahead (its trend × ``cold_start_s``)."""
+    """The unmet rate the law acted on, projected one cold start ahead (its trend times ``cold_start_s``)."""
     utilisation: float | None = None
-    """Demand per demand-level replica / the load per replica seen when the fleet was last full."""
+    """The fleet's mean KV-cache usage now (``Signals.kv_usage``); None: unknown."""
 
 
 class ControlLaw:
@@ -220,14 +230,13 @@ class ControlLaw:
         """The demand level the law moves (warm pool excluded); None until the first complete window."""
         self.observed: int | None = None
         """The replica count the signals last reported (ready vLLM nodes); None: never reported."""
-        self.full_per_replica: float | None = None
-        """Admitted requests per replica over a window in which the fleet was full (unmet over the threshold)."""
         self._low_since: float | None = None
-        self._last_up: float | None = None
         self._rates: deque[tuple[float, float]] = deque()
-        self._demand: deque[tuple[float, float]] = deque()
+        """(time, unmet rate acted on) over ``trend_window_s``: the trend."""
         self._seen: deque[tuple[float, int]] = deque()
-        """(time, replicas observed): a load-per-replica sample needs them steady for a window."""
+        """(time, replicas observed) over the window: the fleet that produced the window's counts."""
+        self._kv: deque[tuple[float, float]] = deque()
+        """(time, mean KV-cache usage) over the window: the utilisation, smoothed."""
 
     @property
     def ready(self) -> bool:
@@ -242,7 +251,6 @@ class ControlLaw:
         if sig is None or not sig.complete or now - sig.at > s.stale_after_s:
             self._low_since = None
             self._rates.clear()
-            self._demand.clear()
             why = "no data" if sig is None else ("a kvgate replica did not answer" if not sig.complete
                                                  else f"data {now - sig.at:.0f}s old")
             return self._missing(why)
@@ -253,127 +261,111 @@ class ControlLaw:
         quota = self._quota_problem(sig)
         acted = unmet_demand(sig, s, without=quota) if quota is not None else u
         rate = acted.rate
-        projected, slope = self._project(self._rates, now, rate)
-        # the load on the fleet: every admitted request (a quota tenant's too: it runs on the fleet) and the
-        # rejections counted as unmet
-        load = u.admitted + sum(acted.counts.get(c, 0.0) for c in ("capacity", "fleet_caused", "spread"))
-        demand_ahead, _ = self._project(self._demand, now, load if u.demand > 0 else None)
+        projected, slope = self._project(now, rate)
         mean_up = self._mean_up(now, observed)
-        full = self._learn(mean_up, u, rate)
+        kv = self._mean_kv(now, sig.kv_usage)
         what = u.describe() + (f"; without {quota!r} (its own quota) {rate or 0.0:.0%}" if quota else "")
-        trend = (f"; projected {projected:.0%} in {s.cold_start_s:.0f}s (trend {slope * 100:+.2f}%/s)"
-                 if projected is not None and slope else "")
-        v = _Ctx(u, projected, quota, rate)
+        if projected is not None and slope > 0:
+            what += f"; projected {projected:.0%} in {s.cold_start_s:.0f}s (trend {slope * 100:+.2f}%/s)"
+        v = _Ctx(u, projected, quota, rate, kv)
         thr = s.scale_up_threshold
-        over = (rate is not None and rate > thr) or (projected is not None and projected > thr)
-        if current == 0 and (sig.held > 0 or sig.demand > 0 or u.demand > 0) and (
-                not over or (observed or 0) < self._total(current)):
+        over = max(rate or 0.0, projected or 0.0) > thr
+        waiting = observed is not None and observed < self._total(current)
+        if current == 0 and (sig.held > 0 or sig.demand > 0 or u.demand > 0) and (not over or waiting):
             self._low_since = None
             return self._out(max(1, s.min_replicas), "up", f"{what}: requests are waiting and no replica is up "
-                             "beyond the warm pool: scale from zero", v, now)
+                             "beyond the warm pool: scale from zero", v)
         if over:  # (from zero too, when the replicas up are short: sized like any other scale-up)
             self._low_since = None
-            if observed is not None and observed < self._total(current):
-                return self._out(current, "hold", f"{what}{trend} > {thr:.0%}, but waiting for the "
-                                 f"{self._total(current) - observed} replica(s) already asked for to come up", v)
-            # the window's fleet served 1 - u of its demand: it needed base / (1 - u) replicas
-            share = min(MAX_SIZING_SHARE, max(rate or 0.0, projected or 0.0))
-            up = observed if observed is not None else self._total(current)
-            base = mean_up if mean_up is not None else float(up)
-            need = math.ceil(base / (1.0 - share) - 1e-9)
-            if need <= up and base < up:
-                return self._out(current, "hold", f"{what}{trend} > {thr:.0%}, but the {up} replica(s) up now cover "
-                                 f"it (the window saw {base:.1f} on average, short by {share:.0%}: {need} needed)", v)
-            add = max(s.step, need - up)
-            why = (f"{what}{trend} > {thr:.0%}: +{add} replica(s) (max(step {s.step}, {base:.1f} up over the window "
-                   f"/ {1 - share:.0%} served = {need} needed, {up} up))")
-            return self._out(current + add, "up", why, v, now)
-        if full is not None and current > 0 and (demand_ahead or 0.0) > current * full:
+            return self._up(current, observed, mean_up, max(rate or 0.0, projected or 0.0), f"{what} > {thr:.0%}",
+                            v)
+        busy = _spread_over(kv, observed, observed - s.warm_pool if observed is not None else None)
+        if s.warm_pool > 0 and busy is not None and busy > s.warm_pool_kv_usage:
             self._low_since = None
-            need = math.ceil((demand_ahead or 0.0) / full - 1e-9)
-            why = (f"{what}: the warm pool is being used up: a load of {load:.0f} requests/window ({demand_ahead:.0f} "
-                   f"on its trend) needs {need} replica(s) at {full:.0f} per replica (the load seen at saturation), "
-                   f"{current} + {s.warm_pool} warm up")
-            if observed is not None and observed < self._total(current):
-                return self._out(current, "hold", f"{why}; waiting for the {self._total(current) - observed} "
+            why = (f"{what}: the warm pool is carrying demand: {observed} replica(s) at {kv:.0%} mean KV usage "
+                   f"would be {busy:.0%} on the {(observed or 0) - s.warm_pool} beyond it > {s.warm_pool_kv_usage:.0%}")
+            if waiting:
+                return self._out(current, "hold", f"{why}; waiting for the {self._total(current) - (observed or 0)} "
                                  "replica(s) already asked for to come up", v)
-            return self._out(need, "up", why, v, now)
+            return self._out(current + 1, "up", why + ": +1 replica", v)
         if quota is not None and u.rate is not None and u.rate > thr:
             self._low_since = None
             return self._out(current, "hold", f"{what}: rejections concentrated in tenant {quota!r}'s quota: a "
                              "policy problem, not a capacity one", v)
-        low = max(rate or 0.0, projected or 0.0)
-        if low < s.scale_down_threshold:
-            if self._low_since is None:
-                self._low_since = now
-            low_for = now - self._low_since
-            if low_for < s.cooldown_s:
-                return self._out(current, "hold", f"{what}{trend}: low for {low_for:.0f}s of a {s.cooldown_s:.0f}s "
-                                 "cooldown", v)
-            if self._last_up is not None and now - self._last_up < s.cooldown_s:
-                return self._out(current, "hold", f"{what}: low for {low_for:.0f}s, but the last scale-up was "
-                                 f"{now - self._last_up:.0f}s ago (< {s.cooldown_s:.0f}s cooldown)", v)
-            after = max(1, current - 1)
-            util = None if full is None else (demand_ahead or 0.0) / after / full
-            v = _Ctx(u, projected, quota, rate, util)
-            if util is not None and util > s.scale_down_utilisation:
-                return self._out(current, "hold", f"{what}: low for {low_for:.0f}s, but {after} replica(s) would "
-                                 f"each carry {util:.0%} of the load per replica seen at saturation ({full:.0f} "
-                                 f"requests/window; demand {acted.demand:.0f}, {demand_ahead:.0f} on its trend) > "
-                                 f"{s.scale_down_utilisation:.0%}", v)
+        if max(rate or 0.0, projected or 0.0) >= s.scale_down_threshold:
+            self._low_since = None
+            return self._out(current, "hold", f"{what}: between the thresholds", v)
+        if self._low_since is None:
             self._low_since = now
-            load = "" if util is None else f"; {after} replica(s) would carry {util:.0%} of the saturation load each"
-            return self._out(current - 1, "down", f"{what} < {s.scale_down_threshold:.0%} for {low_for:.0f}s{load}",
-                             v)
-        self._low_since = None
-        return self._out(current, "hold", f"{what}{trend}: between the thresholds", v)
+        low_for = now - self._low_since
+        if low_for < s.cooldown_s:
+            return self._out(current, "hold", f"{what}: low for {low_for:.0f}s of a {s.cooldown_s:.0f}s cooldown", v)
+        rest = observed - 1 - s.warm_pool if observed is not None else None
+        after_kv = _spread_over(kv, observed, rest)
+        if after_kv is not None and after_kv > s.scale_down_kv_usage:
+            return self._out(current, "hold", f"{what}: low for {low_for:.0f}s, but the {rest} replica(s) left beyond "
+                             f"the warm pool would run at {after_kv:.0%} KV usage > {s.scale_down_kv_usage:.0%}", v)
+        self._low_since = now
+        load = "" if after_kv is None else f"; the {rest} left beyond the warm pool would run at {after_kv:.0%} KV"
+        return self._out(current - 1, "down", f"{what} < {s.scale_down_threshold:.0%} for {low_for:.0f}s{load}", v)
 
-    def _project(self, series: deque[tuple[float, float]], now: float, value: float | None) -> tuple[float | None,
-                                                                                                      float]:
-        """``value`` one cold start ahead, on its least-squares trend over ``trend_window_s`` (rising only),
-        and the trend per second."""
+    def _up(self, current: int, observed: int | None, mean_up: float | None, share: float, why: str,
+            ctx: _Ctx) -> Verdict:
+        """Scale up by the shortfall: the window's fleet (``mean_up`` replicas, time-weighted) served 1 - u
+        of its demand, so it needed mean_up / (1 - u); add what the replicas up now lack, at least ``step``."""
         s = self.s
-        if value is None:
-            series.clear()
+        total = self._total(current)
+        if observed is not None and observed < total:
+            return self._out(current, "hold", f"{why}, but waiting for the {total - observed} replica(s) already "
+                             "asked for to come up", ctx)
+        share = min(MAX_SIZING_SHARE, share)
+        up = observed if observed is not None else total
+        base = mean_up if mean_up is not None else float(up)
+        need = math.ceil(base / (1.0 - share) - 1e-9)
+        if need <= up and base < up:
+            return self._out(current, "hold", f"{why}, but the {up} replica(s) up now cover it (the window saw "
+                             f"{base:.1f} on average, short by {share:.0%}: {need} needed)", ctx)
+        add = max(s.step, need - up)
+        return self._out(current + add, "up", f"{why}: +{add} replica(s) (max(step {s.step}, {base:.1f} up over the "
+                         f"window / {1 - share:.0%} served = {need} needed, {up} up))", ctx)
+
+    def _project(self, now: float, rate: float | None) -> tuple[float | None, float]:
+        """The unmet rate one cold start ahead on its least-squares trend over ``trend_window_s`` (rising
+        only), and the trend per second."""
+        if rate is None:
+            self._rates.clear()
             return None, 0.0
-        series.append((now, value))
-        while series and series[0][0] < now - s.trend_window_s:
-            series.popleft()
-        slope = max(0.0, _slope(series))
-        return value + slope * s.cold_start_s, slope
+        self._rates.append((now, rate))
+        while self._rates and self._rates[0][0] < now - self.s.trend_window_s:
+            self._rates.popleft()
+        slope = max(0.0, _slope(self._rates))
+        return rate + slope * self.s.cold_start_s, slope
+
+    def _mean_kv(self, now: float, kv: float | None) -> float | None:
+        """The fleet's mean KV-cache usage, averaged over the evaluations of the signal window."""
+        if kv is None:
+            self._kv.clear()
+            return None
+        self._kv.append((now, kv))
+        while self._kv and self._kv[0][0] <= now - self.s.window_s:
+            self._kv.popleft()
+        return sum(k for _, k in self._kv) / len(self._kv)
 
     def _mean_up(self, now: float, observed: int | None) -> float | None:
         """Replicas up over the signal window, time-weighted (the fleet that produced the window's counts)."""
-        s = self.s
         if observed is None:
             self._seen.clear()
             return None
         self._seen.append((now, observed))
-        while len(self._seen) > 1 and self._seen[1][0] <= now - s.window_s:
+        while len(self._seen) > 1 and self._seen[1][0] <= now - self.s.window_s:
             self._seen.popleft()
-        start = max(self._seen[0][0], now - s.window_s)
+        start = max(self._seen[0][0], now - self.s.window_s)
         span = now - start
         if span <= 0:
             return float(observed)
         pts = list(self._seen)
         return sum(n * (min(now, pts[i + 1][0] if i + 1 < len(pts) else now) - max(start, t))
                    for i, (t, n) in enumerate(pts)) / span
-
-    def _learn(self, mean_up: float | None, u: Unmet, rate: float | None) -> float | None:
-        """The load per replica when the fleet is full: requests served within their SLO (admitted less
-        predicted misses) per replica up (time-weighted over the window), from a window with the unmet
-        rate over the threshold. The latest such window wins; a window without unmet demand (under
-        ``scale_down_threshold``) at a higher load per replica raises it (the sample was a transient's)."""
-        s = self.s
-        served = u.admitted - u.counts.get("slo_miss", 0.0)
-        if mean_up is None or mean_up <= 0 or served <= 0 or rate is None:
-            return self.full_per_replica
-        per = served / mean_up
-        if rate > s.scale_up_threshold:
-            self.full_per_replica = per
-        elif rate < s.scale_down_threshold and self.full_per_replica is not None and per > self.full_per_replica:
-            self.full_per_replica = per
-        return self.full_per_replica
 
     def _missing(self, why: str) -> Verdict:
         """Hold on missing data: the law's level, never below the replicas last observed."""
@@ -405,15 +397,13 @@ class ControlLaw:
             return None
         return top
 
-    def _out(self, desired: int, action: Action, reason: str, ctx: _Ctx, now: float | None = None) -> Verdict:
+    def _out(self, desired: int, action: Action, reason: str, ctx: _Ctx) -> Verdict:
         s = self.s
         bounded = max(s.min_replicas, min(s.max_replicas, desired))
         if bounded != desired:
             reason += f" (bounded to {bounded})"
             if bounded == (self.desired if self.desired is not None else bounded):
                 action = "hold"
-        if action == "up" and now is not None:
-            self._last_up = now
         self.desired = bounded
         return Verdict(self._total(bounded), action, reason, ctx.rate, ctx.quota, unmet=ctx.unmet,
                        projected=ctx.projected, utilisation=ctx.utilisation)
@@ -432,6 +422,14 @@ class _Ctx:
     quota: str | None = None
     rate: float | None = None
     utilisation: float | None = None
+
+
+def _spread_over(kv: float | None, replicas: int | None, fewer: int | None) -> float | None:
+    """The mean KV-cache usage of ``replicas`` at ``kv``, carried by ``fewer`` of them; None: unknown
+    (or no replica left: the bound does not apply)."""
+    if kv is None or replicas is None or fewer is None or fewer <= 0 or replicas <= 0:
+        return None
+    return kv * replicas / fewer
 
 
 def _slope(series: deque[tuple[float, float]]) -> float:

@@ -18,6 +18,11 @@ the law's count, never below the replica count the signals last reported; logged
 (``holding_on_missing_data``) and exported (``kvgate_scaler_holding_on_missing_data{pool}``,
 ``kvgate_scaler_observed_replicas{pool}``).
 
+Every verdict that changes the count or the action is logged (``scaling_decision``: its reason, the
+unmet rate and its split by cause, the projection, the KV-cache usage) and the numbers are exported
+per pool (``kvgate_scaler_unmet_demand_ratio{pool,cause}``, ``kvgate_scaler_projected_unmet_ratio``,
+``kvgate_scaler_kv_usage_ratio``).
+
 A ScaledObject names its pool in ``scalerMetadata.pool`` (default ``default``).
 """
 
@@ -41,7 +46,7 @@ from ext_proc.addresses import split_hostport
 from . import externalscaler_pb2 as pb
 from . import externalscaler_pb2_grpc as pb_grpc
 from .config import ScalerConfig
-from .law import ControlLaw, Signals, Verdict
+from .law import CAUSES, ControlLaw, Signals, Verdict
 from .signals import DirectSource, PrometheusSource, SourceError
 
 log = logs.get("kvgate.scaler")
@@ -71,7 +76,8 @@ class Scaler:
     def __init__(self, cfg: ScalerConfig, source: Source, registry: CollectorRegistry | None = None) -> None:
         self.cfg = cfg
         self.source = source
-        self.pools = {name: PoolState(ControlLaw(p.law(cfg.stale_after_seconds))) for name, p in cfg.pools.items()}
+        self.pools = {name: PoolState(ControlLaw(p.law(cfg.stale_after_seconds, cfg.window_seconds)))
+                      for name, p in cfg.pools.items()}
         self.signals: Signals | None = None
         self.changed = asyncio.Event()
         r = self.registry = registry if registry is not None else CollectorRegistry()
@@ -84,6 +90,17 @@ class Scaler:
         self.m_policy = Gauge("kvgate_scaler_policy_problem",
                               "1 while a tenant's flood holds a scale-up back (a quota problem)", ["pool", "tenant"],
                               registry=r)
+        self.m_unmet = Gauge("kvgate_scaler_unmet_demand_ratio",
+                             "Unmet demand over the window as a share of demand, by cause: capacity (503s), "
+                             "fleet_caused (429s the fleet caused), slo_miss (admitted, predicted to miss the "
+                             "TTFT target), spread (other 429s, counted when rejections are spread over the tenants)",
+                             ["pool", "cause"], registry=r)
+        self.m_projected = Gauge("kvgate_scaler_projected_unmet_ratio",
+                                 "The unmet rate the law acted on, projected one cold start ahead on its trend",
+                                 ["pool"], registry=r)
+        self.m_kv = Gauge("kvgate_scaler_kv_usage_ratio",
+                          "The fleet's mean KV-cache usage over the window, as the law's warm-pool and scale-down "
+                          "bounds read it", ["pool"], registry=r)
         self.m_source = Gauge("kvgate_scaler_source_up", "1 when the last signal read succeeded", registry=r)
         self.m_ready = Gauge("kvgate_scaler_ready",
                              "1 once the pool's law has a verdict from a complete window; until then KEDA's "
@@ -132,8 +149,15 @@ class Scaler:
                 continue
             self.m_desired.labels(name).set(v.desired)
             self.m_decisions.labels(name, v.action).inc()
-            if v.reject_rate is not None:
-                self.m_rate.set(v.reject_rate)
+            if not v.missing_data and sig is not None and sig.reject_rate is not None:
+                self.m_rate.set(sig.reject_rate)
+            if v.unmet is not None:
+                for cause in CAUSES:
+                    self.m_unmet.labels(name, cause).set(v.unmet.share(cause))
+            if v.projected is not None:
+                self.m_projected.labels(name).set(v.projected)
+            if v.utilisation is not None:
+                self.m_kv.labels(name).set(v.utilisation)
             if v.policy_tenant is not None:
                 self.m_policy.labels(name, v.policy_tenant).set(1)
                 if old is None or old.policy_tenant != v.policy_tenant:
@@ -141,7 +165,12 @@ class Scaler:
                                 reason=v.reason, note="rejections concentrated in this tenant's quota")
             if old is None or old.desired != v.desired or old.action != v.action:
                 log.info("scaling_decision", pool=name, desired=v.desired, action=v.action, reason=v.reason,
-                         reject_rate=None if v.reject_rate is None else round(v.reject_rate, 4))
+                         unmet_rate=None if v.reject_rate is None else round(v.reject_rate, 4),
+                         unmet_by_cause=None if v.unmet is None else {
+                             c: round(v.unmet.share(c), 4) for c in CAUSES if v.unmet.counts.get(c)},
+                         demand=None if v.unmet is None else v.unmet.demand,
+                         projected=None if v.projected is None else round(v.projected, 4),
+                         kv_usage=None if v.utilisation is None else round(v.utilisation, 4))
         self.changed.set()
         self.changed = asyncio.Event()
 

@@ -1,12 +1,12 @@
 """Where the scaler's signals come from: every kvgate replica's /metrics, or a Prometheus that scrapes them.
 
 Both give the same ``Signals``: per-tenant admitted and capacity-rejected requests over the window,
-policy rejections (and, of those, the ones for a tenant's own request or token budget and the ones the
-fleet caused), admitted requests predicted to miss their SLO, requests held in kvgate's queues now,
-and the vLLM replicas kvgate sees. Shadow-mode would-be rejections are admits (they reached the
-fleet). A kvgate of an older version exports no fleet-caused or predicted-miss counters: read as none.
-The PromQL of ``TRIGGER_QUERY`` is what the README offers as a KEDA Prometheus trigger, for users who
-want no scaler service.
+policy rejections (and, of those, the ones for a tenant's own request or token budget and the ones
+the fleet caused), admitted requests predicted to miss their SLO, requests held in kvgate's queues
+now, the vLLM replicas kvgate sees and their mean KV-cache usage. Shadow-mode would-be rejections are
+admits (they reached the fleet). A kvgate of an older version exports no fleet-caused or
+predicted-miss counters: read as none. The PromQL of ``TRIGGER_QUERY`` is what the README offers as a
+KEDA Prometheus trigger, for users who want no scaler service.
 """
 
 from __future__ import annotations
@@ -42,6 +42,8 @@ class Reading:
     held: float
     nodes: int | None
     """vLLM nodes this replica knows; None when it does not choose nodes (Envoy does)."""
+    kv_usage: float | None = None
+    """The mean KV-cache usage of the nodes this replica probes; None: no node reading."""
 
 
 def parse_kvgate(text: str) -> Reading:
@@ -49,6 +51,7 @@ def parse_kvgate(text: str) -> Reading:
     totals: Totals = {}
     held = 0.0
     nodes: int | None = None
+    kv: list[float] = []
     seen = False
     for fam in text_string_to_metric_families(text):
         for s in fam.samples:
@@ -69,19 +72,23 @@ def parse_kvgate(text: str) -> Reading:
                 held += s.value
             elif s.name == "kvgate_nodes_total":
                 nodes = (nodes or 0) + int(s.value)
+            elif s.name == "kvgate_node_kv_usage_ratio":
+                kv.append(s.value)
             elif s.name == "kvgate_fleet_inflight_requests":
                 seen = True
     if not seen:
         raise ValueError("not a kvgate metrics page (no kvgate_requests_total / kvgate_fleet_inflight_requests)")
-    return Reading(totals, held, nodes)
+    return Reading(totals, held, nodes, sum(kv) / len(kv) if kv else None)
 
 
-def _signals(at: float, delta: Totals, held: float, nodes: int | None, complete: bool) -> Signals:
+def _signals(at: float, delta: Totals, held: float, nodes: int | None, complete: bool,
+             kv_usage: float | None = None) -> Signals:
     by: dict[str, dict[str, float]] = {k: {} for k in KINDS}
     for (kind, tenant), v in delta.items():
         by[kind][tenant] = by[kind].get(tenant, 0.0) + v
     return Signals(at, by["admitted"], by["capacity"], by["policy"], held, nodes, complete,
-                   fleet_caused=by["fleet"], budget_rejected=by["budget"], slo_missed=by["slo_miss"])
+                   fleet_caused=by["fleet"], budget_rejected=by["budget"], slo_missed=by["slo_miss"],
+                   kv_usage=kv_usage)
 
 
 @dataclass
@@ -118,6 +125,7 @@ class DirectSource:
         delta: Totals = {}
         held = 0.0
         nodes: int | None = None
+        kv: list[float] = []
         urls = self.targets()
         if urls is None:
             raise SourceError(f"cannot resolve {self.dns}")
@@ -134,6 +142,8 @@ class DirectSource:
             held += reading.held
             if reading.nodes is not None:  # every replica sees the same fleet: the largest view
                 nodes = max(nodes or 0, reading.nodes)
+            if reading.kv_usage is not None:
+                kv.append(reading.kv_usage)
             h = self._history.get(url)
             if h is None:
                 h = self._history[url] = deque()
@@ -148,7 +158,7 @@ class DirectSource:
                 before = base.get(k, 0.0)
                 d = v - before if v >= before else v  # a counter reset: the replica restarted
                 delta[k] = delta.get(k, 0.0) + d
-        return _signals(now, delta, held, nodes, complete)
+        return _signals(now, delta, held, nodes, complete, sum(kv) / len(kv) if kv else None)
 
 
 QUERIES = {
@@ -162,6 +172,7 @@ QUERIES = {
     "slo_miss": f"sum by (tenant) (increase({PREDICTED_MISSES}[%s]))",
     "held": "sum(kvgate_queue_depth_requests)",
     "nodes": "max(sum by (instance) (kvgate_nodes_total))",
+    "kv_usage": "avg(kvgate_node_kv_usage_ratio)",
     "replicas_up": 'count(up{job="%s"} == 1)',
     "replicas_all": 'count(up{job="%s"})',
 }
@@ -198,6 +209,7 @@ class PrometheusSource:
                     delta[(kind, labels.get("tenant", ""))] = v
             held = sum(v for _, v in self.query(QUERIES["held"]))
             node_rows = self.query(QUERIES["nodes"])
+            kv_rows = self.query(QUERIES["kv_usage"])
             up = sum(v for _, v in self.query(QUERIES["replicas_up"] % self.job))
             total = sum(v for _, v in self.query(QUERIES["replicas_all"] % self.job))
         except (OSError, ValueError, KeyError) as e:
@@ -205,7 +217,7 @@ class PrometheusSource:
         if total == 0:
             raise SourceError(f"prometheus at {self.url}: no scrape target in job {self.job!r}")
         nodes = int(node_rows[0][1]) if node_rows else None
-        return _signals(now, delta, held, nodes, complete=up == total)
+        return _signals(now, delta, held, nodes, complete=up == total, kv_usage=kv_rows[0][1] if kv_rows else None)
 
 
 class SourceError(Exception):

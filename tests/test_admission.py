@@ -3,7 +3,7 @@ from typing import Any
 
 import pytest
 
-from ext_proc.admission import Admission, Usage
+from ext_proc.admission import Admission, Placed, Usage
 from ext_proc.config import Config, parse_config
 from ext_proc.estimate import Estimate
 from tests.helpers import FakeClock
@@ -230,11 +230,9 @@ def test_node_choice_is_the_last_check_and_its_refusal_is_a_503() -> None:
                     "tenants": [{"name": "t", "max_concurrent": 1}, {"name": "s", "mode": "shadow"}]})
     calls: list[bool] = []
 
-    def full(
-        est: Estimate, shadow: bool, ticket: str, reserve: float, caps: bool
-    ) -> tuple[str | None, str | None, float | None]:
+    def full(est: Estimate, shadow: bool, ticket: str, tier: str, waited: float) -> Placed:
         calls.append(shadow)
-        return ("10.0.0.9:8000", None, None) if shadow else (None, "fleet-kv", 4.0)
+        return Placed("10.0.0.9:8000") if shadow else Placed(None, "fleet-kv", 4.0)
 
     a.pick = full
     d = a.decide(c.tenant("t"), "r", E(), 1)
@@ -242,7 +240,7 @@ def test_node_choice_is_the_last_check_and_its_refusal_is_a_503() -> None:
         503, "fleet-kv", "capacity")
     assert d.rejection.retry_after is not None and 4.0 <= d.rejection.retry_after <= 4.8
     assert a.inflight == 0 and calls == [False]
-    a.pick = lambda est, shadow, ticket, reserve, caps: ("10.0.0.1:8000", None, None)
+    a.pick = lambda est, shadow, ticket, tier, waited: Placed("10.0.0.1:8000")
     ok = a.decide(c.tenant("t"), "r2", E(), 1)
     assert ok.lease is not None and ok.lease.node == "10.0.0.1:8000"
     calls.clear()

@@ -19,6 +19,16 @@ def snap(kv: float, blocks: int = 1000, waiting: float = 0, prefill: float | Non
                     prefill_s=prefill, prefill_s_per_ktok=prefill)
 
 
+def stepping(f: Fleet, kv: float, ratio: float, decode: int = 8, prefill: int = 0, blocks: int = 1000,
+             fresh: bool = True) -> Snapshot:
+    """A reading whose engine steps took ``ratio`` x what the fleet's model predicts for the batch they
+    ran (``decode`` sequences plus ``prefill`` tokens per step, beside the KV cache's context)."""
+    context = kv * blocks * 16
+    itl = ratio * f.model.step(prefill, decode, context)
+    return Snapshot(node="n", at=0, ok=True, kv_usage=kv, blocks_total=blocks, block_size=16, running=decode,
+                    itl_s=itl, step_fresh=fresh, step_tokens=float(prefill + decode), step_decode=float(decode))
+
+
 def feed(f: Fleet, now: float, *kvs: float) -> None:
     for i, kv in enumerate(kvs):
         f.on_snapshot(f"10.0.0.{i}:8000", snap(kv), now)
@@ -185,32 +195,35 @@ def test_a_lower_tier_leaves_kv_headroom_for_a_higher_one() -> None:
 def test_latency_opens_at_most_the_allowed_share_of_breakers_and_never_the_last() -> None:
     def slow_fleet(n: int, sick: int, **breaker: float) -> Fleet:
         f = fleet(n, breaker=breaker) if breaker else fleet(n)
-        for t in range(6):  # learn a baseline of 0.1 s per 1k prompt tokens
+        for t in range(6):  # learn a baseline: steps as long as the model says, small batches
             for i in range(n):
-                f.on_snapshot(f"10.0.0.{i}:8000", snap(0.3, prefill=0.1), t)
-        for t in range(7, 11):  # then the first `sick` nodes get 10x slower, the others 2x (load)
-            for i in range(n):
-                f.on_snapshot(f"10.0.0.{i}:8000", snap(0.3, prefill=1.0 if i < sick else 0.2), t)
+                f.on_snapshot(f"10.0.0.{i}:8000", stepping(f, 0.3, 1.0), t)
+        for t in range(7, 11):  # then the first `sick` nodes' steps get 10x slower than their model; the
+            for i in range(n):  # others run big mixed batches (steps ~8x longer, as the model predicts)
+                snap_i = stepping(f, 0.3, 10.0) if i < sick else stepping(f, 0.3, 1.0, decode=200, prefill=2000)
+                f.on_snapshot(f"10.0.0.{i}:8000", snap_i, t)
         return f
 
     one = slow_fleet(1, 1)
     assert one.nodes["10.0.0.0:8000"].breaker.state is State.CLOSED  # the only node stays in service
     four = slow_fleet(4, 2)
     states = Counter(n.breaker.state for n in four.nodes.values())
-    assert states == {State.OPEN: 2, State.CLOSED: 2}  # the two sick ones, against their peers
+    assert states == {State.OPEN: 2, State.CLOSED: 2}  # the two sick ones
     assert all(four.nodes[f"10.0.0.{i}:8000"].breaker.state is State.CLOSED for i in (2, 3))
     capped = slow_fleet(6, 3, max_open_fraction=0.34)
     assert Counter(n.breaker.state for n in capped.nodes.values())[State.OPEN] == 2  # 0.34 x 6
-    loaded = slow_fleet(4, 0)  # every node 2x slower together: load, nothing opens
+    loaded = slow_fleet(4, 0)  # every node busy together: load, nothing opens
     assert all(n.breaker.state is State.CLOSED for n in loaded.nodes.values())
-    uniform = fleet(3)
+    rising = fleet(3)
     for t in range(6):
         for i in range(3):
-            uniform.on_snapshot(f"10.0.0.{i}:8000", snap(0.3, prefill=0.1), t)
-    for t in range(7, 12):  # all 10x slower, rising together: slow against the past, not against the peers
+            rising.on_snapshot(f"10.0.0.{i}:8000", stepping(rising, 0.3, 1.0), t)
+    for t in range(7, 12):  # batches growing 1.6x a reading: raw step time ~10x by the end, its model's too
         for i in range(3):
-            uniform.on_snapshot(f"10.0.0.{i}:8000", snap(0.3, prefill=0.1 * 1.6 ** (t - 6)), t)
-    assert all(n.breaker.state is State.CLOSED for n in uniform.nodes.values())
+            k = 1.6 ** (t - 6)
+            rising.on_snapshot(f"10.0.0.{i}:8000",
+                               stepping(rising, 0.3, 1.0, decode=round(8 * k), prefill=round(200 * k)), t)
+    assert all(n.breaker.state is State.CLOSED for n in rising.nodes.values())
     f = fleet(2)
     f.on_snapshot("10.0.0.1:8000", snap(0.3), 0)
     f.on_snapshot("10.0.0.0:8000", snap(0.99), 0)
@@ -255,13 +268,12 @@ def test_an_open_nodes_old_latency_does_not_keep_it_open() -> None:
     sick = f.nodes["10.0.0.0:8000"]
     for t in range(6):
         for i in range(2):
-            f.on_snapshot(f"10.0.0.{i}:8000", snap(0.3, prefill=0.1), t)
+            f.on_snapshot(f"10.0.0.{i}:8000", stepping(f, 0.3, 1.0), t)
     for t in range(6, 9):
-        f.on_snapshot(sick.address, snap(0.3, prefill=2.0), t)
-        f.on_snapshot("10.0.0.1:8000", snap(0.3, prefill=0.1), t)
+        f.on_snapshot(sick.address, stepping(f, 0.3, 20.0), t)
+        f.on_snapshot("10.0.0.1:8000", stepping(f, 0.3, 1.0), t)
     assert sick.breaker.state is State.OPEN
-    old = Snapshot(node="n", at=0, ok=True, kv_usage=0.3, blocks_total=1000, block_size=16, prefill_s=2.0,
-                   prefill_s_per_ktok=2.0, latency_fresh=False)
+    old = stepping(f, 0.3, 20.0, fresh=False)  # no step since: the histograms did not move
     f.on_snapshot(sick.address, old, 14)  # recovery window over: half-open; the reading is old news
     assert sick.breaker.state is State.HALF_OPEN
     for k in range(2):

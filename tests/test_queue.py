@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 from ext_proc.admission import Admission, Decision, Usage
 from ext_proc.config import Config, parse_config
 from ext_proc.estimate import Estimate
+from ext_proc.identity import hash_key
 from ext_proc.queue import Entry, FairQueue, TierSpec
 from tests.helpers import FakeClock
 
@@ -376,14 +377,27 @@ def test_a_tenant_within_its_share_is_never_refused_while_another_floods() -> No
 
 
 def test_with_priority_injection_only_the_top_tier_passes_the_node_queue_caps() -> None:
-    seen: list[tuple[str, bool]] = []
+    """The (deprecated) per-node queue caps, when set, hold every tier in the gateway queue — except the
+    top tier once kvgate writes priorities into bodies (vLLM runs it ahead of its own queue)."""
+    from ext_proc.core import Core, Held, Request, null_logger
+    from gpu_probe.snapshot import Snapshot
+
+    outcome: list[tuple[bool, str, str]] = []
     for inject in (False, True):
-        a, _, c = make({"queue": {"inject_priority": inject},
-                        "tenants": [{"name": "chat", "tier": "interactive"}, {"name": "rag"}]})
-        a.pick = lambda est, shadow, ticket, reserve, caps: (seen.append((ticket, caps)), ("n:1", None, None))[1]
-        a.decide(c.tenant("chat"), "c", E(), 1)
-        a.decide(c.tenant("rag"), "r", E(), 1)
-    assert [caps for _, caps in seen] == [True, True, False, True]
+        clock = FakeClock()
+        core = Core(parse_config({
+            "queue": {"inject_priority": inject},
+            "nodes": {"static": [{"address": "10.0.0.1:8000", "probe": "http://p"}], "max_waiting_requests": 2},
+            "tenants": [{"name": "chat", "tier": "interactive", "api_key_sha256": [hash_key("c")]},
+                        {"name": "rag", "api_key_sha256": [hash_key("r")]}]}), clock, random.Random(1),
+            log=null_logger())
+        core.snapshot("10.0.0.1:8000", Snapshot(node="n", at=0, ok=True, kv_usage=0.1, blocks_total=10_000,
+                                                block_size=16, running=4, waiting=3))  # over its cap of 2
+        for key in ("c", "r"):
+            a = core.decide(Request("/v1/chat/completions", key, f"Bearer {key}", estimate=E(), body_bytes=10))
+            outcome.append((inject, key, "held" if isinstance(a, Held) else
+                            "admitted" if a.decision.admitted else str(a.decision.rejection)))
+    assert outcome == [(False, "c", "held"), (False, "r", "held"), (True, "c", "admitted"), (True, "r", "held")]
 
 
 def test_a_queue_retry_after_never_exceeds_the_tiers_own_wait_much() -> None:

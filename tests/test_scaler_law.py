@@ -29,8 +29,10 @@ def test_one_evaluation(rejected: float, action: str, desired: int) -> None:
     assert (v.action, v.desired) == (action, desired), v.reason
 
 
-def test_policy_rejections_never_scale_up() -> None:
-    v = ControlLaw(S).decide(sig(0, rejected=0, policy={"a": 5000, "b": 5000}), 0)
+def test_budget_rejections_never_scale_up() -> None:
+    # every tenant far over its own request / token budget: a quota problem everywhere, never GPUs
+    flood = {"a": 5000.0, "b": 5000.0}
+    v = ControlLaw(S).decide(Signals(0, {"a": 50, "b": 50}, {}, flood, 0, 2, True, budget_rejected=flood), 0)
     assert v.action == "hold" and v.desired == 2 and v.reject_rate == 0
 
 
@@ -67,7 +69,10 @@ def test_a_scale_up_is_not_repeated_while_its_replicas_are_loading() -> None:
     for t in (30, 60, 90):  # still 2 up, rejections go on: expected during a cold start
         v = law.decide(sig(t, rejected=80, replicas=2), t)
         assert (v.action, v.desired) == ("hold", 4) and "already asked" in v.reason
-    assert law.decide(sig(120, rejected=80, replicas=4), 120).desired == 6  # they came, still short: +2
+    v = law.decide(sig(120, rejected=80, replicas=4), 120)  # they just came: the window has not seen them yet
+    assert (v.action, v.desired) == ("hold", 4) and "cover it" in v.reason
+    v = law.decide(sig(180, rejected=80, replicas=4), 180)  # a whole window with them, still 44% short
+    assert (v.action, v.desired) == ("up", 8) and "4.0 up over the window / 56% served = 8 needed" in v.reason
 
 
 def test_rejections_concentrated_in_one_tenants_quota_are_a_policy_problem() -> None:
@@ -88,9 +93,10 @@ def test_rejections_concentrated_in_one_tenants_quota_are_a_policy_problem() -> 
 def test_bounds_and_warm_pool() -> None:
     law = ControlLaw(LawSettings(min_replicas=1, max_replicas=5, step=2, warm_pool=1))
     assert law.decide(sig(0, rejected=80, replicas=2), 0).desired == 4  # demand 1 -> 3, +1 warm
-    v = law.decide(sig(10, rejected=80, replicas=4), 10)
-    assert (v.action, v.desired) == ("up", 5)  # demand 3 -> 5; + warm would be 6: capped at max 5
-    v = law.decide(sig(20, rejected=80, replicas=5), 20)
+    assert law.decide(sig(10, rejected=80, replicas=4), 10).action == "hold"  # they just came: the window
+    v = law.decide(sig(70, rejected=80, replicas=4), 70)  # has not seen them yet; now a whole window has
+    assert (v.action, v.desired) == ("up", 5)  # demand 3 -> 5 at most; + warm would be 6: capped at max 5
+    v = law.decide(sig(80, rejected=80, replicas=5), 80)
     assert (v.action, v.desired) == ("hold", 5) and "bounded" in v.reason
     low = ControlLaw(LawSettings(min_replicas=2, max_replicas=5, cooldown_s=10))
     low.decide(sig(0, replicas=2), 0)
@@ -120,7 +126,7 @@ def test_signals_from_a_real_kvgate_exposition() -> None:
     gw.stats.decision(Decision("a", "standard", None, Rejection(503, "queue-timeout", "capacity", "")))
     gw.stats.decision(Decision("b", "standard", None, Rejection(429, "tenant-tokens", "policy", "")))
     r = parse_kvgate(generate_latest(gw.stats.registry).decode())
-    assert r.totals == {("capacity", "a"): 1, ("policy", "b"): 1}
+    assert r.totals == {("capacity", "a"): 1, ("policy", "b"): 1, ("budget", "b"): 1}  # b: over its own budget
     with_nodes = Gateway(parse_config({"nodes": {"static": [{"address": "10.0.0.1:8000", "probe": "http://p"}]}}))
     export = getattr(with_nodes, "export_nodes", None)  # node gauges pushed (before ext_proc/core.py) or
     if export is not None:  # computed at scrape time (after it)

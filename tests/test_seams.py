@@ -13,7 +13,7 @@ from typing import Any
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from google.protobuf import struct_pb2
 
-from ext_proc.admission import Admission
+from ext_proc.admission import Admission, Placed
 from ext_proc.breaker import State
 from ext_proc.config import parse_config
 from ext_proc.core import Core, Ended, Held, Request, null_logger
@@ -57,14 +57,14 @@ def test_no_tier_waits_behind_another_tiers_head_that_cannot_be_placed() -> None
     a = Admission(cfg, clock, random.Random(1))
     room = {"big": False, "small": True}  # the big one fits nowhere yet
 
-    def pick(est: Estimate, shadow: bool, ticket: str, reserve: float, caps: bool) -> Any:
+    def pick(est: Estimate, shadow: bool, ticket: str, tier: str, waited: float) -> Placed:
         ok = room["big"] if est.prompt_tokens > 100 else room["small"]
-        return ("n:1", None, None) if ok else (None, "fleet-kv", 1.0)
+        return Placed("n:1") if ok else Placed(None, "fleet-kv", 1.0)
 
     hold = {"on": True}
 
-    def gated(est: Estimate, shadow: bool, ticket: str, reserve: float, caps: bool) -> Any:
-        return (None, "fleet-kv", 1.0) if hold["on"] else pick(est, shadow, ticket, reserve, caps)
+    def gated(est: Estimate, shadow: bool, ticket: str, tier: str, waited: float) -> Placed:
+        return Placed(None, "fleet-kv", 1.0) if hold["on"] else pick(est, shadow, ticket, tier, waited)
 
     a.pick = gated
     interactive = parse_config({"tenants": [{"name": "i", "tier": "interactive"}, {"name": "s"}]})
@@ -124,7 +124,7 @@ def test_shrinking_the_queue_below_its_depth_neither_asserts_nor_leaks() -> None
                            "queue": {"max_size": 6}}
     cfg = parse_config(doc)
     a = Admission(cfg, clock, random.Random(1))
-    a.pick = lambda *args: (None, "fleet-kv", 1.0)
+    a.pick = lambda *args: Placed(None, "fleet-kv", 1.0)
     for i in range(6):
         assert a.decide(cfg.tenant("b"), f"r{i}", E(), 10).queued
     small = parse_config({**doc, "queue": {"max_size": 2}})

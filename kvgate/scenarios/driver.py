@@ -494,9 +494,10 @@ class Run:
             by: dict[str, dict[str, float]] = {k: {} for k in KINDS}
             for _, kind, tenant in self._decisions:
                 by[kind][tenant] = by[kind].get(tenant, 0.0) + 1
+            kv = [n.engine.scheduler.kv_usage for n in ready]  # what kvgate_node_kv_usage_ratio reports
             sig = Signals(self.now, by["admitted"], by["capacity"], by["policy"], float(self.core.queued),
                           len(ready), True, fleet_caused=by["fleet"], budget_rejected=by["budget"],
-                          slo_missed=by["slo_miss"])
+                          slo_missed=by["slo_miss"], kv_usage=sum(kv) / len(kv) if kv else None)
             target = self.law.decide(sig, self.now).desired
         if target > provisioned:
             for _ in range(target - provisioned):
