@@ -36,10 +36,10 @@ class Pool(_Strict):
     spread_tenants: Annotated[float, Field(gt=0, le=1)] = Field(
         default=0.5, description="... when at least this share of the active tenants (and two) have rejections")
     scale_down_kv_usage: Annotated[float, Field(gt=0, le=1)] = Field(
-        default=0.5, description="scale down only if the replicas left beyond the warm pool would run at most "
+        default=0.45, description="scale down only if the replicas left beyond the warm pool would run at most "
         "at this mean KV-cache usage")
     warm_pool_kv_usage: Annotated[float, Field(gt=0, le=1)] = Field(
-        default=0.65, description="the replicas beyond the warm pool above this mean KV-cache usage: one more "
+        default=0.55, description="the replicas beyond the warm pool above this mean KV-cache usage: one more "
         "replica, to keep the pool spare")
 
     @model_validator(mode="after")

@@ -22,8 +22,9 @@ Per evaluation, over the signal window:
 * unmet rate > ``scale_up_threshold``, or the rate projected one cold start ahead (its least-squares
   trend over ``trend_window_s``, rising only, times ``cold_start_s``) above it → scale up by the
   shortfall: the window's fleet (replicas up, time-weighted) served 1 - u of its demand, so it
-  needed that / (1 - u) (u: the larger of rate and projection, at most 75%); add what the replicas
-  up now lack, at least ``step`` (nothing when replicas that came up during the window cover it);
+  needed that / (1 - u) (u: the rate seen, at most 75%; the trend says when, not how much); add
+  what the replicas up now lack, at least ``step`` (nothing when replicas that came up during the
+  window cover it);
 * a scale-up is not repeated while the replicas it asked for are not there yet (models take 30-90 s
   to load): unmet demand during a cold start is expected and must not compound;
 * rejections concentrated in one tenant's quota — one tenant has ≥ ``concentration`` (80%) of all
@@ -34,9 +35,12 @@ Per evaluation, over the signal window:
   more than ``warm_pool_kv_usage`` (the warm replicas are carrying demand), one more replica;
 * scale down by one when the unmet rate and its projection stayed under ``scale_down_threshold``
   for ``cooldown_s`` (never while unmet demand is present; any scale-up restarts the cooldown) and
-  the replicas left beyond the warm pool would carry the fleet's KV-cache usage at most at
-  ``scale_down_kv_usage`` (when kvgate reports it); then wait another cooldown. The gap between the
-  two KV bounds is the hysteresis: a scale-down never makes the next scale-up;
+  the replicas left beyond the warm pool would have carried the fleet's KV cache in use — at its
+  peak over that cooldown — at most at ``scale_down_kv_usage`` mean usage (when kvgate reports it);
+  then wait another cooldown. The gap between the two KV bounds is the hysteresis: a scale-down
+  never makes the next scale-up. Without KV readings nothing tells a fleet with room from one just
+  big enough: a scale-down undone within a cooldown (a flap) doubles the cooldown the next one to
+  that level or below waits (up to 8 cooldowns); one there that holds halves it again;
 * in between → hold (and the cooldown starts again);
 * missing, incomplete or stale data → hold; never scale down on no data, and never answer fewer
   replicas than the signal last reported up (``observed``): a law whose own level is below what is
@@ -46,7 +50,8 @@ Per evaluation, over the signal window:
   guessing; the server answers KEDA with an error until then, so KEDA's own fallback applies;
 * requests held in kvgate's queue with no replica beyond the warm pool → at least one (scale from
   zero; sized as a scale-up when the replicas up are short);
-* ``warm_pool`` replicas on top of demand; the result is clamped to [min, max].
+* ``warm_pool`` replicas on top of demand; the demand level is clamped to [min, max - warm_pool],
+  the result to max.
 
 Every verdict's reason names the numbers it acted on (the unmet rate split by cause, the projection,
 the KV-cache usage). Pure: the caller passes the time and the signals.
@@ -56,9 +61,11 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Literal
 
+MAX_BACKOFF = 8.0
+"""The longest a scale-down waits after scale-downs that had to be undone, in cooldowns."""
 MAX_SIZING_SHARE = 0.75
 """The unmet share a scale-up is sized on is capped here (at most 3 times the replicas up are added at once)."""
 
@@ -82,10 +89,10 @@ class LawSettings:
     """Rejections spread over the tenants at this share of their requests count every 429 (a capacity signal)."""
     spread_tenants: float = 0.5
     """... when at least this share of the active tenants (and at least two) have rejections."""
-    scale_down_kv_usage: float = 0.5
+    scale_down_kv_usage: float = 0.45
     """Scale down only if the replicas left beyond the warm pool would carry the fleet's KV-cache usage at
     most at this mean (when kvgate reports it)."""
-    warm_pool_kv_usage: float = 0.65
+    warm_pool_kv_usage: float = 0.55
     """With a warm pool: the replicas beyond it carrying the fleet's KV-cache usage above this mean (the
     warm replicas carry demand) → one more replica, to keep the pool spare."""
     window_s: float = 60.0
@@ -220,7 +227,7 @@ class Verdict:
     projected: float | None = None
     """The unmet rate the law acted on, projected one cold start ahead (its trend times ``cold_start_s``)."""
     utilisation: float | None = None
-    """The fleet's mean KV-cache usage now (``Signals.kv_usage``); None: unknown."""
+    """The fleet's mean KV-cache usage over the window (``Signals.kv_usage``); None: unknown."""
 
 
 class ControlLaw:
@@ -236,7 +243,17 @@ class ControlLaw:
         self._seen: deque[tuple[float, int]] = deque()
         """(time, replicas observed) over the window: the fleet that produced the window's counts."""
         self._kv: deque[tuple[float, float]] = deque()
-        """(time, mean KV-cache usage) over the window: the utilisation, smoothed."""
+        """(time, KV-cache in use in replicas' worth: mean usage x replicas up) over the window."""
+        self._kv_low: deque[tuple[float, float]] = deque()
+        """Its window-means since the unmet rate went low, over the last cooldown: a scale-down must fit
+        their peak."""
+        self._last_down: tuple[float, int] | None = None
+        """When the law last scaled down, and to which demand level (None once a scale-up followed)."""
+        self.flap_level: int | None = None
+        """The demand level of the last scale-down undone within a cooldown (a flap)."""
+        self.backoff = 1.0
+        """The cooldown a scale-down to ``flap_level`` or below waits, in ``cooldown_s``: doubled by each
+        flap (up to ``MAX_BACKOFF``), halved by such a scale-down that held."""
 
     @property
     def ready(self) -> bool:
@@ -244,6 +261,22 @@ class ControlLaw:
         return self.desired is not None
 
     def decide(self, sig: Signals | None, now: float) -> Verdict:
+        v = self._decide(sig, now)
+        if v.action == "up" and self._last_down is not None:
+            (at, level), self._last_down = self._last_down, None
+            if now - at < self.s.cooldown_s:  # a flap: that scale-down was wrong; the next one there waits longer
+                self.flap_level = level
+                self.backoff = min(MAX_BACKOFF, self.backoff * 2)
+                v = replace(v, reason=f"{v.reason}; this undoes the scale-down of {now - at:.0f}s ago: the next to "
+                            f"{level + self.s.warm_pool} replica(s) or fewer waits {self.backoff:g} cooldowns")
+        elif v.action == "down" and self.desired is not None:
+            last = self._last_down
+            if last is not None and self.flap_level is not None and last[1] <= self.flap_level:
+                self.backoff = max(1.0, self.backoff / 2)  # the previous scale-down there held
+            self._last_down = (now, self.desired)
+        return v
+
+    def _decide(self, sig: Signals | None, now: float) -> Verdict:
         s = self.s
         if sig is not None and sig.replicas is not None:
             self.observed = sig.replicas
@@ -263,9 +296,10 @@ class ControlLaw:
         rate = acted.rate
         projected, slope = self._project(now, rate)
         mean_up = self._mean_up(now, observed)
-        kv = self._mean_kv(now, sig.kv_usage)
+        kv_load = self._kv_load(now, sig.kv_usage, observed)
+        kv = None if kv_load is None or not observed else kv_load / observed
         what = u.describe() + (f"; without {quota!r} (its own quota) {rate or 0.0:.0%}" if quota else "")
-        if projected is not None and slope > 0:
+        if projected is not None and rate is not None and projected - rate >= 0.005:
             what += f"; projected {projected:.0%} in {s.cold_start_s:.0f}s (trend {slope * 100:+.2f}%/s)"
         v = _Ctx(u, projected, quota, rate, kv)
         thr = s.scale_up_threshold
@@ -277,13 +311,13 @@ class ControlLaw:
                              "beyond the warm pool: scale from zero", v)
         if over:  # (from zero too, when the replicas up are short: sized like any other scale-up)
             self._low_since = None
-            return self._up(current, observed, mean_up, max(rate or 0.0, projected or 0.0), f"{what} > {thr:.0%}",
-                            v)
-        busy = _spread_over(kv, observed, observed - s.warm_pool if observed is not None else None)
+            return self._up(current, observed, mean_up, rate or 0.0, f"{what} > {thr:.0%}", v)
+        beyond = observed - s.warm_pool if observed is not None else 0
+        busy = None if kv_load is None or beyond <= 0 else kv_load / beyond
         if s.warm_pool > 0 and busy is not None and busy > s.warm_pool_kv_usage:
             self._low_since = None
-            why = (f"{what}: the warm pool is carrying demand: {observed} replica(s) at {kv:.0%} mean KV usage "
-                   f"would be {busy:.0%} on the {(observed or 0) - s.warm_pool} beyond it > {s.warm_pool_kv_usage:.0%}")
+            why = (f"{what}: the warm pool is carrying demand: {observed} replica(s) at {kv or 0.0:.0%} mean KV "
+                   f"usage would be {busy:.0%} on the {beyond} beyond it > {s.warm_pool_kv_usage:.0%}")
             if waiting:
                 return self._out(current, "hold", f"{why}; waiting for the {self._total(current) - (observed or 0)} "
                                  "replica(s) already asked for to come up", v)
@@ -297,14 +331,23 @@ class ControlLaw:
             return self._out(current, "hold", f"{what}: between the thresholds", v)
         if self._low_since is None:
             self._low_since = now
+            self._kv_low.clear()
+        if kv_load is not None:
+            self._kv_low.append((now, kv_load))
+        while self._kv_low and self._kv_low[0][0] < now - s.cooldown_s:
+            self._kv_low.popleft()
+        peak = max((k for _, k in self._kv_low), default=None)
         low_for = now - self._low_since
-        if low_for < s.cooldown_s:
-            return self._out(current, "hold", f"{what}: low for {low_for:.0f}s of a {s.cooldown_s:.0f}s cooldown", v)
-        rest = observed - 1 - s.warm_pool if observed is not None else None
-        after_kv = _spread_over(kv, observed, rest)
+        cooldown = s.cooldown_s * (self.backoff if self.flap_level is not None and current - 1 <= self.flap_level
+                                   else 1.0)
+        if low_for < cooldown:
+            return self._out(current, "hold", f"{what}: low for {low_for:.0f}s of a {cooldown:.0f}s cooldown", v)
+        rest = observed - 1 - s.warm_pool if observed is not None else 0
+        after_kv = None if peak is None or rest <= 0 else peak / rest
         if after_kv is not None and after_kv > s.scale_down_kv_usage:
-            return self._out(current, "hold", f"{what}: low for {low_for:.0f}s, but the {rest} replica(s) left beyond "
-                             f"the warm pool would run at {after_kv:.0%} KV usage > {s.scale_down_kv_usage:.0%}", v)
+            return self._out(current, "hold", f"{what}: low for {low_for:.0f}s, but at its peak over the cooldown "
+                             f"the {rest} replica(s) left beyond the warm pool would run at {after_kv:.0%} KV usage "
+                             f"> {s.scale_down_kv_usage:.0%}", v)
         self._low_since = now
         load = "" if after_kv is None else f"; the {rest} left beyond the warm pool would run at {after_kv:.0%} KV"
         return self._out(current - 1, "down", f"{what} < {s.scale_down_threshold:.0%} for {low_for:.0f}s{load}", v)
@@ -312,7 +355,8 @@ class ControlLaw:
     def _up(self, current: int, observed: int | None, mean_up: float | None, share: float, why: str,
             ctx: _Ctx) -> Verdict:
         """Scale up by the shortfall: the window's fleet (``mean_up`` replicas, time-weighted) served 1 - u
-        of its demand, so it needed mean_up / (1 - u); add what the replicas up now lack, at least ``step``."""
+        of its demand (u: the unmet rate seen, not its projection: the trend says when, not how much), so
+        it needed mean_up / (1 - u); add what the replicas up now lack, at least ``step``."""
         s = self.s
         total = self._total(current)
         if observed is not None and observed < total:
@@ -341,12 +385,13 @@ class ControlLaw:
         slope = max(0.0, _slope(self._rates))
         return rate + slope * self.s.cold_start_s, slope
 
-    def _mean_kv(self, now: float, kv: float | None) -> float | None:
-        """The fleet's mean KV-cache usage, averaged over the evaluations of the signal window."""
-        if kv is None:
+    def _kv_load(self, now: float, kv: float | None, observed: int | None) -> float | None:
+        """KV-cache in use in replicas' worth (mean usage x replicas up), averaged over the evaluations of
+        the signal window: unlike the usage itself, it does not move when replicas come or go."""
+        if kv is None or not observed:
             self._kv.clear()
             return None
-        self._kv.append((now, kv))
+        self._kv.append((now, kv * observed))
         while self._kv and self._kv[0][0] <= now - self.s.window_s:
             self._kv.popleft()
         return sum(k for _, k in self._kv) / len(self._kv)
@@ -399,7 +444,7 @@ class ControlLaw:
 
     def _out(self, desired: int, action: Action, reason: str, ctx: _Ctx) -> Verdict:
         s = self.s
-        bounded = max(s.min_replicas, min(s.max_replicas, desired))
+        bounded = max(s.min_replicas, min(s.max_replicas - s.warm_pool, desired))
         if bounded != desired:
             reason += f" (bounded to {bounded})"
             if bounded == (self.desired if self.desired is not None else bounded):
@@ -422,14 +467,6 @@ class _Ctx:
     quota: str | None = None
     rate: float | None = None
     utilisation: float | None = None
-
-
-def _spread_over(kv: float | None, replicas: int | None, fewer: int | None) -> float | None:
-    """The mean KV-cache usage of ``replicas`` at ``kv``, carried by ``fewer`` of them; None: unknown
-    (or no replica left: the bound does not apply)."""
-    if kv is None or replicas is None or fewer is None or fewer <= 0 or replicas <= 0:
-        return None
-    return kv * replicas / fewer
 
 
 def _slope(series: deque[tuple[float, float]]) -> float:

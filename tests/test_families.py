@@ -109,6 +109,7 @@ def test_windowed_jain_sees_a_tenant_starved_for_one_window() -> None:
     # whole run: a got 20 of 30, b 30 of 30, fair shares 25 each -> (0.8, 1.2) -> 4 / 4.16
     assert s.fairness == pytest.approx(4 / 4.16)
     assert s.jain_60s_min == pytest.approx(0.5) and s.jain_60s_mean == pytest.approx(2.5 / 3)
+    assert s.jain_60s_min is not None and s.jain_60s_mean is not None and s.fairness is not None
     assert s.jain_60s_min < s.jain_60s_mean < s.fairness
     doc = s.to_json()
     assert doc["jain"] == s.fairness and doc["jain_60s_min"] == s.jain_60s_min

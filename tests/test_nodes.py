@@ -20,13 +20,19 @@ def snap(kv: float, blocks: int = 1000, waiting: float = 0, prefill: float | Non
 
 
 def stepping(f: Fleet, kv: float, ratio: float, decode: int = 8, prefill: int = 0, blocks: int = 1000,
-             fresh: bool = True) -> Snapshot:
-    """A reading whose engine steps took ``ratio`` x what the fleet's model predicts for the batch they
-    ran (``decode`` sequences plus ``prefill`` tokens per step, beside the KV cache's context)."""
+             fresh: bool = True, at: float = 0.0) -> Snapshot:
+    """A reading (taken at ``at``) whose engine steps took ``ratio`` x what the fleet's model predicts
+    for the batch they ran: ``decode`` sequences plus ``prefill`` tokens per step, beside the KV cache's
+    context."""
     context = kv * blocks * 16
     itl = ratio * f.model.step(prefill, decode, context)
-    return Snapshot(node="n", at=0, ok=True, kv_usage=kv, blocks_total=blocks, block_size=16, running=decode,
+    return Snapshot(node="n", at=at, ok=True, kv_usage=kv, blocks_total=blocks, block_size=16, running=decode,
                     itl_s=itl, step_fresh=fresh, step_tokens=float(prefill + decode), step_decode=float(decode))
+
+
+def busy(f: Fleet, at: float) -> Snapshot:
+    """A healthy node running a big mixed batch on a big KV cache: steps ~5x an idle node's, all of it load."""
+    return stepping(f, 0.8, 1.0, decode=400, prefill=600, blocks=20_000, at=at)
 
 
 def feed(f: Fleet, now: float, *kvs: float) -> None:
@@ -197,10 +203,10 @@ def test_latency_opens_at_most_the_allowed_share_of_breakers_and_never_the_last(
         f = fleet(n, breaker=breaker) if breaker else fleet(n)
         for t in range(6):  # learn a baseline: steps as long as the model says, small batches
             for i in range(n):
-                f.on_snapshot(f"10.0.0.{i}:8000", stepping(f, 0.3, 1.0), t)
+                f.on_snapshot(f"10.0.0.{i}:8000", stepping(f, 0.3, 1.0, at=t), t)
         for t in range(7, 11):  # then the first `sick` nodes' steps get 10x slower than their model; the
-            for i in range(n):  # others run big mixed batches (steps ~8x longer, as the model predicts)
-                snap_i = stepping(f, 0.3, 10.0) if i < sick else stepping(f, 0.3, 1.0, decode=200, prefill=2000)
+            for i in range(n):  # others run big mixed batches (steps ~5x longer, as the model predicts)
+                snap_i = stepping(f, 0.3, 10.0, at=t) if i < sick else busy(f, t)
                 f.on_snapshot(f"10.0.0.{i}:8000", snap_i, t)
         return f
 
@@ -217,12 +223,13 @@ def test_latency_opens_at_most_the_allowed_share_of_breakers_and_never_the_last(
     rising = fleet(3)
     for t in range(6):
         for i in range(3):
-            rising.on_snapshot(f"10.0.0.{i}:8000", stepping(rising, 0.3, 1.0), t)
-    for t in range(7, 12):  # batches growing 1.6x a reading: raw step time ~10x by the end, its model's too
+            rising.on_snapshot(f"10.0.0.{i}:8000", stepping(rising, 0.3, 1.0, blocks=20_000, at=t), t)
+    for t in range(7, 12):  # batches and KV growing every reading: raw step time ~4x by the end, its model's too
         for i in range(3):
             k = 1.6 ** (t - 6)
-            rising.on_snapshot(f"10.0.0.{i}:8000",
-                               stepping(rising, 0.3, 1.0, decode=round(8 * k), prefill=round(200 * k)), t)
+            rising.on_snapshot(f"10.0.0.{i}:8000", stepping(rising, min(0.8, 0.3 + 0.1 * (t - 6)), 1.0,
+                                                            decode=round(40 * k), prefill=round(60 * k),
+                                                            blocks=20_000, at=t), t)
     assert all(n.breaker.state is State.CLOSED for n in rising.nodes.values())
     f = fleet(2)
     f.on_snapshot("10.0.0.1:8000", snap(0.3), 0)
@@ -268,12 +275,12 @@ def test_an_open_nodes_old_latency_does_not_keep_it_open() -> None:
     sick = f.nodes["10.0.0.0:8000"]
     for t in range(6):
         for i in range(2):
-            f.on_snapshot(f"10.0.0.{i}:8000", stepping(f, 0.3, 1.0), t)
+            f.on_snapshot(f"10.0.0.{i}:8000", stepping(f, 0.3, 1.0, at=t), t)
     for t in range(6, 9):
-        f.on_snapshot(sick.address, stepping(f, 0.3, 20.0), t)
-        f.on_snapshot("10.0.0.1:8000", stepping(f, 0.3, 1.0), t)
+        f.on_snapshot(sick.address, stepping(f, 0.3, 20.0, at=t), t)
+        f.on_snapshot("10.0.0.1:8000", stepping(f, 0.3, 1.0, at=t), t)
     assert sick.breaker.state is State.OPEN
-    old = stepping(f, 0.3, 20.0, fresh=False)  # no step since: the histograms did not move
+    old = stepping(f, 0.3, 20.0, fresh=False, at=14)  # no step since: the histograms did not move
     f.on_snapshot(sick.address, old, 14)  # recovery window over: half-open; the reading is old news
     assert sick.breaker.state is State.HALF_OPEN
     for k in range(2):

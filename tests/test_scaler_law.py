@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import itertools
+from collections.abc import Callable
+from dataclasses import replace
+
 import pytest
 
-from scaler.law import ControlLaw, LawSettings, Signals
+from scaler.law import CAUSES, ControlLaw, LawSettings, Signals, Verdict
 
 
 def sig(at: float, admitted: float = 100, rejected: float = 0, replicas: int | None = 2, held: float = 0,
@@ -192,3 +196,243 @@ def test_a_hold_on_missing_data_says_why_and_names_the_floor() -> None:
     v = law.decide(sig(3, replicas=5, complete=False), 3)
     assert "did not answer" in v.reason and "5 replica(s) last observed" in v.reason
     assert law.observed == 5 and law.desired == 2  # the law's own level is untouched by the floor
+
+
+# -- unmet demand: what scales the fleet and what never does. Each row: one window's signals (2 replicas up),
+# the expected action and the unmet rate by cause (shares of demand, rounded to 1%).
+def window(admitted: dict[str, float], capacity: dict[str, float] | None = None,
+           policy: dict[str, float] | None = None, fleet: dict[str, float] | None = None,
+           budget: dict[str, float] | None = None, slo: dict[str, float] | None = None, at: float = 0.0,
+           replicas: int | None = 2, kv: float | None = None) -> Signals:
+    return Signals(at, admitted, capacity or {}, policy or {}, 0.0, replicas, True, fleet_caused=fleet or {},
+                   budget_rejected=budget or {}, slo_missed=slo or {}, kv_usage=kv)
+
+
+AB = {"a": 50.0, "b": 50.0}
+ABC = {"a": 30.0, "b": 30.0, "c": 30.0}
+
+
+@pytest.mark.parametrize(("signals", "action", "causes"), [
+    pytest.param(window(AB, policy={"a": 40}, fleet={"a": 40}), "up", {"fleet_caused": 0.29},
+                 id="429s the fleet caused (a slower fleet holds a's requests longer) scale up"),
+    pytest.param(window(AB, policy={"a": 40}), "hold", {},
+                 id="the same 429s of a's own concurrency cap: its quota, never GPUs"),
+    pytest.param(window(AB, policy={"a": 40, "b": 40}, budget={"a": 40, "b": 40}), "hold", {},
+                 id="every tenant over its own request/token budget: never scales"),
+    pytest.param(window(AB, policy={"a": 60}, fleet={"a": 40}, budget={"a": 20}), "up", {"fleet_caused": 0.29},
+                 id="fleet-caused 429s count even for a tenant that also met its budget in the window"),
+    pytest.param(window(ABC, policy={"a": 25, "b": 25}), "up", {"spread": 0.36},
+                 id="429s spread over 2 of 3 tenants at 36% of requests: a capacity signal"),
+    pytest.param(window(ABC, policy={"a": 50}), "hold", {},
+                 id="one tenant of three at its cap: concentrated, not spread"),
+    pytest.param(window({**ABC, "d": 30.0}, policy={"a": 10, "b": 10}), "hold", {},
+                 id="spread over half the tenants but 14% of requests: under the 30% rule"),
+    pytest.param(window(ABC, policy={"a": 25, "b": 25}, budget={"a": 25}), "hold", {},
+                 id="spread, but one of the two is over its own budget: it never counts, b alone is not spread"),
+    pytest.param(window(AB, slo={"a": 30}), "up", {"slo_miss": 0.3},
+                 id="admitted requests predicted to miss their TTFT target scale up"),
+    pytest.param(window(AB, capacity={"a": 25, "b": 25}), "up", {"capacity": 0.33},
+                 id="an older kvgate (no fleet-caused / predicted-miss counters): capacity 503s as before"),
+    pytest.param(window(AB, capacity={"a": 10}, policy={"b": 10}, fleet={"b": 10}, slo={"a": 12}), "up",
+                 {"capacity": 0.08, "fleet_caused": 0.08, "slo_miss": 0.1},
+                 id="the causes add up: 27% > 25% only together"),
+])
+def test_what_counts_as_unmet_demand(signals: Signals, action: str, causes: dict[str, float]) -> None:
+    v = ControlLaw(S).decide(signals, 0)
+    assert v.action == action, v.reason
+    assert v.unmet is not None
+    got = {c: round(v.unmet.share(c), 2) for c in CAUSES if v.unmet.counts.get(c)}
+    assert got == causes, v.reason
+
+
+def test_a_verdict_names_the_numbers_it_acted_on() -> None:
+    v = ControlLaw(S).decide(window(AB, capacity={"a": 20}, policy={"b": 20}, fleet={"b": 20}, slo={"a": 10}), 0)
+    assert v.action == "up"
+    for part in ("unmet demand 36% of 140 requests", "503 capacity 14%", "fleet-caused 429 14%",
+                 "predicted SLO miss 7%", "+2 replica(s)", "2.0 up over the window"):
+        assert part in v.reason, v.reason
+
+
+def _rising(rates: list[float], cold_start_s: float) -> list[tuple[float, str]]:
+    """One evaluation every 15 s with the capacity reject rate of ``rates``; (time, action) of each."""
+    law = ControlLaw(LawSettings(min_replicas=1, max_replicas=8, step=2, cold_start_s=cold_start_s))
+    out: list[tuple[float, str]] = []
+    for i, r in enumerate(rates):
+        t = 15.0 * i
+        rejected = 100 * r / (1 - r)
+        out.append((t, law.decide(window(AB, capacity={"a": rejected}, at=t), t).action))
+    return out
+
+
+@pytest.mark.parametrize(("cold_start_s", "first_up"), [
+    pytest.param(60.0, 30.0, id="a 60 s cold start: 12% rising 0.4%/s projects 36% -> up before 25%"),
+    pytest.param(20.0, 45.0, id="a 20 s cold start: 18% + 8% projected crosses later"),
+    pytest.param(0.0, 75.0, id="no cold start: only once the rate itself is over 25%"),
+])
+def test_the_trend_is_projected_over_a_cold_start(cold_start_s: float, first_up: float) -> None:
+    got = _rising([0.0, 0.06, 0.12, 0.18, 0.24, 0.30], cold_start_s)
+    assert next(t for t, a in got if a == "up") == first_up
+
+
+def test_a_falling_rate_is_not_projected_below_itself() -> None:
+    law = ControlLaw(S)
+    for i, r in enumerate([0.4, 0.3, 0.28]):
+        t = 15.0 * i
+        v = law.decide(window(AB, capacity={"a": 100 * r / (1 - r)}, at=t, replicas=4), t)
+    assert v.projected == pytest.approx(0.28) and "projected" not in v.reason
+
+
+def _drive(law: ControlLaw, step: Callable[[float, int], Signals], until: float, every: float = 15.0,
+           start: int = 2) -> list[tuple[float, Verdict]]:
+    """Evaluate every ``every`` s up to ``until``; the replicas asked for come up at once."""
+    out: list[tuple[float, Verdict]] = []
+    replicas = start
+    t = 0.0
+    while t <= until:
+        v = law.decide(replace(step(t, replicas), at=t), t)
+        out.append((t, v))
+        replicas = v.desired
+        t += every
+    return out
+
+
+DOWN = LawSettings(min_replicas=1, max_replicas=8, step=2, cooldown_s=600)
+
+
+@pytest.mark.parametrize(("step", "downs"), [
+    pytest.param(lambda t, n: window(AB, replicas=n), [600.0, 1200.0, 1800.0],
+                 id="no unmet demand: one replica after each whole cooldown"),
+    pytest.param(lambda t, n: window(AB, slo={"a": 6}, replicas=n), [],
+                 id="6% predicted SLO misses (between the thresholds): never"),
+    pytest.param(lambda t, n: window(AB, policy={"a": 6, "b": 1}, fleet={"a": 6}, replicas=n), [],
+                 id="6% fleet-caused 429s: never"),
+    pytest.param(lambda t, n: window(AB, slo={"a": 6} if 300 <= t < 315 else None, replicas=n), [915.0, 1515.0, 2115.0],
+                 id="a moment of unmet demand restarts the cooldown"),
+    pytest.param(lambda t, n: window(AB, replicas=n, kv=0.3 * 4 / n), [600.0],
+                 id="one fewer would run at 40% KV usage: down; one more fewer at 60%: held at the KV bound"),
+    pytest.param(lambda t, n: window(AB, replicas=n, kv=(0.45 if t < 900 else 0.1) * 4 / n), [1500.0, 2100.0],
+                 id="the load falls: down once the rest would have stayed under the KV bound for a cooldown"),
+])
+def test_scale_down_after_a_cooldown_without_unmet_demand(step: Callable[[float, int], Signals],
+                                                            downs: list[float]) -> None:
+    law = ControlLaw(replace(DOWN, scale_down_kv_usage=0.5))
+    got = [t for t, v in _drive(law, step, 2300, start=4) if v.action == "down"]
+    assert got == downs
+
+
+def _demand(t: float) -> int:
+    """Demand for 6 replicas four minutes in eight, for 3 otherwise: an oscillation faster than the cooldown."""
+    return 6 if int(t // 240) % 2 else 3
+
+
+@pytest.mark.parametrize("step", [
+    pytest.param(lambda t, n: window(AB, capacity={"a": 60} if n < _demand(t) else None, replicas=n,
+                                     kv=0.5 * _demand(t) / n),
+                 id="demand swinging 2x: 30% rejected while short, KV usage as kvgate reports it"),
+    pytest.param(lambda t, n: window(AB, replicas=n, kv=(1.2 if int(t // 60) % 2 else 2.4) / n),
+                 id="KV usage swinging 2x every minute around the warm pool's bound"),
+    pytest.param(lambda t, n: window(AB, slo={"a": 20} if int(t // 240) % 2 else None, replicas=n, kv=1.8 / n),
+                 id="20% predicted misses four minutes in eight"),
+    pytest.param(lambda t, n: window(AB, slo={"a": 4} if int(t // 60) % 2 else {"a": 6}, replicas=n, kv=1.8 / n),
+                 id="the unmet rate dithering around the scale-down threshold"),
+])
+def test_no_flapping_under_an_oscillating_signal(step: Callable[[float, int], Signals]) -> None:
+    law = ControlLaw(LawSettings(min_replicas=1, max_replicas=12, step=2, cooldown_s=600, warm_pool=1))
+    moves = [(t, v.action) for t, v in _drive(law, step, 4 * 3600) if v.action != "hold"]
+    assert moves and all(a == "up" for _, a in moves), moves  # it never gives back what it will need again
+
+
+def test_without_kv_readings_flaps_back_off() -> None:
+    """Without KV readings nothing tells a fleet with room from one just big enough: a scale-down undone
+    within a cooldown makes the next one to that level wait twice as long (up to 8 cooldowns)."""
+    law = ControlLaw(LawSettings(min_replicas=1, max_replicas=12, step=2, cooldown_s=600, warm_pool=1))
+    step: Callable[[float, int], Signals] = lambda t, n: window(  # noqa: E731
+        AB, capacity={"a": 60} if n < _demand(t) else None, replicas=n)
+    verdicts = _drive(law, step, 6 * 3600)
+    flaps = [t for t, v in verdicts if "undoes the scale-down" in v.reason]
+    gaps = [b - a for a, b in itertools.pairwise(flaps)]
+    assert len(flaps) >= 2 and gaps == sorted(gaps) and gaps[-1] > 2 * 600 * 2, flaps
+    assert law.backoff == 8 and law.flap_level == 4
+
+
+@pytest.mark.parametrize(("load", "start", "settles"), [
+    pytest.param(0.5, 2, 2, id="light load: min 1 + the warm replica"),
+    pytest.param(1.3, 2, 3, id="from below: up until the 2 beyond the warm pool carry 65%"),
+    pytest.param(1.3, 8, 4, id="from above: down until the 2 left beyond it would carry > 50% (hysteresis)"),
+    pytest.param(2.0, 2, 5, id="heavier: 4 + 1 warm"),
+])
+def test_the_warm_pool_is_kept_spare(load: float, start: int, settles: int) -> None:
+    """``load``: the fleet's KV demand in replicas' worth (mean KV usage = load / replicas up)."""
+    law = ControlLaw(LawSettings(min_replicas=1, max_replicas=12, step=2, cooldown_s=120, warm_pool=1,
+                                 warm_pool_kv_usage=0.65, scale_down_kv_usage=0.5))
+    verdicts = _drive(law, lambda t, n: window(AB, replicas=n, kv=load / n), 3600, start=start)
+    assert verdicts[-1][1].desired == settles
+    assert all(v.desired >= 2 for _, v in verdicts)  # never below min + the warm replica
+    tail = {v.desired for t, v in verdicts if t > 1800}
+    assert tail == {settles}  # and it stays there
+
+
+def test_signals_parse_the_unmet_demand_counters_and_tolerate_their_absence() -> None:
+    from scaler.signals import parse_kvgate
+
+    old = """# TYPE kvgate_requests_total counter
+kvgate_requests_total{tenant="a",tier="standard",decision="admit",reason="ok",class="none"} 10
+kvgate_requests_total{tenant="a",tier="standard",decision="reject",reason="tenant-concurrency",class="policy"} 4
+kvgate_requests_total{tenant="b",tier="standard",decision="reject",reason="tenant-tokens",class="policy"} 3
+kvgate_requests_total{tenant="b",tier="standard",decision="reject",reason="queue-timeout",class="capacity"} 2
+# TYPE kvgate_node_kv_usage_ratio gauge
+kvgate_node_kv_usage_ratio{node="n1:8000"} 0.25
+kvgate_node_kv_usage_ratio{node="n2:8000"} 0.75
+"""
+    new = old + """# TYPE kvgate_fleet_caused_rejections_total counter
+kvgate_fleet_caused_rejections_total{tenant="a",tier="standard"} 3
+# TYPE kvgate_predicted_slo_misses_total counter
+kvgate_predicted_slo_misses_total{tenant="a",tier="standard"} 2
+kvgate_predicted_slo_misses_total{tenant="a",tier="interactive"} 1
+"""
+    base = {("admitted", "a"): 10, ("policy", "a"): 4, ("policy", "b"): 3, ("budget", "b"): 3, ("capacity", "b"): 2}
+    r = parse_kvgate(old)  # a kvgate of an older version: no such counters, none counted
+    assert r.totals == base and r.kv_usage == 0.5
+    r = parse_kvgate(new)
+    assert r.totals == {**base, ("fleet", "a"): 3, ("slo_miss", "a"): 3}
+    no_nodes = parse_kvgate(old.split("# TYPE kvgate_node_kv")[0])
+    assert no_nodes.kv_usage is None
+
+
+def test_kvgate_counts_fleet_caused_rejections_and_predicted_misses() -> None:
+    from types import SimpleNamespace
+    from typing import cast
+
+    from prometheus_client import generate_latest
+
+    from ext_proc.admission import Decision, Lease, Rejection
+    from ext_proc.config import parse_config
+    from ext_proc.server import Gateway
+    from scaler.signals import DirectSource, parse_kvgate
+
+    gw = Gateway(parse_config({"tenants": [{"name": "a"}, {"name": "b"}]}))
+    fleet = Rejection(429, "tenant-concurrency", "policy", "", fleet_caused=True)
+    own = Rejection(429, "tenant-concurrency", "policy", "")
+    late = cast(Lease, SimpleNamespace(reserved_tokens=10, slo_miss=True))
+    fine = cast(Lease, SimpleNamespace(reserved_tokens=10, slo_miss=False))
+    for d in (Decision("a", "standard", None, fleet), Decision("a", "standard", None, own),
+              Decision("b", "interactive", late, None), Decision("b", "interactive", fine, None)):
+        gw.stats.decision(d)
+    text = generate_latest(gw.stats.registry).decode()
+    reg = gw.stats.registry
+    assert reg.get_sample_value("kvgate_fleet_caused_rejections_total", {"tenant": "a", "tier": "standard"}) == 1
+    assert reg.get_sample_value("kvgate_predicted_slo_misses_total", {"tenant": "b", "tier": "interactive"}) == 1
+    r = parse_kvgate(text)
+    assert (r.totals[("policy", "a")], r.totals[("fleet", "a")], r.totals[("slo_miss", "b")]) == (2, 1, 1)
+
+    class Once(DirectSource):
+        def fetch(self, url: str) -> str:
+            return text
+
+    src = Once(["http://k/metrics"])
+    src.read(0.0)
+    gw.stats.decision(Decision("a", "standard", None, fleet))
+    text = generate_latest(gw.stats.registry).decode()
+    sig = src.read(5.0)  # the window's deltas, split as the law reads them
+    nonzero = [{k: v for k, v in d.items() if v} for d in (sig.policy_rejected, sig.fleet_caused, sig.slo_missed)]
+    assert nonzero == [{"a": 1}, {"a": 1}, {}]

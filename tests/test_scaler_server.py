@@ -120,3 +120,53 @@ async def test_holding_on_missing_data_is_logged_and_exported() -> None:
     assert holds[1]["ready"] is True and holds[1]["observed_replicas"] == 6 and holds[1]["desired"] == 6
     assert "did not answer" in holds[1]["reason"]
     assert [e["first_verdict"] for e in logs if e["event"] == "signals_back"] == [True]
+
+
+class Fixed:
+    def __init__(self, sig: Signals) -> None:
+        self.sig = sig
+
+    def read(self, now: float) -> Signals:
+        return Signals(**{**self.sig.__dict__, "at": now})
+
+
+async def test_a_scaling_decision_is_explained_in_logs_and_metrics() -> None:
+    cfg = ScalerConfig.model_validate({"source": {"prometheus": "http://p"},
+                                       "pools": {"gpu": {"min_replicas": 1, "max_replicas": 8}}})
+    # 140 requests wanted the fleet: 20 refused 503, 20 refused 429 because the fleet slowed down, and 10
+    # admitted although predicted to miss their TTFT target; b's own budget 429s never count
+    sig = Signals(0.0, {"a": 50, "b": 50}, {"a": 20}, {"a": 20, "b": 30}, 0.0, 2, True, fleet_caused={"a": 20},
+                  budget_rejected={"b": 30}, slo_missed={"b": 10}, kv_usage=0.8)
+    s = Scaler(cfg, Fixed(sig))
+    with capture_logs() as logs:
+        s.evaluate(0.0)
+    (d,) = [e for e in logs if e["event"] == "scaling_decision"]
+    assert d["action"] == "up" and d["desired"] == 4
+    assert d["unmet_rate"] == round(50 / 140, 4) and d["demand"] == 140
+    assert d["unmet_by_cause"] == {"capacity": round(20 / 140, 4), "fleet_caused": round(20 / 140, 4),
+                                   "slo_miss": round(10 / 140, 4)}
+    assert "fleet-caused 429 14%" in d["reason"] and d["kv_usage"] == 0.8
+
+    def unmet(cause: str) -> float | None:
+        return s.registry.get_sample_value("kvgate_scaler_unmet_demand_ratio", {"pool": "gpu", "cause": cause})
+
+    assert (unmet("capacity"), unmet("fleet_caused"), unmet("spread")) == (20 / 140, 20 / 140, 0.0)
+    assert unmet("slo_miss") == pytest.approx(10 / 140)
+    assert gauge(s, "kvgate_scaler_projected_unmet_ratio") == pytest.approx(50 / 140)
+    assert gauge(s, "kvgate_scaler_kv_usage_ratio") == 0.8
+    # the capacity reject ratio keeps its meaning: 503s / (admitted + 503s)
+    assert s.registry.get_sample_value("kvgate_scaler_capacity_reject_ratio") == 20 / 120
+
+
+def test_the_pools_law_settings_come_from_the_config() -> None:
+    cfg = ScalerConfig.model_validate({"source": {"prometheus": "http://p"}, "window_seconds": 30,
+                                       "pools": {"gpu": {"cold_start_seconds": 90, "spread_share": 0.4,
+                                                         "scale_down_kv_usage": 0.4, "warm_pool_kv_usage": 0.7}}})
+    law = Scaler(cfg, Script()).pools["gpu"].law.s
+    assert (law.cold_start_s, law.spread_share, law.scale_down_kv_usage, law.warm_pool_kv_usage, law.window_s) == (
+        90, 0.4, 0.4, 0.7, 30)
+    from pydantic import ValidationError
+
+    with pytest.raises(ValidationError, match="scale_down_kv_usage: must be below warm_pool_kv_usage"):
+        ScalerConfig.model_validate({"source": {"prometheus": "http://p"},
+                                     "pools": {"gpu": {"scale_down_kv_usage": 0.7, "warm_pool_kv_usage": 0.7}}})

@@ -149,6 +149,21 @@ def node_capacity_rps(profile: Profile, long_share: float) -> float:
 
 # -- rates -------------------------------------------------------------------------------------------
 
+BUSY_SEQS = 128
+
+
+def request_seconds(profile: Profile, long_share: float, short: Moments, long: Moments) -> float:
+    """A request's typical duration on a healthy, busy node (``BUSY_SEQS`` sequences decoding, or as many
+    as its KV cache holds): its prefill, then one step per output token — what a concurrency cap is
+    sized against."""
+    def one(m: Moments) -> float:
+        seqs = min(BUSY_SEQS, profile.kv_tokens / (m.prompt + m.output))
+        step = profile.step_ms(0, int(seqs), int(seqs * (m.prompt + m.output / 2)))
+        return (profile.b_ms_per_prefill_token * m.prompt + step * m.output) / 1000.0
+
+    return (1 - long_share) * one(short) + long_share * one(long)
+
+
 def _const(x: float) -> Rate:
     return lambda t: x
 
@@ -418,7 +433,11 @@ def family(name: str, seed: int, policies: Sequence[PolicyName] = POLICIES) -> F
         streams.append(Stream(tname, LONG, _part(k * share, u, p, long=True), max_tokens=reserve))
         quota: list[tuple[str, int]] = []
         if tier == "batch":
-            quota.append(("max_concurrent", rng.choice((8, 16, 32))))
+            # sized as the README says: its request rate x its requests' duration on a healthy fleet, with
+            # headroom for its bursts (a fixed 8 against 40 req/s measured the operator, not kvgate)
+            seconds = request_seconds(get_profile(profile), la, s_m, l_m)
+            peak = k * share * _peak(u, duration)
+            quota.append(("max_concurrent", max(4, math.ceil(peak * seconds * rng.uniform(1.5, 2.5)))))
         elif tier == "standard" and rng.random() < 0.5:
             tokens = (1 - la) * (s_m.prompt + s_m.output) + la * (l_m.prompt + (reserve or l_m.output))
             quota.append(("tokens_per_minute", _two_figures(60.0 * k * share * tokens * rng.uniform(1.5, 3.0))))

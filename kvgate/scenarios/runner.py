@@ -18,7 +18,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from ext_proc.config import Config, ConfigError, config_error, load_yaml, parse_config
 from scaler.law import LawSettings
@@ -50,6 +50,18 @@ class ScalerSettings(BaseModel):
     """KEDA's pollingInterval (both autoscalers)."""
     waiting_per_node: Annotated[float, Field(gt=0)] = 4.0
     """autoscale-only: requests waiting in vLLM per node (its HPA target)."""
+    concentration: Annotated[float, Field(gt=0, le=1)] = 0.8
+    trend_window_s: Annotated[float, Field(gt=0)] = 60.0
+    spread_share: Annotated[float, Field(gt=0, le=1)] = 0.30
+    spread_tenants: Annotated[float, Field(gt=0, le=1)] = 0.5
+    scale_down_kv_usage: Annotated[float, Field(gt=0, le=1)] = 0.45
+    warm_pool_kv_usage: Annotated[float, Field(gt=0, le=1)] = 0.55
+
+    @model_validator(mode="after")
+    def _kv_bounds(self) -> ScalerSettings:
+        if self.scale_down_kv_usage >= self.warm_pool_kv_usage:
+            raise ValueError("scaler.scale_down_kv_usage: must be below scaler.warm_pool_kv_usage (else the law flaps)")
+        return self
 
 
 class BenchConfig(BaseModel):
@@ -79,7 +91,10 @@ class BenchConfig(BaseModel):
         s = self.scaler
         law = LawSettings(min_replicas=min(self.min_nodes, self.nodes), max_replicas=max(self.max_nodes, self.nodes),
                           step=s.step, scale_up_threshold=s.scale_up_threshold,
-                          scale_down_threshold=s.scale_down_threshold, cooldown_s=s.cooldown_s, warm_pool=s.warm_pool)
+                          scale_down_threshold=s.scale_down_threshold, cooldown_s=s.cooldown_s, warm_pool=s.warm_pool,
+                          concentration=s.concentration, trend_window_s=s.trend_window_s, spread_share=s.spread_share,
+                          spread_tenants=s.spread_tenants, scale_down_kv_usage=s.scale_down_kv_usage,
+                          warm_pool_kv_usage=s.warm_pool_kv_usage, window_s=s.window_s)
         return Autoscaling(interval_s=s.interval_s, waiting_per_node=s.waiting_per_node, window_s=s.window_s, law=law)
 
 

@@ -1,0 +1,554 @@
+"""The per-node performance model (``ext_proc/perf.py``) and what is built on it: TTFT predictions
+against the simulated engine in virtual time, the learned speed factor, the model-relative breaker,
+the probe's step figures, its config, and the fleet-caused 429.
+
+Everything runs in virtual time with fixed seeds: no wall-clock threshold anywhere.
+"""
+
+from __future__ import annotations
+
+import random
+import statistics
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import pytest
+from prometheus_client import generate_latest
+
+from ext_proc.admission import Admission, Usage
+from ext_proc.breaker import State
+from ext_proc.config import ConfigError, Performance, parse_config
+from ext_proc.core import Core, Held, Request, null_logger
+from ext_proc.estimate import Estimate
+from ext_proc.identity import hash_key
+from ext_proc.nodes import Fleet
+from ext_proc.perf import MAX_FACTOR, MIN_FACTOR, Speed, StepModel, from_config, step_ratio
+from gpu_probe.parse import parse
+from gpu_probe.snapshot import Deriver, Snapshot
+from kvgate.scenarios.driver import Degrade, Policy, Run, simulate
+from kvgate.scenarios.workloads import LONG, SHORT, Stream, const, poisson
+from sim.engine import Engine, EngineOptions
+from sim.metrics import NodeMetrics
+from sim.profiles import get_profile
+from sim.scheduler import Request as SimRequest
+from tests.helpers import FakeClock
+from tests.perf_harness import Bench, capacity
+from tests.perf_harness import poisson as arrivals
+
+REFERENCE = Path(__file__).resolve().parents[2] / "shared" / "reference" / "vllm-metrics-sample.txt"
+
+MIX = [(0.8, (100, 600), (40, 200)), (0.2, (2000, 6000), (100, 400))]
+"""80% chat-sized requests, 20% RAG-sized ones (prompt and output ranges)."""
+
+
+# -- a. predicted TTFT against the simulator -----------------------------------------------------------
+
+
+@pytest.mark.parametrize("profile", ["8b-h100", "34b-a100"])
+@pytest.mark.parametrize("prompt", [40, 300, 2000, 7000])
+def test_a_lone_request_on_an_idle_node_gets_its_first_token_when_predicted(profile: str, prompt: int) -> None:
+    b = Bench(profile)
+    b.advance(1.0)  # the probe has read the idle node
+    sent = b.send(prompt, 16, node=0)
+    assert sent is not None and sent.predicted is not None
+    b.drain()
+    assert sent.realised is not None
+    # 7000 tokens on an a100 budget of 2048 are 4 chunked steps: the prediction counts them
+    assert sent.predicted == pytest.approx(sent.realised, rel=0.10)
+
+
+@pytest.mark.parametrize(("profile", "seconds"), [("8b-h100", 60.0), ("34b-a100", 240.0)])
+def test_under_a_steady_mixed_load_predictions_track_the_realised_ttft(profile: str, seconds: float) -> None:
+    """Poisson arrivals of short and long prompts at ~65% of two nodes' capacity, each placed by
+    ``Fleet.place`` (which predicts every candidate) and run on the engine it chose."""
+    b = Bench(profile, nodes=2, seed=4)
+    b.run(arrivals(0.65 * capacity(profile, MIX) * 2, seconds, 4, MIX))
+    done = [s for s in b.sent if s.realised is not None and s.predicted is not None]
+    assert len(done) == len(b.sent) > 200
+    assert {s.node for s in done} == {0, 1}
+    m = b.fleet.model
+    behind = [s for s in done if s.realised > 1.3 * m.prefill(s.req.prompt_tokens, 0, 0)]  # type: ignore[operator]
+    assert len(behind) > 0.05 * len(done)  # a load where requests do wait behind others
+    errors = [abs(s.predicted - s.realised) / s.realised for s in done]  # type: ignore[operator]
+    assert statistics.median(errors) < 0.25
+    bias = statistics.median(s.predicted / s.realised for s in done)  # type: ignore[operator]
+    assert 0.8 < bias < 1.2
+
+
+@pytest.mark.xfail(strict=True, reason="Fleet._correct cuts booked prefill that a reading no longer shows "
+                   "waiting to one chunk, though a running chunked prefill keeps every step's budget until it "
+                   "is done (2,048-token budgets): requests behind a long prompt are predicted ~2x too soon")
+def test_requests_behind_a_running_chunked_prefill_are_predicted_too() -> None:
+    b = Bench("34b-a100", nodes=2, seed=4)
+    b.run(arrivals(0.65 * capacity("34b-a100", MIX) * 2, 240.0, 4, MIX))
+    m = b.fleet.model
+    behind = [s for s in b.sent if s.realised is not None and s.predicted is not None
+              and s.realised > 1.5 * m.prefill(s.req.prompt_tokens, 0, 0)]
+    assert len(behind) > 20
+    errors = [abs(s.predicted - s.realised) / s.realised for s in behind]  # type: ignore[operator]
+    assert statistics.median(errors) < 0.25
+
+
+def _one_node(profile: str = "8b-h100") -> tuple[Fleet, Any]:
+    cfg = parse_config({"nodes": {"static": [{"address": "a:1", "probe": "http://p"}],
+                                  "performance": {"profile": profile}}})
+    assert cfg.nodes is not None
+    f = Fleet(cfg.nodes, random.Random(1))
+    f.on_snapshot("a:1", Snapshot(node="n", at=0, ok=True, kv_usage=0.0, blocks_total=100_000, block_size=16,
+                                  running=0, waiting=0), 0.0)
+    return f, f.nodes["a:1"]
+
+
+def test_no_node_within_the_limit_is_a_fleet_queue_answer_with_the_predicted_wait() -> None:
+    f, n = _one_node()
+    for i in range(10):  # ~1.7 s of prefill booked (8b-h100: ~0.17 s each)
+        assert f.place(8200, 8000, f"b{i}", 0.0).node is n
+    soonest = f.predict(n, 100, 0, 0.0)
+    assert 1.5 < soonest < 2.5
+    c = f.choose(200, 0.0, prompt_tokens=100, target=0.5, limit=1.0)
+    assert (c.node, c.reason) == (None, "fleet-queue")
+    assert c.ttft == pytest.approx(soonest) and c.retry_after == pytest.approx(soonest - 0.5)
+    late = f.choose(200, 0.0, prompt_tokens=100, target=0.5, limit=5.0)  # its target lost, its max wait not
+    assert late.node is n and late.ttft == pytest.approx(soonest)
+    assert f.choose(200, 0.0, prompt_tokens=100).node is n  # no target: the soonest node, whatever it says
+
+
+def test_the_top_tier_is_predicted_ahead_of_less_urgent_backlog() -> None:
+    from ext_proc.nodes import Level
+
+    f, n = _one_node()
+    f.set_levels([Level(1, 2.0), Level(0, 0.5), Level(0, 0.3), Level(2, None)])
+    assert [(lv.priority, lv.target) for lv in f.levels] == [(0, 0.3), (1, 2.0), (2, None)]
+    for i in range(6):
+        f.place(8200, 8000, f"low{i}", 0.0, priority=2)
+    top, low = f.predict(n, 200, 0, 0.0), f.predict(n, 200, 2, 0.0)
+    assert low > 1.0 and top < low / 3  # vLLM's priority queue runs it first: at most the chunk running
+    f.place(300, 200, "top", 0.0, priority=0)
+    assert f.predict(n, 200, 2, 0.0) > low  # and the less urgent wait behind it
+
+
+# -- b. the speed factor -------------------------------------------------------------------------------
+
+
+def _fresh_factors(b: Bench, node: int = 0) -> list[float]:
+    """The node's speed factor after each reading that had decode steps (a new step-time figure)."""
+    return [f for f, s in zip(b.factors[node], b.snaps[node], strict=True) if s.step_fresh]
+
+
+@pytest.mark.parametrize("profile", ["8b-h100", "34b-a100"])
+def test_a_node_six_times_slower_than_its_prior_learns_a_factor_near_6(profile: str) -> None:
+    b = Bench(profile, slow={0: 6.0})
+    for t, prompt, output in arrivals(0.1 * capacity(profile, MIX), 40.0, 3, MIX):
+        b.advance(t)
+        b.send(prompt, output, node=0)
+    b.advance(40.0)
+    learned = _fresh_factors(b)
+    assert len(learned) > 20
+    assert all(5.0 <= f <= 7.0 for f in learned[6:]), learned[:12]  # within a few readings, and it stays
+
+
+@pytest.mark.parametrize("profile", ["8b-h100", "34b-a100"])
+def test_a_healthy_busy_node_with_big_mixed_batches_keeps_its_factor_near_1(profile: str) -> None:
+    b = Bench(profile)
+    for t, prompt, output in arrivals(0.8 * capacity(profile, MIX), 60.0, 5, MIX):
+        b.advance(t)
+        b.send(prompt, output, node=0)
+    b.advance(60.0)
+    snaps = [s for s in b.snaps[0] if s.step_fresh]
+    # big batches, prefill chunks mixed into decode steps: raw step times far from an idle node's
+    mixed = [s for s in snaps if s.step_tokens is not None and s.step_decode is not None
+             and s.step_tokens - s.step_decode > 100]
+    assert len(mixed) > 10 and max(s.running or 0 for s in snaps) >= 12
+    raw = [s.itl_s for s in snaps if s.itl_s is not None]
+    assert max(raw) > 3 * min(raw)
+    learned = _fresh_factors(b)
+    assert all(0.8 <= f <= 1.25 for f in learned[3:]), (min(learned), max(learned))
+    assert b.fleet.nodes[b.address(0)].breaker.state is State.CLOSED
+
+
+@pytest.mark.xfail(strict=True, reason="perf.step_ratio averages the batch over every step while vLLM's "
+                   "inter-token latency is observed on decoding steps only: an interval of one long prefill and "
+                   "a few decodes reads 0.2-0.3x, and a first reading sets the factor outright")
+@pytest.mark.parametrize("profile", ["8b-h100", "34b-a100"])
+def test_a_lone_long_prompt_leaves_a_healthy_nodes_factor_alone(profile: str) -> None:
+    b = Bench(profile)
+    b.advance(1.0)
+    b.send(8000, 5, node=0)
+    b.advance(10.0)
+    after = b.send(3000, 5, node=0)
+    b.drain()
+    assert 0.8 <= b.fleet.nodes[b.address(0)].speed.factor <= 1.25
+    assert after is not None and after.predicted is not None and after.realised is not None
+    assert after.predicted == pytest.approx(after.realised, rel=0.25)
+
+
+def test_the_speed_factor_follows_readings_and_is_bounded() -> None:
+    s = Speed()
+    s.observe(4.0)
+    assert s.factor == 4.0 and s.readings == 1  # the first reading is taken as it is
+    s.observe(1.0)
+    assert 1.0 < s.factor < 4.0
+    s.observe(1e9)
+    assert s.factor <= MAX_FACTOR
+    low = Speed()
+    low.observe(0.0)
+    assert low.factor == MIN_FACTOR
+
+
+def test_step_ratio_compares_with_the_batch_that_ran() -> None:
+    m = StepModel(a=0.010, b=0.0001, c=0.001, d=0.0, max_batched_tokens=2048)
+    # 10 decodes and 1000 prefill tokens a step: the model says 10 + 100 + 10 ms
+    assert step_ratio(m, 0.120, 1010.0, 10.0, 99.0, 0.0) == pytest.approx(1.0)
+    assert step_ratio(m, 0.240, 1010.0, 10.0, None, 0.0) == pytest.approx(2.0)
+    # no iteration histogram (an older vLLM): the running sequences are taken as the batch
+    assert step_ratio(m, 0.040, None, None, 30.0, 0.0) == pytest.approx(1.0)
+    assert step_ratio(m, None, 1010.0, 10.0, 5.0, 0.0) is None  # no decode step: nothing to say
+    assert step_ratio(m, 0.0, 1010.0, 10.0, 5.0, 0.0) is None
+    assert m.chunk(100) == 1948  # running sequences first: a token of the budget each
+    assert StepModel(0.01, 0, 0, 0, max_batched_tokens=2048, max_seqs=4096).chunk(2000) == 2048 / 16  # a floor
+    assert m.prefill(0, 0, 0) == 0.0
+    assert m.prefill(4096, 0, 0) == pytest.approx(2 * 0.010 + 0.0001 * 4096)  # two full chunks
+
+
+# -- c. the breaker on healthy and on slowed nodes --------------------------------------------------
+
+
+TWO_TIERS: dict[str, Any] = {
+    "tenants": [{"name": "app", "tier": "interactive"}, {"name": "docs", "tier": "standard"}],
+    "queue": {"inject_priority": True},
+    "nodes": {"static": [{"address": "node-0:8000", "probe": "http://node-0:9102"}]},
+}
+
+
+def _mixed(rate: float, seconds: float, seed: int) -> list[Any]:
+    return poisson([Stream("app", SHORT, const(rate * 0.8)), Stream("docs", LONG, const(rate * 0.2), max_tokens=1024)],
+                   seconds, seed)
+
+
+@pytest.mark.parametrize(("profile", "rate", "seconds"), [("8b-h100", 50.0, 240.0), ("34b-a100", 3.1, 300.0)])
+def test_no_latency_breaker_opens_on_a_healthy_busy_mixed_fleet(profile: str, rate: float, seconds: float) -> None:
+    """Three nodes at ~65% of capacity, short and long prompts mixed: prefill-heavy batches make steps
+    several times longer than an idle node's, which is load, not sickness."""
+    r = simulate(parse_config(TWO_TIERS), Policy("kvgate", 3, "kvgate"), get_profile(profile),
+                 _mixed(rate, seconds, 5), seed=1)
+    assert r.breaker_opens_by_cause.get("latency", 0) == 0, r.breaker_opens_by_cause
+    served = [o for o in r.outcomes if o.status == 200]
+    assert len(served) > 0.95 * len(r.outcomes) and r.lost == 0
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_the_slowed_node_opens_on_latency_within_10_s(seed: int) -> None:
+    run = Run(parse_config(TWO_TIERS), Policy("kvgate", 3, "kvgate"), get_profile("8b-h100"), _mixed(50.0, 45.0, seed),
+              seed=seed, degrade=(Degrade(20.0, 0, 6.0),))
+    run.run()
+    opens = [(t, node, why) for t, node, _, new, why in run.transitions if new == "open"]
+    assert opens, run.transitions
+    t, node, why = opens[0]
+    assert node == "node-0:8000" and 20.0 < t <= 30.0 and why.startswith("step time"), opens[0]
+    assert all(n == "node-0:8000" for _, n, _ in opens)  # the healthy ones stay closed
+    assert run.breaker_opens_by_cause["latency"] == 1
+
+
+@pytest.mark.xfail(strict=True, reason="a node's first step-time readings can be prefill-heavy (ratio 0.3-0.6, "
+                   "see step_ratio above); fed twice each (poll 0.25 s, probe 0.5 s) they make a baseline that "
+                   "later healthy readings (~1.0) never update, so its latency breaker never trips")
+def test_healthy_nodes_learn_a_latency_baseline_near_their_model() -> None:
+    bad = []
+    for seed in range(1, 11):
+        run = Run(parse_config(TWO_TIERS), Policy("kvgate", 3, "kvgate"), get_profile("34b-a100"),
+                  _mixed(3.1, 30.0, seed), seed=seed)
+        run.run()
+        assert run.core is not None and run.core.fleet is not None
+        for address, n in run.core.fleet.nodes.items():
+            if n.breaker.baseline is None or not 0.8 <= n.breaker.baseline <= 1.25:
+                bad.append((seed, address, n.breaker.baseline))
+    assert not bad
+
+
+@pytest.mark.xfail(strict=True, reason="Fleet.on_snapshot counts a snapshot polled twice (poll_interval 0.25 s "
+                   "< the probe's 0.5 s) as two readings: two slow probe readings open a breaker meant to need three")
+def test_a_reading_polled_twice_counts_once() -> None:
+    cfg = parse_config({"nodes": {"static": [{"address": f"10.0.0.{i}:8000", "probe": f"http://p{i}"}
+                                             for i in range(2)]}})
+    assert cfg.nodes is not None
+    f = Fleet(cfg.nodes, random.Random(1))
+    m = f.model
+
+    def reading(at: float, ratio: float) -> Snapshot:
+        return Snapshot(node="n", at=at, ok=True, kv_usage=0.2, blocks_total=1000, block_size=16, running=8,
+                        itl_s=ratio * m.step(0, 8, 3200), step_fresh=True, step_tokens=8.0, step_decode=8.0)
+
+    for k in range(6):
+        for i in range(2):
+            f.on_snapshot(f"10.0.0.{i}:8000", reading(k, 1.0), k)
+    sick = f.nodes["10.0.0.0:8000"]
+    for t in (6.0, 6.5):  # two slow probe readings, each polled twice
+        snap = reading(t, 10.0)
+        f.on_snapshot(sick.address, snap, t)
+        f.on_snapshot(sick.address, snap, t + 0.25)
+    assert sick.speed.readings == 8
+    assert sick.breaker.state is State.CLOSED
+
+
+# -- d. the probe's step figures -------------------------------------------------------------------
+
+
+def test_step_figures_come_from_the_simulated_nodes_exposition() -> None:
+    """What the sim node's /metrics says (sim/metrics.py, vLLM's names and types), parsed and derived
+    as the probe does: tokens per step and decode tokens per step over the interval."""
+    engine = Engine(get_profile("8b-h100"), EngineOptions(seed=1))
+    metrics = NodeMetrics(engine, "m")
+    d = Deriver("n")
+    now = 0.0
+
+    def expose() -> Snapshot:
+        return d.update(parse(generate_latest(metrics.registry).decode()), now)
+
+    first = expose()
+    assert first.step_fresh is None and first.step_tokens is None and first.step_decode is None
+    assert expose().step_fresh is False  # nothing ran: no step-time news
+    for i in range(6):
+        engine.add(SimRequest(f"r{i}", 1000 + 500 * i, 30, now))
+    steps0, tokens0, gen0 = engine.steps, engine.step_tokens, engine.scheduler.generation_tokens
+    for _ in range(20):
+        dt = engine.begin_step(now)
+        assert dt is not None
+        now += dt
+        engine.end_step(now)
+    s = expose()
+    steps = engine.steps - steps0
+    assert s.step_fresh is True
+    assert s.step_tokens == pytest.approx((engine.step_tokens - tokens0) / steps)
+    assert s.step_decode == pytest.approx((engine.scheduler.generation_tokens - gen0) / steps)
+    assert s.step_tokens is not None and s.step_decode is not None
+    assert s.step_tokens > s.step_decode > 0  # prefill and decode in the same steps
+    assert s.itl_s is not None and s.itl_s > 0
+    idle = expose()
+    assert idle.step_fresh is False and idle.step_tokens is None  # no step since
+
+
+@pytest.mark.skipif(not REFERENCE.exists(), reason="needs ../shared/reference")
+def test_step_figures_from_the_real_vllm_exposition() -> None:
+    text = REFERENCE.read_text()
+    d = Deriver("n")
+    first = d.update(parse(text), 0.0)
+    assert first.step_fresh is None and first.step_tokens is None  # one reading: no interval yet
+
+    def bumped(src: str, itl: tuple[float, float], iteration: tuple[float, float] | None, gen: float) -> str:
+        out = []
+        for line in src.splitlines():
+            name, _, value = line.rpartition(" ")
+            if line.startswith("vllm:inter_token_latency_seconds_sum"):
+                line = f"{name} {float(value) + itl[0]}"
+            elif line.startswith("vllm:inter_token_latency_seconds_count"):
+                line = f"{name} {float(value) + itl[1]}"
+            elif line.startswith("vllm:iteration_tokens_total"):
+                if iteration is None:
+                    continue
+                if line.startswith("vllm:iteration_tokens_total_sum"):
+                    line = f"{name} {float(value) + iteration[0]}"
+                elif line.startswith("vllm:iteration_tokens_total_count"):
+                    line = f"{name} {float(value) + iteration[1]}"
+            elif line.startswith("vllm:generation_tokens_total"):
+                line = f"{name} {float(value) + gen}"
+            out.append(line)
+        return "\n".join(out) + "\n"
+
+    # 100 steps of 3000 tokens, 1200 of them generated: 30 tokens a step, 12 decoding
+    s = d.update(parse(bumped(text, (2.4, 1200), (3000.0, 100), 1200)), 1.0)
+    assert s.step_fresh is True and s.itl_s == pytest.approx(2.4 / 1200)
+    assert s.step_tokens == pytest.approx(30.0) and s.step_decode == pytest.approx(12.0)
+
+    # a vLLM without the iteration-tokens histogram: no batch figures, and nothing breaks
+    old = Deriver("n")
+    stripped = bumped(text, (0, 0), None, 0)
+    assert "vllm:iteration_tokens_total_count" not in stripped
+    old.update(parse(stripped), 0.0)
+    s2 = old.update(parse(bumped(stripped, (2.4, 1200), None, 1200)), 1.0)
+    assert s2.step_fresh is True and s2.step_tokens is None and s2.step_decode is None
+    cfg = parse_config({"nodes": {"static": [{"address": "a:1", "probe": "http://p"}]}})
+    assert cfg.nodes is not None
+    f = Fleet(cfg.nodes, random.Random(1))
+    f.on_snapshot("a:1", s2, 1.0)  # the running sequences stand in for the batch
+    n = f.nodes["a:1"]
+    assert n.speed.readings == 1 and n.latency is not None and n.latency > 0
+    assert f.choose(100, 1.0, prompt_tokens=50).node is n
+    again = Snapshot.from_json(s.to_json())
+    assert (again.step_fresh, again.step_tokens, again.step_decode) == (True, 30.0, 12.0)
+
+
+# -- e. config -------------------------------------------------------------------------------------------
+
+
+NODE = {"static": [{"address": "a:1", "probe": "http://p"}]}
+
+
+def test_the_old_node_queue_caps_are_off_by_default_and_deprecated_when_set() -> None:
+    default = parse_config({"nodes": NODE})
+    assert default.nodes is not None
+    assert (default.nodes.max_waiting_requests, default.nodes.max_prefill_tokens) == (None, None)
+    assert default.nodes.deprecations() == []
+    cfg = parse_config({"nodes": {**NODE, "max_waiting_requests": 4}})
+    assert cfg.nodes is not None and cfg.nodes.max_waiting_requests == 4
+    [note] = cfg.nodes.deprecations()
+    assert "nodes.max_waiting_requests" in note and "deprecated" in note
+    both = parse_config({"nodes": {**NODE, "max_waiting_requests": 4, "max_prefill_tokens": 9000}})
+    assert both.nodes is not None
+    assert [n.split()[0] for n in both.nodes.deprecations()] == ["nodes.max_waiting_requests",
+                                                                 "nodes.max_prefill_tokens"]
+
+    class Log:
+        def __init__(self) -> None:
+            self.warnings: list[tuple[str, dict[str, Any]]] = []
+
+        def warning(self, event: str, **kw: Any) -> None:
+            self.warnings.append((event, kw))
+
+        def debug(self, *a: Any, **kw: Any) -> None: ...
+
+        info = error = exception = debug
+
+    log = Log()
+    Core(both, FakeClock(), log=log)
+    assert [e for e, _ in log.warnings].count("config_deprecated") == 2
+
+
+def test_an_unknown_performance_profile_is_an_error_naming_the_field() -> None:
+    with pytest.raises(ConfigError, match=r"nodes\.performance\.profile: unknown profile 'h200-mystery'"):
+        parse_config({"nodes": {**NODE, "performance": {"profile": "h200-mystery"}}})
+    with pytest.raises(ConfigError, match=r"nodes\.performance\.a_ms"):
+        parse_config({"nodes": {**NODE, "performance": {"a_ms": -1}}})
+    with pytest.raises(ConfigError, match=r"nodes\.performance\.b_ms: unknown setting"):
+        parse_config({"nodes": {**NODE, "performance": {"b_ms": 1}}})
+
+
+def test_figures_override_the_profile() -> None:
+    p = get_profile("34b-a100")
+    m = from_config(Performance(profile="34b-a100"))
+    assert (m.a, m.b, m.c, m.d) == pytest.approx((p.a_ms / 1000, p.b_ms_per_prefill_token / 1000,
+                                                  p.c_ms_per_decode_seq / 1000, p.d_ms_per_context_token / 1000))
+    assert (m.max_batched_tokens, m.max_seqs) == (p.max_num_batched_tokens, p.max_num_seqs)
+    o = from_config(Performance(profile="34b-a100", a_ms=10.0, d_ms_per_context_token=0.0, max_num_batched_tokens=4096))
+    assert o.a == pytest.approx(0.010) and o.d == 0.0 and o.max_batched_tokens == 4096
+    assert o.b == m.b and o.c == m.c and o.max_seqs == m.max_seqs  # the rest stays the profile's
+    cfg = parse_config({"nodes": {**NODE, "performance": {"profile": "8b-a100", "c_ms_per_decode_seq": 1.0}}})
+    assert cfg.nodes is not None
+    f = Fleet(cfg.nodes)
+    assert f.model.c == pytest.approx(0.001) and f.model.a == pytest.approx(get_profile("8b-a100").a_ms / 1000)
+    assert parse_config({"nodes": NODE}).nodes.performance.profile == "8b-h100"  # type: ignore[union-attr]
+
+
+# -- f. the fleet-caused 429 ------------------------------------------------------------------------
+
+
+def E(prompt: int = 10, out: int = 10) -> Estimate:
+    return Estimate(prompt_tokens=prompt, output_tokens=out, parsed=True, stream=False)
+
+
+STEADY = [1.0] * 20
+SLOWED = STEADY + [5.0] * 5
+"""Requests that lasted 1 s, then 5 s: the recent mean pulls far away from the slow norm."""
+A_BIT_SLOWER = STEADY + [1.4] * 10
+
+
+@pytest.mark.parametrize(("durations", "tenant", "spent", "reason", "fleet"), [
+    (STEADY, {}, None, "tenant-concurrency", False),
+    (SLOWED, {}, None, "tenant-concurrency", True),
+    (A_BIT_SLOWER, {}, None, "tenant-concurrency", False),
+    (SLOWED, {"requests_per_minute": 600}, None, "tenant-concurrency", True),
+    (SLOWED, {"tokens_per_minute": 60_000}, None, "tenant-concurrency", True),
+    (SLOWED, {"requests_per_minute": 600}, "requests", "tenant-concurrency", False),
+    (SLOWED, {"tokens_per_minute": 60_000}, "tokens", "tenant-concurrency", False),
+    (SLOWED, {"requests_per_minute": 600, "max_concurrent": None}, "requests", "tenant-requests", False),
+    (SLOWED, {"tokens_per_minute": 60_000, "max_concurrent": None}, "tokens", "tenant-tokens", False),
+    ([], {}, None, "tenant-concurrency", False),  # no history: no norm to compare with
+])
+def test_a_concurrency_429_is_the_fleets_doing_only_when_the_tenant_is_within_budget_and_slowed(
+        durations: list[float], tenant: dict[str, Any], spent: str | None, reason: str, fleet: bool) -> None:
+    clock = FakeClock()
+    cfg = parse_config({"tenants": [{"name": "t", "max_concurrent": 2, **tenant}], "queue": {"enabled": False}})
+    a = Admission(cfg, clock, random.Random(1))
+    t = cfg.tenant("t")
+    for i, d in enumerate(durations):  # one at a time, each lasting d seconds
+        lease = a.decide(t, f"w{i}", E(), 10).lease
+        assert lease is not None
+        clock.advance(d)
+        a.complete(lease.ticket, Usage(10, 10), responded=True)
+        clock.advance(1.0)
+    if t is not None and t.max_concurrent is not None:
+        for i in range(t.max_concurrent):
+            assert a.decide(t, f"h{i}", E(), 10).admitted
+    state = a.tenant_state("t")
+    assert state is not None
+    now = clock()
+    if spent == "requests":
+        assert state.requests is not None
+        state.requests.take(state.requests.available(now), now)
+    elif spent == "tokens":
+        assert state.tokens is not None
+        state.tokens.take(state.tokens.available(now), now)
+    probe = a.decide(t, "x", E(), 10)
+    assert probe.rejection is not None and probe.rejection.status == 429 and probe.rejection.reason == reason
+    assert probe.rejection.fleet_caused is fleet
+    if durations:
+        assert state.norm_seconds is not None and state.mean_seconds is not None
+        assert (state.mean_seconds > 1.5 * state.norm_seconds) is (durations is SLOWED)
+
+
+def test_fleet_caused_429s_and_predicted_misses_are_counted_for_the_scaler() -> None:
+    """Through the core: the 429's flag reaches kvgate_fleet_caused_rejections_total, and a request
+    dispatched with a predicted TTFT past its tier's target is an admitted ``slo_miss``."""
+    clock = FakeClock()
+    cfg = parse_config({
+        "tiers": {"interactive": {"priority": 0, "max_queue_wait_ms": 5000, "ttft_target_ms": 200}},
+        "nodes": {"static": [{"address": "10.0.0.1:8000", "probe": "http://p"}],
+                  "performance": {"profile": "34b-a100"}},
+        "tenants": [{"name": "t", "tier": "interactive", "api_key_sha256": [hash_key("k")], "max_concurrent": 50}]})
+    core = Core(cfg, clock, random.Random(1), log=null_logger())
+    core.snapshot("10.0.0.1:8000", Snapshot(node="n", at=0, ok=True, kv_usage=0.0, blocks_total=2537,
+                                            block_size=16, running=0, waiting=0))
+
+    def ask(rid: str, prompt: int) -> Any:
+        return core.decide(Request("/v1/chat/completions", rid, "Bearer k", estimate=E(prompt, 10), body_bytes=10))
+
+    quick = ask("q", 100)  # an idle node: ~0.1 s to its first token
+    assert not isinstance(quick, Held) and quick.decision.lease is not None
+    assert quick.decision.lease.predicted_ttft is not None and quick.decision.lease.predicted_ttft < 0.2
+    assert quick.decision.lease.slo_miss is False
+    slow = ask("s", 1500)  # ~0.5 s of prefill, past the 200 ms target but within the max wait
+    assert not isinstance(slow, Held) and slow.decision.lease is not None
+    assert slow.decision.lease.slo_miss is True
+    assert slow.decision.lease.predicted_ttft is not None and slow.decision.lease.predicted_ttft > 0.2
+    doomed = ask("d", 14_000)  # several seconds booked ahead and its own prefill: beyond its max wait
+    assert not isinstance(doomed, Held)
+    assert doomed.decision.rejection is not None
+    assert (doomed.decision.rejection.status, doomed.decision.rejection.reason) == (503, "queue-deadline")
+    text = generate_latest(core.stats.registry).decode()
+    assert 'kvgate_predicted_slo_misses_total{tenant="t",tier="interactive"} 1.0' in text
+
+
+def test_counter_of_fleet_caused_rejections_moves() -> None:
+    clock = FakeClock()
+    cfg = parse_config({"tenants": [{"name": "t", "api_key_sha256": [hash_key("k")], "max_concurrent": 1}],
+                        "queue": {"enabled": False}})
+    core = Core(cfg, clock, random.Random(1), log=null_logger())
+
+    def ask(rid: str) -> Any:
+        a = core.decide(Request("/v1/chat/completions", rid, "Bearer k", estimate=E(), body_bytes=10))
+        assert not isinstance(a, Held)
+        return a
+
+    from ext_proc.core import Ended
+
+    for i, d in enumerate([1.0] * 20 + [5.0] * 5):
+        a = ask(f"w{i}")
+        clock.advance(d)
+        core.ended(Ended(a.ticket, f"w{i}", 200, Usage(10, 10), upstream_answered=True))
+    assert ask("held").decision.admitted
+    r = ask("x").decision.rejection
+    assert r is not None and r.reason == "tenant-concurrency" and r.fleet_caused
+    text = generate_latest(core.stats.registry).decode()
+    assert 'kvgate_fleet_caused_rejections_total{tenant="t",tier="standard"} 1.0' in text
+    samples = Counter(line.split("{")[0] for line in text.splitlines() if line.startswith("kvgate_fleet_caused"))
+    assert samples == {"kvgate_fleet_caused_rejections_total": 1, "kvgate_fleet_caused_rejections_created": 1}
