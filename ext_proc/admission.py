@@ -41,6 +41,8 @@ _UNKNOWN_SLOT = "\x00unknown"
 """Where callers without a known key are accounted: not a name a tenant can have, so a configured
 tenant called ``unknown`` keeps its own quota."""
 EWMA_ALPHA = 0.2
+MIN_HOLD_S = 0.05
+"""The least a request is held in the gateway queue for room (about a pump of the queue)."""
 NORM_ALPHA = 0.02
 """How slowly a tenant's *norm* request duration follows: about its last 50 requests, against the
 recent mean's last 5 — a fleet that slowed down shows as the recent mean pulling away from the norm."""
@@ -172,6 +174,8 @@ class Admission:
         self._rng = rng or random.Random()
         self.pick = pick
         """Node choice (``nodes.Fleet.place``), or None when Envoy's own cluster picks the node."""
+        self.floor: Callable[[Estimate], float] | None = None
+        """With node choice: the least time to a first token any node could give a request."""
         self._tenants: dict[str, TenantState] = {}
         self._leases: dict[str, Lease] = {}
         self._held: dict[str, _Held] = {}
@@ -299,7 +303,7 @@ class Admission:
         tier = s.config.tier
         q = self.queue
         cost = self._service(s, est)
-        max_wait = self._hold_s(tier)
+        max_wait = self._hold_s(tier, est)
         if placed is not None and placed.reason == "fleet-queue":
             # no node is predicted to give it a first token within its tier's max wait: refuse it now
             return Decision(s.name, tier, None, self._queue_rejection(s, "queue-deadline", placed.wait))
@@ -318,18 +322,20 @@ class Admission:
         q.push(entry, now)
         return Decision(s.name, tier, lease, None, queued=True)
 
-    def _hold_s(self, tier_name: str) -> float:
+    def _hold_s(self, tier_name: str, est: Estimate) -> float:
         """How long a request of this tier may wait in the gateway queue: its ``max_queue_wait_ms``, and
         with kvgate choosing nodes, no longer than its TTFT target — past it the request can no longer
-        make its target, and serving it late takes the place of one that could (under a sustained
-        overload a queue held to the max wait served every request late: 25% of a standard tier met its
-        target where shedding at the door met 77%). A request already predicted past its target on
-        arrival is still sent at once when a node can start it within the max wait (see ``nodes.py``):
-        holding it would not make it sooner."""
+        make its target (its own prefill still has to run: the target minus the least time any node
+        would take), and serving it late takes the place of one that could (under a sustained overload a
+        queue held to the max wait served every request late: 25% of a standard tier met its target
+        where shedding at the door met 77%). A request already predicted past its target on arrival is
+        still sent at once when a node can start it within the max wait (see ``nodes.py``): holding it
+        would not make it sooner."""
         tier = self.config.tiers[tier_name]
         hold = tier.max_queue_wait_ms / 1000.0
         if self.pick is not None and tier.ttft_target_ms is not None:
-            hold = min(hold, tier.ttft_target_ms / 1000.0)
+            floor = self.floor(est) if self.floor is not None else 0.0
+            hold = min(hold, max(tier.ttft_target_ms / 1000.0 - floor, MIN_HOLD_S))
         return hold
 
     def _queue_rejection(self, s: TenantState, reason: str, excess: float | None) -> Rejection:

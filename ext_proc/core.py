@@ -176,6 +176,7 @@ class Core:
             for warning in config.nodes.deprecations() if config.nodes is not None else ():
                 self.log.warning("config_deprecated", note=warning)
         self.admission.pick = self._pick if self.fleet is not None else None
+        self.admission.floor = self._floor if self.fleet is not None else None
         self.stats.set_tenants([t.name for t in config.tenants], config.metrics.max_tenant_labels)
         self._pump()
 
@@ -450,10 +451,19 @@ class Core:
         target = limit = None
         if tier is not None and tier.ttft_target_ms is not None:
             target = tier.ttft_target_ms / 1000.0 - waited
-            limit = max(tier.max_queue_wait_ms / 1000.0, tier.ttft_target_ms / 1000.0) - waited
+            # a new arrival goes at once if a node can start it within its max wait (holding it would not
+            # make it sooner); one that was held goes only while it can still make its target — it waited
+            # for room, and sending it late would take the place of one that can
+            limit = target if waited > 0 else max(tier.max_queue_wait_ms / 1000.0, tier.ttft_target_ms / 1000.0)
         c = self.fleet.place(est.total, est.prompt_tokens, ticket, self._clock(), force=shadow, reserve=reserve,
                              queue_caps=caps, priority=self._level(tier_name), target=target, limit=limit)
         return Placed(c.node.address if c.node else None, c.reason, c.retry_after, c.ttft)
+
+    def _floor(self, est: Estimate) -> float:
+        """The least time to a first token any node could give this request (its prefill alone on the
+        fastest node): a held request that cannot be sent before its target minus this is refused."""
+        assert self.fleet is not None
+        return self.fleet.floor_ttft(est.prompt_tokens)
 
     def _level(self, tier_name: str) -> int:
         """The vLLM priority a tier's requests run at: the one kvgate writes into their bodies, or 0 for

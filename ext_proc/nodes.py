@@ -409,6 +409,14 @@ class Fleet:
         t, n = max(kind, key=lambda x: (x[0], self._score(x[1], tokens)))
         return Choice(n, ttft=t)
 
+    def floor_ttft(self, prompt_tokens: int) -> float:
+        """The least time to a first token for this prompt on any node: its prefill alone, at the
+        fastest node's speed (0 with no node)."""
+        if not self._order:
+            return 0.0
+        fastest = min(n.speed.factor for n in self._order) if len(self._order) <= SCAN_LIMIT else 1.0
+        return self.model.prefill(prompt_tokens, 0, 0) * fastest
+
     def predict(self, n: Node, prompt_tokens: int, priority: int, now: float) -> float:
         """Seconds until a request of ``prompt_tokens`` at ``priority`` gets its first token on ``n``:
         the prefill booked ahead of it at its level or a more urgent one, the rest of the step in
