@@ -304,7 +304,7 @@ class Admission:
         q = self.queue
         cost = self._service(s, est)
         max_wait = self._hold_s(tier, est)
-        if placed is not None and placed.reason == "fleet-queue":
+        if placed is not None and placed.reason == "fleet-queue" and placed.ttft is not None:
             # no node is predicted to give it a first token within its tier's max wait: refuse it now
             return Decision(s.name, tier, None, self._queue_rejection(s, "queue-deadline", placed.wait))
         predicted = q.predicted_wait(s.name, tier, cost)
@@ -369,7 +369,7 @@ class Admission:
             if capacity is not None:
                 if capacity.reason == "fleet-inflight":
                     break  # no tier can go
-                if placed.reason == "fleet-queue":
+                if placed.reason == "fleet-queue" and placed.ttft is not None:
                     self._drop(nxt, "queue-deadline", now, out, placed.wait)  # it cannot make it: say so now
                     continue
                 # this tier's head cannot be placed (its KV reserve, its size, its target): the others may

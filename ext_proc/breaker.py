@@ -112,7 +112,7 @@ class Breaker:
                          f"step time {prefill_s:.2f}x its model > {s.latency_multiplier} x {against} "
                          f"{bar:.2f}x", now)
             elif prefill_s is not None and kv_ok and (
-                    self.baseline is None or prefill_s < s.close_latency_multiplier * self.baseline):
+                    bar is None or prefill_s < s.close_latency_multiplier * (self.baseline or bar)):
                 self._samples += 1
                 self.baseline = prefill_s if self.baseline is None else (
                     self.baseline + s.baseline_alpha * (prefill_s - self.baseline))

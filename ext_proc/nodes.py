@@ -84,6 +84,8 @@ class Node:
     running_low: deque[tuple[float, float]] = field(default_factory=deque)
     """(start, end) of the less urgent prefills booked here, in order: the one running at a given time
     holds every step's budget until its end, whatever arrives (vLLM schedules running requests first)."""
+    prefills: deque[tuple[float, float]] = field(default_factory=deque)
+    """(start, end) of every prefill booked here, in booking order: one that started is still running."""
     waiting_by_level: dict[int, int] = field(default_factory=dict)
     """Prompt tokens vLLM had waiting at the last reading, by priority level (kvgate's requests)."""
     _last_completion: float | None = None
@@ -224,6 +226,7 @@ class Fleet:
             return
         if not snap.ok:
             return  # a failed reading says nothing new: the node ages towards unknown / dead
+        repeat = n.snapshot is not None and n.snapshot.at == snap.at  # polled again before the probe's next reading
         n.snapshot = snap
         n.fresh_at = now - age_s
         taken = now - age_s
@@ -233,7 +236,7 @@ class Fleet:
             n.pending_prompt -= prompt
         n._count_waiting()
         ratio = None
-        if snap.step_fresh is not False:
+        if snap.step_fresh is not False and not repeat:
             ratio = step_ratio(self.model, snap.itl_s, snap.step_tokens, snap.step_decode, snap.running,
                                self._context(n))
         if ratio is not None:
@@ -264,6 +267,10 @@ class Fleet:
         m, f = self.model, n.speed.factor
         decode, context = self._load(n)
         chunk_s = (m.step(m.chunk(decode), decode, context)) * f
+        # a prefill that started holds every step's budget until it is done (running requests first)
+        while n.prefills and n.prefills[0][1] <= now:
+            n.prefills.popleft()
+        running_end = max((e for s, e in n.prefills if s <= now), default=now)
         behind: float = 0.0
         pending_by_level: dict[int, int] = {}
         for _, _, pr, level in n.pending:
@@ -272,7 +279,7 @@ class Fleet:
             behind += n.waiting_by_level.get(lv.priority, 0) + pending_by_level.get(lv.priority, 0)
             seen = now + m.prefill(behind, decode, context) * f if behind else now
             old = n.busy.get(lv.priority, now)
-            n.busy[lv.priority] = max(seen, min(old, now + chunk_s))
+            n.busy[lv.priority] = max(seen, min(old, max(now + chunk_s, running_end)))
 
     def _another_closed(self, node: Node, now: float) -> bool:
         """Whether another live node is closed: a KV trip never opens the last one."""
@@ -522,6 +529,7 @@ class Fleet:
         start = max(n.busy.get(priority, now), now)
         if priority != self.levels[0].priority:
             n.running_low.append((start, start + cost))
+        n.prefills.append((start, start + cost))
         for lv in self.levels:
             if lv.priority >= priority:
                 n.busy[lv.priority] = max(n.busy.get(lv.priority, now), now) + cost

@@ -87,7 +87,12 @@ def step_ratio(model: StepModel, step_s: float | None, step_tokens: float | None
         decode, prefill = step_decode, max(0.0, step_tokens - step_decode)
     else:
         decode, prefill = (running or 0.0), 0.0
-    modelled = model.step(prefill, decode, context or 0.0)
+    base = model.step(0.0, decode, context or 0.0)
+    if model.b * prefill > base:
+        # mostly prefill: vLLM observes inter-token latency on decoding steps only, which carried little
+        # of it; the interval's mean batch says nothing about them
+        return None
+    modelled = base + model.b * prefill
     return step_s / modelled if modelled > 0 else None
 
 
