@@ -13,15 +13,19 @@ Shaped like the Gateway API Inference Extension's scheduler. Per request:
    corrected by every probe reading), a low-priority chunk already running (vLLM schedules running
    requests first), half a step in progress. Candidates are bounded (``MAX_CANDIDATES``: a sample plus
    the last best), so a decision costs the same at 8 nodes and at 1,000;
-3. *pick* — a node that meets the tier's TTFT target: the soonest for the top tier; for the others the
-   *fullest* that still meets it (best fit), so long prefills gather where they delay the fewest
-   interactive requests, which in turn go where nothing long is running — prefill isolation emerges
-   from the predictions rather than from a fixed split; and, where it can, one whose booking keeps the
-   work queued behind it within its own tier's target.
+3. *pick* — the top tier, and any prefill too short to cost a top-tier request its target, goes where
+   its first token comes soonest. A *long* prefill (one that alone would) goes to the fullest node that
+   still meets its own target (best fit), joins the long prefills already booked where it can, and
+   never takes the last node without one while the top tier has traffic: long prefills gather, the
+   top tier goes where nothing long is running — prefill isolation emerges from the predictions rather
+   than from a fixed split of nodes.
 
-No node meets the target → a capacity answer (``fleet-queue``) with the predicted wait until one does:
-the gateway queue holds the request that long if its tier's max wait allows, else refuses it at once.
-No node at all → a capacity rejection (503) whose Retry-After comes from how fast the fleet is draining.
+A new request no node can give a first token within its tier's max wait (``limit``) → ``fleet-queue``
+with the predicted wait until one could meet its target: waiting would not help (the backlog ahead
+drains as fast as the wait runs), so the gateway refuses it at once. A request that waited in the
+gateway queue goes only while it can still make its target. No node passes the filters → a capacity
+answer (the request waits in the gateway queue for room) whose Retry-After comes from how fast the
+fleet is draining.
 Pure: time and randomness are injected; the server feeds it probe snapshots from a background poller.
 """
 
@@ -41,13 +45,13 @@ from .perf import Speed, StepModel, from_config, step_ratio
 
 DEFAULT_BLOCK = 16
 MAX_CANDIDATES = 8
+"""Nodes whose prediction a decision computes: all of a small fleet; of a large one a random sample
+plus the node that was best last time."""
 SCAN_LIMIT = 4 * MAX_CANDIDATES
 """Nodes a decision filters in a large fleet (a random sample): the filters cost per node too."""
 TOP_RECENT_S = 10.0
-"""The top tier counts as active (and keeps a node it meets its target on) this long after its last request."""
+"""The top tier counts as active (and keeps a node free of long prefills) this long after its last request."""
 TOP_PROMPT_ALPHA = 0.05
-"""Nodes whose prediction a decision computes: all of a small fleet; of a large one a random sample
-plus the node that was best last time."""
 
 
 @dataclass(eq=False)
@@ -427,10 +431,9 @@ class Fleet:
     def predict(self, n: Node, prompt_tokens: int, priority: int, now: float) -> float:
         """Seconds until a request of ``prompt_tokens`` at ``priority`` gets its first token on ``n``:
         the prefill booked ahead of it at its level or a more urgent one, the rest of the step in
-        progress (with a chunk of less urgent prefill in it when some is booked), and its own prefill —
-        all at the node's learned speed. A less urgent prompt longer than one step's budget delays it
-        by more steps than this says (a100-class budgets of 2,048 tokens): the learned factor does not
-        see that, the breaker does not need to."""
+        progress — or, when a less urgent prefill is running, the rest of it: it keeps every step's
+        budget until it is done (vLLM runs running requests first) —, and its own prefill, all at the
+        node's learned speed."""
         m, f = self.model, n.speed.factor
         decode, context = self._load(n)
         ahead = max(0.0, n.busy.get(priority, now) - now)

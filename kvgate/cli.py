@@ -149,6 +149,15 @@ def _bench_sim(a: argparse.Namespace) -> int:
     return 0
 
 
+def _bench_nodes(a: argparse.Namespace) -> int:
+    from .bench import node_choice
+
+    rows = node_choice(tuple(a.sizes), a.ops, quiet=a.json)
+    if a.json:
+        print(json.dumps(rows, indent=2))
+    return 0
+
+
 def _bench_queue(a: argparse.Namespace) -> int:
     from .bench import queue_scaling
 
@@ -370,6 +379,12 @@ def parser() -> argparse.ArgumentParser:
     b.add_argument("--profile", default="8b-h100")
     b.add_argument("--json", action="store_true")
     b.set_defaults(fn=_bench_sim)
+    b = bsub.add_parser("nodes", help="cost of one node choice (filters, TTFT predictions, pick) at 8, 64 and "
+                        "1,000 nodes")
+    b.add_argument("--sizes", type=int, nargs="+", default=[8, 64, 1_000])
+    b.add_argument("--ops", type=int, default=5000)
+    b.add_argument("--json", action="store_true")
+    b.set_defaults(fn=_bench_nodes)
     b = bsub.add_parser("queue", help="cost of queue operations with 0, 1k and 10k requests queued")
     b.add_argument("--sizes", type=int, nargs="+", default=[0, 1_000, 10_000])
     b.add_argument("--ops", type=int, default=3000)

@@ -38,6 +38,15 @@ def test_hash_key_and_check_config(tmp_path: Path) -> None:
     assert "tenants[0].tokens_per_minute" in r.stderr and "Traceback" not in r.stderr
 
 
+def test_bench_nodes_reports_every_fleet_size() -> None:
+    r = kvgate("bench", "nodes", "--sizes", "8", "100", "--ops", "200", "--json")
+    assert r.returncode == 0, r.stderr
+    rows = json.loads(r.stdout)
+    assert [row["nodes"] for row in rows] == [8, 100]
+    # the predictions are a part of the whole choice, and both were measured
+    assert all(0 < row["predict_us"] and 0 < row["place_us"] for row in rows)
+
+
 def test_bench_queue_reports_every_size() -> None:
     r = kvgate("bench", "queue", "--sizes", "0", "200", "2000", "--ops", "300", "--json")
     assert r.returncode == 0, r.stderr
