@@ -41,7 +41,7 @@ from gpu_probe.snapshot import Snapshot
 
 from .breaker import Breaker, BreakerSettings, State
 from .config import Nodes
-from .perf import Speed, StepModel, from_config, step_ratio
+from .perf import Speed, StepModel, from_config, prefill_heavy, step_ratio
 
 DEFAULT_BLOCK = 16
 MAX_CANDIDATES = 8
@@ -241,8 +241,12 @@ class Fleet:
         n._count_waiting()
         ratio = None
         if snap.step_fresh is not False and not repeat:
-            ratio = step_ratio(self.model, snap.itl_s, snap.step_tokens, snap.step_decode, snap.running,
-                               self._context(n))
+            context = self._context(n)
+            ratio = step_ratio(self.model, snap.itl_s, snap.step_tokens, snap.step_decode, snap.running, context)
+            if ratio is not None and prefill_heavy(self.model, snap.step_tokens, snap.step_decode, snap.running,
+                                                   context):
+                # a mostly-prefill interval reads low on a healthy node: trusted only to say "slow"
+                ratio = ratio if ratio >= n.breaker.s.latency_multiplier * (n.breaker.baseline or 1.0) else None
         if ratio is not None:
             n.latency = ratio
             n.speed.observe(ratio)

@@ -83,17 +83,27 @@ def step_ratio(model: StepModel, step_s: float | None, step_tokens: float | None
     taken as the running sequences decoding); ``context``: tokens held in the KV cache."""
     if step_s is None or step_s <= 0:
         return None
-    if step_tokens is not None and step_decode is not None:
-        decode, prefill = step_decode, max(0.0, step_tokens - step_decode)
-    else:
-        decode, prefill = (running or 0.0), 0.0
-    base = model.step(0.0, decode, context or 0.0)
-    if model.b * prefill > base:
-        # mostly prefill: vLLM observes inter-token latency on decoding steps only, which carried little
-        # of it; the interval's mean batch says nothing about them
-        return None
-    modelled = base + model.b * prefill
+    decode, prefill = _batch(step_tokens, step_decode, running)
+    modelled = model.step(prefill, decode, context or 0.0)
     return step_s / modelled if modelled > 0 else None
+
+
+def prefill_heavy(model: StepModel, step_tokens: float | None, step_decode: float | None,
+                  running: float | None, context: float | None) -> bool:
+    """Whether the interval's steps were mostly prefill. vLLM observes inter-token latency on decoding
+    steps only, and the iteration histogram averages the batch over every step: when prefill dominates
+    (one long prompt, then short decode steps), the modelled step is too long for the steps that were
+    timed and the ratio reads low (0.2-0.5 on a healthy node). Such a reading is trusted only when it
+    reads *slow* — it can only understate a node's slowness."""
+    decode, prefill = _batch(step_tokens, step_decode, running)
+    return model.b * prefill > model.step(0.0, decode, context or 0.0)
+
+
+def _batch(step_tokens: float | None, step_decode: float | None, running: float | None) -> tuple[float, float]:
+    """(decode sequences, prefill tokens) of an interval's mean step."""
+    if step_tokens is not None and step_decode is not None:
+        return step_decode, max(0.0, step_tokens - step_decode)
+    return (running or 0.0), 0.0
 
 
 def from_config(p: Performance) -> StepModel:
