@@ -56,7 +56,7 @@ from sim.profiles import Profile, get_profile
 from . import report
 from .runner import BenchConfig, PolicyName, ScalerSettings, ScenarioResult, run
 from .trace import TraceRequest
-from .workloads import LONG, PLACEHOLDER_NODES, SHORT, Rate, Scenario, Shape, Stream
+from .workloads import LONG, PLACEHOLDER_NODES, SHORT, Rate, Scenario, Shape, Stream, thinned
 
 FAMILIES: dict[str, str] = {
     "bursty-onoff": "tenants alternating on/off periods of random lengths",
@@ -224,24 +224,7 @@ def arrivals(streams: Sequence[Stream], duration_s: float, seed: int, until: flo
     gives is then exactly the start of the full trace."""
     end = duration_s if until is None else until
     horizon = max(duration_s, end)
-    out: list[TraceRequest] = []
-    for k, s in enumerate(streams):
-        rng = random.Random(seed * 7919 + k)
-        peak = _peak(s.rate, horizon)
-        if peak <= 0:
-            continue
-        t = 0.0
-        while True:
-            t += rng.expovariate(peak)
-            if t >= end:
-                break
-            if rng.random() * peak > s.rate(t):
-                continue
-            prompt, output = s.shape.draw(rng)
-            out.append(TraceRequest(round(t, 6), s.tenant, prompt, output, rng.random() < s.stream_share,
-                                    max(output, s.max_tokens) if s.max_tokens else None))
-    out.sort(key=lambda r: r.t)
-    return out
+    return thinned(streams, end, seed, lambda s: _peak(s.rate, horizon))
 
 
 # -- the generator -----------------------------------------------------------------------------------

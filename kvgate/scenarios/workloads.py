@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import math
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -58,14 +58,24 @@ class Stream:
 def poisson(streams: list[Stream], duration_s: float, seed: int) -> list[TraceRequest]:
     """Non-homogeneous Poisson arrivals by thinning, one RNG per stream (adding a stream does not
     change the others' requests)."""
+    return thinned(streams, duration_s, seed,
+                   lambda s: max(s.rate(t) for t in [duration_s * i / 200 for i in range(201)]) or 1e-9)
+
+
+def thinned(streams: Sequence[Stream], end: float, seed: int, peak_of: Callable[[Stream], float]
+            ) -> list[TraceRequest]:
+    """Arrivals up to ``end`` by thinning each stream's rate against ``peak_of(stream)`` (an upper bound of
+    its rate; a stream whose bound is not positive sends nothing), one RNG per stream."""
     out: list[TraceRequest] = []
     for k, s in enumerate(streams):
         rng = random.Random(seed * 7919 + k)
-        peak = max(s.rate(t) for t in [duration_s * i / 200 for i in range(201)]) or 1e-9
+        peak = peak_of(s)
+        if peak <= 0:
+            continue
         t = 0.0
         while True:
             t += rng.expovariate(peak)
-            if t >= duration_s:
+            if t >= end:
                 break
             if rng.random() * peak > s.rate(t):
                 continue
