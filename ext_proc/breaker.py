@@ -119,6 +119,10 @@ class Breaker:
         elif self.state is State.HALF_OPEN and (full or slow):
             self._go(State.OPEN, "still unhealthy while half-open", now)
 
+    def forget_baseline(self) -> None:
+        """The latency signal changed meaning (a new performance prior): learn the baseline again."""
+        self.baseline, self._samples, self._slow_readings = None, 0, 0
+
     def _tick(self, now: float) -> None:
         if self.state is State.OPEN and now - self.opened_at >= self.s.recovery_window_s:
             self._go(State.HALF_OPEN, f"recovery window of {self.s.recovery_window_s:g}s passed", now)

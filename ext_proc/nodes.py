@@ -85,10 +85,10 @@ class Node:
     busy: dict[int, float] = field(default_factory=dict)
     """vLLM priority level → when the prefill booked here at that level or a more urgent one is done (a
     virtual clock: every dispatch advances it, every probe reading corrects it)."""
-    running_low: deque[tuple[float, float]] = field(default_factory=deque)
-    """(start, end) of the less urgent prefills booked here, in order: the one running at a given time
-    holds every step's budget until its end, whatever arrives (vLLM schedules running requests first)."""
-    prefills: deque[tuple[float, float]] = field(default_factory=deque)
+    running_low: deque[tuple[float, float, int, str]] = field(default_factory=deque)
+    """(start, end, level, ticket) of the less urgent prefills booked here, in order: the one running at a
+    given time holds every step's budget until its end, whatever arrives (vLLM runs running requests first)."""
+    prefills: deque[tuple[float, float, int, str]] = field(default_factory=deque)
     """(start, end) of every prefill booked here, in booking order: one that started is still running."""
     waiting_by_level: dict[int, int] = field(default_factory=dict)
     """Prompt tokens vLLM had waiting at the last reading, by priority level (kvgate's requests)."""
@@ -117,7 +117,7 @@ class Node:
         if w:
             skip = len(self.pending)  # the newest: sent after the reading was taken
             sent = list(self.requests.values())
-            sent = sent[:len(sent) - skip] if skip else sent
+            sent = sent[:max(0, len(sent) - skip)] if skip else sent
             order = sorted(range(len(sent)), key=lambda i: (-sent[i][2], -i))
             for i in order[:w]:
                 t, pr, level = sent[i]
@@ -195,7 +195,14 @@ class Fleet:
 
     def reconfigure(self, cfg: Nodes) -> None:
         self.cfg = cfg
-        self.model = from_config(cfg.performance)
+        model = from_config(cfg.performance)
+        if model != self.model:
+            # speed factors and latency baselines are relative to the prior: learned against the old one,
+            # they would skew every prediction (or read as sickness) until relearned — start over
+            for n in self.nodes.values():
+                n.speed = Speed()
+                n.breaker.forget_baseline()
+        self.model = model
         settings = breaker_settings(cfg)
         for n in self.nodes.values():
             n.breaker.s = settings
@@ -276,9 +283,17 @@ class Fleet:
         decode, context = self._load(n)
         chunk_s = (m.step(m.chunk(decode), decode, context)) * f
         # a prefill that started holds every step's budget until it is done (running requests first)
+        snap = n.snapshot
+        if snap is not None and snap.running == 0 and snap.waiting == 0 and not n.pending:
+            # the node is idle: whatever was booked has run (or never needed to: a cached prefix, a
+            # request that failed at once) — nothing is ahead of the next request
+            n.prefills.clear()
+            n.running_low.clear()
+            n.busy.clear()
+            return
         while n.prefills and n.prefills[0][1] <= now:
             n.prefills.popleft()
-        running_end = max((e for s, e in n.prefills if s <= now), default=now)
+        running_end = max((e for s, e, _, _ in n.prefills if s <= now), default=now)
         behind: float = 0.0
         pending_by_level: dict[int, int] = {}
         for _, _, pr, level in n.pending:
@@ -338,8 +353,9 @@ class Fleet:
         pool: list[Node] = self._order
         if len(pool) > SCAN_LIMIT:  # a large fleet: filter a sample (and the last best), the whole only if none fits
             pool = self._rng.sample(pool, SCAN_LIMIT)
-            if self._best is not None and self._best.address in self.nodes:
-                pool.append(self._best)
+            best = self._best
+            if best is not None and self.nodes.get(best.address) is best and best not in pool:
+                pool.append(best)
         c = self._choose(pool, tokens, now, prompt_tokens, reserve, queue_caps, priority, target, limit)
         if c.node is None and pool is not self._order:
             c = self._choose(self._order, tokens, now, prompt_tokens, reserve, queue_caps, priority, target, limit)
@@ -382,8 +398,9 @@ class Fleet:
             return Choice(None, reason, self._retry_after(tokens, now))
         if len(candidates) > MAX_CANDIDATES:
             sample = self._rng.sample(candidates, MAX_CANDIDATES - 1)
-            if self._best is not None and self._best in candidates and self._best not in sample:
-                sample.append(self._best)
+            best = self._best
+            if best is not None and best in candidates and best not in sample:
+                sample.append(best)
             candidates = sample
         scored = [(self.predict(n, prompt_tokens, priority, now), n) for n in candidates]
         soonest, first = min(scored, key=lambda x: (x[0], -self._score(x[1], tokens)))
@@ -405,11 +422,13 @@ class Fleet:
             if busy and (len(clear) == 1 or limit_s is None or min(t for t, _ in busy) <= limit_s):
                 scored = busy
             soonest, first = min(scored, key=lambda x: (x[0], -self._score(x[1], tokens)))
-        if target is None or soonest > (limit if limit is not None else target):
-            if target is None:
-                return Choice(first, ttft=soonest)
-            # no node can give it its first token within its tier's max wait: waiting does not change that
-            # (the backlog ahead drains as fast as the wait runs), so the gateway refuses it now
+        if target is None:
+            return Choice(first, ttft=soonest)
+        if soonest - self._own(first, prompt_tokens) > (limit if limit is not None else target):
+            # the work ahead of it on every node outlasts what it may wait (its max wait, or for a
+            # request already held, what is left of its target): waiting does not change that (the
+            # backlog drains as fast as the wait runs), so the gateway refuses it now. Its own prefill
+            # is not held against it: a prompt too long for its target alone is still served
             return Choice(None, "fleet-queue", max(0.0, soonest - target), soonest)
         if priority == top.priority or not self._long(first, prompt_tokens, top):
             # the soonest: for the top tier, and for a prefill too short to cost a top-tier request its
@@ -446,11 +465,16 @@ class Fleet:
         # a less urgent prefill already running keeps the steps' budget until it is done; else a request
         # arrives on average halfway through the step in progress
         low = n.running_low
-        if self._low_booked(n, now) and low[0][0] <= now:
-            current = low[0][1] - now
+        if self._low_booked(n, now) and low[0][0] <= now and low[0][2] > priority:
+            current = low[0][1] - now  # (one at its own level or a more urgent one is in ``ahead``)
         else:
             current = (min(below, step + m.b * m.chunk(decode) * f) if below else step if decode or ahead else 0.0) / 2
         return ahead + current + m.prefill(prompt_tokens, decode, context) * f
+
+    def _own(self, n: Node, prompt_tokens: int) -> float:
+        """A request's own prefill on ``n``, nothing ahead of it."""
+        decode, context = self._load(n)
+        return self.model.prefill(prompt_tokens, decode, context) * n.speed.factor
 
     def _low_booked(self, n: Node, now: float) -> bool:
         """Whether less urgent prefill is booked on ``n`` beyond now."""
@@ -535,8 +559,8 @@ class Fleet:
         cost = m.prefill(prompt_tokens, decode, context) * n.speed.factor
         start = max(n.busy.get(priority, now), now)
         if priority != self.levels[0].priority:
-            n.running_low.append((start, start + cost))
-        n.prefills.append((start, start + cost))
+            n.running_low.append((start, start + cost, priority, ticket))
+        n.prefills.append((start, start + cost, priority, ticket))
         for lv in self.levels:
             if lv.priority >= priority:
                 n.busy[lv.priority] = max(n.busy.get(lv.priority, now), now) + cost
@@ -548,7 +572,20 @@ class Fleet:
         n = self.nodes.get(address)
         if n is None:
             return
-        n.requests.pop(ticket, None)
+        if n.requests.pop(ticket, None) is not None:
+            # it ended: its prefill is behind it, whatever was booked for it (it may have failed at once,
+            # or hit vLLM's prefix cache) — what is left of the booking comes off the clocks
+            for start, end, level, t in n.prefills:
+                if t == ticket and end > now:
+                    left = end - max(now, start)
+                    for lv in self.levels:
+                        if lv.priority >= level and lv.priority in n.busy:
+                            n.busy[lv.priority] = max(now, n.busy[lv.priority] - left)
+            for booked in (n.prefills, n.running_low):
+                if any(e[3] == ticket for e in booked):
+                    kept = [e for e in booked if e[3] != ticket]
+                    booked.clear()
+                    booked.extend(kept)
         trial = ticket in n.trials
         n.trials.discard(ticket)
         if ok is None:

@@ -509,12 +509,18 @@ def test_fleet_caused_429s_and_predicted_misses_are_counted_for_the_scaler() -> 
     assert not isinstance(slow, Held) and slow.decision.lease is not None
     assert slow.decision.lease.slo_miss is True
     assert slow.decision.lease.predicted_ttft is not None and slow.decision.lease.predicted_ttft > 0.2
-    doomed = ask("d", 14_000)  # several seconds booked ahead and its own prefill: beyond its max wait
+    long = ask("l", 14_000)  # ~4.3 s of its own prefill: never within 200 ms, but nothing long is ahead of it
+    assert not isinstance(long, Held) and long.decision.admitted  # a prompt too long for its target is served
+    answers = [ask(f"d{i}", 2_000) for i in range(3)]  # now the work ahead of them outlasts their max wait
+    doomed = answers[-1]
     assert not isinstance(doomed, Held)
     assert doomed.decision.rejection is not None
     assert (doomed.decision.rejection.status, doomed.decision.rejection.reason) == (503, "queue-deadline")
+    misses = sum(1 for x in [slow, long, *answers] if not isinstance(x, Held) and x.decision.admitted
+                 and x.decision.lease is not None and x.decision.lease.slo_miss)
+    assert misses >= 2  # the 1,500-token one and the 14,000-token one at least
     text = generate_latest(core.stats.registry).decode()
-    assert 'kvgate_predicted_slo_misses_total{tenant="t",tier="interactive"} 1.0' in text
+    assert f'kvgate_predicted_slo_misses_total{{tenant="t",tier="interactive"}} {float(misses)}' in text
 
 
 def test_counter_of_fleet_caused_rejections_moves() -> None:
@@ -541,3 +547,72 @@ def test_counter_of_fleet_caused_rejections_moves() -> None:
     assert 'kvgate_fleet_caused_rejections_total{tenant="t",tier="standard"} 1.0' in text
     samples = Counter(line.split("{")[0] for line in text.splitlines() if line.startswith("kvgate_fleet_caused"))
     assert samples == {"kvgate_fleet_caused_rejections_total": 1, "kvgate_fleet_caused_rejections_created": 1}
+
+
+# -- g. bookings, limits and reloads (review findings) -------------------------------------------------
+
+
+def _fleet(profile: str = "34b-a100", nodes: int = 1, inject: bool = True) -> Fleet:
+    from ext_proc.config import Nodes
+    from ext_proc.nodes import Level
+
+    cfg = Nodes.model_validate({"static": [{"address": f"10.0.0.{i}:8000", "probe": f"http://p{i}"}
+                                           for i in range(nodes)], "performance": {"profile": profile}})
+    f = Fleet(cfg, rng=random.Random(1))
+    f.set_levels([Level(0, 0.2), Level(1, 1.0), Level(2, 5.0)] if inject else [Level(0, 0.2)])
+    return f
+
+
+def _idle(f: Fleet, now: float) -> None:
+    for n in f.nodes.values():
+        f.on_snapshot(n.address, Snapshot(node=n.address, at=now, ok=True, kv_usage=0.0, blocks_total=2537,
+                                          block_size=16, running=0.0, waiting=0.0), now)
+
+
+def test_a_booking_that_never_ran_stops_counting_once_it_ends_or_the_node_reads_idle() -> None:
+    f = _fleet()
+    _idle(f, 0.0)
+    node = next(iter(f.nodes.values()))
+    quiet = f.predict(node, 100, 0, 0.0)
+    c = f.place(15_000, 14_000, "big", 0.0, priority=2, target=5.0, limit=30.0)
+    assert c.node is node and f.predict(node, 100, 0, 0.1) > 1.0  # its chunks hold the node's steps
+    f.completed(node.address, "big", 0, False, 0.2)  # it failed at once (or its prefix was cached)
+    assert f.predict(node, 100, 0, 0.2) == pytest.approx(quiet, rel=0.05)
+    f.place(15_000, 14_000, "big2", 0.3, priority=2, target=5.0, limit=30.0)
+    assert f.predict(node, 100, 0, 0.4) > 1.0
+    _idle(f, 0.5)  # the next reading: nothing running, nothing waiting
+    assert f.predict(node, 100, 0, 0.5) == pytest.approx(quiet, rel=0.05)
+
+
+def test_a_prompt_too_long_for_its_target_is_still_sent_to_an_idle_node() -> None:
+    f = _fleet(nodes=3)
+    _idle(f, 0.0)
+    # 4,000 tokens on a 34B/A100: ~1.3 s of prefill alone, over the top tier's 1 s max wait
+    c = f.place(4_100, 4_000, "t", 0.0, priority=0, target=0.2, limit=1.0)
+    assert c.node is not None and c.ttft is not None and c.ttft > 1.0
+
+
+def test_a_running_prefill_at_the_same_level_is_counted_once() -> None:
+    f = _fleet()
+    _idle(f, 0.0)
+    node = next(iter(f.nodes.values()))
+    f.place(41_000, 40_000, "long", 0.0, priority=1, target=1.0, limit=60.0)
+    m = f.model
+    ahead = m.prefill(40_000, 1, 0)
+    got = f.predict(node, 100, 1, 0.5)
+    assert got < ahead  # what is left of the running prefill (it started 0.5 s ago), plus its own: not twice
+
+
+def test_a_new_performance_prior_starts_the_learned_factors_over() -> None:
+    f = _fleet(profile="8b-h100")
+    node = next(iter(f.nodes.values()))
+    node.speed.observe(6.0)
+    node.breaker.baseline, node.breaker._samples = 6.0, 10
+    cfg = f.cfg.model_copy(update={"performance": Performance(profile="34b-a100")})
+    f.reconfigure(cfg)
+    assert node.speed.factor == 1.0 and node.speed.readings == 0
+    assert node.breaker.baseline is None
+    same = f.cfg.model_copy()
+    node.speed.observe(1.3)
+    f.reconfigure(same)  # the same prior: what was learned stays
+    assert node.speed.factor == 1.3
