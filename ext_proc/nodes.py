@@ -437,8 +437,9 @@ class Fleet:
         # a long prefill goes to the fullest node that still meets its target — or, its target lost, its
         # max wait — (best fit), where the booking keeps what waits behind it within its own target:
         # long prefills gather, the rest of the fleet stays quick for the top tier
-        meets = [(t, n) for t, n in scored if t <= target] or [
-            (t, n) for t, n in scored if t <= (limit if limit is not None else target)]
+        lim = limit if limit is not None else target
+        meets = ([(t, n) for t, n in scored if t <= target]
+                 or [(t, n) for t, n in scored if t - self._own(n, prompt_tokens) <= lim] or scored)
         kind = [(t, n) for t, n in meets if self._keeps_targets(n, prompt_tokens, priority, now)] or meets
         t, n = max(kind, key=lambda x: (x[0], self._score(x[1], tokens)))
         return Choice(n, ttft=t)
