@@ -335,8 +335,7 @@ class Admission:
         hold = tier.max_queue_wait_ms / 1000.0
         if self.pick is not None and tier.ttft_target_ms is not None:
             floor = self.floor(est) if self.floor is not None else 0.0
-            if floor < tier.ttft_target_ms / 1000.0:  # (a prompt no node can prefill in time waits its max wait)
-                hold = min(hold, max(tier.ttft_target_ms / 1000.0 - floor, MIN_HOLD_S))
+            hold = min(hold, max(tier.ttft_target_ms / 1000.0 - floor, MIN_HOLD_S))
         return hold
 
     def _queue_rejection(self, s: TenantState, reason: str, excess: float | None) -> Rejection:

@@ -452,18 +452,11 @@ class Core:
         if tier is not None and tier.ttft_target_ms is not None:
             target_s, max_wait = tier.ttft_target_ms / 1000.0, tier.max_queue_wait_ms / 1000.0
             target = target_s - waited
-            floor = self.fleet.floor_ttft(est.prompt_tokens)
-            # ``limit``: how long the work ahead of it on a node may take. A new arrival goes at once if a
-            # node can start it within its max wait (holding it would not make it sooner); one that was
-            # held goes only while it can still make its target — it waited for room, and sending it late
-            # would take the place of one that can — unless no node ever could (its own prefill alone is
-            # longer): then within its max wait
-            if waited <= 0:
-                limit = max(max_wait, target_s)
-            elif floor < target_s:
-                limit = target_s - waited - floor
-            else:
-                limit = max_wait - waited
+            # ``limit``: the latest first token worth sending it for. A new arrival goes at once if a node
+            # can give it one within its max wait (holding it would not make it sooner); one that was held
+            # goes only while it can still make its target — it waited for room, and sending it late would
+            # take the place of one that can (refused, it may retry when the fleet has room)
+            limit = max(max_wait, target_s) if waited <= 0 else target
         c = self.fleet.place(est.total, est.prompt_tokens, ticket, self._clock(), force=shadow, reserve=reserve,
                              queue_caps=caps, priority=self._level(tier_name), target=target, limit=limit)
         return Placed(c.node.address if c.node else None, c.reason, c.retry_after, c.ttft)

@@ -424,11 +424,13 @@ class Fleet:
             soonest, first = min(scored, key=lambda x: (x[0], -self._score(x[1], tokens)))
         if target is None:
             return Choice(first, ttft=soonest)
-        if soonest - self._own(first, prompt_tokens) > (limit if limit is not None else target):
-            # the work ahead of it on every node outlasts what it may wait (its max wait, or for a
+        lim = limit if limit is not None else target
+        own = self._own(first, prompt_tokens)
+        if soonest > lim and (own <= lim or soonest - own > lim):
+            # no node can give it its first token within what it may wait (its max wait, or for a
             # request already held, what is left of its target): waiting does not change that (the
-            # backlog drains as fast as the wait runs), so the gateway refuses it now. Its own prefill
-            # is not held against it: a prompt too long for its target alone is still served
+            # backlog drains as fast as the wait runs), so the gateway refuses it now. A prompt whose
+            # own prefill alone is longer is not refused for that: only for the work ahead of it
             return Choice(None, "fleet-queue", max(0.0, soonest - target), soonest)
         if priority == top.priority or not self._long(first, prompt_tokens, top):
             # the soonest: for the top tier, and for a prefill too short to cost a top-tier request its
@@ -437,9 +439,7 @@ class Fleet:
         # a long prefill goes to the fullest node that still meets its target — or, its target lost, its
         # max wait — (best fit), where the booking keeps what waits behind it within its own target:
         # long prefills gather, the rest of the fleet stays quick for the top tier
-        lim = limit if limit is not None else target
-        meets = ([(t, n) for t, n in scored if t <= target]
-                 or [(t, n) for t, n in scored if t - self._own(n, prompt_tokens) <= lim] or scored)
+        meets = [(t, n) for t, n in scored if t <= target] or [(t, n) for t, n in scored if t <= lim] or scored
         kind = [(t, n) for t, n in meets if self._keeps_targets(n, prompt_tokens, priority, now)] or meets
         t, n = max(kind, key=lambda x: (x[0], self._score(x[1], tokens)))
         return Choice(n, ttft=t)
