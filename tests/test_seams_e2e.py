@@ -166,6 +166,10 @@ def test_a_hung_node_frees_the_slot_but_a_long_unstreamed_answer_is_not_cut(tmp_
         code, _, body = post(st.url + CHAT, chat(max_tokens=300), KEYS["tight"], timeout=30)  # ~3 s, whole
         assert code == 200, body
         assert json.loads(body)["usage"]["completion_tokens"] == 300
+        # its slot comes back with Envoy's access-log entry, a moment after the answer: wait for it, or the
+        # next request meets the tenant's own cap (a 429) on a busy machine
+        wait_for(lambda: metric(st.metrics_url, "kvgate_inflight_requests", tenant="tight") == 0,
+                 what="the first answer's slot back")
         node = st.procs["upstream0"]
         node.send_signal(signal.SIGSTOP)
         try:
