@@ -51,7 +51,6 @@ SCAN_LIMIT = 4 * MAX_CANDIDATES
 """Nodes a decision filters in a large fleet (a random sample): the filters cost per node too."""
 TOP_RECENT_S = 10.0
 """The top tier counts as active (and keeps a node free of long prefills) this long after its last request."""
-TOP_PROMPT_ALPHA = 0.05
 
 
 @dataclass(eq=False)
@@ -89,7 +88,8 @@ class Node:
     """(start, end, level, ticket) of the less urgent prefills booked here, in order: the one running at a
     given time holds every step's budget until its end, whatever arrives (vLLM runs running requests first)."""
     prefills: deque[tuple[float, float, int, str]] = field(default_factory=deque)
-    """(start, end) of every prefill booked here, in booking order: one that started is still running."""
+    """(start, end, level, ticket) of every prefill booked here, in booking order: one that started and
+    has not reached its end is still running."""
     waiting_by_level: dict[int, int] = field(default_factory=dict)
     """Prompt tokens vLLM had waiting at the last reading, by priority level (kvgate's requests)."""
     _last_completion: float | None = None
@@ -180,8 +180,6 @@ class Fleet:
         self._best: Node | None = None
         self._order: list[Node] = []
         self._top_seen = -math.inf
-        self._top_prompt = 256.0
-        """The top tier's typical prompt (an EWMA): what a node is checked against to keep it fit for the top tier."""
         self.set_nodes([(n.address, n.probe, n.kv_admit_threshold) for n in cfg.static])
 
     def set_levels(self, levels: list[Level]) -> None:
@@ -257,7 +255,8 @@ class Fleet:
         if ratio is not None:
             n.latency = ratio
             n.speed.observe(ratio)
-        n.breaker.observe(snap.kv_usage, ratio, now, self._may_open_another(), None, self._another_closed(n, now))
+        n.breaker.observe(snap.kv_usage, ratio, now, self._may_open_another(),
+                          may_trip_on_kv=self._another_closed(n, now))
         self._correct(n, now)
 
     def _context(self, n: Node) -> float:
@@ -282,7 +281,6 @@ class Fleet:
         m, f = self.model, n.speed.factor
         decode, context = self._load(n)
         chunk_s = (m.step(m.chunk(decode), decode, context)) * f
-        # a prefill that started holds every step's budget until it is done (running requests first)
         snap = n.snapshot
         if snap is not None and snap.running == 0 and snap.waiting == 0 and not n.pending:
             # the node is idle: whatever was booked has run (or never needed to: a cached prefix, a
@@ -293,6 +291,7 @@ class Fleet:
             return
         while n.prefills and n.prefills[0][1] <= now:
             n.prefills.popleft()
+        # a prefill that started holds every step's budget until it is done (running requests first)
         running_end = max((e for s, e, _, _ in n.prefills if s <= now), default=now)
         behind: float = 0.0
         pending_by_level: dict[int, int] = {}
@@ -405,10 +404,10 @@ class Fleet:
         scored = [(self.predict(n, prompt_tokens, priority, now), n) for n in candidates]
         soonest, first = min(scored, key=lambda x: (x[0], -self._score(x[1], tokens)))
         self._best = first
+        lim = limit if limit is not None else target
         top = self.levels[0]
         if priority == top.priority:
             self._top_seen = now
-            self._top_prompt += TOP_PROMPT_ALPHA * (prompt_tokens - self._top_prompt)
         elif (top.target is not None and now - self._top_seen < TOP_RECENT_S and len(scored) > 1
               and self._long(first, prompt_tokens, top)):
             # A long, less urgent prefill while the top tier has traffic: a long prefill running on a node
@@ -416,15 +415,14 @@ class Fleet:
             # priority), so the top tier keeps the last node with none booked.
             # It joins the long prefills already booked where it can still make its max wait, else takes
             # a node of its own — never the last one without.
-            busy = [(t, n) for t, n in scored if self._low_booked(n, now)]
-            clear = [(t, n) for t, n in scored if not self._low_booked(n, now)]
-            limit_s = limit if limit is not None else target
-            if busy and (len(clear) == 1 or limit_s is None or min(t for t, _ in busy) <= limit_s):
+            booked = [self._low_booked(n, now) for _, n in scored]
+            busy = [x for x, b in zip(scored, booked, strict=True) if b]
+            clear = len(scored) - len(busy)
+            if busy and (clear == 1 or lim is None or min(t for t, _ in busy) <= lim):
                 scored = busy
             soonest, first = min(scored, key=lambda x: (x[0], -self._score(x[1], tokens)))
-        if target is None:
+        if target is None or lim is None:
             return Choice(first, ttft=soonest)
-        lim = limit if limit is not None else target
         own = self._own(first, prompt_tokens)
         if soonest > lim and (own <= lim or soonest - own > lim):
             # no node can give it its first token within what it may wait (its max wait, or for a
@@ -470,11 +468,11 @@ class Fleet:
             current = low[0][1] - now  # (one at its own level or a more urgent one is in ``ahead``)
         else:
             current = (min(below, step + m.b * m.chunk(decode) * f) if below else step if decode or ahead else 0.0) / 2
-        return ahead + current + m.prefill(prompt_tokens, decode, context) * f
+        return ahead + current + self._own(n, prompt_tokens, (decode, context))
 
-    def _own(self, n: Node, prompt_tokens: int) -> float:
-        """A request's own prefill on ``n``, nothing ahead of it."""
-        decode, context = self._load(n)
+    def _own(self, n: Node, prompt_tokens: int, load: tuple[float, float] | None = None) -> float:
+        """A request's own prefill on ``n``, nothing ahead of it (``load``: ``_load(n)``, when known)."""
+        decode, context = load if load is not None else self._load(n)
         return self.model.prefill(prompt_tokens, decode, context) * n.speed.factor
 
     def _low_booked(self, n: Node, now: float) -> bool:
@@ -486,17 +484,12 @@ class Fleet:
 
     def _long(self, n: Node, prompt_tokens: int, top: Level) -> bool:
         """A prefill long enough that a top-tier request arriving behind it would miss its target."""
-        if top.target is None:
-            return False
-        decode, context = self._load(n)
-        return self.model.prefill(prompt_tokens, decode, context) * n.speed.factor > top.target
+        return top.target is not None and self._own(n, prompt_tokens) > top.target
 
     def _keeps_targets(self, n: Node, prompt_tokens: int, priority: int, now: float) -> bool:
         """Whether booking this prefill on ``n`` keeps the work queued behind it (at its own and less
         urgent levels) within those levels' targets; a node with nothing booked always does."""
-        m, f = self.model, n.speed.factor
-        decode, context = self._load(n)
-        cost = m.prefill(prompt_tokens, decode, context) * f
+        cost = self._own(n, prompt_tokens)
         for lv in self.levels:
             if lv.priority < priority or lv.target is None:
                 continue
@@ -555,9 +548,7 @@ class Fleet:
         n.pending_prompt += prompt_tokens
         n.requests[ticket] = (tokens, prompt_tokens, priority)
         # its prefill now runs ahead of everything booked at less urgent levels
-        m = self.model
-        decode, context = self._load(n)
-        cost = m.prefill(prompt_tokens, decode, context) * n.speed.factor
+        cost = self._own(n, prompt_tokens)
         start = max(n.busy.get(priority, now), now)
         if priority != self.levels[0].priority:
             n.running_low.append((start, start + cost, priority, ticket))
