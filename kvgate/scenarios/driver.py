@@ -26,7 +26,6 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 from ext_proc.admission import Decision, Usage
-from ext_proc.breaker import open_cause
 from ext_proc.config import Config, parse_config
 from ext_proc.core import Answer, Core, Ended, Held, null_logger
 from ext_proc.core import Request as GatewayRequest
@@ -257,7 +256,6 @@ class Run:
         self._by_address: dict[str, SimNode] = {}
         self.node_timeline: list[tuple[float, int]] = []
         self.breaker_opens = 0
-        self.breaker_opens_by_cause: dict[str, int] = {c: 0 for c in BREAKER_CAUSES}
         self.transitions: list[tuple[float, str, str, str, str]] = []
         self._inflight: dict[Request, tuple[int, str | None]] = {}
         """Engine request → (outcome index, kvgate ticket)."""
@@ -341,8 +339,12 @@ class Run:
         self.transitions.append((self.now, node, old.value, new.value, why))
         if new.value == "open":
             self.breaker_opens += 1
-            cause = open_cause(why)  # kvgate's own classification, as its metric counts it
-            self.breaker_opens_by_cause[cause] = self.breaker_opens_by_cause.get(cause, 0) + 1
+
+    @property
+    def breaker_opens_by_cause(self) -> dict[str, int]:
+        """``breaker_opens`` by cause, as kvgate's core counts them for its metric (``open_cause``)."""
+        core = self.core
+        return {c: core.breaker_opens.get(c, 0) if core is not None else 0 for c in BREAKER_CAUSES}
 
     def _probe(self, n: SimNode) -> None:
         if self.now - n.snapshot_at >= PROBE_INTERVAL_S - 1e-9:
