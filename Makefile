@@ -15,6 +15,9 @@ $(STAMP): pyproject.toml
 	@if ! command -v promtool >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1 && [ "$$(id -u)" = 0 ]; then \
 		(apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus) >/dev/null 2>&1 \
 		|| echo "note: prometheus not installed; the Prometheus tests will be skipped"; fi
+	@if ! command -v redis-server >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1 && [ "$$(id -u)" = 0 ]; then \
+		(apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends redis-server) >/dev/null 2>&1 \
+		|| echo "note: redis-server not installed; the several-replica tests will be skipped"; fi
 	touch $(STAMP)
 
 demo: $(STAMP)

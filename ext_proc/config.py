@@ -327,6 +327,41 @@ class Nodes(_Strict):
         return self
 
 
+class RedisStore(_Strict):
+    """Shared state for several kvgate replicas (``store.redis``): leased quota slices, completions
+    forwarded to the replica that owns a ticket, merged fair-share counters and node bookings."""
+
+    url: Annotated[str, Field(pattern=r"^(redis|rediss|unix)://")] = Field(
+        description="redis://[user:password@]host:port/db, rediss:// for TLS, unix:///path.sock")
+    password_file: Path | None = Field(
+        default=None, description="a file holding the password (a mounted Secret); overrides one in the URL")
+    tls_ca_file: Path | None = Field(default=None, description="CA bundle to verify a rediss:// server with")
+    key_prefix: Annotated[str, Field(pattern=r"^[A-Za-z0-9_.:-]{1,64}$")] = Field(
+        default="kvgate", description="every key kvgate writes starts with it: one per release sharing a Redis")
+    sync_interval_ms: Annotated[int, Field(ge=10, le=1000)] = Field(
+        default=100, description="how often each replica refills and returns its slices and publishes its counters")
+    lease_ttl_seconds: Annotated[float, Field(ge=1, le=60)] = Field(
+        default=3.0, description="a replica not heard from for this long is dead: its slices go back to the others")
+    timeout_ms: Annotated[int, Field(ge=10, le=5000)] = Field(
+        default=500, description="one Redis call; past it the call counts as failed")
+    fallback_after_seconds: Annotated[float, Field(gt=0, le=10)] = Field(
+        default=1.0, description="Redis failing this long: each replica enforces a safe local slice of every limit "
+        "(the limit divided among the replicas last seen alive)")
+
+    @field_validator("password_file", "tls_ca_file")
+    @classmethod
+    def _exists(cls, v: Path | None) -> Path | None:
+        if v is not None and not v.is_file():
+            raise ValueError(f"file {v} does not exist")
+        return v
+
+
+class Store(_Strict):
+    """Where quota state lives: in this process (one replica, the default) or in Redis (several)."""
+
+    redis: RedisStore | None = None
+
+
 class Config(_Strict):
     mode: Mode = "enforce"
     server: Server = Server()
@@ -339,6 +374,7 @@ class Config(_Strict):
     nodes: Nodes | None = None
     tiers: dict[Annotated[str, Field(pattern=_NAME)], Tier] = Field(default_factory=lambda: dict(DEFAULT_TIERS))
     queue: Queue = Queue()
+    store: Store = Store()
     tenants: list[Tenant] = Field(default_factory=list)
 
     @model_validator(mode="after")
@@ -466,7 +502,9 @@ def load_yaml(text: str, source: str = "<config>", allow_empty: bool = False) ->
     return data
 
 
-def load_config(path: str | Path) -> Config:
+def load_config(path: str | Path, server: dict[str, Any] | None = None) -> Config:
+    """Read and validate a config file; ``server``: settings of ``server.*`` given on the command line,
+    which win over the file's (replicas sharing one file each listen on their own ports)."""
     p = Path(path)
     try:
         text = p.read_text()
@@ -474,4 +512,7 @@ def load_config(path: str | Path) -> Config:
         raise ConfigError(f"{p}: cannot read config file: {e.strerror}") from None
     except UnicodeDecodeError:
         raise ConfigError(f"{p}: cannot read config file: not UTF-8 text") from None
-    return parse_config(load_yaml(text, str(p)), str(p))
+    data = load_yaml(text, str(p))
+    if server and isinstance(data, dict):
+        data = {**data, "server": {**(data.get("server") or {}), **server}}
+    return parse_config(data, str(p))

@@ -207,8 +207,11 @@ def _decode(raw: bytes) -> ep.ProcessingRequest | Undecodable:
 class Gateway:
     """The shell's state: the core, the config file, the streams waiting for a queued answer."""
 
-    def __init__(self, config: Config, config_path: Path | None = None) -> None:
+    def __init__(self, config: Config, config_path: Path | None = None,
+                 overrides: dict[str, Any] | None = None) -> None:
         self.config_path = config_path
+        self.overrides = overrides or {}
+        """``server.*`` settings from the command line: they win over the file's at every reload."""
         self.core = Core(config, time.monotonic, log=logs.get("kvgate.core"))
         self._waiters: dict[str, asyncio.Future[Answer]] = {}
         self._seen = _stat(config_path)
@@ -244,7 +247,7 @@ class Gateway:
         self._seen = _stat(self.config_path)
         self._pending_stat = None
         try:
-            new = load_config(self.config_path)
+            new = load_config(self.config_path, self.overrides)
         except ConfigError as e:
             self.stats.reloads.labels("error").inc()
             log.error("config_reload_failed", reason=reason, error=str(e), kept="previous config")
@@ -507,8 +510,9 @@ class Supervisor:
                 await t
 
 
-async def serve(config: Config, config_path: Path | None, ready: asyncio.Event | None = None) -> None:
-    gw = Gateway(config, config_path)
+async def serve(config: Config, config_path: Path | None, ready: asyncio.Event | None = None,
+                overrides: dict[str, Any] | None = None) -> None:
+    gw = Gateway(config, config_path, overrides)
     server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
     server.add_generic_rpc_handlers((_process_handler(gw),))
     als_pb2_grpc.add_AccessLogServiceServicer_to_server(AccessLogServicer(gw), server)
@@ -624,15 +628,15 @@ async def discover_nodes(gw: Gateway) -> None:
         await asyncio.sleep(dns.refresh_seconds)
 
 
-def run(config_path: str, log_level: str = "info") -> int:
+def run(config_path: str, log_level: str = "info", overrides: dict[str, Any] | None = None) -> int:
     logs.setup(log_level)
     path = Path(config_path)
-    config = load_config(path)
+    config = load_config(path, overrides)
     try:
         import uvloop
 
         uvloop.install()
     except ImportError:
         pass
-    asyncio.run(serve(config, path))
+    asyncio.run(serve(config, path, overrides=overrides))
     return 0

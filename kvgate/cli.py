@@ -11,7 +11,8 @@ from pathlib import Path
 def _extproc(a: argparse.Namespace) -> int:
     from ext_proc.server import run
 
-    return run(a.config, a.log_level)
+    overrides = {k: v for k, v in (("grpc_address", a.grpc_address), ("metrics_address", a.metrics_address)) if v}
+    return run(a.config, a.log_level, overrides)
 
 
 def _check_config(a: argparse.Namespace) -> int:
@@ -266,6 +267,10 @@ def parser() -> argparse.ArgumentParser:
     s = sub.add_parser("extproc", help="serve Envoy's ext_proc + access-log gRPC APIs")
     s.add_argument("--config", required=True, help="kvgate YAML config")
     s.add_argument("--log-level", default="info")
+    s.add_argument("--grpc-address", default=None, metavar="HOST:PORT",
+                   help="overrides server.grpc_address (several replicas sharing one config file)")
+    s.add_argument("--metrics-address", default=None, metavar="HOST:PORT",
+                   help="overrides server.metrics_address")
     s.set_defaults(fn=_extproc)
 
     s = sub.add_parser("check-config", help="validate a config file and exit")
