@@ -24,15 +24,16 @@ from __future__ import annotations
 
 import math
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import NamedTuple
 
 from .config import Config, Mode, Tenant
 from .estimate import Estimate
-from .limits import TokenBucket, default_burst
+from .limits import Credit, TokenBucket, default_burst
 from .queue import Entry, FairQueue, TierSpec
 from .reasons import UNKNOWN_KEY, RateLimitView, Rejection, reject
+from .share import IDLE_S, credit_target, fallback_slots, slot_want
 
 __all__ = ["UNKNOWN_KEY", "RateLimitView", "Rejection"]
 
@@ -41,6 +42,9 @@ _UNKNOWN_SLOT = "\x00unknown"
 """Where callers without a known key are accounted: not a name a tenant can have, so a configured
 tenant called ``unknown`` keeps its own quota."""
 EWMA_ALPHA = 0.2
+SPEND_ALPHA = 0.3
+LARGEST_DECAY = 0.95
+"""Per sync: the largest recent request, which a replica keeps credit for, is forgotten over ~20 syncs."""
 MIN_HOLD_S = 0.05
 """The least a request is held in the gateway queue for room (about a pump of the queue)."""
 NORM_ALPHA = 0.02
@@ -50,14 +54,33 @@ SLOWED = 1.5
 """Recent mean over norm at which a tenant's concurrency-cap 429s count as the fleet's doing."""
 
 
+Bucket = TokenBucket | Credit
+"""A budget: the whole bucket (one replica) or this replica's credit leased from the shared one."""
+
+
 @dataclass(slots=True, eq=False)
 class TenantState:
     config: Tenant
     mode: Mode
-    requests: TokenBucket | None
-    tokens: TokenBucket | None
+    requests: Bucket | None
+    tokens: Bucket | None
     inflight: int = 0
     """Charged requests in flight or queued: what ``max_concurrent`` caps."""
+    slots: int | None = None
+    """With several replicas: this replica's slice of ``max_concurrent`` (``share.py``); None: all of it."""
+    fleet_free: int = 0
+    """Slots nobody held fleet-wide at the last sync: whether borrowing one is worth a round trip."""
+    peak: int = 0
+    refused: int = 0
+    spent_tokens: float = 0.0
+    spent_requests: float = 0.0
+    rate_tokens: float = 0.0
+    rate_requests: float = 0.0
+    """Spend per second here (EWMA over syncs): the credit a replica keeps in hand follows it."""
+    largest: float = 0.0
+    last_seen: float = -math.inf
+    """Demand since the last sync (peak in flight, refusals for want of a slot, spend) and the last
+    request: what this replica asks the store for."""
     leases: dict[str, Lease] = field(default_factory=dict)
     """Charged leases in start order: the first is the one expected to end first."""
     mean_seconds: float | None = None
@@ -103,6 +126,9 @@ class Decision:
     rejection: Rejection | None
     queued: bool = False
     """Not decided yet: held in the gateway queue (``lease`` is the held request); ``pump`` decides it."""
+    borrow: bool = False
+    """Not decided yet: this replica's slice of the tenant's limits cannot pay for it but the fleet's
+    may; the shell borrows from the store (one round trip) and decides again."""
 
     @property
     def admitted(self) -> bool:
@@ -159,9 +185,11 @@ class Completion:
     """Weighted tokens the tenant finally received (its fair-share counters count this)."""
 
 
-def _bucket(per_minute: float | None, burst: int | None, now: float) -> TokenBucket | None:
+def _bucket(per_minute: float | None, burst: int | None, now: float, credit: bool = False) -> Bucket | None:
     if per_minute is None:
         return None
+    if credit:
+        return Credit(per_minute, default_burst(per_minute, burst), now)
     return TokenBucket(per_minute, default_burst(per_minute, burst), now)
 
 
@@ -185,6 +213,18 @@ class Admission:
         self.inflight = 0
         """Requests holding a fleet slot (sent to a node, not yet completed)."""
         self._mean_seconds: float | None = None
+        self.shared = config.store.redis is not None
+        """Several replicas share the tenants' limits through a store: budgets are leased credit."""
+        self.local_split = 0
+        """While the store is out of reach: the replicas last seen alive, each enforcing an even split
+        of every budget (0: the store is reachable, or there is none)."""
+        self.fallback_spent: dict[str, tuple[float, float]] = {}
+        """(requests, tokens) each tenant spent from its local split: debited from the store's buckets on rejoining."""
+        self.service_out: dict[str, float] = {}
+        """Fair-share service given here since the last sync, by tenant: the other replicas add it to theirs."""
+        self.dispatch_out: list[tuple[str, int, int, str]] = []
+        """(node, tokens, prompt tokens, tier) of requests sent since the last sync: the other replicas
+        book them on their view of the node."""
         self.queue = FairQueue([], config.queue.max_size, config.queue.starvation_guard)
         self.config = config
         self.reconfigure(config)
@@ -199,17 +239,20 @@ class Admission:
         for t in config.tenants:
             state = old.get(t.name)
             mode: Mode = t.mode or config.mode
+            credit = self.shared and not self.local_split
             if state is None:
                 state = TenantState(
                     t,
                     mode,
-                    _bucket(t.requests_per_minute, t.request_burst, now),
-                    _bucket(t.tokens_per_minute, t.token_burst, now),
+                    _bucket(t.requests_per_minute, t.request_burst, now, credit),
+                    _bucket(t.tokens_per_minute, t.token_burst, now, credit),
+                    slots=0 if self.shared else None,
+                    fleet_free=t.max_concurrent or 0,
                 )
             else:
                 state.config, state.mode = t, mode
-                state.requests = _retuned(state.requests, t.requests_per_minute, t.request_burst, now)
-                state.tokens = _retuned(state.tokens, t.tokens_per_minute, t.token_burst, now)
+                state.requests = _retuned(state.requests, t.requests_per_minute, t.request_burst, now, credit)
+                state.tokens = _retuned(state.tokens, t.tokens_per_minute, t.token_burst, now, credit)
             tenants[t.name] = state
         unknown = old.get(_UNKNOWN_SLOT)
         if unknown is None:
@@ -230,15 +273,21 @@ class Admission:
 
     # -- the decision ----------------------------------------------------------------------------
 
-    def decide(self, tenant: Tenant | None, request_id: str, estimate: Estimate, body_bytes: int) -> Decision:
-        """Decide one request now, or queue it (``Decision.queued``) until ``pump`` can decide it."""
+    def decide(self, tenant: Tenant | None, request_id: str, estimate: Estimate, body_bytes: int,
+               borrowed: bool = False) -> Decision:
+        """Decide one request now, or queue it (``Decision.queued``) until ``pump`` can decide it, or
+        (several replicas) say that its tenant's slice here is short (``Decision.borrow``): decided again
+        with ``borrowed`` once the shell has borrowed from the store."""
         now = self._clock()
         if tenant is None:
             state = self._tenants[_UNKNOWN_SLOT]
             rejection: Rejection | None = UNKNOWN_KEY
         else:
             state = self._tenants.get(tenant.name) or self._tenants[_UNKNOWN_SLOT]
-            rejection = self._check(state, estimate, body_bytes, now)
+            state.last_seen = now
+            rejection = self._check(state, estimate, body_bytes, now, may_borrow=self.shared and not borrowed)
+            if rejection is BORROW:
+                return Decision(state.name, state.config.tier, None, None, borrow=True)
         tier = state.config.tier
         if rejection is not None:
             if state.mode == "enforce":
@@ -430,7 +479,8 @@ class Admission:
         h = self._held.get(ticket)
         return h.entry.tier if h is not None else None
 
-    def _check(self, s: TenantState, est: Estimate, body_bytes: int, now: float) -> Rejection | None:
+    def _check(self, s: TenantState, est: Estimate, body_bytes: int, now: float,
+               may_borrow: bool = False) -> Rejection | None:
         q = s.config
         limits = self.config.limits
         if body_bytes > limits.max_body_bytes:
@@ -457,7 +507,13 @@ class Admission:
                 f"This request would cost about {est.total} tokens, more than this tenant's whole "
                 f"token budget of {int(s.tokens.capacity)}; it can never be admitted as it is.",
             )
-        if q.max_concurrent is not None and s.inflight >= q.max_concurrent:
+        if q.max_concurrent is not None and s.inflight >= (
+                q.max_concurrent if s.slots is None else min(s.slots, q.max_concurrent)):
+            if s.slots is not None and s.slots < q.max_concurrent:
+                # this replica's slice is full: the fleet may have a slot nobody holds
+                if may_borrow and s.fleet_free > 0:
+                    return BORROW
+                s.refused += 1
             wait = self._slot_free(s, now)
             r = self._policy(
                 s, "tenant-concurrency",
@@ -467,6 +523,8 @@ class Admission:
         if s.requests is not None:
             wait = s.requests.seconds_until(1, now)
             if wait > 0:
+                if may_borrow and s.requests.borrowable(1, now):
+                    return BORROW
                 return self._policy(
                     s, "tenant-requests",
                     f"Rate limit reached for requests (limit {int(s.requests.rate * 60)}/min).", wait, est, now,
@@ -474,6 +532,8 @@ class Admission:
         if s.tokens is not None:
             wait = s.tokens.seconds_until(est.total, now)
             if wait > 0:
+                if may_borrow and s.tokens.borrowable(est.total, now):
+                    return BORROW
                 return self._policy(
                     s, "tenant-tokens",
                     f"Rate limit reached for tokens (limit {int(s.tokens.rate * 60)}/min; this request "
@@ -549,6 +609,14 @@ class Admission:
                 s.requests.take(1, now)
             if s.tokens is not None:
                 s.tokens.take(est.total, now)
+            if self.shared:
+                s.peak = max(s.peak, s.inflight)
+                s.spent_requests += 1
+                s.spent_tokens += est.total
+                s.largest = max(s.largest, est.total)
+                if self.local_split:
+                    r, t = self.fallback_spent.get(s.name, (0.0, 0.0))
+                    self.fallback_spent[s.name] = (r + 1, t + est.total)
         if not queued:
             self._dispatch(lease, est, now)
         return lease
@@ -562,6 +630,10 @@ class Admission:
             self.inflight += 1
         lease.service = self._service(s, est)
         self.queue.charge(s.name, lease.service)
+        if self.shared:
+            self.service_out[s.name] = self.service_out.get(s.name, 0.0) + lease.service
+            if lease.node is not None:
+                self.dispatch_out.append((lease.node, est.total, est.prompt_tokens, lease.tier))
         if lease.queued_at is None:
             self.queue.note_dispatch(lease.service, now)
 
@@ -601,6 +673,8 @@ class Admission:
         else:
             served = 0.0
         self.queue.charge(s.name, served - lease.service)
+        if self.shared:
+            self.service_out[s.name] = self.service_out.get(s.name, 0.0) + served - lease.service
         return Completion(lease, charged_tokens, usage, seconds, served)
 
     def reclaim_expired(self) -> list[Completion]:
@@ -629,6 +703,109 @@ class Admission:
             out += [h.lease for h in self._held.values()]
         return out
 
+    def owns(self, ticket: str) -> bool:
+        """Whether this process gave out ``ticket`` (a ticket names its replica: ``<replica>-<n>``)."""
+        return ticket.startswith(self.replica + "-")
+
+    @property
+    def replica(self) -> str:
+        """This process's name among the replicas: random at start, the first part of its tickets."""
+        return self._boot
+
+    # -- several replicas (``share.py`` for the arithmetic, ``store.py`` for the I/O) ------------
+
+    def share_report(self, replicas: int, interval: float) -> list[ShareReport]:
+        """What this replica asks the store for, tenant by tenant: the slots it wants and the credit to
+        lease (positive) or give back (negative; taken off the local credit now, so a lost reply loses
+        credit rather than spends it twice). Resets the demand seen since the last report."""
+        now = self._clock()
+        out = []
+        for s in self._tenants.values():
+            q = s.config
+            idle = s.inflight == 0 and now - s.last_seen > IDLE_S
+            buckets = (s.requests, s.tokens)
+            if q.max_concurrent is None and all(b is None for b in buckets):
+                continue
+            if idle and not s.slots and all(not isinstance(b, Credit) or b.level == 0 for b in buckets):
+                # nothing held, nothing asked: what the fleet has free is no longer known, so the next
+                # request borrows (one round trip) rather than trusting a stale "none"
+                s.fleet_free = q.max_concurrent or 0
+                continue
+            want = None
+            if q.max_concurrent is not None:
+                want = min(q.max_concurrent, slot_want(s.inflight, s.peak, s.refused, idle))
+            amounts: list[tuple[float, float, float] | None] = []
+            dt = max(interval, 1e-3)
+            s.rate_requests += SPEND_ALPHA * (s.spent_requests / dt - s.rate_requests)
+            s.rate_tokens += SPEND_ALPHA * (s.spent_tokens / dt - s.rate_tokens)
+            for b, rate, largest in ((s.requests, s.rate_requests, 1.0), (s.tokens, s.rate_tokens, s.largest)):
+                if not isinstance(b, Credit):
+                    amounts.append(None)
+                    continue
+                if idle:
+                    amount = -max(0.0, b.level)
+                else:
+                    target = credit_target(rate, largest, b.capacity, replicas)
+                    if b.level < target / 2 or b.level > 2 * target:
+                        amount = target - b.level
+                    else:
+                        amount = 0.0
+                if amount < 0:
+                    b.level += amount
+                amounts.append((b.rate * 60.0, b.capacity, amount))
+            out.append(ShareReport(s.name, q.max_concurrent, s.slots or 0, s.inflight, want, amounts[0], amounts[1]))
+            s.peak, s.refused = s.inflight, 0
+            s.spent_requests = s.spent_tokens = 0.0
+            s.largest = 0.0 if idle else s.largest * LARGEST_DECAY
+        return out
+
+    def share_slots(self, tenant: str, slots: int, free: int) -> None:
+        """The store's answer for one tenant's concurrency: the slots this replica now holds, and how
+        many nobody holds."""
+        s = self._tenants.get(tenant)
+        if s is None or self.local_split:
+            return
+        s.slots, s.fleet_free = slots, free
+
+    def share_credit(self, tenant: str, budget: str, granted: float, fleet_level: float) -> None:
+        """The store's answer for one budget (``requests`` | ``tokens``): credit granted, and the level
+        of the fleet's bucket after it."""
+        s = self._tenants.get(tenant)
+        b = getattr(s, budget) if s is not None and budget in ("requests", "tokens") else None
+        if isinstance(b, Credit) and not self.local_split:
+            b.level += granted
+            b.seen(fleet_level, self._clock())
+
+    def share_local(self, replicas: Sequence[str], me: str, holdings: Mapping[str, Mapping[str, int]]) -> None:
+        """The store is out of reach: enforce an even split of every limit among ``replicas`` (the
+        live ones last seen), corrected for what the others held (``share.fallback_slots``)."""
+        n = len(set(replicas) | {me})
+        now = self._clock()
+        self.local_split = n
+        for s in self._tenants.values():
+            cap = s.config.max_concurrent
+            if cap is not None:
+                s.slots = fallback_slots(cap, holdings.get(s.name, {}), [*replicas, me]).get(me, 0)
+            for attr in ("requests", "tokens"):
+                b = getattr(s, attr)
+                if isinstance(b, Credit):
+                    local = TokenBucket(b.rate * 60.0 / n, max(1.0, b.capacity / n), now)
+                    local.level = min(b.level, local.capacity)
+                    setattr(s, attr, local)
+
+    def share_rejoin(self) -> None:
+        """The store answers again: budgets are leased credit again, keeping only debts (what was
+        spent meanwhile is in ``fallback_spent``, for the store to debit)."""
+        now = self._clock()
+        self.local_split = 0
+        for s in self._tenants.values():
+            q = s.config
+            for attr, per_minute, burst in (("requests", q.requests_per_minute, q.request_burst),
+                                            ("tokens", q.tokens_per_minute, q.token_burst)):
+                b = getattr(s, attr)
+                if isinstance(b, TokenBucket) and per_minute is not None:
+                    setattr(s, attr, Credit(per_minute, default_burst(per_minute, burst), now, level=min(0.0, b.level)))
+
 
 class Placed(NamedTuple):
     """What node choice answers: the node booked (None: none), why none, the seconds until one may have
@@ -647,20 +824,41 @@ A node it returns is booked for that ticket. In
 shadow mode it must return a node whenever any is alive, whatever its load."""
 
 
+@dataclass(frozen=True, slots=True)
+class ShareReport:
+    """One tenant's line in a replica's sync with the store (``share_report``)."""
+
+    tenant: str
+    cap: int | None
+    """Its ``max_concurrent`` (None: no cap)."""
+    slots: int
+    """Slots this replica holds now: the store adopts it when it has no record (it restarted empty)."""
+    inflight: int
+    want: int | None
+    requests: tuple[float, float, float] | None
+    """(per minute, bucket size, amount to lease (+) or give back (-)) for its request budget."""
+    tokens: tuple[float, float, float] | None
+
+
+BORROW = reject("tenant-concurrency", "borrow from the store")
+"""What ``_check`` says when this replica's slice is short and the fleet's may not be (never sent)."""
+
+
 def _ewma(prev: float | None, x: float, alpha: float = EWMA_ALPHA) -> float:
     return x if prev is None else prev + alpha * (x - prev)
 
 
-def _retuned(b: TokenBucket | None, per_minute: float | None, burst: int | None, now: float) -> TokenBucket | None:
+def _retuned(b: Bucket | None, per_minute: float | None, burst: int | None, now: float,
+             credit: bool = False) -> Bucket | None:
     if per_minute is None:
         return None
-    if b is None:
-        return _bucket(per_minute, burst, now)
+    if b is None or isinstance(b, Credit) != credit:
+        return _bucket(per_minute, burst, now, credit)
     b.retune(per_minute, default_burst(per_minute, burst), now)
     return b
 
 
-def _view(b: TokenBucket | None, now: float) -> RateLimitView | None:
+def _view(b: Bucket | None, now: float) -> RateLimitView | None:
     if b is None:
         return None
     return RateLimitView(int(b.rate * 60), max(0, math.floor(b.available(now))), b.seconds_until_full(now))

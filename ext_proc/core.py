@@ -101,6 +101,17 @@ class Held:
 
 
 @dataclass(frozen=True, slots=True)
+class Borrow:
+    """Several replicas: this replica's slice of the tenant's limits cannot pay for the request, the
+    fleet's may. The shell borrows from the store (one round trip) and calls ``decide`` again with
+    ``borrowed=True``, which then admits, queues or refuses it."""
+
+    request: Request
+    """The request with its estimate filled in: deciding it again does not parse it again."""
+    tenant: str
+
+
+@dataclass(frozen=True, slots=True)
 class Ended:
     """A request's stream ended (Envoy's access log)."""
 
@@ -182,8 +193,9 @@ class Core:
 
     # -- the decision ----------------------------------------------------------------------------
 
-    def decide(self, req: Request) -> Answer | Held:
-        """Decide one inference request now, or hold it in the queue (its answer comes later)."""
+    def decide(self, req: Request, borrowed: bool = False) -> Answer | Held | Borrow:
+        """Decide one inference request now, or hold it in the queue (its answer comes later), or
+        (several replicas) ask the shell to borrow from the store first (:class:`Borrow`)."""
         if self._tombstones and req.request_id in self._tombstones:
             # Envoy already gave up on it (and said so): whatever kvgate answers goes nowhere
             return self._final(self._refusal(None, reject("gateway-unavailable",
@@ -209,7 +221,9 @@ class Core:
             self.stats.unparsed_bodies.inc()
             self.log.info("body_not_json", request_id=req.request_id, bytes=size,
                           note="decided on request size alone")
-        d = self.admission.decide(tenant, req.request_id, est, size)
+        d = self.admission.decide(tenant, req.request_id, est, size, borrowed)
+        if d.borrow:
+            return Borrow(replace(req, body=b"", estimate=est, body_bytes=size), d.tenant)
         if d.queued:
             assert d.lease is not None
             ticket = d.lease.ticket
@@ -497,6 +511,29 @@ class Core:
         if not math.isfinite(age_s) or age_s < 0:
             age_s = 0.0
         self.fleet.on_snapshot(address, snap, self._clock(), age_s)
+        self._pump()
+
+    # -- other replicas ------------------------------------------------------------------------------
+
+    def owns(self, ticket: str) -> bool:
+        return self.admission.owns(ticket)
+
+    def remote(self, service: dict[str, float], dispatched: list[tuple[str, int, int, str]]) -> None:
+        """What the other replicas did since their last sync: fair-share service they gave each tenant
+        (added to this replica's counters: fairness holds across replicas) and requests they sent to
+        nodes (booked on this replica's view of each node until a reading shows them)."""
+        q = self.admission.queue
+        for tenant, delta in service.items():
+            if self.admission.tenant_state(tenant) is not None and math.isfinite(delta):
+                q.charge(tenant, delta)
+        if self.fleet is not None and dispatched:
+            now = self._clock()
+            for node, tokens, prompt, tier in dispatched:
+                self.fleet.booked_elsewhere(node, tokens, prompt, self._level(tier), now)
+        self._pump()
+
+    def shares_changed(self) -> None:
+        """The store granted or took back slices: requests queued here may go now."""
         self._pump()
 
     def node_failed(self, address: str, why: str) -> None:

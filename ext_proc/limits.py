@@ -49,6 +49,10 @@ class TokenBucket:
         self._refill(now)
         self.level = min(self.capacity, self.level + amount)
 
+    def borrowable(self, amount: float, now: float) -> bool:
+        """A bucket of one replica's own has nowhere to borrow from."""
+        return False
+
     def retune(self, per_minute: float, capacity: float, now: float) -> None:
         """New limits from a config reload; what was spent stays spent."""
         self._refill(now)
@@ -61,3 +65,62 @@ def default_burst(per_minute: float, burst: int | None) -> float:
     """A bucket's size: the configured burst, else one minute's worth — but never below one, or a
     budget under one per minute (``requests_per_minute: 0.5``) could never pay for a single request."""
     return float(burst) if burst is not None else max(1.0, per_minute)
+
+
+class Credit:
+    """A replica's slice of a budget several replicas share: units leased from the fleet's bucket in
+    the store (``store.py``). It never refills by itself — the store's bucket does, and the replica
+    leases more — so what the replicas spend together never exceeds what the bucket gave out.
+
+    ``fleet`` is the store's bucket level when last read (``read_at``), projected forward at the
+    bucket's rate: it says whether leasing more could pay for a request (:meth:`borrowable`) and when a
+    refused request could be paid (its Retry-After).
+    """
+
+    __slots__ = ("capacity", "fleet", "level", "rate", "read_at")
+
+    def __init__(self, per_minute: float, capacity: float, now: float, level: float = 0.0) -> None:
+        self.rate = per_minute / 60.0
+        self.capacity = float(capacity)
+        self.level = level
+        self.fleet = float(capacity)
+        self.read_at = now
+
+    def fleet_level(self, now: float) -> float:
+        return min(self.capacity, self.fleet + max(0.0, now - self.read_at) * self.rate)
+
+    def available(self, now: float) -> float:
+        """What the tenant could spend now, fleet-wide as far as this replica knows (for its headers)."""
+        return self.level + max(0.0, self.fleet_level(now))
+
+    def seconds_until(self, amount: float, now: float) -> float:
+        """0 only when this replica's own credit pays for ``amount``; else when the fleet's bucket
+        should hold enough (at least a millisecond: the request is not paid for locally)."""
+        if amount > self.capacity:
+            return math.inf
+        if self.level >= amount:
+            return 0.0
+        deficit = amount - self.level - max(0.0, self.fleet_level(now))
+        return max(1e-3, deficit / self.rate)
+
+    def borrowable(self, amount: float, now: float) -> bool:
+        """Leasing more from the store could pay for ``amount`` (as of the last reading)."""
+        return self.level + max(0.0, self.fleet_level(now)) >= amount
+
+    def seconds_until_full(self, now: float) -> float:
+        return (self.capacity - max(0.0, self.fleet_level(now))) / self.rate
+
+    def take(self, amount: float, now: float) -> None:
+        self.level -= amount
+
+    def give(self, amount: float, now: float) -> None:
+        """A refund (negative: a charge) on what this replica holds; its surplus goes back at the next sync."""
+        self.level += amount
+
+    def retune(self, per_minute: float, capacity: float, now: float) -> None:
+        self.rate = per_minute / 60.0
+        self.capacity = float(capacity)
+
+    def seen(self, fleet_level: float, now: float) -> None:
+        """The store's bucket level, just read."""
+        self.fleet, self.read_at = fleet_level, now

@@ -559,6 +559,21 @@ class Fleet:
         if n.breaker.dispatched():
             n.trials.add(ticket)
 
+    def booked_elsewhere(self, address: str, tokens: int, prompt_tokens: int, priority: int, now: float) -> None:
+        """Another replica sent a request here: it counts in the KV projection and the prefill clocks
+        like this replica's own until a reading taken after it shows it (its completion goes to the
+        other replica, so nothing is kept per request)."""
+        n = self.nodes.get(address)
+        if n is None or tokens < 0 or prompt_tokens < 0:
+            return
+        n.pending.append((now, tokens, prompt_tokens, priority))
+        n.pending_tokens += tokens
+        n.pending_prompt += prompt_tokens
+        cost = self._own(n, prompt_tokens)
+        for lv in self.levels:
+            if lv.priority >= priority:
+                n.busy[lv.priority] = max(n.busy.get(lv.priority, now), now) + cost
+
     def completed(self, address: str, ticket: str, tokens: int, ok: bool | None, now: float) -> None:
         """A request sent to ``address`` ended; ``ok`` None: no verdict on the node (never reached it)."""
         n = self.nodes.get(address)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import math
 import os
 import signal
@@ -28,7 +29,7 @@ import socket
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
 from envoy.config.core.v3 import base_pb2
@@ -38,7 +39,7 @@ from envoy.type.v3 import http_status_pb2
 from google.protobuf import descriptor_pb2, descriptor_pool, duration_pb2, message_factory, struct_pb2
 from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from prometheus_client import Counter, start_http_server
+from prometheus_client import Counter, Gauge, start_http_server
 
 from gpu_probe.snapshot import Snapshot
 
@@ -46,9 +47,12 @@ from . import logs
 from .addresses import join_hostport, split_hostport
 from .admission import Usage
 from .config import Config, ConfigError, load_config
-from .core import Answer, Core, Ended, Held, Request
+from .core import Answer, Borrow, Core, Ended, Held, Request
 from .reasons import reject
 from .stats import Stats
+
+if TYPE_CHECKING:
+    from .store import SharedStore
 from .wire import REASON_HEADER, Reply, reject_reply
 
 log = logs.get("kvgate.extproc")
@@ -220,6 +224,15 @@ class Gateway:
         self._trusted_attr: str | None = None
         self.task_restarts = Counter("kvgate_task_restarts_total", "Background tasks restarted after a failure",
                                      ["task"], registry=self.stats.registry)
+        self.config_info = Gauge("kvgate_config_info", "The config this replica runs: version is the SHA-256 "
+                                 "(first 12 hex digits) of the file it loaded", ["version"],
+                                 registry=self.stats.registry)
+        self._version = ""
+        self.store: SharedStore | None = None
+        if config.store.redis is not None:
+            from .store import SharedStore
+
+            self.store = SharedStore(config.store.redis, self.core, self.stats.registry)
         self._apply(config)
 
     @property
@@ -237,6 +250,12 @@ class Gateway:
     def _apply(self, config: Config) -> None:
         h = config.identity.trusted_header
         self._trusted_attr = trusted_attr(h) if h else None
+        version = _version(self.config_path)
+        if version != self._version:
+            if self._version:
+                self.config_info.remove(self._version)
+            self.config_info.labels(version).set(1)
+            self._version = version
 
     # -- config ----------------------------------------------------------------------------------
 
@@ -254,6 +273,9 @@ class Gateway:
             return False
         if new.server != self.config.server:
             log.warning("config_server_changed", note="server.* settings take effect on restart only")
+        if new.store != self.config.store:
+            log.warning("config_store_changed", note="store.* settings take effect on restart only")
+            new = new.model_copy(update={"store": self.config.store})
         self.core.reconfigure(new)
         self._apply(new)
         self.flush()
@@ -285,7 +307,7 @@ class Gateway:
                 fut.set_result(a)
 
     def on_body(self, msg: ep.ProcessingRequest, peer: str, first: ep.ProcessingRequest | None = None
-                ) -> Answer | tuple[Held, asyncio.Future[Answer]]:
+                ) -> Answer | tuple[Held, asyncio.Future[Answer]] | Borrow:
         """Decide one inference request: its answer, or for a queued request what its stream awaits.
         ``first``: the headers message of an Envoy that sends one first; it carried the attributes."""
         t0 = time.perf_counter()
@@ -297,10 +319,25 @@ class Gateway:
             envoy=peer,
         )
         out = self.core.decide(req)
+        if isinstance(out, Borrow):
+            self.stats.decision_seconds.observe(time.perf_counter() - t0)
+            return out
         result: Answer | tuple[Held, asyncio.Future[Answer]] = out if isinstance(out, Answer) else (
             out, self.wait_for(out))
         self.flush()
         self.stats.decision_seconds.observe(time.perf_counter() - t0)
+        return result
+
+    async def borrow(self, b: Borrow) -> Answer | tuple[Held, asyncio.Future[Answer]]:
+        """The tenant's slice here is short: borrow from the store (one round trip), decide again."""
+        if self.store is not None:
+            est = b.request.estimate
+            await self.store.borrow(b.tenant, float(est.total) if est is not None else 0.0)
+        out = self.core.decide(b.request, borrowed=True)
+        assert not isinstance(out, Borrow)
+        result: Answer | tuple[Held, asyncio.Future[Answer]] = out if isinstance(out, Answer) else (
+            out, self.wait_for(out))
+        self.flush()
         return result
 
     def wait_for(self, held: Held) -> asyncio.Future[Answer]:
@@ -336,11 +373,17 @@ class Gateway:
             c = u.fields["completion_tokens"].number_value if "completion_tokens" in u.fields else 0.0
             if all(math.isfinite(x) and 0 <= x < 1e12 for x in (p, c)):  # else: charged as unreported
                 usage = Usage(int(p), int(c))
-        self.core.ended(Ended(
+        e = Ended(
             ticket or None, entry.request.request_id, entry.response.response_code.value, usage,
             upstream_answered=common.HasField("time_to_first_upstream_rx_byte"),
             disconnected=common.response_flags.downstream_connection_termination,
-        ))
+        )
+        if self.store is not None and ticket and not self.core.owns(ticket):
+            self.store.forward(e)  # another replica's: Envoy's access log may reach any replica
+            return
+        done = self.core.ended(e)
+        if done is None and self.store is not None and not ticket and e.request_id:
+            self.store.forward(e)  # a decision Envoy gave up on may be another replica's
         self.flush()
 
     def hold_timeout(self, held: Held) -> duration_pb2.Duration:
@@ -348,6 +391,16 @@ class Gateway:
         out = duration_pb2.Duration()
         out.FromMilliseconds(int(min(MESSAGE_TIMEOUT_CEILING_S, held.max_wait_s + 1.0) * 1000))
         return out
+
+
+def _version(p: Path | None) -> str:
+    """The config file's version: the first 12 hex digits of its SHA-256 ("none" without a file)."""
+    if p is None:
+        return "none"
+    try:
+        return hashlib.sha256(p.read_bytes()).hexdigest()[:12]
+    except OSError:
+        return "unreadable"
 
 
 def _stat(p: Path | None) -> tuple[float, int] | None:
@@ -379,6 +432,8 @@ class ExtProcServicer:
                 kind = msg.WhichOneof("request")
                 if kind == "request_body":
                     out = gw.on_body(msg, context.peer(), first)
+                    if isinstance(out, Borrow):
+                        out = await gw.borrow(out)
                     if isinstance(out, tuple):  # queued: tell Envoy to wait longer, then wait
                         held, fut = out
                         try:
@@ -550,6 +605,8 @@ async def serve(config: Config, config_path: Path | None, ready: asyncio.Event |
     sup.start("config_watch", lambda: watch_config(gw))
     sup.start("probe_poll", lambda: poll_nodes(gw))
     sup.start("node_discovery", lambda: discover_nodes(gw))
+    if gw.store is not None:
+        sup.start("store_sync", gw.store.run)
     await stop.wait()
     log.info("draining", open_streams=gw.open_streams, grace_s=config.server.drain_seconds)
     await set_health(False)
@@ -560,6 +617,8 @@ async def serve(config: Config, config_path: Path | None, ready: asyncio.Event |
         await asyncio.sleep(0.05)
     await sup.stop()
     await server.stop(grace=0.5)
+    if gw.store is not None:
+        await gw.store.close()
     log.info("stopped", open_streams=gw.open_streams, open_leases=gw.core.open_leases)
 
 

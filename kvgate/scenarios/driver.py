@@ -405,6 +405,7 @@ class Run:
         if isinstance(out, Held):
             self._held[out.request_id] = i
         else:
+            assert isinstance(out, Answer), "one process, no store: nothing to borrow"
             self._decided(i, out.decision)
         self._answers()
 

@@ -1,0 +1,108 @@
+"""Sharing a tenant's limits between kvgate replicas: the arithmetic, no I/O.
+
+Each replica holds a *slice* of every active tenant's limits and decides on it locally — no network
+round trip per request. A slice is sized by the replica's demand and refilled or returned through the
+store (``store.py``) every ``sync_interval_ms``, Doorman-style (wants → gets):
+
+* **concurrency** — slots. Every replica reports what it wants (its peak in flight, one spare while
+  active, plus what it refused for want of a slot); the store divides ``max_concurrent`` among the live
+  replicas *max-min fair by want* (:func:`waterfill`) and grants only slots nobody holds, so the sum of
+  the slices never exceeds the cap: concurrency is exact. A replica above its fair share gives slots
+  back as its requests end.
+* **token and request budgets** — credit leased from one bucket in the store: a replica spends only
+  what it leased, so the fleet never spends more than the bucket holds; a request whose real usage
+  exceeds its reservation may overrun by that difference, as with one replica.
+
+When the store cannot be reached each replica falls back to an even split of every limit among the
+replicas it last saw alive (:func:`fallback_slots`), correcting for what the others held above their
+even share so that the total stays within the cap while their requests drain.
+
+The same water-filling runs inside Redis (the slots script in ``store.py``); the property tests check
+the two against each other on a real ``redis-server``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+IDLE_S = 1.0
+"""A tenant with no request on a replica for this long gives back everything it does not use."""
+CREDIT_HORIZON_S = 1.0
+"""Token credit a replica keeps in hand: about this many seconds of its recent spend."""
+
+
+def waterfill(wants: Mapping[str, float], capacity: float) -> dict[str, float]:
+    """Max-min fair shares of ``capacity``: nobody gets more than it wants, and capacity left over by
+    those who want little is split evenly among the others (ties broken by name, so every replica
+    and the store compute the same answer)."""
+    out: dict[str, float] = {}
+    left = max(0.0, float(capacity))
+    order = sorted(wants, key=lambda k: (wants[k], k))
+    for i, k in enumerate(order):
+        share = left / (len(order) - i)
+        give = min(max(0.0, float(wants[k])), share)
+        out[k] = give
+        left -= give
+    return out
+
+
+def fair_slots(wants: Mapping[str, int], capacity: int) -> dict[str, int]:
+    """:func:`waterfill` in whole slots: each share rounded down, the slots left over handed one each
+    to the replicas still short of their want, in name order. The sum never exceeds ``capacity``."""
+    shares = waterfill(wants, capacity)
+    out = {k: int(v) for k, v in shares.items()}
+    left = capacity - sum(out.values())
+    for k in sorted(out):
+        if left <= 0:
+            break
+        if out[k] < wants[k]:
+            out[k] += 1
+            left -= 1
+    return out
+
+
+def even_slots(capacity: int, replicas: Sequence[str]) -> dict[str, int]:
+    """``capacity`` split evenly, the remainder one each to the first replicas by name: sums to it."""
+    live = sorted(set(replicas))
+    if not live:
+        return {}
+    base, extra = divmod(max(0, capacity), len(live))
+    return {r: base + (1 if i < extra else 0) for i, r in enumerate(live)}
+
+
+def fallback_slots(capacity: int, holdings: Mapping[str, int], replicas: Sequence[str]) -> dict[str, int]:
+    """Each replica's slots while the store is out of reach: an even split of ``capacity`` among the
+    ``replicas`` last seen alive, less what the others held above their even split when the store was
+    last read (they keep those requests until they end; taking the excess off the replicas below
+    their split keeps the total within ``capacity``). Every replica computes the same answer from the
+    same last reading. A replica above its split gets its split (it admits nothing until it drains
+    below it)."""
+    even = even_slots(capacity, replicas)
+    excess = sum(max(0, holdings.get(r, 0) - e) for r, e in even.items())
+    out = dict(even)
+    # take the excess from those below their split, largest slack first, ties by name
+    for r in sorted(even, key=lambda k: (-(even[k] - holdings.get(k, 0)), k)):
+        if excess <= 0:
+            break
+        slack = max(0, even[r] - holdings.get(r, 0))
+        cut = min(slack, excess, out[r])
+        out[r] -= cut
+        excess -= cut
+    return out
+
+
+def slot_want(inflight: int, peak: int, refused: int, idle: bool) -> int:
+    """Slots a replica asks for: what it has in flight (it cannot give those back), its peak since
+    the last sync plus what it refused for want of a slot (demand it saw), and one spare while the
+    tenant is active so that its next request needs no round trip."""
+    if idle:
+        return inflight
+    return max(inflight + 1, peak + refused)
+
+
+def credit_target(spend_per_s: float, largest: float, capacity: float, replicas: int) -> float:
+    """Credit a replica keeps in hand for one budget: about ``CREDIT_HORIZON_S`` of its recent spend,
+    at least its largest recent request, at most its even share of the bucket (so an idle replica
+    cannot sit on a budget another needs; a larger request borrows)."""
+    share = capacity / max(1, replicas)
+    return min(max(spend_per_s * CREDIT_HORIZON_S, largest), max(share, min(largest, capacity)))
