@@ -36,6 +36,10 @@ VALUES: dict[str, Any] = {"config": {"tenants": [{"name": "chat", "tier": "inter
                      "minReplicas": 1, "maxReplicas": 6, "step": 2, "scaleUpThreshold": 0.25,
                      "scaleDownThreshold": 0.05, "cooldownSeconds": 600, "warmPool": 1}],
           "probe": {"daemonset": {"enabled": True}}}
+# several replicas with a shared store: the user's Redis over TLS with a password, or the chart's own
+EXTERNAL_STORE: dict[str, Any] = {"redis": {"url": "rediss://redis.example:6380/0", "existingSecret": "redis-auth",
+                                            "tls": {"enabled": True, "caSecret": "redis-ca"}}}
+CHART_REDIS: dict[str, Any] = {"replicaCount": 3, "redis": {"enabled": True}}
 
 
 def helm(*args: str, values: dict[str, Any] | None = None, tmp: Path | None = None,
@@ -64,6 +68,27 @@ def of(docs: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
     return [d for d in docs if d["kind"] == kind]
 
 
+def named(docs: list[dict[str, Any]], kind: str, name: str) -> dict[str, Any]:
+    (d,) = [d for d in of(docs, kind) if d["metadata"]["name"] == name]
+    return d
+
+
+def kvgate_config(docs: list[dict[str, Any]]) -> dict[str, Any]:
+    cfg: dict[str, Any] = yaml.safe_load(named(docs, "ConfigMap", "demo-kvgate")["data"]["kvgate.yaml"])
+    return cfg
+
+
+def mounted_secret(dep: dict[str, Any], path: str) -> tuple[str, str]:
+    """The (Secret, key) that kvgate's container sees at ``path``: a mount of a secret volume whose item lands there."""
+    (c,) = [c for c in dep["spec"]["template"]["spec"]["containers"] if c["name"] == "kvgate"]
+    p = Path(path)
+    (mount,) = [m for m in c["volumeMounts"] if Path(m["mountPath"]) == p.parent]
+    assert mount["readOnly"] is True
+    (vol,) = [v for v in dep["spec"]["template"]["spec"]["volumes"] if v["name"] == mount["name"]]
+    (item,) = [i for i in vol["secret"]["items"] if i["path"] == p.name]
+    return vol["secret"]["secretName"], item["key"]
+
+
 def test_lint_strict(tmp_path: Path) -> None:
     r = helm("lint", "--strict", str(CHART), values=VALUES, tmp=tmp_path)
     assert "0 chart(s) failed" in r.stdout
@@ -72,11 +97,18 @@ def test_lint_strict(tmp_path: Path) -> None:
 @pytest.mark.parametrize("kube", ["1.27.0", "1.30.0", "1.33.0", "1.35.0"])
 def test_every_rendered_core_manifest_is_valid_kubernetes(tmp_path: Path, kube: str) -> None:
     docs = render(tmp_path, kube)
-    core = [d for d in docs if "/" not in d["apiVersion"] or d["apiVersion"].split("/")[0].endswith(".k8s.io")
-            or d["apiVersion"].split("/")[0] in ("apps", "policy")]
-    assert {d["kind"] for d in core} >= {"Deployment", "Service", "ConfigMap", "NetworkPolicy", "DaemonSet"}
-    core += of(render(tmp_path, kube, replicaCount=2, unsafePerReplicaQuotas=True), "PodDisruptionBudget")
-    for d in core:
+    def core(docs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        return [d for d in docs if "/" not in d["apiVersion"] or d["apiVersion"].split("/")[0].endswith(".k8s.io")
+                or d["apiVersion"].split("/")[0] in ("apps", "policy")]
+
+    checked = core(docs)
+    assert {d["kind"] for d in checked} >= {"Deployment", "Service", "ConfigMap", "NetworkPolicy", "DaemonSet"}
+    several = render(tmp_path, kube, replicaCount=2, store=EXTERNAL_STORE)  # the Secret volumes, the PDB
+    checked += [named(several, "Deployment", "demo-kvgate"), *of(several, "PodDisruptionBudget")]
+    own = core(render(tmp_path, kube, **CHART_REDIS, store={"redis": {"existingSecret": "redis-auth"}}))
+    checked += [d for d in own if d["metadata"]["name"] == "demo-kvgate-redis"]
+    assert {d["kind"] for d in checked} >= {"PodDisruptionBudget"} and len(checked) - len(core(docs)) == 5
+    for d in checked:
         kubernetes_validate.validate(d, kube, strict=True)
 
 
@@ -127,6 +159,72 @@ def test_the_rendered_configs_load_in_kvgate_and_the_scaler(tmp_path: Path) -> N
     assert sc.pools["llama-8b"].warm_pool == 1
     dash = json.loads(cms["demo-kvgate-dashboard"]["kvgate.json"])
     assert len(dash["panels"]) >= 10
+    assert cfg.store.redis is None and "store" not in kvgate_config(docs)  # one replica: no store by default
+
+
+def test_the_rendered_store_loads_in_kvgate_with_its_secrets_mounted(tmp_path: Path) -> None:
+    store = {"redis": {**EXTERNAL_STORE["redis"], "syncIntervalMs": 50, "leaseTtlSeconds": 5, "timeoutMs": 250,
+                       "fallbackAfterSeconds": 0.5}}
+    docs = render(tmp_path, replicaCount=3, store=store)
+    raw = kvgate_config(docs)["store"]["redis"]
+    assert raw["url"] == "rediss://redis.example:6380/0" and raw["key_prefix"] == "demo"  # the release name
+    assert {k: raw[k] for k in ("sync_interval_ms", "lease_ttl_seconds", "timeout_ms", "fallback_after_seconds")} \
+        == {"sync_interval_ms": 50, "lease_ttl_seconds": 5, "timeout_ms": 250, "fallback_after_seconds": 0.5}
+    dep = named(docs, "Deployment", "demo-kvgate")
+    assert mounted_secret(dep, raw["password_file"]) == ("redis-auth", "password")
+    assert mounted_secret(dep, raw["tls_ca_file"]) == ("redis-ca", "ca.crt")
+    # kvgate checks that both files exist: stand them in where the pod would have them
+    for field in ("password_file", "tls_ca_file"):
+        f = tmp_path / Path(raw[field]).name
+        f.write_text("x")
+        raw[field] = str(f)
+    cfg = parse_config({**kvgate_config(docs), "store": {"redis": raw}})
+    assert cfg.store.redis is not None and cfg.store.redis.key_prefix == "demo"
+    assert cfg.store.redis.sync_interval_ms == 50 and cfg.store.redis.fallback_after_seconds == 0.5
+
+    plain = kvgate_config(render(tmp_path, replicaCount=2, store={"redis": {"url": "redis://r:6379/1",
+                                                                               "keyPrefix": "team-a:kvgate"}}))
+    assert plain["store"] == {"redis": {"url": "redis://r:6379/1", "key_prefix": "team-a:kvgate"}}  # no knobs unset
+    assert parse_config(plain).store.redis is not None
+    dep = named(render(tmp_path, replicaCount=2, store={"redis": {"url": "redis://r:6379/1"}}), "Deployment",
+                "demo-kvgate")
+    assert [v["name"] for v in dep["spec"]["template"]["spec"]["volumes"]] == ["config"]  # no Secret, no mount
+
+
+def test_the_charts_own_redis_admits_only_kvgate(tmp_path: Path) -> None:
+    docs = render(tmp_path, **CHART_REDIS)
+    svc = named(docs, "Service", "demo-kvgate-redis")
+    assert svc["spec"]["type"] == "ClusterIP" and svc["spec"]["ports"][0]["port"] == 6379
+    cfg = kvgate_config(docs)
+    assert cfg["store"]["redis"] == {"url": "redis://demo-kvgate-redis.llm.svc.cluster.local:6379/0",
+                                     "key_prefix": "demo"}
+    parse_config(cfg)
+    dep = named(docs, "Deployment", "demo-kvgate-redis")
+    assert dep["spec"]["replicas"] == 1
+    pod = dep["spec"]["template"]["spec"]
+    (c,) = pod["containers"]
+    assert c["image"].startswith("redis:7.2.") and c["image"].endswith("-alpine")
+    assert c["args"][:5] == ["redis-server", "--save", "", "--appendonly", "no"]
+    assert c["resources"]["requests"] and "env" not in c  # no password unless store.redis.existingSecret
+    assert c["securityContext"]["readOnlyRootFilesystem"] is True and pod["securityContext"]["runAsNonRoot"] is True
+    (data,) = [v for v in pod["volumes"] if v["name"] == "data"]
+    assert "emptyDir" in data and {"name": "data", "mountPath": "/data"} in c["volumeMounts"]
+    np = named(docs, "NetworkPolicy", "demo-kvgate-redis")
+    assert np["spec"]["podSelector"] == dep["spec"]["selector"] == {"matchLabels": svc["spec"]["selector"]}
+    kvgate_pods = named(docs, "Deployment", "demo-kvgate")["spec"]["selector"]
+    assert np["spec"]["ingress"] == [{"ports": [{"port": 6379, "protocol": "TCP"}],
+                                      "from": [{"podSelector": kvgate_pods}]}]
+    # rendered even with the chart's other policies off: the Redis has no other guard
+    assert of(render(tmp_path, **CHART_REDIS, networkPolicy={"enabled": False}), "NetworkPolicy")
+    assert not [d for d in render(tmp_path) if d["metadata"]["name"] == "demo-kvgate-redis"]  # off by default
+
+    secured = render(tmp_path, **CHART_REDIS, store={"redis": {"existingSecret": "redis-auth"}})
+    (c,) = named(secured, "Deployment", "demo-kvgate-redis")["spec"]["template"]["spec"]["containers"]
+    assert c["args"][-2:] == ["--requirepass", "$(REDIS_PASSWORD)"]
+    assert c["env"][0]["valueFrom"]["secretKeyRef"] == {"name": "redis-auth", "key": "password"}
+    raw = kvgate_config(secured)["store"]["redis"]
+    assert mounted_secret(named(secured, "Deployment", "demo-kvgate"), raw["password_file"]) == \
+        ("redis-auth", "password")
 
 
 def test_a_config_change_rolls_the_pods(tmp_path: Path) -> None:
@@ -135,6 +233,7 @@ def test_a_config_change_rolls_the_pods(tmp_path: Path) -> None:
         return str(dep["spec"]["template"]["metadata"]["annotations"]["checksum/config"])
 
     assert checksum() != checksum(config={"mode": "shadow", "tenants": []})
+    assert checksum() != checksum(store={"redis": {"url": "redis://r:6379/0"}})
 
 
 def test_only_envoy_reaches_the_ext_proc_port(tmp_path: Path) -> None:
@@ -145,8 +244,14 @@ def test_only_envoy_reaches_the_ext_proc_port(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize(("values", "error"), [
     ({"replicaCount": 0}, "/replicaCount"),
-    ({"replicaCount": 2}, "unsafePerReplicaQuotas"),
-    ({"replicaCount": 3, "unsafePerReplicaQuotas": False}, "unsafePerReplicaQuotas"),
+    ({"store": {"redis": {"url": "redis://r:6379/0", "tls": {"enabled": True}}}}, "'^rediss://'"),
+    ({"redis": {"enabled": True}, "store": {"redis": {"tls": {"enabled": True}}}}, "'^rediss://'"),
+    ({"store": {"redis": {"url": "http://r:6379"}}}, "/store/redis/url"),
+    ({"store": {"redis": {"keyPrefix": "a b"}}}, "/store/redis/keyPrefix"),
+    ({"store": {"redis": {"keyPrefix": "k" * 65}}}, "/store/redis/keyPrefix"),
+    ({"store": {"redis": {"syncIntervalMs": 5}}}, "/store/redis/syncIntervalMs"),
+    ({"redis": {"enabled": True, "replicas": 2}}, "'replicas' not allowed"),
+    ({"config": {"store": {"redis": {"url": "redis://r:6379/0"}}}}, "config.store: set the store with the chart's"),
     ({"envoy": {"mode": "nginx"}}, "/envoy/mode"),
     ({"scaler": {"replicas": 2}}, "'replicas' not allowed"),
     ({"pools": [{"name": "x"}]}, "/pools/0"),
@@ -155,6 +260,39 @@ def test_only_envoy_reaches_the_ext_proc_port(tmp_path: Path) -> None:
 def test_bad_values_get_a_clear_error(tmp_path: Path, values: dict[str, Any], error: str) -> None:
     r = helm("template", "demo", str(CHART), values={**VALUES, **values}, tmp=tmp_path, check=False)
     assert r.returncode != 0 and error in r.stderr, r.stderr
+
+
+@pytest.mark.parametrize("values", [
+    {"replicaCount": 3},
+    {"replicaCount": 3, "unsafePerReplicaQuotas": True},  # the old escape hatch is gone
+    {"replicaCount": 2, "store": {"redis": {"url": ""}}, "redis": {"enabled": False}},
+])
+def test_more_than_one_replica_needs_a_store(tmp_path: Path, values: dict[str, Any]) -> None:
+    r = helm("template", "demo", str(CHART), values={**VALUES, **values}, tmp=tmp_path, check=False)
+    # the ways out: one replica, store.redis.url, or redis.enabled
+    assert r.returncode != 0, r.stdout
+    for way in ("at '/replicaCount': maximum: got", "at '/store/redis/url'", "at '/redis/enabled': value must be true"):
+        assert way in r.stderr, r.stderr
+    # the same rule in the templates, in words, for those who skip the schema
+    r = helm("template", "demo", str(CHART), "--skip-schema-validation", values={**VALUES, **values}, tmp=tmp_path,
+             check=False)
+    assert r.returncode != 0 and "replicaCount > 1 needs a shared store: set store.redis.url" in r.stderr, r.stderr
+
+
+def notes(tmp: Path, **extra: Any) -> str:
+    out = helm("install", "demo", str(CHART), "--dry-run=client", "--namespace", "llm", values={**VALUES, **extra},
+               tmp=tmp).stdout
+    return out.split("\nNOTES:\n", 1)[1]
+
+
+def test_unsafe_per_replica_quotas_is_accepted_ignored_and_warned_about(tmp_path: Path) -> None:
+    warning = "unsafePerReplicaQuotas is deprecated and ignored: use store.redis"
+    assert warning not in notes(tmp_path)
+    assert warning in notes(tmp_path, unsafePerReplicaQuotas=True)
+    assert warning in notes(tmp_path, unsafePerReplicaQuotas=True, replicaCount=2, store=EXTERNAL_STORE)
+    with_it = render(tmp_path, unsafePerReplicaQuotas=True, replicaCount=2, store=EXTERNAL_STORE)
+    without = render(tmp_path, replicaCount=2, store=EXTERNAL_STORE)
+    assert with_it == without  # it changes nothing else
 
 
 def test_the_charts_envoy_pieces_are_accepted_by_envoy(tmp_path: Path) -> None:
@@ -171,11 +309,13 @@ def selects(selector: dict[str, str], labels: dict[str, str]) -> bool:
     return all(labels.get(k) == v for k, v in selector.items())
 
 
-def test_every_selector_picks_exactly_one_workloads_pods(tmp_path: Path) -> None:
-    docs = render(tmp_path)
+@pytest.mark.parametrize(("extra", "workloads"), [({}, 3), (CHART_REDIS, 4)])
+def test_every_selector_picks_exactly_one_workloads_pods(tmp_path: Path, extra: dict[str, Any],
+                                                         workloads: int) -> None:
+    docs = render(tmp_path, **extra)
     pods = {d["metadata"]["name"]: d["spec"]["template"]["metadata"]["labels"]
             for d in docs if d["kind"] in ("Deployment", "DaemonSet")}
-    assert len(pods) == 3  # kvgate, the scaler, the probe DaemonSet
+    assert len(pods) == workloads  # kvgate, the scaler, the probe DaemonSet (, the Redis)
     chosen = {}
     for d in docs:
         sel = {"Service": lambda d: d["spec"]["selector"],
@@ -188,6 +328,12 @@ def test_every_selector_picks_exactly_one_workloads_pods(tmp_path: Path) -> None
     assert all(len(v) == 1 for v in chosen.values()), chosen  # e.g. kvgate's Service never reaches the scaler
     assert chosen[("Service", "demo-kvgate")] == ["demo-kvgate"]
     assert chosen[("Service", "demo-kvgate-scaler")] == ["demo-kvgate-scaler"]
+    if extra:
+        assert chosen[("Service", "demo-kvgate-redis")] == chosen[("NetworkPolicy", "demo-kvgate-redis")] \
+            == ["demo-kvgate-redis"]
+        (rule,) = named(docs, "NetworkPolicy", "demo-kvgate-redis")["spec"]["ingress"]
+        assert [n for n, lab in pods.items() if selects(rule["from"][0]["podSelector"]["matchLabels"], lab)] == \
+            ["demo-kvgate"]  # kvgate's pods only: not the scaler, not the probes
 
 
 def test_one_replica_by_default_and_no_pdb_below_two(tmp_path: Path) -> None:
@@ -195,9 +341,14 @@ def test_one_replica_by_default_and_no_pdb_below_two(tmp_path: Path) -> None:
     (dep,) = [d for d in of(docs, "Deployment") if d["metadata"]["name"] == "demo-kvgate"]
     assert dep["spec"]["replicas"] == 1
     assert not of(docs, "PodDisruptionBudget")  # minAvailable 1 of 1 would block every node drain
-    two = render(tmp_path, replicaCount=2, unsafePerReplicaQuotas=True)
+    assert not of(render(tmp_path, store=EXTERNAL_STORE), "PodDisruptionBudget")  # a store alone: still one
+    two = render(tmp_path, replicaCount=2, store=EXTERNAL_STORE)
     (pdb,) = of(two, "PodDisruptionBudget")
     assert pdb["spec"]["minAvailable"] == 1
+    assert pdb["spec"]["selector"] == named(two, "Deployment", "demo-kvgate")["spec"]["selector"]
+    assert named(two, "Deployment", "demo-kvgate")["spec"]["replicas"] == 2
+    (pdb,) = of(render(tmp_path, **CHART_REDIS), "PodDisruptionBudget")  # kvgate's, not the Redis's
+    assert pdb["spec"]["selector"]["matchLabels"]["app.kubernetes.io/component"] == "extproc"
 
 
 @pytest.mark.parametrize(("mode", "namespace", "pods"), [

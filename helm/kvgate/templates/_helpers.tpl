@@ -22,11 +22,60 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{ .Values.image.repository }}:{{ .Values.image.tag | default .Chart.AppVersion }}
 {{- end -}}
 
-{{- /* kvgate's config with the listen addresses the chart owns */ -}}
+{{- /* the store's Redis URL: store.redis.url, else the chart's Redis when redis.enabled, else "" (no store) */ -}}
+{{- define "kvgate.redisUrl" -}}
+{{- if .Values.store.redis.url -}}{{ .Values.store.redis.url }}
+{{- else if .Values.redis.enabled -}}redis://{{ include "kvgate.fullname" . }}-redis.{{ .Release.Namespace }}.svc.cluster.local:6379/0
+{{- end -}}
+{{- end -}}
+
+{{- /* where the store's Secrets are mounted in kvgate's pods */ -}}
+{{- define "kvgate.redisPasswordDir" -}}/etc/kvgate-redis/password{{- end -}}
+{{- define "kvgate.redisCaDir" -}}/etc/kvgate-redis/ca{{- end -}}
+
+{{- /* kvgate's store.redis, from the chart's store.redis values (empty: no store) */ -}}
+{{- define "kvgate.store" -}}
+{{- $url := include "kvgate.redisUrl" . -}}
+{{- $r := .Values.store.redis -}}
+{{- if and (gt (int .Values.replicaCount) 1) (not $url) -}}
+{{- fail "replicaCount > 1 needs a shared store: set store.redis.url (your Redis/Valkey) or redis.enabled: true (without one each replica would enforce its own copy of every quota)" -}}
+{{- end -}}
+{{- if $url -}}
+{{- if and $r.tls.enabled (not (hasPrefix "rediss://" $url)) -}}
+{{- fail "store.redis.tls.enabled needs a rediss:// store.redis.url (the chart's own redis speaks no TLS)" -}}
+{{- end -}}
+{{- $prefix := $r.keyPrefix | default .Release.Name -}}
+{{- if not (regexMatch "^[A-Za-z0-9_.:-]{1,64}$" $prefix) -}}
+{{- fail (printf "store.redis.keyPrefix %q must match ^[A-Za-z0-9_.:-]{1,64}$ (set it when the release name does not)" $prefix) -}}
+{{- end -}}
+{{- $s := dict "url" $url "key_prefix" $prefix -}}
+{{- if $r.existingSecret -}}
+{{- $_ := set $s "password_file" (printf "%s/password" (include "kvgate.redisPasswordDir" .)) -}}
+{{- end -}}
+{{- if and $r.tls.enabled $r.tls.caSecret -}}
+{{- $_ := set $s "tls_ca_file" (printf "%s/ca.crt" (include "kvgate.redisCaDir" .)) -}}
+{{- end -}}
+{{- range $key, $name := dict "syncIntervalMs" "sync_interval_ms" "leaseTtlSeconds" "lease_ttl_seconds" "timeoutMs" "timeout_ms" "fallbackAfterSeconds" "fallback_after_seconds" -}}
+{{- if hasKey $r $key -}}
+{{- $_ := set $s $name (get $r $key) -}}
+{{- end -}}
+{{- end -}}
+{{- toYaml (dict "redis" $s) -}}
+{{- end -}}
+{{- end -}}
+
+{{- /* kvgate's config with the listen addresses and the store the chart owns */ -}}
 {{- define "kvgate.config" -}}
 {{- $server := dict "grpc_address" (printf "0.0.0.0:%d" (int .Values.ports.grpc)) "metrics_address" (printf "0.0.0.0:%d" (int .Values.ports.metrics)) -}}
 {{- $cfg := deepCopy .Values.config -}}
 {{- $_ := set $cfg "server" (merge $server (default (dict) $cfg.server)) -}}
+{{- if hasKey $cfg "store" -}}
+{{- fail "config.store: set the store with the chart's store.redis (and redis.enabled) values, which also mount its Secrets" -}}
+{{- end -}}
+{{- $store := include "kvgate.store" . -}}
+{{- if $store -}}
+{{- $_ := set $cfg "store" (fromYaml $store) -}}
+{{- end -}}
 {{- toYaml $cfg -}}
 {{- end -}}
 
