@@ -5,6 +5,11 @@ plain Envoy proxying, and Envoy + kvgate on the full path (ext_proc decision on 
 Lua usage extraction, completion accounting over the gRPC access log). It reports req/s,
 p50/p99 latency, the ratio, and kvgate's CPU time per request (user + system of its process,
 from /proc, divided by the requests it decided).
+
+With ``--replicas N`` (N > 1) it also runs the kvgate path twice with the Redis store (``store.redis``,
+a local ``redis-server``): one replica — kvgate's CPU per request against the in-process store's, and
+redis-server's own CPU per request beside it — and N replicas behind the same Envoy (CPU summed over the
+replicas), for req/s with one replica against N.
 """
 
 from __future__ import annotations
@@ -94,16 +99,28 @@ def _builtin(url: str, seconds: float, connections: int, body: str) -> dict[str,
             "p99_ms": lat[int(len(lat) * 0.99)] * 1e3, "errors": errors}
 
 
-def overhead(seconds: float = 10.0, connections: int = 16, stream: bool = False, quiet: bool = False) -> dict[str, Any]:
+def _cpu_of(st: Stack) -> tuple[float, float]:
+    """CPU seconds so far of the stack's kvgate replicas (summed) and of its redis-server (0 without)."""
+    kv = sum(_cpu_seconds(st.procs[name].pid) for name in st.replica_names if name in st.procs)
+    redis = _cpu_seconds(st.procs["redis"].pid) if "redis" in st.procs else 0.0
+    return kv, redis
+
+
+def overhead(seconds: float = 10.0, connections: int = 16, stream: bool = False, quiet: bool = False,
+             replicas: int = 1) -> dict[str, Any]:
     body = BODY % (',"stream":true' if stream else "")
     tool = "wrk" if shutil.which("wrk") else "builtin"
     cfg = {"tenants": [{"name": "bench", "api_key_sha256": [hash_key(KEY)], "max_concurrent": 10_000}]}
     results: dict[str, Any] = {"load_generator": tool, "connections": connections, "seconds": seconds,
                                "stream": stream, "envoy_workers": 1}
+    runs: list[tuple[str, bool, int, bool]] = [("plain_envoy", False, 1, False), ("envoy_kvgate", True, 1, False)]
+    if replicas > 1:
+        runs += [("redis_1", True, 1, True), (f"redis_{replicas}", True, replicas, True)]
     with tempfile.TemporaryDirectory(prefix="kvgate-bench-") as tmp:
         work = Path(tmp)
-        for name, with_kvgate in (("plain_envoy", False), ("envoy_kvgate", True)):
-            st = Stack(work / name, cfg, upstreams=1, token_ms=0.0, envoy=EnvoyParams(), with_kvgate=with_kvgate)
+        for name, with_kvgate, n, redis in runs:
+            st = Stack(work / name, cfg, upstreams=1, token_ms=0.0, envoy=EnvoyParams(), with_kvgate=with_kvgate,
+                       replicas=n, redis=redis)
             with st:
 
                 def run(secs: float, url: str = st.url) -> dict[str, Any]:
@@ -112,13 +129,27 @@ def overhead(seconds: float = 10.0, connections: int = 16, stream: bool = False,
                     return _builtin(url, secs, connections, body)
 
                 run(1.0)  # warm up connections, JIT of the Lua, Python caches
-                cpu0 = _cpu_seconds(st.procs["kvgate"].pid) if with_kvgate else 0.0
+                kv0, redis0 = _cpu_of(st)
                 r = run(seconds)
                 time.sleep(0.3)  # let the last access-log entries land before reading CPU
+                kv1, redis1 = _cpu_of(st)
                 if with_kvgate:
-                    r["kvgate_cpu_us_per_request"] = (_cpu_seconds(st.procs["kvgate"].pid) - cpu0) / r["requests"] * 1e6
+                    r["kvgate_cpu_us_per_request"] = (kv1 - kv0) / max(1, r["requests"]) * 1e6
+                if redis:
+                    r["replicas"] = n
+                    r["redis_cpu_us_per_request"] = (redis1 - redis0) / max(1, r["requests"]) * 1e6
             results[name] = r
     results["ratio_rps"] = results["envoy_kvgate"]["rps"] / results["plain_envoy"]["rps"]
+    if replicas > 1:
+        mem, one, many = results["envoy_kvgate"], results.pop("redis_1"), results.pop(f"redis_{replicas}")
+        results["store"] = {
+            "memory": {k: mem[k] for k in ("rps", "p50_ms", "p99_ms", "errors", "kvgate_cpu_us_per_request")},
+            "redis": one,
+            "kvgate_cpu_ratio": (one["kvgate_cpu_us_per_request"] / mem["kvgate_cpu_us_per_request"]
+                                 if mem["kvgate_cpu_us_per_request"] > 0 else None),
+        }
+        results["replicas"] = {"n": replicas, "store": "redis", "one": one, "many": many,
+                               "ratio_rps": many["rps"] / one["rps"] if one["rps"] > 0 else None}
     if not quiet:
         p, k = results["plain_envoy"], results["envoy_kvgate"]
         print(f"kvgate bench overhead  ({tool}, {connections} connections, {seconds:g}s each, 1 Envoy worker, "
@@ -128,6 +159,20 @@ def overhead(seconds: float = 10.0, connections: int = 16, stream: bool = False,
             print(f"{name:<16}{r['rps']:>10.0f}{r['p50_ms']:>10.2f}{r['p99_ms']:>10.2f}{r['errors']:>8}")
         print(f"ratio (kvgate / plain): {results['ratio_rps']:.2f}   "
               f"kvgate CPU per request: {k['kvgate_cpu_us_per_request']:.0f} us")
+        if replicas > 1:
+            one, many = results["replicas"]["one"], results["replicas"]["many"]
+            print(f"\nstore: in-process vs Redis (1 replica), and 1 vs {replicas} replicas sharing Redis "
+                  f"(kvgate CPU summed over the replicas)")
+            print(f"{'path':<22}{'req/s':>10}{'p50 ms':>10}{'p99 ms':>10}{'errors':>8}{'kvgate us/req':>15}"
+                  f"{'redis us/req':>14}")
+            for name, r in (("memory, 1 replica", k), ("redis, 1 replica", one),
+                            (f"redis, {replicas} replicas", many)):
+                rcpu = f"{r['redis_cpu_us_per_request']:.0f}" if "redis_cpu_us_per_request" in r else "-"
+                print(f"{name:<22}{r['rps']:>10.0f}{r['p50_ms']:>10.2f}{r['p99_ms']:>10.2f}{r['errors']:>8}"
+                      f"{r['kvgate_cpu_us_per_request']:>15.0f}{rcpu:>14}")
+            cpu_ratio, rps_ratio = results["store"]["kvgate_cpu_ratio"], results["replicas"]["ratio_rps"]
+            print(f"kvgate CPU per request, Redis / in-process: {'-' if cpu_ratio is None else f'{cpu_ratio:.2f}'}"
+                  f"   req/s, {replicas} replicas / 1: {'-' if rps_ratio is None else f'{rps_ratio:.2f}'}")
         sys.stdout.flush()
     return results
 

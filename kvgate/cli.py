@@ -135,7 +135,19 @@ def _top(a: argparse.Namespace) -> int:
 def _bench(a: argparse.Namespace) -> int:
     from .bench import overhead
 
-    result = overhead(seconds=a.seconds, connections=a.connections, stream=a.stream, quiet=a.json)
+    if a.replicas < 1:
+        print("kvgate: --replicas must be at least 1", file=sys.stderr)
+        return 2
+    if a.replicas > 1:
+        from .stack import RedisMissing, redis_binary
+
+        try:
+            redis_binary()
+        except RedisMissing as e:
+            print(f"kvgate: --replicas {a.replicas}: {e}", file=sys.stderr)
+            return 2
+    result = overhead(seconds=a.seconds, connections=a.connections, stream=a.stream, quiet=a.json,
+                      replicas=a.replicas)
     if a.json:
         print(json.dumps(result, indent=2))
     return 0
@@ -353,6 +365,10 @@ def parser() -> argparse.ArgumentParser:
         s.add_argument("--standin", action="store_true", help="use the stand-in upstream instead of kvgate sim")
         s.add_argument("--token-ms", type=float, default=4.0, help="stand-in upstream only: ms per token")
         s.add_argument("--workdir", type=Path, default=Path(".kvgate-run"))
+        if name == "up":
+            s.add_argument("--replicas", type=int, default=1,
+                           help="kvgate replicas sharing one config file; above 1 they share their state in a "
+                                "local redis-server (apt-get install redis-server)")
         if name == "demo":
             s.add_argument("--seconds", type=float, default=25.0,
                            help="seconds of load in each of the two runs (without and with kvgate)")
@@ -375,6 +391,9 @@ def parser() -> argparse.ArgumentParser:
     b.add_argument("--seconds", type=float, default=10.0)
     b.add_argument("--connections", type=int, default=16)
     b.add_argument("--stream", action="store_true", help="streaming responses (SSE) instead of JSON")
+    b.add_argument("--replicas", type=int, default=1,
+                   help="above 1, also: kvgate's CPU per request with the Redis store vs the in-process one, and "
+                        "req/s of 1 vs this many replicas sharing Redis (needs redis-server)")
     b.add_argument("--json", action="store_true")
     b.set_defaults(fn=_bench)
     b = bsub.add_parser("sim", help="virtual-time speed of a simulated fleet")

@@ -30,7 +30,7 @@ from ext_proc.identity import hash_key
 from . import loadgen, top
 from .envoy_config import EnvoyParams
 from .loadgen import Result, Traffic
-from .stack import Stack
+from .stack import RedisMissing, Stack, redis_binary
 
 
 @dataclass(frozen=True)
@@ -80,6 +80,8 @@ def _stack(a: argparse.Namespace, cfg: dict[str, Any] | None = None, workdir: Pa
         load_config(a.config)  # fail early, naming the field
     if cfg is None:
         cfg = load_yaml(a.config.read_text(), str(a.config)) if a.config else demo_config()
+        if a.standin and not a.config:  # the stand-in upstream is no node kvgate picks: no nodes section
+            cfg = {k: v for k, v in cfg.items() if k != "nodes"}
     # the nodes always run vLLM's priority scheduler: without priorities sent, it is first come first served
     priority = a.config is None or bool((cfg.get("queue") or {}).get("inject_priority"))
     sim_args = None if a.standin else ["--profile", a.profile, *(
@@ -87,12 +89,22 @@ def _stack(a: argparse.Namespace, cfg: dict[str, Any] | None = None, workdir: Pa
         ["--scheduling-policy", "priority"] if priority else [])]
     return Stack((workdir or a.workdir).resolve(), cfg, upstreams=a.nodes, token_ms=a.token_ms,
                  envoy=EnvoyParams(listen_port=a.port), sim_args=sim_args, nodes=not a.standin,
-                 vllm_urls=a.vllm or None)
+                 vllm_urls=a.vllm or None, replicas=getattr(a, "replicas", 1))
+
+
+def _metrics_lines(st: Stack) -> str:
+    if st.replicas == 1:
+        return f"  kvgate metrics:             {st.metrics_url}\n"
+    lines = "".join(f"  {name + ' metrics:':<28}{url}\n" for name, url in zip(st.replica_names, st.metrics_urls,
+                                                                            strict=True))
+    store = st.redis_url + " (local redis-server)" if st.uses_redis else "the store in kvgate's config"
+    return (lines + f"  shared state:               {store}\n"
+            f"  live view of all replicas:  kvgate top {' '.join('--metrics ' + u for u in st.metrics_urls)}\n")
 
 
 def _banner(st: Stack, file: TextIO | None = None) -> None:
     print(f"kvgate local stack is up\n  OpenAI-compatible endpoint: {st.url}/v1\n"
-          f"  kvgate metrics:             {st.metrics_url}\n"
+          f"{_metrics_lines(st)}"
           f"  Envoy admin:                http://127.0.0.1:{st.envoy.admin_port}\n"
           f"  vLLM nodes:                 {', '.join(f'{h}:{p}' for h, p in st.envoy.upstreams)}"
           f"{' (kvgate picks the node; probes on ' + ', '.join(map(str, st.probe_ports)) + ')' if st.nodes else ''}\n"
@@ -100,6 +112,16 @@ def _banner(st: Stack, file: TextIO | None = None) -> None:
 
 
 def up(a: argparse.Namespace) -> int:
+    replicas = getattr(a, "replicas", 1)
+    if replicas < 1:
+        print("kvgate: --replicas must be at least 1", file=sys.stderr)
+        return 2
+    if replicas > 1:
+        try:
+            redis_binary()
+        except RedisMissing as e:
+            print(f"kvgate: --replicas {replicas}: {e}", file=sys.stderr)
+            return 2
     st = _stack(a)
     with st:
         _banner(st)

@@ -26,7 +26,10 @@ The design, and why:
   kvgate's queue and fleet limits, the filter's ``max_message_timeout`` covers the longest queue
   wait, and the connection manager's ``request_timeout`` covers that plus the body upload;
 * slow clients are cut (``request_headers_timeout``, ``request_timeout``); a hung node is cut by a
-  first-byte timeout and an idle timeout per try, never by a total timeout (long streams live).
+  first-byte timeout and an idle timeout per try, never by a total timeout (long streams live);
+* several kvgate replicas (``EnvoyParams.extproc_ports``) are endpoints of one ext_proc cluster; each
+  request's stream is balanced on its own, a stream that reaches no live replica is retried on
+  another, and a dead replica is ejected on its first failure (see :func:`extproc_cluster`).
 """
 
 from __future__ import annotations
@@ -67,6 +70,11 @@ class EnvoyParams:
     admin_port: int = 9901
     extproc_host: str = "127.0.0.1"
     extproc_port: int = 9001
+    extproc_ports: tuple[int, ...] = ()
+    """Several kvgate replicas on ``extproc_host``: one ext_proc endpoint per port (empty: just
+    ``extproc_port``). With more than one, Envoy retries a decision whose stream could not reach a
+    replica on another one, and ejects a replica after its first connection failure (see
+    :func:`extproc_cluster`); with one, the rendered config is the single-replica one."""
     upstreams: list[tuple[str, int]] = field(default_factory=lambda: [("127.0.0.1", 8000)])
     fail_open: bool = False
     message_timeout_ms: int = 1000
@@ -204,6 +212,38 @@ def header_strip_filter(p: EnvoyParams) -> dict[str, Any] | None:
     }
 
 
+def extproc_ports(p: EnvoyParams) -> list[int]:
+    """The ports of the kvgate replicas Envoy's ext_proc cluster has endpoints for."""
+    return list(p.extproc_ports) or [p.extproc_port]
+
+
+def extproc_grpc_service(p: EnvoyParams) -> dict[str, Any]:
+    """The ext_proc filter's gRPC service. With several replicas a stream that got no answer from one
+    (connection refused: the replica died and Envoy has not taken it out yet; stream refused; reset
+    before any answer; UNAVAILABLE from a replica shutting down) is retried, up to twice, each time on
+    a replica not tried before: the ext_proc filter keeps its one message for that when a retry policy
+    is set (``setBufferBodyForRetry``), so no decision is lost to a dead replica. A replica that was reset
+    may have admitted the request already; that admit died with it (a Redis lease expires).
+
+    The access log keeps its own plain service: its stream is long-lived (one per Envoy worker,
+    pinned to one replica), and replaying it would log entries twice; when its replica dies Envoy
+    opens a new stream to another on the next entry."""
+    svc: dict[str, Any] = {"envoy_grpc": {"cluster_name": EXTPROC_CLUSTER}}
+    if len(extproc_ports(p)) > 1:
+        svc["retry_policy"] = {
+            "retry_on": "connect-failure,refused-stream,reset,unavailable",
+            "num_retries": 2,
+            "retry_back_off": {"base_interval": "0.005s", "max_interval": "0.05s"},
+            "retry_host_predicate": [{
+                "name": "envoy.retry_host_predicates.previous_hosts",
+                "typed_config": {"@type": "type.googleapis.com/envoy.extensions.retry.host.previous_hosts.v3."
+                                 "PreviousHostsPredicate"},
+            }],
+            "host_selection_retry_max_attempts": 5,
+        }
+    return svc
+
+
 def ext_proc_filter(p: EnvoyParams) -> dict[str, Any]:
     attrs = ["request.id", "request.path", "request.headers['authorization']"]
     if p.trusted_header:
@@ -212,7 +252,7 @@ def ext_proc_filter(p: EnvoyParams) -> dict[str, Any]:
         "name": "envoy.filters.http.ext_proc",
         "typed_config": {
             "@type": "type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExternalProcessor",
-            "grpc_service": {"envoy_grpc": {"cluster_name": EXTPROC_CLUSTER}},
+            "grpc_service": extproc_grpc_service(p),
             "failure_mode_allow": p.fail_open,
             "processing_mode": {
                 "request_header_mode": "SKIP",
@@ -492,7 +532,15 @@ def circuit_breakers(p: EnvoyParams) -> dict[str, Any]:
 
 
 def extproc_cluster(p: EnvoyParams) -> dict[str, Any]:
-    return {
+    """kvgate's gRPC cluster: one endpoint per replica, checked with gRPC health checks (a draining
+    replica answers NOT_SERVING). Every HTTP request opens its own ext_proc stream, load-balanced
+    (round robin) on its own, so a dead replica only costs the streams sent to it before it is taken
+    out. With several replicas that window is closed twice over: outlier detection ejects a replica on
+    its first local-origin failure (connection refused, reset, timeout) instead of waiting for the
+    next health check (every 2 s), and a passing health check brings it back; the retry policy of
+    :func:`extproc_grpc_service` re-sends the streams that failed meanwhile."""
+    ports = extproc_ports(p)
+    cluster: dict[str, Any] = {
         "name": EXTPROC_CLUSTER,
         "type": "STATIC" if _is_ip(p.extproc_host) else "STRICT_DNS",
         "connect_timeout": "0.25s",
@@ -509,9 +557,24 @@ def extproc_cluster(p: EnvoyParams) -> dict[str, Any]:
         }],
         "load_assignment": {
             "cluster_name": EXTPROC_CLUSTER,
-            "endpoints": [{"lb_endpoints": [{"endpoint": {"address": _addr(p.extproc_host, p.extproc_port)}}]}],
+            "endpoints": [{"lb_endpoints": [{"endpoint": {"address": _addr(p.extproc_host, port)}}
+                                            for port in ports]}],
         },
     }
+    if len(ports) > 1:
+        # Envoy health-checks a cluster that has not made a connection yet at no_traffic_interval (60 s
+        # by default) and keeps that schedule until the next check: for the first minute after Envoy
+        # starts a dead replica would stay "healthy". Check at the normal interval from the start.
+        cluster["health_checks"][0]["no_traffic_interval"] = cluster["health_checks"][0]["interval"]
+        cluster["outlier_detection"] = {
+            "split_external_local_origin_errors": True,
+            "consecutive_local_origin_failure": 1,
+            "enforcing_consecutive_local_origin_failure": 100,
+            "interval": "1s",
+            "base_ejection_time": "5s",
+            "max_ejection_percent": 100,
+        }
+    return cluster
 
 
 DESTINATION_HEADER = "x-gateway-destination-endpoint"

@@ -22,7 +22,7 @@ from typing import Any
 
 import yaml
 
-from .envoy_config import EnvoyParams, bootstrap, dump, params_for
+from .envoy_config import EXTPROC_CLUSTER, EnvoyParams, bootstrap, dump, params_for
 
 
 def envoy_binary() -> str:
@@ -90,6 +90,21 @@ def _hostport(url: str) -> tuple[str, int]:
     return host, int(port)
 
 
+REDIS_MISSING = ("redis-server is not installed (apt-get install redis-server): several kvgate replicas share "
+                 "their state in Redis")
+
+
+class RedisMissing(RuntimeError):
+    """``redis-server`` is needed (several replicas, or a Redis store asked for) and not on PATH."""
+
+
+def redis_binary() -> str:
+    found = shutil.which("redis-server")
+    if found is None:
+        raise RedisMissing(REDIS_MISSING)
+    return found
+
+
 def http_get(url: str, timeout: float = 2.0) -> tuple[int, bytes]:
     try:
         with urllib.request.urlopen(url, timeout=timeout) as r:
@@ -114,12 +129,23 @@ class Stack:
     ORIGINAL_DST upstream cluster in Envoy."""
     vllm_urls: list[str] | None = None
     """Real (or already running) vLLM servers to put behind kvgate instead of starting upstreams."""
+    replicas: int = 1
+    """kvgate processes sharing one config file (and, above one, a local ``redis-server`` as their
+    store): named ``kvgate`` when there is one, ``kvgate0`` .. ``kvgateN-1`` otherwise; Envoy's ext_proc
+    cluster has an endpoint per replica."""
+    redis: bool | None = None
+    """Start a local ``redis-server`` and put ``store.redis`` into kvgate's config (unless that has a
+    store already). None: only with more than one replica."""
     probe_ports: list[int] = field(default_factory=list)
     procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
     metrics_port: int = 0
+    metrics_ports: list[int] = field(default_factory=list)
+    redis_port: int = 0
     config_path: Path = field(init=False)
 
     def __post_init__(self) -> None:
+        if self.replicas < 1:
+            raise ValueError("replicas: at least 1")
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.config_path = self.workdir / "kvgate.yaml"
 
@@ -129,7 +155,32 @@ class Stack:
 
     @property
     def metrics_url(self) -> str:
+        """The first replica's /metrics."""
         return f"http://127.0.0.1:{self.metrics_port}/metrics"
+
+    @property
+    def metrics_urls(self) -> list[str]:
+        """Every replica's /metrics, in replica order."""
+        return [f"http://127.0.0.1:{p}/metrics" for p in self.metrics_ports or [self.metrics_port]]
+
+    @property
+    def uses_redis(self) -> bool:
+        """This stack runs its own redis-server for kvgate's store (not when kvgate's config names a store)."""
+        wanted = self.replicas > 1 if self.redis is None else self.redis
+        return self.with_kvgate and wanted and not self.kvgate_config.get("store")
+
+    @property
+    def redis_url(self) -> str:
+        return f"redis://127.0.0.1:{self.redis_port}/0"
+
+    @property
+    def extproc_ports(self) -> list[int]:
+        return list(self.envoy.extproc_ports) or [self.envoy.extproc_port]
+
+    @property
+    def replica_names(self) -> list[str]:
+        """The kvgate processes' names (keys of ``procs``, stems of their log files)."""
+        return ["kvgate"] if self.replicas == 1 else [f"kvgate{i}" for i in range(self.replicas)]
 
     def _spawn(self, name: str, args: list[str]) -> subprocess.Popen[bytes]:
         logf = open(self.workdir / f"{name}.log", "ab")  # noqa: SIM115 (lives as long as the process)
@@ -148,11 +199,23 @@ class Stack:
         server.setdefault("metrics_address", f"127.0.0.1:{self.metrics_port}")
         server.setdefault("drain_seconds", 5)
         doc["server"] = server
+        if self.uses_redis:
+            doc["store"] = {"redis": {"url": self.redis_url, "key_prefix": "kvgate"}}
         tmp = self.config_path.with_suffix(".tmp")
         tmp.write_text(yaml.safe_dump(doc, sort_keys=False))
         tmp.replace(self.config_path)
 
     def start(self) -> Stack:
+        """Start everything; if any part fails, what was started is stopped again before the error."""
+        if self.uses_redis:
+            redis_binary()  # before anything is started
+        try:
+            return self._start()
+        except BaseException:
+            self.stop()
+            raise
+
+    def _start(self) -> Stack:
         external = [u.rstrip("/") for u in (self.vllm_urls or [])]
         ports = [] if external else [free_port() for _ in range(self.upstreams)]
         trusted = (self.kvgate_config.get("identity") or {}).get("trusted_header")
@@ -163,6 +226,7 @@ class Stack:
             listen_port=self.envoy.listen_port if self.envoy.listen_port != 10000 else free_port(),
             admin_port=free_port(),
             extproc_port=free_port(),
+            extproc_ports=(),
             upstreams=[("127.0.0.1", p) for p in ports] or [_hostport(u) for u in external],
             original_dst=self.nodes or self.envoy.original_dst,
             # no authn filter in the local stack: the tests' client plays the authenticator and sets the
@@ -175,7 +239,13 @@ class Stack:
             self.envoy = params_for(parse_config(self.kvgate_config), self.envoy)
         except Exception:  # kvgate itself reports a bad config when it starts
             pass
-        self.metrics_port = free_port()
+        if self.replicas > 1:
+            self.envoy = replace(self.envoy, extproc_ports=(self.envoy.extproc_port,
+                                                            *(free_port() for _ in range(self.replicas - 1))))
+        self.metrics_ports = [free_port() for _ in range(self.replicas)]
+        self.metrics_port = self.metrics_ports[0]
+        if self.uses_redis:
+            self.redis_port = free_port()
         py = sys.executable
         for i, port in enumerate(ports):
             if self.sim_args is not None:
@@ -202,6 +272,8 @@ class Stack:
             if not external and "--profile" in args[:-1]:  # the simulated nodes' profile: the model's prior
                 nodes_cfg.setdefault("performance", {"profile": args[args.index("--profile") + 1]})
             self.kvgate_config = {**self.kvgate_config, "nodes": nodes_cfg}
+        if self.uses_redis:
+            self.start_redis()
         if self.with_kvgate:
             self.start_kvgate()
         self.start_envoy()
@@ -217,13 +289,48 @@ class Stack:
         self.wait_ready()
 
     def start_kvgate(self) -> None:
+        """Write the config and start every replica (after they were stopped: again)."""
         self.write_config()
-        self._spawn("kvgate", [sys.executable, "-m", "kvgate.cli", "extproc", "--config", str(self.config_path)])
-        wait_port(self.envoy.extproc_port, proc=self.procs["kvgate"])
-        wait_port(self.metrics_port, proc=self.procs["kvgate"])
+        for i in range(self.replicas):
+            self._spawn_replica(i)
+        for i in range(self.replicas):
+            self._wait_replica(i)
+
+    def start_replica(self, i: int) -> None:
+        """Start (or, after it was stopped or killed, restart) replica ``i`` on its ports, with the
+        shared config file as it is now; Envoy's health check brings it back into rotation."""
+        self._spawn_replica(i)
+        self._wait_replica(i)
+
+    def _spawn_replica(self, i: int) -> None:
+        cmd = [sys.executable, "-m", "kvgate.cli", "extproc", "--config", str(self.config_path)]
+        if self.replicas > 1:  # one config file, its own addresses
+            cmd += ["--grpc-address", f"127.0.0.1:{self.extproc_ports[i]}",
+                    "--metrics-address", f"127.0.0.1:{self.metrics_ports[i]}"]
+        self._spawn(self.replica_names[i], cmd)
+
+    def _wait_replica(self, i: int) -> None:
+        name = self.replica_names[i]
+        try:
+            wait_port(self.extproc_ports[i], proc=self.procs[name])
+            wait_port(self.metrics_ports[i], proc=self.procs[name])
+        except (RuntimeError, TimeoutError) as e:
+            tail = "\n".join(self.log(name).strip().splitlines()[-15:])
+            raise RuntimeError(f"{name}: {e}; the end of {self.workdir / (name + '.log')}:\n{tail}") from None
+
+    def start_redis(self) -> None:
+        """Start (or restart, on the same port and empty: no snapshot, no AOF) the stack's redis-server."""
+        if not self.redis_port:
+            self.redis_port = free_port()
+        self._spawn("redis", [redis_binary(), "--port", str(self.redis_port), "--bind", "127.0.0.1",
+                              "--save", "", "--appendonly", "no", "--dir", str(self.workdir)])
+        wait_port(self.redis_port, proc=self.procs["redis"])
+
+    def stop_redis(self, sig: int = signal.SIGTERM) -> int | None:
+        return self.stop_process("redis", sig)
 
     def wait_ready(self, timeout: float = 20.0) -> None:
-        """Envoy is ready and, with kvgate, sees the ext_proc cluster healthy."""
+        """Envoy is ready and, with kvgate, sees every replica's ext_proc endpoint healthy."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             with contextlib.suppress(OSError):
@@ -231,12 +338,24 @@ class Stack:
                 if code == 200:
                     if not self.with_kvgate:
                         return
-                    _, text = http_get(f"http://127.0.0.1:{self.envoy.admin_port}/clusters")
-                    want = f"kvgate_ext_proc::127.0.0.1:{self.envoy.extproc_port}::health_flags::healthy"
-                    if want.encode() in text:
+                    health = self.extproc_health()
+                    if all(health.get(p) == "healthy" for p in self.extproc_ports):
                         return
             time.sleep(0.1)
         raise TimeoutError("envoy did not become ready")
+
+    def extproc_health(self) -> dict[int, str]:
+        """Envoy's view of each ext_proc endpoint (port -> its health_flags in /clusters: "healthy",
+        or e.g. "/failed_active_hc", "/failed_outlier_check")."""
+        _, text = http_get(f"http://127.0.0.1:{self.envoy.admin_port}/clusters")
+        out: dict[int, str] = {}
+        prefix = f"{EXTPROC_CLUSTER}::127.0.0.1:"
+        for line in text.decode(errors="replace").splitlines():
+            if line.startswith(prefix) and "::health_flags::" in line:
+                port, _, flags = line[len(prefix):].partition("::health_flags::")
+                with contextlib.suppress(ValueError):
+                    out[int(port)] = flags.strip()
+        return out
 
     def stop_process(self, name: str, sig: int = signal.SIGTERM, timeout: float = 10.0) -> int | None:
         p = self.procs.pop(name, None)
@@ -253,7 +372,8 @@ class Stack:
         return p.returncode
 
     def stop(self) -> None:
-        for name in ["envoy", *[n for n in self.procs if n != "envoy"]]:
+        others = [n for n in self.procs if n not in ("envoy", "redis")]
+        for name in ["envoy", *others, "redis"]:  # Redis last: the replicas hand their state back first
             self.stop_process(name)
 
     def __enter__(self) -> Stack:

@@ -37,6 +37,7 @@ def test_shipped_bootstrap_validates() -> None:
     EnvoyParams(listen_address="::", extproc_host="::1", upstreams=[("::1", 8000)]),
     EnvoyParams(listen_address="::1", extproc_host="[fd00::5]", original_dst=True),
     EnvoyParams(upstreams=[("vllm.llm.svc", 8000)], inference_paths=("/v1/chat/completions",), bodyless_paths=()),
+    EnvoyParams(extproc_ports=(9001, 9002, 9003)),
 ])
 def test_rendered_variants_validate(tmp_path: Path, params: EnvoyParams) -> None:
     p = tmp_path / "envoy.yaml"
@@ -146,3 +147,22 @@ def test_local_replies_come_from_the_reasons_table() -> None:
         assert m["status_code"] == r.status
         assert m["body_format_override"]["json_format"]["error"] == {
             "message": r.message, "type": r.type, "param": None, "code": r.code}
+
+
+def test_several_replicas_get_an_endpoint_each_failover_and_one_port_renders_as_before() -> None:
+    one = bootstrap(EnvoyParams(extproc_port=9005))
+    assert bootstrap(EnvoyParams(extproc_port=1, extproc_ports=(9005,))) == one  # a list of one: unchanged
+    many = bootstrap(EnvoyParams(extproc_ports=(9001, 9002)))
+    (cluster,) = [c for c in many["static_resources"]["clusters"] if c["name"] == "kvgate_ext_proc"]
+    ports = [e["endpoint"]["address"]["socket_address"]["port_value"]
+             for e in cluster["load_assignment"]["endpoints"][0]["lb_endpoints"]]
+    assert ports == [9001, 9002]
+    assert cluster["outlier_detection"]["consecutive_local_origin_failure"] == 1
+    assert cluster["health_checks"][0]["no_traffic_interval"] == cluster["health_checks"][0]["interval"]
+    hcm = many["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
+    (ext,) = [f for f in hcm["http_filters"] if f["name"] == "envoy.filters.http.ext_proc"]
+    assert "connect-failure" in ext["typed_config"]["grpc_service"]["retry_policy"]["retry_on"]
+    # the access log's long-lived stream is not retried (it would replay entries): it reconnects on its own
+    assert "retry_policy" not in hcm["access_log"][0]["typed_config"]["common_config"]["grpc_service"]
+    (single,) = [c for c in one["static_resources"]["clusters"] if c["name"] == "kvgate_ext_proc"]
+    assert "outlier_detection" not in single and "no_traffic_interval" not in single["health_checks"][0]
