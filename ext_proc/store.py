@@ -75,7 +75,7 @@ return {e, redis.call('EXISTS', KEYS[3]), redis.call('ZRANGEBYSCORE', KEYS[1], n
 
 # KEYS: replicas, the tenant's slots hash (h:<replica> held, w:<replica> want), learning, over.
 # ARGV: replica, cap, held here, in flight here, want, ttl ms, borrow 0|1, tenant.
-# Returns {held, free, replica, held, replica, held, ...} (every live replica's holding).
+# Returns {held, free, version, replica, held, replica, held, ...} (every live replica's holding).
 SLOTS = """
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
@@ -89,13 +89,15 @@ if not live[me] then live[me] = true; n = n + 1 end
 local held, wants = {}, {}
 local raw = redis.call('HGETALL', KEYS[2])
 for i = 1, #raw, 2 do
-  local f, r = raw[i], string.sub(raw[i], 3)
-  if not live[r] then
-    redis.call('HDEL', KEYS[2], f)
-  elseif string.sub(f, 1, 2) == 'h:' then
-    held[r] = tonumber(raw[i + 1])
-  else
-    wants[r] = tonumber(raw[i + 1])
+  local f, r, kind = raw[i], string.sub(raw[i], 3), string.sub(raw[i], 1, 2)
+  if kind == 'h:' or kind == 'w:' then
+    if not live[r] then
+      redis.call('HDEL', KEYS[2], f)
+    elseif kind == 'h:' then
+      held[r] = tonumber(raw[i + 1])
+    else
+      wants[r] = tonumber(raw[i + 1])
+    end
   end
 end
 -- no record: first sync, or the store restarted empty; rebuilt from what the replica holds
@@ -142,11 +144,13 @@ else
 end
 if redis.call('EXISTS', KEYS[3]) == 1 and target > mine then target = mine end
 redis.call('HSET', KEYS[2], 'h:' .. me, target, 'w:' .. me, want)
+-- replies may come back out of order (a sync and a borrow on two connections): the replica keeps the newest
+local version = redis.call('HINCRBY', KEYS[2], 'v', 1)
 redis.call('PEXPIRE', KEYS[2], tonumber(ARGV[6]) * 20)
 local even, uneven = math.floor(cap / n), target > math.floor(cap / n)
 for _, h in pairs(held) do if h > even then uneven = true end end
 if uneven then redis.call('SADD', KEYS[4], ARGV[8]) else redis.call('SREM', KEYS[4], ARGV[8]) end
-local out = {target, cap - others - target, me, target}
+local out = {target, cap - others - target, version, me, target}
 for r, h in pairs(held) do out[#out + 1] = r; out[#out + 1] = h end
 return out
 """
@@ -206,6 +210,10 @@ class SharedStore:
         self.holdings: dict[str, dict[str, int]] = {}
         """Tenant → replica → slots held, as last read: what a fallback split corrects for."""
         self.learning = False
+        self._versions: dict[str, int] = {}
+        """Tenant → the newest slots answer applied (answers to a sync and a borrow may cross)."""
+        self._borrowing: dict[str, int] = {}
+        """Tenant → borrows of a slot on their way: a burst on one replica asks for one slot each."""
         self.last_id: str | None = None
         self._ends: list[list[Any]] = []
         """Completions to forward: [owner ('*': every replica), ticket, request id, status, prompt,
@@ -288,6 +296,8 @@ class SharedStore:
         except (TimeoutError, RedisError, OSError) as e:
             self._failed(e, reports, service, dispatched, ends)
             return False
+        finally:
+            await pipe.reset()
         self.sync_seconds.observe(time.perf_counter() - t0)
         self._hello_result(results[0])
         if rejoining:
@@ -316,6 +326,7 @@ class SharedStore:
             log.warning("store_epoch_changed", note="the store lost its state (restarted empty): learning "
                         "period, slots rebuilt from what each replica holds", old=self.epoch, new=epoch)
             self.last_id = None
+            self._versions.clear()
         self.epoch = epoch
         self.learning = bool(int(res[1]))
         self.live = sorted({_str(r) for r in res[2]} | {self.me})
@@ -330,8 +341,11 @@ class SharedStore:
         self.holdings = holdings
 
     def _slots_result(self, tenant: str, res: list[Any]) -> None:
-        held, free = int(res[0]), int(res[1])
-        rest = res[2:]
+        held, free, version = int(res[0]), int(res[1]), int(res[2])
+        if version <= self._versions.get(tenant, 0):
+            return  # older than an answer already applied
+        self._versions[tenant] = version
+        rest = res[3:]
         self.holdings[tenant] = {_str(rest[i]): int(rest[i + 1]) for i in range(0, len(rest) - 1, 2)}
         self.core.admission.share_slots(tenant, held, max(0, free))
 
@@ -419,6 +433,8 @@ class SharedStore:
             await asyncio.wait_for(pipe.execute(), timeout=2 * self.cfg.timeout_ms / 1000.0)
         except (TimeoutError, RedisError, OSError):
             self.errors.labels("rejoin").inc()
+        finally:
+            await pipe.reset()
 
     # -- the request path ------------------------------------------------------------------------
 
@@ -436,9 +452,10 @@ class SharedStore:
         ttl_ms = int(self.cfg.lease_ttl_seconds * 1000)
         held = s.slots or 0
         if q.max_concurrent is not None and s.inflight >= held:
+            ahead = self._borrowing.get(tenant, 0)
             await self._slots(keys=[self.k_replicas, self._k_slots(tenant), self.k_learning, self.k_over],
-                              args=[self.me, q.max_concurrent, held, s.inflight, held + 1, ttl_ms, 1, tenant],
-                              client=pipe)
+                              args=[self.me, q.max_concurrent, held, s.inflight, max(held, s.inflight) + ahead + 1,
+                                    ttl_ms, 1, tenant], client=pipe)
             calls.append("slots")
         for dim, b, need in (("requests", s.requests, 1.0), ("tokens", s.tokens, tokens)):
             if isinstance(b, Credit) and b.level < need:
@@ -448,12 +465,23 @@ class SharedStore:
         if not calls:
             await pipe.reset()
             return True
+        slot = "slots" in calls
+        if slot:
+            self._borrowing[tenant] = self._borrowing.get(tenant, 0) + 1
         try:
             results = await asyncio.wait_for(pipe.execute(), timeout=self.cfg.timeout_ms / 1000.0)
         except (TimeoutError, RedisError, OSError):
             self.errors.labels("borrow").inc()
             self.borrows.labels("error").inc()
             return False
+        finally:
+            await pipe.reset()
+            if slot:
+                n = self._borrowing.get(tenant, 1) - 1
+                if n > 0:
+                    self._borrowing[tenant] = n
+                else:
+                    self._borrowing.pop(tenant, None)
         granted = True
         for kind, res in zip(calls, results, strict=True):
             if kind == "slots":

@@ -151,6 +151,9 @@ class SimServer:
         self._rng = random.Random(engine_options.seed)
         self._ids = itertools.count()
         self.policy = engine_options.policy
+        self.open = 0
+        self.peak = 0
+        """Completions requests open at once, now and at most: what a test counts at the node."""
 
     def app(self) -> web.Application:
         app = web.Application(client_max_size=64 * 1024 * 1024)
@@ -173,7 +176,13 @@ class SimServer:
         return web.Response(text="")
 
     async def prometheus(self, _: web.Request) -> web.Response:
-        return web.Response(body=generate_latest(self.metrics.registry),
+        extra = ("# HELP sim_open_requests Completion requests open at this simulated node (not a vLLM metric)\n"
+                 "# TYPE sim_open_requests gauge\n"
+                 f"sim_open_requests {self.open}\n"
+                 "# HELP sim_open_requests_peak The most completion requests ever open at once here\n"
+                 "# TYPE sim_open_requests_peak gauge\n"
+                 f"sim_open_requests_peak {self.peak}\n").encode()
+        return web.Response(body=generate_latest(self.metrics.registry) + extra,
                             content_type="text/plain", charset="utf-8")
 
     async def models(self, _: web.Request) -> web.Response:
@@ -241,6 +250,8 @@ class SimServer:
             return _error(503, "The server's request queue is full; please retry later.", "ServiceUnavailableError")
         except ValueError as e:
             return _error(400, str(e))
+        self.open += 1
+        self.peak = max(self.peak, self.open)
         try:
             if body.get("stream") is True:
                 opts = body.get("stream_options")
@@ -248,6 +259,7 @@ class SimServer:
                 return await self._stream(http, req, queue, chat, usage)
             return await self._complete(req, queue, chat)
         finally:
+            self.open -= 1
             if req.status in (Status.WAITING, Status.RUNNING):  # the client went away
                 self.metrics.finished(req, "abort")
             self.node.release(req)

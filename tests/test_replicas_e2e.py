@@ -1,0 +1,137 @@
+"""Three kvgate replicas behind one Envoy, sharing a real ``redis-server``: the limits hold fleet-wide,
+counted at the simulated node, through a replica killed with -9, Redis killed, and Redis restarted empty."""
+
+from __future__ import annotations
+
+import json
+import signal
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from ext_proc.identity import hash_key
+from kvgate.stack import Stack
+from sim.profiles import PROFILES
+from tests.helpers import metric, post, wait_for
+
+from .redis_server import RedisServer
+
+MODEL = PROFILES["8b-h100"].model_name
+CAP_KEY, TOK_KEY = "sk-rep-cap", "sk-rep-tok"
+TOK_BURST = 2000
+
+
+def config() -> dict[str, Any]:
+    return {
+        "tenants": [
+            {"name": "cap", "api_key_sha256": [hash_key(CAP_KEY)], "max_concurrent": 4},
+            {"name": "tok", "api_key_sha256": [hash_key(TOK_KEY)], "tokens_per_minute": 1,
+             "token_burst": TOK_BURST},
+        ],
+        "queue": {"enabled": False},
+    }
+
+
+def stream(st: Stack, key: str, tokens: int) -> tuple[int, dict[str, str]]:
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "x" * 40}], "max_tokens": tokens,
+            "ignore_eos": True, "stream": True}
+    code, headers, raw = post(st.url + "/v1/chat/completions", body, key, timeout=60)
+    if code == 200:
+        assert raw.rstrip().endswith(b"data: [DONE]"), "an admitted stream is never cut"
+    return code, headers
+
+
+def node_metric(st: Stack, name: str) -> float:
+    return metric(f"http://127.0.0.1:{st.envoy.upstreams[0][1]}/metrics", name)
+
+
+@pytest.fixture
+def stack(tmp_path: Path) -> Any:
+    RedisServer(tmp_path)  # skips without redis-server
+    st = Stack(tmp_path, config(), replicas=3, sim_args=["--num-gpu-blocks", "4096"])
+    try:
+        st.start()
+        yield st
+    finally:
+        st.stop()
+
+
+def test_a_concurrency_cap_and_a_token_budget_hold_across_three_replicas(stack: Stack) -> None:
+    st = stack
+    # every replica has joined the store before the flood
+    wait_for(lambda: all(metric(u, "kvgate_store_replicas") == 3 for u in st.metrics_urls), 15,
+             "three replicas in the store")
+    with ThreadPoolExecutor(40) as pool:
+        results = list(pool.map(lambda _: stream(st, CAP_KEY, 250), range(40)))
+    codes = [c for c, _ in results]
+    assert node_metric(st, "sim_open_requests_peak") == 4, "exactly the cap in flight at the node at its peak"
+    assert codes.count(200) >= 4 and set(codes) <= {200, 429}
+    assert all(h.get("retry-after") for c, h in results if c == 429)
+    # several replicas decided (Envoy spreads the streams), and their shared cap was the tenant's whole cap
+    decided = [metric(u, "kvgate_requests_total", tenant="cap") for u in st.metrics_urls]
+    assert sum(1 for d in decided if d > 0) >= 2, decided
+
+    # a token budget: what the tenant gets, across replicas, stays within its bucket plus at most one
+    # reservation per replica
+    spent = 0
+    admitted = 0
+    reservation = 0.0
+    for _ in range(60):
+        body = {"model": MODEL, "messages": [{"role": "user", "content": "y" * 200}], "max_tokens": 60,
+                "ignore_eos": True}
+        code, _, raw = post(st.url + "/v1/chat/completions", body, TOK_KEY)
+        assert code in (200, 429)
+        if code == 200:
+            admitted += 1
+            spent += json.loads(raw)["usage"]["total_tokens"]
+    reserved = sum(metric(u, "kvgate_tokens_total", tenant="tok", kind="reserved") for u in st.metrics_urls)
+    reservation = reserved / max(1, admitted)
+    assert admitted > 0
+    assert spent <= TOK_BURST + 3 * reservation, f"{spent} tokens spent of a {TOK_BURST} budget"
+
+
+def test_a_killed_replica_a_killed_redis_and_an_empty_redis_lose_no_request_and_keep_the_cap(
+        stack: Stack) -> None:
+    st = stack
+    wait_for(lambda: all(metric(u, "kvgate_store_replicas") == 3 for u in st.metrics_urls), 15,
+             "three replicas in the store")
+    stop = threading.Event()
+    codes: list[int] = []
+    errors: list[str] = []
+
+    def load() -> None:
+        while not stop.is_set():
+            try:
+                codes.append(stream(st, CAP_KEY, 60)[0])
+            except Exception as e:  # a request that ends without a status
+                errors.append(f"{type(e).__name__}: {e}")
+            time.sleep(0.02)
+
+    threads = [threading.Thread(target=load) for _ in range(10)]
+    for t in threads:
+        t.start()
+    try:
+        time.sleep(2)
+        st.stop_process("kvgate1", signal.SIGKILL)
+        time.sleep(2)
+        st.stop_redis(signal.SIGKILL)
+        live = [u for i, u in enumerate(st.metrics_urls) if i != 1]
+        wait_for(lambda: all(metric(u, "kvgate_store_fallback") == 1 for u in live), 10, "the local split")
+        time.sleep(1)
+        st.start_redis()  # empty
+        wait_for(lambda: all(metric(u, "kvgate_store_up") == 1 and metric(u, "kvgate_store_fallback") == 0
+                             for u in live), 10, "rejoined")
+        before = len(codes)
+        time.sleep(2)
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(60)
+    assert not errors, errors[:3]
+    assert set(codes) <= {200, 429, 503}, set(codes)
+    assert node_metric(st, "sim_open_requests_peak") <= 4, "the cap held through every fault"
+    assert 200 in codes[before:], "the tenant is served again once Redis is back"

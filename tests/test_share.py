@@ -1,0 +1,76 @@
+"""The arithmetic of slices (``ext_proc/share.py``): property tests, no I/O.
+
+The same water-filling runs in Redis; ``test_store.py`` checks the script against these functions.
+"""
+
+from __future__ import annotations
+
+import time
+
+from hypothesis import given
+from hypothesis import strategies as st
+
+from ext_proc.config import parse_config
+from ext_proc.core import Core
+from ext_proc.nodes import Fleet
+from ext_proc.share import even_slots, fair_slots, fallback_slots, waterfill
+from gpu_probe.snapshot import Snapshot
+
+names = st.lists(st.text("abcdef", min_size=1, max_size=3), min_size=1, max_size=6, unique=True)
+
+
+@given(wants=st.dictionaries(st.text("abcdef", min_size=1, max_size=3), st.integers(0, 50), min_size=1, max_size=6),
+       cap=st.integers(0, 100))
+def test_fair_slots_are_max_min_fair_and_never_exceed_the_capacity(wants: dict[str, int], cap: int) -> None:
+    got = fair_slots(wants, cap)
+    assert sum(got.values()) <= cap
+    assert all(0 <= got[k] <= wants[k] for k in wants)
+    if sum(wants.values()) <= cap:
+        assert got == wants, "everyone gets what it wants when there is enough"
+    else:
+        assert sum(got.values()) == cap, "nothing is left idle while someone wants more"
+        # max-min: nobody short of its want has less than anyone else's share minus one slot
+        for k in wants:
+            if got[k] < wants[k]:
+                assert all(got[k] >= got[j] - 1 for j in wants)
+    shares = waterfill(wants, cap)
+    assert sum(shares.values()) <= cap + 1e-9
+
+
+@given(replicas=names, cap=st.integers(0, 40), data=st.data())
+def test_a_fallback_split_keeps_the_total_within_the_cap_while_holdings_drain(
+        replicas: list[str], cap: int, data: st.DataObject) -> None:
+    # holdings as the store last recorded them: a valid partition of the cap
+    held: dict[str, int] = {}
+    left = cap
+    for r in replicas:
+        held[r] = data.draw(st.integers(0, left))
+        left -= held[r]
+    slots = fallback_slots(cap, held, replicas)
+    assert set(slots) == set(replicas)
+    # each replica keeps what it held until it drains and admits up to its slots: the worst case
+    assert sum(max(held[r], slots[r]) for r in replicas) <= cap
+    assert sum(even_slots(cap, replicas).values()) == cap
+    if all(held[r] <= even_slots(cap, replicas)[r] for r in replicas):
+        assert slots == even_slots(cap, replicas), "an even split when nobody held more than its share"
+
+
+def test_other_replicas_service_counts_in_the_fair_share_counters_and_their_requests_on_the_nodes() -> None:
+    cfg = parse_config({"tenants": [{"name": "a"}, {"name": "b"}],
+                        "nodes": {"static": [{"address": "10.0.0.1:8000", "probe": "http://10.0.0.1:9102"}]}})
+    core = Core(cfg, time.monotonic)
+    q = core.admission.queue
+    before = q.counter("a")
+    core.remote({"a": 1000.0, "nobody": 5.0, "b": float("nan")}, [])
+    assert q.counter("a") == before + 1000.0
+    assert q.counter("nobody") == 0.0 and q.counter("b") == 0.0
+    fleet = core.fleet
+    assert isinstance(fleet, Fleet)
+    snap = Snapshot(node="n0", at=time.time(), ok=True, kv_usage=0.1, blocks_total=1000, block_size=16, running=1,
+                    waiting=0)
+    fleet.on_snapshot("10.0.0.1:8000", snap, time.monotonic())
+    node = fleet.nodes["10.0.0.1:8000"]
+    kv = node.projected_kv()
+    core.remote({}, [("10.0.0.1:8000", 4000, 3000, "standard"), ("10.9.9.9:1", 10, 10, "standard")])
+    assert node.pending_tokens == 4000, "another replica's request is booked until a reading shows it"
+    assert node.projected_kv() is not None and kv is not None and node.projected_kv() > kv
