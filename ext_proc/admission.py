@@ -33,7 +33,7 @@ from .estimate import Estimate
 from .limits import Credit, TokenBucket, default_burst
 from .queue import Entry, FairQueue, TierSpec
 from .reasons import UNKNOWN_KEY, RateLimitView, Rejection, reject
-from .share import IDLE_S, credit_target, fallback_slots, slot_want
+from .share import IDLE_S, ORPHANED, credit_target, fallback_slots, slot_demand
 
 __all__ = ["UNKNOWN_KEY", "RateLimitView", "Rejection"]
 
@@ -218,6 +218,7 @@ class Admission:
         self.local_split = 0
         """While the store is out of reach: the replicas last seen alive, each enforcing an even split
         of every budget (0: the store is reachable, or there is none)."""
+        self._split: tuple[list[str], str, Mapping[str, Mapping[str, int]]] | None = None
         self.fallback_spent: dict[str, tuple[float, float]] = {}
         """(requests, tokens) each tenant spent from its local split: debited from the store's buckets on rejoining."""
         self.service_out: dict[str, float] = {}
@@ -250,6 +251,10 @@ class Admission:
                     fleet_free=t.max_concurrent or 0,
                 )
             else:
+                old_cap = state.config.max_concurrent
+                if state.slots and old_cap and t.max_concurrent and t.max_concurrent < old_cap:
+                    # a lower cap: this replica's slice shrinks in proportion until the store answers
+                    state.slots = state.slots * t.max_concurrent // old_cap
                 state.config, state.mode = t, mode
                 state.requests = _retuned(state.requests, t.requests_per_minute, t.request_burst, now, credit)
                 state.tokens = _retuned(state.tokens, t.tokens_per_minute, t.token_burst, now, credit)
@@ -262,6 +267,8 @@ class Admission:
         tenants[_UNKNOWN_SLOT] = unknown
         self._tenants = tenants
         self.config = config
+        if self.local_split and self._split is not None:
+            self.share_local(*self._split)  # new limits, split the same way
         q = self.queue
         q.max_size, q.starvation_guard = config.queue.max_size, config.queue.starvation_guard
         q.set_tiers([TierSpec(n, t.priority, t.max_queue_wait_ms / 1000.0) for n, t in config.tiers.items()])
@@ -285,7 +292,9 @@ class Admission:
         else:
             state = self._tenants.get(tenant.name) or self._tenants[_UNKNOWN_SLOT]
             state.last_seen = now
-            rejection = self._check(state, estimate, body_bytes, now, may_borrow=self.shared and not borrowed)
+            # shadow mode admits anyway: a round trip would only change what its counters say
+            rejection = self._check(state, estimate, body_bytes, now,
+                                    may_borrow=self.shared and not borrowed and state.mode == "enforce")
             if rejection is BORROW:
                 return Decision(state.name, state.config.tier, None, None, borrow=True)
         tier = state.config.tier
@@ -512,6 +521,7 @@ class Admission:
             if s.slots is not None and s.slots < q.max_concurrent:
                 # this replica's slice is full: the fleet may have a slot nobody holds
                 if may_borrow and s.fleet_free > 0:
+                    s.fleet_free -= 1  # a burst on this replica does not send more borrows than slots are free
                     return BORROW
                 s.refused += 1
             wait = self._slot_free(s, now)
@@ -524,6 +534,7 @@ class Admission:
             wait = s.requests.seconds_until(1, now)
             if wait > 0:
                 if may_borrow and s.requests.borrowable(1, now):
+                    s.requests.borrowing(1, now)
                     return BORROW
                 return self._policy(
                     s, "tenant-requests",
@@ -533,6 +544,7 @@ class Admission:
             wait = s.tokens.seconds_until(est.total, now)
             if wait > 0:
                 if may_borrow and s.tokens.borrowable(est.total, now):
+                    s.tokens.borrowing(est.total, now)
                     return BORROW
                 return self._policy(
                     s, "tenant-tokens",
@@ -731,9 +743,10 @@ class Admission:
                 # request borrows (one round trip) rather than trusting a stale "none"
                 s.fleet_free = q.max_concurrent or 0
                 continue
-            want = None
+            demand, spare = None, False
             if q.max_concurrent is not None:
-                want = min(q.max_concurrent, slot_want(s.inflight, s.peak, s.refused, idle))
+                demand, spare = slot_demand(s.inflight, s.peak, s.refused, idle)
+                demand = min(q.max_concurrent, demand)
             amounts: list[tuple[float, float, float] | None] = []
             dt = max(interval, 1e-3)
             s.rate_requests += SPEND_ALPHA * (s.spent_requests / dt - s.rate_requests)
@@ -753,7 +766,8 @@ class Admission:
                 if amount < 0:
                     b.level += amount
                 amounts.append((b.rate * 60.0, b.capacity, amount))
-            out.append(ShareReport(s.name, q.max_concurrent, s.slots or 0, s.inflight, want, amounts[0], amounts[1]))
+            out.append(ShareReport(s.name, q.max_concurrent, s.slots or 0, s.inflight, demand, spare,
+                                   amounts[0], amounts[1]))
             s.peak, s.refused = s.inflight, 0
             s.spent_requests = s.spent_tokens = 0.0
             s.largest = 0.0 if idle else s.largest * LARGEST_DECAY
@@ -777,21 +791,29 @@ class Admission:
             b.seen(fleet_level, self._clock())
 
     def share_local(self, replicas: Sequence[str], me: str, holdings: Mapping[str, Mapping[str, int]]) -> None:
-        """The store is out of reach: enforce an even split of every limit among ``replicas`` (the
-        live ones last seen), corrected for what the others held (``share.fallback_slots``)."""
-        n = len(set(replicas) | {me})
+        """The store is out of reach: enforce an even split of every limit among ``replicas`` (all of
+        them, this one included: the live ones last seen, padded to the replicas expected to run),
+        corrected for what the others held (``share.fallback_slots``). Applied again after a reload."""
+        live = sorted(set(replicas) | {me})
+        n = len(live)
         now = self._clock()
         self.local_split = n
+        self._split = (live, me, holdings)
         for s in self._tenants.values():
-            cap = s.config.max_concurrent
-            if cap is not None:
-                s.slots = fallback_slots(cap, holdings.get(s.name, {}), [*replicas, me]).get(me, 0)
-            for attr in ("requests", "tokens"):
+            q = s.config
+            if q.max_concurrent is not None:
+                held = holdings.get(s.name, {})
+                # slots of replicas that died are still taken by what they admitted
+                cap = max(0, q.max_concurrent - held.get(ORPHANED, 0))
+                s.slots = fallback_slots(cap, held, live).get(me, 0)
+            for attr, per_minute, burst in (("requests", q.requests_per_minute, q.request_burst),
+                                            ("tokens", q.tokens_per_minute, q.token_burst)):
                 b = getattr(s, attr)
-                if isinstance(b, Credit):
-                    local = TokenBucket(b.rate * 60.0 / n, max(1.0, b.capacity / n), now)
-                    local.level = min(b.level, local.capacity)
-                    setattr(s, attr, local)
+                if b is None or per_minute is None:
+                    continue
+                local = TokenBucket(per_minute / n, max(1.0, default_burst(per_minute, burst) / n), now)
+                local.level = min(b.level, local.capacity)
+                setattr(s, attr, local)
 
     def share_rejoin(self) -> None:
         """The store answers again: budgets are leased credit again, keeping only debts (what was
@@ -832,9 +854,11 @@ class ShareReport:
     cap: int | None
     """Its ``max_concurrent`` (None: no cap)."""
     slots: int
-    """Slots this replica holds now: the store adopts it when it has no record (it restarted empty)."""
+    """Slots this replica admits on now: the store's record never drops below it, and adopts it when it
+    has no record (it restarted empty)."""
     inflight: int
-    want: int | None
+    demand: int | None
+    spare: bool
     requests: tuple[float, float, float] | None
     """(per minute, bucket size, amount to lease (+) or give back (-)) for its request budget."""
     tokens: tuple[float, float, float] | None

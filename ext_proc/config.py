@@ -344,6 +344,9 @@ class RedisStore(_Strict):
         default=3.0, description="a replica not heard from for this long is dead: its slices go back to the others")
     timeout_ms: Annotated[int, Field(ge=10, le=5000)] = Field(
         default=500, description="one Redis call; past it the call counts as failed")
+    expected_replicas: PositiveInt = Field(
+        default=1, description="replicas expected to run (the chart sets replicaCount): a replica that cannot "
+        "reach Redis splits every limit among at least this many, even if it never saw the others")
     fallback_after_seconds: Annotated[float, Field(gt=0, le=10)] = Field(
         default=1.0, description="Redis failing this long: each replica enforces a safe local slice of every limit "
         "(the limit divided among the replicas last seen alive)")

@@ -53,6 +53,9 @@ class TokenBucket:
         """A bucket of one replica's own has nowhere to borrow from."""
         return False
 
+    def borrowing(self, amount: float, now: float) -> None:
+        return None
+
     def retune(self, per_minute: float, capacity: float, now: float) -> None:
         """New limits from a config reload; what was spent stays spent."""
         self._refill(now)
@@ -106,6 +109,11 @@ class Credit:
     def borrowable(self, amount: float, now: float) -> bool:
         """Leasing more from the store could pay for ``amount`` (as of the last reading)."""
         return self.level + max(0.0, self.fleet_level(now)) >= amount
+
+    def borrowing(self, amount: float, now: float) -> None:
+        """A borrow of what ``amount`` lacks is on its way: the fleet's bucket is taken as that much
+        lower until the store answers, so a burst here does not send more borrows than it can pay."""
+        self.fleet -= max(0.0, amount - self.level)
 
     def seconds_until_full(self, now: float) -> float:
         return (self.capacity - max(0.0, self.fleet_level(now))) / self.rate

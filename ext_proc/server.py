@@ -379,7 +379,9 @@ class Gateway:
             disconnected=common.response_flags.downstream_connection_termination,
         )
         if self.store is not None and ticket and not self.core.owns(ticket):
-            self.store.forward(e)  # another replica's: Envoy's access log may reach any replica
+            # another replica's: Envoy's access log may reach any replica
+            tenant = kv.fields["tenant"].string_value if kv is not None and "tenant" in kv.fields else ""
+            self.store.forward(e, tenant)
             return
         done = self.core.ended(e)
         if done is None and self.store is not None and not ticket and e.request_id:

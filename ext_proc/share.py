@@ -4,11 +4,12 @@ Each replica holds a *slice* of every active tenant's limits and decides on it l
 round trip per request. A slice is sized by the replica's demand and refilled or returned through the
 store (``store.py``) every ``sync_interval_ms``, Doorman-style (wants → gets):
 
-* **concurrency** — slots. Every replica reports what it wants (its peak in flight, one spare while
-  active, plus what it refused for want of a slot); the store divides ``max_concurrent`` among the live
-  replicas *max-min fair by want* (:func:`waterfill`) and grants only slots nobody holds, so the sum of
-  the slices never exceeds the cap: concurrency is exact. A replica above its fair share gives slots
-  back as its requests end.
+* **concurrency** — slots. Every replica reports what it needs (its peak in flight plus what it refused
+  for want of a slot) and whether it is active; the store divides ``max_concurrent`` among the live
+  replicas *max-min fair by demand* (:func:`fair_slots`), then a spare each from what nobody demands,
+  and grants only slots nobody holds, so the sum of the slices never exceeds the cap. A replica above
+  its fair share gives slots back as its requests end; the store's record of a replica never drops
+  below what that replica admits on until the replica itself has lowered it.
 * **token and request budgets** — credit leased from one bucket in the store: a replica spends only
   what it leased, so the fleet never spends more than the bucket holds; a request whose real usage
   exceeds its reservation may overrun by that difference, as with one replica.
@@ -23,8 +24,12 @@ the two against each other on a real ``redis-server``.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import math
+from collections.abc import Collection, Mapping, Sequence
 
+ORPHANED = "~orphaned"
+"""In a tenant's holdings as read from the store: the slots of replicas that died, still taken by the
+requests they admitted (not a replica name: those are hex)."""
 IDLE_S = 1.0
 """A tenant with no request on a replica for this long gives back everything it does not use."""
 CREDIT_HORIZON_S = 1.0
@@ -46,18 +51,27 @@ def waterfill(wants: Mapping[str, float], capacity: float) -> dict[str, float]:
     return out
 
 
-def fair_slots(wants: Mapping[str, int], capacity: int) -> dict[str, int]:
-    """:func:`waterfill` in whole slots: each share rounded down, the slots left over handed one each
-    to the replicas still short of their want, in name order. The sum never exceeds ``capacity``."""
-    shares = waterfill(wants, capacity)
-    out = {k: int(v) for k, v in shares.items()}
+def fair_slots(demands: Mapping[str, int], capacity: int, spares: Collection[str] = ()) -> dict[str, int]:
+    """:func:`waterfill` in whole slots. Each share is rounded down; the slots the rounding left go one
+    each to the largest unmet fractions (ties by name); then what nobody demands goes as one *spare*
+    each to the replicas in ``spares`` (active ones: their next request needs no round trip), fewest
+    slots first. Demand always comes before spares, so a small cap is not parked as some replica's
+    spare while another is refusing. The sum never exceeds ``capacity``."""
+    capacity = max(0, capacity)
+    shares = waterfill(demands, capacity)
+    out = {k: math.floor(v) for k, v in shares.items()}
     left = capacity - sum(out.values())
-    for k in sorted(out):
+    for k in sorted(out, key=lambda k: (-(shares[k] - out[k]), k)):
         if left <= 0:
             break
-        if out[k] < wants[k]:
+        if out[k] < demands[k]:
             out[k] += 1
             left -= 1
+    for k in sorted((k for k in out if k in spares), key=lambda k: (out[k], k)):
+        if left <= 0:
+            break
+        out[k] += 1
+        left -= 1
     return out
 
 
@@ -91,13 +105,13 @@ def fallback_slots(capacity: int, holdings: Mapping[str, int], replicas: Sequenc
     return out
 
 
-def slot_want(inflight: int, peak: int, refused: int, idle: bool) -> int:
-    """Slots a replica asks for: what it has in flight (it cannot give those back), its peak since
-    the last sync plus what it refused for want of a slot (demand it saw), and one spare while the
-    tenant is active so that its next request needs no round trip."""
+def slot_demand(inflight: int, peak: int, refused: int, idle: bool) -> tuple[int, bool]:
+    """(slots a replica needs, whether it wants a spare): what it has in flight (it cannot give those
+    back), its peak since the last sync plus what it refused for want of a slot (demand it saw), and
+    while the tenant is active here a spare, granted only from slots nobody demands."""
     if idle:
-        return inflight
-    return max(inflight + 1, peak + refused)
+        return inflight, False
+    return max(inflight, peak + refused), True
 
 
 def credit_target(spend_per_s: float, largest: float, capacity: float, replicas: int) -> float:

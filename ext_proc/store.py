@@ -4,24 +4,32 @@ Nothing here decides anything: the arithmetic of slices is in ``share.py``, the 
 ``admission.py``. This module moves state between the core and Redis, off the request path:
 
 * **sync**, every ``sync_interval_ms``, one pipelined round trip: a heartbeat (the live replicas, the
-  store's epoch), each active tenant's slots (wants → gets, max-min fair, by a Lua script so that the
-  read-compute-write is atomic) and budget credit (leased from, or given back to, one bucket per tenant
-  and budget, refilled in Redis by Redis's own clock), and the replica's events: fair-share service it
-  gave, requests it sent to nodes, completions that reached it for tickets another replica owns —
-  appended to one stream every replica reads;
+  store's epoch), each active tenant's slots (max-min fair by demand, computed by a Lua script so that
+  the read-compute-write is atomic) and budget credit (leased from, or given back to, one bucket per
+  tenant and budget, refilled in Redis by Redis's own clock), and the replica's events — fair-share
+  service it gave, requests it sent to nodes, completions that reached it for tickets another replica
+  owns — appended to one stream every replica reads;
 * **borrow**, one round trip on the request path, only when a tenant's slice here cannot pay for a
   request and the fleet's may (``core.Borrow``): a 429 still means the tenant is over its quota
   fleet-wide, not over this replica's slice of it.
 
-Failures: a sync that fails marks the store down (``kvgate_store_up`` 0); failing for
-``fallback_after_seconds`` makes every replica enforce an even split of every limit among the replicas
-it last saw alive (``Admission.share_local``). When Redis answers again the replica rejoins: its
-budgets become leased credit again and what it spent meanwhile is debited; its slots are reported as
-held, and the store keeps the larger of its record and what is in flight (no double counting). A Redis
-that restarted empty has a new epoch: for one lease TTL (the *learning period*) no replica's slots grow
-and buckets start empty, while each replica's report rebuilds the record of what it holds.
+Exactness of ``max_concurrent``: the store grants only slots nobody holds, and its record of a replica
+never drops below what that replica admits on — the replica reports what it enforces with every call,
+lowers its own slice when told, and the next report lowers the record. One slots call per tenant is on
+its way at a time (a per-tenant lock), so a report is never stale. A replica that dies leaves its slots
+as *orphans*: its requests still run; each completion forwarded for it gives one back, the rest expire
+after ``server.lease_timeout_seconds``.
 
-Keys share one hash tag (``{prefix}``) so the scripts work on a Redis Cluster too.
+Failures: a sync that fails marks the store down (``kvgate_store_up`` 0); failing for
+``fallback_after_seconds`` makes the replica enforce an even split of every limit among the replicas it
+last saw alive, at least ``expected_replicas`` (``Admission.share_local``). When Redis answers again the
+replica rejoins: a learning period starts, its budgets become leased credit again and what it spent
+meanwhile is debited; its slots are reported as what it enforces. A Redis that restarted empty has a new
+epoch: scripts refuse calls made for the old one, and for one lease TTL (the *learning period*) no
+replica's slots grow and new buckets start empty, while each replica's report rebuilds the record of
+what it holds.
+
+All keys share one hash tag (``{prefix}``); the client is a plain (not a cluster) client.
 """
 
 from __future__ import annotations
@@ -34,23 +42,70 @@ from typing import Any
 import orjson
 import redis.asyncio as aioredis
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from redis.exceptions import RedisError
+from redis.exceptions import NoScriptError, RedisError, ResponseError
 
 from . import logs
-from .admission import ShareReport
+from .admission import ShareReport, Usage
 from .config import RedisStore
 from .core import Core, Ended
 from .limits import Credit
+from .share import ORPHANED
 
 log = logs.get("kvgate.store")
 
-MAX_EVENTS = 20_000
-"""Events kept in the stream (about two seconds of a busy fleet): a replica further behind skips ahead."""
+EVENTS_KEEP_MS = 30_000
+"""Events older than this are trimmed from the stream: a replica further behind skips ahead."""
+MAX_ENDS = 20_000
+"""Completions waiting to be forwarded while Redis is away; beyond it the oldest are dropped (their
+slots come back by reclaim)."""
+ENDS_PER_BATCH = 2_000
+FAIR = """
+local function fair(demand, spare, cap)
+  cap = math.max(0, cap)
+  local names = {}
+  for r, _ in pairs(demand) do names[#names + 1] = r end
+  table.sort(names, function(a, b)
+    if demand[a] ~= demand[b] then return demand[a] < demand[b] end
+    return a < b
+  end)
+  local left, share = cap, {}
+  for i, r in ipairs(names) do
+    local give = math.min(math.max(0, demand[r]), left / (#names - i + 1))
+    share[r] = give
+    left = left - give
+  end
+  local out, sum = {}, 0
+  for _, r in ipairs(names) do out[r] = math.floor(share[r]); sum = sum + out[r] end
+  left = cap - sum
+  local byfrac = {}
+  for _, r in ipairs(names) do byfrac[#byfrac + 1] = r end
+  table.sort(byfrac, function(a, b)
+    local fa, fb = share[a] - out[a], share[b] - out[b]
+    if fa ~= fb then return fa > fb end
+    return a < b
+  end)
+  for _, r in ipairs(byfrac) do
+    if left <= 0 then break end
+    if out[r] < demand[r] then out[r] = out[r] + 1; left = left - 1 end
+  end
+  local sp = {}
+  for _, r in ipairs(names) do if spare[r] then sp[#sp + 1] = r end end
+  table.sort(sp, function(a, b)
+    if out[a] ~= out[b] then return out[a] < out[b] end
+    return a < b
+  end)
+  for _, r in ipairs(sp) do
+    if left <= 0 then break end
+    out[r] = out[r] + 1; left = left - 1
+  end
+  return out
+end
+"""
 
-# KEYS: replicas (zset replica -> expiry ms), epoch, learning, over (the tenants some replica holds more
-# than an even split of). ARGV: replica, ttl ms, new epoch, known epoch, prefix of the slots hashes.
-# Returns {epoch, learning 0|1, {live replica ids}, {tenant, {replica, held, ...}, ...}}: the holdings of
-# the tenants held unevenly are what a fallback split must correct for (the others need no correction).
+# KEYS: replicas (zset replica -> expiry ms), epoch, learning, over (the tenants held unevenly).
+# ARGV: replica, ttl ms, new epoch, known epoch, prefix of the slots hashes, rejoining 0|1.
+# Returns {epoch, learning 0|1, {live replica ids}, {tenant, {field, value, ...}, ...}}: the holdings of
+# the tenants held unevenly are what a fallback split corrects for (the others need no correction).
 HELLO = """
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
@@ -65,6 +120,10 @@ if not e then
 elseif ARGV[4] ~= '' and ARGV[4] ~= e then
   redis.call('SET', KEYS[3], '1', 'PX', ttl, 'NX')
 end
+if ARGV[6] == '1' then
+  -- a replica back from its local split: what it holds is not on record yet
+  redis.call('SET', KEYS[3], '1', 'PX', ttl)
+end
 local uneven = {}
 for _, tenant in ipairs(redis.call('SRANDMEMBER', KEYS[4], 256)) do
   uneven[#uneven + 1] = tenant
@@ -73,69 +132,74 @@ end
 return {e, redis.call('EXISTS', KEYS[3]), redis.call('ZRANGEBYSCORE', KEYS[1], now, '+inf'), uneven}
 """
 
-# KEYS: replicas, the tenant's slots hash (h:<replica> held, w:<replica> want), learning, over.
-# ARGV: replica, cap, held here, in flight here, want, ttl ms, borrow 0|1, tenant.
-# Returns {held, free, version, replica, held, replica, held, ...} (every live replica's holding).
-SLOTS = """
+# KEYS: replicas, the tenant's slots hash (per replica h: held, w: demand, x: spare, i: in flight; per dead
+# replica o: orphaned slots still running, e: their expiry, p: its other slots, f: their expiry),
+# learning, over, epoch, version counter.
+# ARGV: 1 replica, 2 cap, 3 slots it enforces now, 4 in flight, 5 demand, 6 spare 0|1, 7 ttl ms,
+#       8 borrow 0|1, 9 tenant, 10 known epoch, 11 orphan ttl ms.
+# Returns {-1} for a call made for another epoch, else {slots, free, version, orphaned slots, replica,
+# record, replica, record, ...}.
+SLOTS = FAIR + """
+if redis.call('GET', KEYS[5]) ~= ARGV[10] then return {-1} end
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-local me = ARGV[1]
-local cap = tonumber(ARGV[2])
-local inflight = tonumber(ARGV[4])
-local want = tonumber(ARGV[5])
+local me, cap = ARGV[1], tonumber(ARGV[2])
+local enforced, inflight = tonumber(ARGV[3]), tonumber(ARGV[4])
 local live, n = {}, 0
 for _, r in ipairs(redis.call('ZRANGEBYSCORE', KEYS[1], now, '+inf')) do live[r] = true; n = n + 1 end
 if not live[me] then live[me] = true; n = n + 1 end
-local held, wants = {}, {}
 local raw = redis.call('HGETALL', KEYS[2])
-for i = 1, #raw, 2 do
-  local f, r, kind = raw[i], string.sub(raw[i], 3), string.sub(raw[i], 1, 2)
-  if kind == 'h:' or kind == 'w:' then
+local fields = {}
+for i = 1, #raw, 2 do fields[raw[i]] = raw[i + 1] end
+local held, demand, spare, orphans = {}, {}, {}, 0
+for f, v in pairs(fields) do
+  local kind, r = string.sub(f, 1, 2), string.sub(f, 3)
+  if kind == 'h:' or kind == 'w:' or kind == 'x:' or kind == 'i:' then
     if not live[r] then
+      if kind == 'h:' and tonumber(v) > 0 then
+        -- a replica that died: the requests it admitted still run, their slots stay taken until their
+        -- completions come in (forwarded for it: ORPHAN) or the lease timeout passes; the rest of what
+        -- it held (spares, and what it admitted since its last report) for two lease TTLs
+        local running = math.min(tonumber(v), tonumber(fields['i:' .. r] or v))
+        redis.call('HINCRBY', KEYS[2], 'o:' .. r, running)
+        redis.call('HSET', KEYS[2], 'e:' .. r, now + tonumber(ARGV[11]))
+        if tonumber(v) > running then
+          redis.call('HINCRBY', KEYS[2], 'p:' .. r, tonumber(v) - running)
+          redis.call('HSET', KEYS[2], 'f:' .. r, now + 2 * tonumber(ARGV[7]))
+        end
+        orphans = orphans + tonumber(v)
+      end
       redis.call('HDEL', KEYS[2], f)
     elseif kind == 'h:' then
-      held[r] = tonumber(raw[i + 1])
+      held[r] = tonumber(v)
+    elseif kind == 'w:' then
+      demand[r] = tonumber(v)
     else
-      wants[r] = tonumber(raw[i + 1])
+      spare[r] = (v == '1')
+    end
+  elseif kind == 'o:' or kind == 'p:' then
+    local until_field = (kind == 'o:' and 'e:' or 'f:') .. r
+    if tonumber(fields[until_field] or 0) < now or tonumber(v) <= 0 then
+      redis.call('HDEL', KEYS[2], f, until_field)
+    else
+      orphans = orphans + tonumber(v)
     end
   end
 end
--- no record: first sync, or the store restarted empty; rebuilt from what the replica holds
-local mine = held[me] or tonumber(ARGV[3])
+-- no record: first call, or the store restarted empty: rebuilt from what the replica enforces
+local mine = held[me] or enforced
 if mine < inflight then mine = inflight end
 held[me] = nil
-local others = 0
+local others = orphans
 for _, h in pairs(held) do others = others + h end
-wants[me] = want
+demand[me] = tonumber(ARGV[5])
+spare[me] = (ARGV[6] == '1')
 local free = cap - others - mine
 local target
-if ARGV[7] == '1' then
-  target = mine + math.max(0, math.min(want - mine, free))
+if ARGV[8] == '1' then
+  target = mine + math.max(0, math.min(demand[me] - mine, free))
 else
-  -- max-min fair share of cap by want (the same arithmetic as share.fair_slots)
-  local names = {}
-  for r, _ in pairs(wants) do names[#names + 1] = r end
-  table.sort(names, function(a, b)
-    if wants[a] ~= wants[b] then return wants[a] < wants[b] end
-    return a < b
-  end)
-  local left, share = cap, {}
-  for i, r in ipairs(names) do
-    local give = math.min(math.max(0, wants[r]), left / (#names - i + 1))
-    share[r] = give
-    left = left - give
-  end
-  local whole, sum = {}, 0
-  for _, r in ipairs(names) do whole[r] = math.floor(share[r]); sum = sum + whole[r] end
-  local extra = cap - sum
-  local byname = {}
-  for _, r in ipairs(names) do byname[#byname + 1] = r end
-  table.sort(byname)
-  for _, r in ipairs(byname) do
-    if extra <= 0 then break end
-    if whole[r] < wants[r] then whole[r] = whole[r] + 1; extra = extra - 1 end
-  end
-  target = math.min(want, whole[me])
+  target = fair(demand, spare, cap - orphans)[me]
   if target > mine then
     target = mine + math.max(0, math.min(target - mine, free))
   else
@@ -143,21 +207,34 @@ else
   end
 end
 if redis.call('EXISTS', KEYS[3]) == 1 and target > mine then target = mine end
-redis.call('HSET', KEYS[2], 'h:' .. me, target, 'w:' .. me, want)
--- replies may come back out of order (a sync and a borrow on two connections): the replica keeps the newest
-local version = redis.call('HINCRBY', KEYS[2], 'v', 1)
-redis.call('PEXPIRE', KEYS[2], tonumber(ARGV[6]) * 20)
-local even, uneven = math.floor(cap / n), target > math.floor(cap / n)
+-- never below what the replica admits on until it says it lowered it
+local record = math.max(target, enforced, inflight)
+redis.call('HSET', KEYS[2], 'h:' .. me, record, 'w:' .. me, demand[me], 'x:' .. me, ARGV[6], 'i:' .. me, inflight)
+redis.call('PEXPIRE', KEYS[2], math.max(tonumber(ARGV[7]) * 20, tonumber(ARGV[11]) + 60000))
+local version = redis.call('INCR', KEYS[6])
+local even = math.floor(cap / n)
+local uneven = record > even or orphans > 0
 for _, h in pairs(held) do if h > even then uneven = true end end
-if uneven then redis.call('SADD', KEYS[4], ARGV[8]) else redis.call('SREM', KEYS[4], ARGV[8]) end
-local out = {target, cap - others - target, version, me, target}
+if uneven then redis.call('SADD', KEYS[4], ARGV[9]) else redis.call('SREM', KEYS[4], ARGV[9]) end
+local out = {target, cap - others - record, version, orphans, me, record}
 for r, h in pairs(held) do out[#out + 1] = r; out[#out + 1] = h end
 return out
 """
 
-# KEYS: the bucket (hash l = level, t = when), learning. ARGV: rate per s, capacity, amount (+ lease,
-# - give back), partial 0|1. Returns {granted, level} as strings (Lua numbers would be truncated).
+# KEYS: the tenant's slots hash. ARGV: the dead replica. One of its orphaned slots comes back.
+ORPHAN = """
+for _, kind in ipairs({'o:', 'p:'}) do
+  local o = tonumber(redis.call('HGET', KEYS[1], kind .. ARGV[1]) or 0)
+  if o > 0 then redis.call('HINCRBY', KEYS[1], kind .. ARGV[1], -1); return 1 end
+end
+return 0
+"""
+
+# KEYS: the bucket (hash l = level, t = when), learning, epoch. ARGV: rate per s, capacity, amount
+# (+ lease, - give back), partial 0|1, known epoch. Returns {granted, level} as strings (Lua numbers
+# would be truncated to integers), or {'epoch'} for a call made for another epoch.
 BUCKET = """
+if redis.call('GET', KEYS[3]) ~= ARGV[5] then return {'epoch'} end
 local t = redis.call('TIME')
 local now = tonumber(t[1]) + tonumber(t[2]) / 1e6
 local rate, cap, amount = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
@@ -178,9 +255,14 @@ else
   level = math.min(cap, level - amount)
 end
 redis.call('HSET', KEYS[1], 'l', level, 't', now)
-redis.call('PEXPIRE', KEYS[1], math.floor(math.max(0, cap - level) / math.max(rate, 1e-9) * 1000) + 60000)
+local full_ms = math.max(0, cap - level) / math.max(rate, 1e-9) * 1000
+redis.call('PEXPIRE', KEYS[1], math.floor(math.min(full_ms, 86400000)) + 60000)
 return {tostring(granted), tostring(level)}
 """
+
+SCRIPTS = {"hello": HELLO, "slots": SLOTS, "orphan": ORPHAN, "bucket": BUCKET}
+
+Remote = tuple[dict[str, float], list[tuple[str, int, int, str]], list[list[Any]]]
 
 
 class SharedStore:
@@ -190,20 +272,20 @@ class SharedStore:
         self.cfg = cfg
         self.core = core
         self.me = core.admission.replica
+        self.orphan_ttl_ms = int(core.config.server.lease_timeout_seconds * 1000)
         password = cfg.password_file.read_text().strip() if cfg.password_file is not None else None
         timeout = cfg.timeout_ms / 1000.0
-        kw: dict[str, Any] = {"socket_timeout": timeout, "socket_connect_timeout": timeout, "retry_on_timeout": False}
+        kw: dict[str, Any] = {"socket_timeout": timeout, "socket_connect_timeout": timeout,
+                              "retry_on_timeout": False, "protocol": 2}
         if password is not None:
             kw["password"] = password
         if cfg.tls_ca_file is not None:
             kw["ssl_ca_certs"] = str(cfg.tls_ca_file)
         self.client: Any = aioredis.Redis.from_url(cfg.url, **kw)
-        self._hello = self.client.register_script(HELLO)
-        self._slots = self.client.register_script(SLOTS)
-        self._bucket = self.client.register_script(BUCKET)
+        self._sha: dict[str, str] = {}
         p = "{" + cfg.key_prefix + "}"
-        self.k_replicas, self.k_epoch, self.k_learning, self.k_events, self.k_over = (
-            f"{p}:replicas", f"{p}:epoch", f"{p}:learning", f"{p}:events", f"{p}:over")
+        self.k_replicas, self.k_epoch, self.k_learning, self.k_events, self.k_over, self.k_version = (
+            f"{p}:replicas", f"{p}:epoch", f"{p}:learning", f"{p}:events", f"{p}:over", f"{p}:version")
         self._prefix = p
         self.epoch = ""
         self.live: list[str] = [self.me]
@@ -211,14 +293,22 @@ class SharedStore:
         """Tenant → replica → slots held, as last read: what a fallback split corrects for."""
         self.learning = False
         self._versions: dict[str, int] = {}
-        """Tenant → the newest slots answer applied (answers to a sync and a borrow may cross)."""
-        self._borrowing: dict[str, int] = {}
-        """Tenant → borrows of a slot on their way: a burst on one replica asks for one slot each."""
+        """Tenant → the newest slots answer applied."""
+        self._locks: dict[str, asyncio.Lock] = {}
+        """One slots call per tenant on its way at a time: what a call reports is what the replica enforces."""
         self.last_id: str | None = None
+        self._seq = 0
+        self._batch: tuple[int, bytes, int] | None = None
+        """(sequence, bytes, completions in it) of the events sent and not yet known to have arrived:
+        sent again, same sequence, until a sync succeeds (readers skip what they have seen)."""
+        self._seen: dict[str, int] = {}
         self._ends: list[list[Any]] = []
         """Completions to forward: [owner ('*': every replica), ticket, request id, status, prompt,
         completion, upstream answered, disconnected]."""
+        self._orphans: list[tuple[str, str]] = []
+        """(tenant, dead replica) of completions forwarded for a replica no longer alive."""
         self._failing_since: float | None = None
+        self._debit_task: asyncio.Task[None] | None = None
         self.ok = False
         r = registry
         self.up_gauge = Gauge("kvgate_store_up", "1 while this replica's last sync with the shared store "
@@ -235,17 +325,46 @@ class SharedStore:
                                "refusing a request, by result: granted | refused | error", ["result"], registry=r)
         self.errors = Counter("kvgate_store_errors_total", "Failed calls to the shared store", ["op"], registry=r)
         self.forwarded = Counter("kvgate_store_forwarded_completions_total", "Completions for tickets another "
-                                 "replica owns: sent (forwarded to it) | received (from another)", ["direction"],
-                                 registry=r)
+                                 "replica owns: sent (forwarded to it) | received (from another) | orphan (its "
+                                 "replica had died: the slot goes back to the fleet) | dropped (too many waiting "
+                                 "while Redis was away)", ["direction"], registry=r)
         self.up_gauge.set(0)
 
-    # -- keys ------------------------------------------------------------------------------------
+    # -- keys and scripts ------------------------------------------------------------------------
 
     def _k_slots(self, tenant: str) -> str:
         return f"{self._prefix}:c:{tenant}"
 
     def _k_bucket(self, tenant: str, dim: str) -> str:
         return f"{self._prefix}:b:{tenant}:{dim}"
+
+    async def _load(self) -> None:
+        """Load the scripts (once, and again after Redis lost them): EVALSHA then costs no extra round
+        trip (redis-py's Script objects check SCRIPT EXISTS before every pipeline)."""
+        for name, src in SCRIPTS.items():
+            self._sha[name] = await asyncio.wait_for(self.client.script_load(src), self.cfg.timeout_ms / 1000.0)
+
+    def _call(self, pipe: Any, name: str, keys: list[str], args: list[Any]) -> None:
+        pipe.evalsha(self._sha[name], len(keys), *keys, *args)
+
+    def _slots_call(self, pipe: Any, tenant: str, cap: int, enforced: int, inflight: int, demand: int,
+                    spare: bool, borrow: bool) -> None:
+        self._call(pipe, "slots",
+                   [self.k_replicas, self._k_slots(tenant), self.k_learning, self.k_over, self.k_epoch,
+                    self.k_version],
+                   [self.me, cap, enforced, inflight, demand, int(spare), int(self.cfg.lease_ttl_seconds * 1000),
+                    int(borrow), tenant, self.epoch, self.orphan_ttl_ms])
+
+    def _bucket_call(self, pipe: Any, tenant: str, dim: str, rate: float, capacity: float, amount: float,
+                     partial: bool) -> None:
+        self._call(pipe, "bucket", [self._k_bucket(tenant, dim), self.k_learning, self.k_epoch],
+                   [repr(rate), repr(capacity), repr(amount), int(partial), self.epoch])
+
+    def _lock(self, tenant: str) -> asyncio.Lock:
+        lock = self._locks.get(tenant)
+        if lock is None:
+            lock = self._locks[tenant] = asyncio.Lock()
+        return lock
 
     # -- the loop --------------------------------------------------------------------------------
 
@@ -259,57 +378,102 @@ class SharedStore:
         """One round trip; True when it succeeded."""
         t0 = time.perf_counter()
         adm = self.core.admission
+        try:
+            if not self._sha:
+                await self._load()
+        except (TimeoutError, RedisError, OSError) as e:
+            self._failed(e)
+            return False
         interval = self.cfg.sync_interval_ms / 1000.0
         rejoining = adm.local_split > 0
         reports: list[ShareReport] = [] if rejoining else adm.share_report(len(self.live), interval)
-        service, adm.service_out = adm.service_out, {}
-        dispatched, adm.dispatch_out = adm.dispatch_out, []
-        ends, self._ends = self._ends, []
-        ttl_ms = int(self.cfg.lease_ttl_seconds * 1000)
         pipe = self.client.pipeline(transaction=False)
-        await self._hello(keys=[self.k_replicas, self.k_epoch, self.k_learning, self.k_over],
-                          args=[self.me, ttl_ms, secrets.token_hex(8), self.epoch, self._k_slots("")], client=pipe)
+        self._call(pipe, "hello", [self.k_replicas, self.k_epoch, self.k_learning, self.k_over],
+                   [self.me, int(self.cfg.lease_ttl_seconds * 1000), secrets.token_hex(8), self.epoch,
+                    self._k_slots(""), int(rejoining)])
         calls: list[tuple[str, str, str]] = []
+        held: list[asyncio.Lock] = []
         for r in reports:
-            if r.cap is not None and r.want is not None:
-                await self._slots(keys=[self.k_replicas, self._k_slots(r.tenant), self.k_learning, self.k_over],
-                                  args=[self.me, r.cap, r.slots, r.inflight, r.want, ttl_ms, 0, r.tenant], client=pipe)
-                calls.append(("slots", r.tenant, ""))
+            if r.cap is not None and r.demand is not None:
+                lock = self._lock(r.tenant)
+                if not lock.locked():  # a borrow for it is on its way: this tenant waits for the next sync
+                    await lock.acquire()
+                    held.append(lock)
+                    s = adm.tenant_state(r.tenant)
+                    self._slots_call(pipe, r.tenant, r.cap, s.slots or 0 if s is not None else r.slots, r.inflight,
+                                     r.demand, r.spare, borrow=False)
+                    calls.append(("slots", r.tenant, ""))
             for dim, op in (("requests", r.requests), ("tokens", r.tokens)):
                 if op is not None and op[2] != 0:
                     per_minute, capacity, amount = op
-                    await self._bucket(keys=[self._k_bucket(r.tenant, dim), self.k_learning],
-                                       args=[per_minute / 60.0, capacity, amount, 1], client=pipe)
+                    self._bucket_call(pipe, r.tenant, dim, per_minute / 60.0, capacity, amount, partial=True)
                     calls.append(("bucket", r.tenant, dim))
-        if service or dispatched or ends:
-            batch = orjson.dumps({"r": self.me, "s": service, "d": dispatched, "e": ends})
-            pipe.xadd(self.k_events, {"b": batch}, maxlen=MAX_EVENTS, approximate=True)
+        orphans, self._orphans = self._orphans, []
+        for tenant, owner in orphans:
+            self._call(pipe, "orphan", [self._k_slots(tenant)], [owner])
+            calls.append(("orphan", tenant, owner))
+        batch = self._next_batch()
+        if batch is not None:
+            pipe.xadd(self.k_events, {"b": batch[1]}, minid=f"{int(time.time() * 1000) - EVENTS_KEEP_MS}-0",
+                      approximate=True)
             calls.append(("xadd", "", ""))
         if self.last_id is None:
             pipe.xrevrange(self.k_events, count=1)
             calls.append(("last", "", ""))
         else:
-            pipe.xread({self.k_events: self.last_id}, count=MAX_EVENTS)
+            pipe.xread({self.k_events: self.last_id}, count=10_000)
             calls.append(("read", "", ""))
         try:
-            results = await asyncio.wait_for(pipe.execute(), timeout=2 * self.cfg.timeout_ms / 1000.0)
+            results = await asyncio.wait_for(pipe.execute(raise_on_error=False),
+                                             timeout=2 * self.cfg.timeout_ms / 1000.0)
         except (TimeoutError, RedisError, OSError) as e:
-            self._failed(e, reports, service, dispatched, ends)
+            for lock in held:
+                lock.release()
+            self._orphans[:0] = orphans
+            self._failed(e)
             return False
         finally:
             await pipe.reset()
+        try:
+            return self._apply(results, calls, rejoining, t0)
+        finally:
+            for lock in held:
+                lock.release()
+
+    def _apply(self, results: list[Any], calls: list[tuple[str, str, str]], rejoining: bool, t0: float) -> bool:
+        adm = self.core.admission
+        if isinstance(results[0], BaseException):
+            if isinstance(results[0], NoScriptError):
+                self._sha.clear()  # Redis restarted: load them again
+            self._orphans[:0] = [(t, o) for k, t, o in calls if k == "orphan"]
+            self._failed(results[0])
+            return False
         self.sync_seconds.observe(time.perf_counter() - t0)
         self._hello_result(results[0])
         if rejoining:
-            await self._rejoin()
-        remote: list[tuple[dict[str, float], list[tuple[str, int, int, str]], list[list[Any]]]] = []
+            self._rejoin()
+        remote: list[Remote] = []
         for (kind, tenant, dim), res in zip(calls, results[1:], strict=True):
+            if isinstance(res, BaseException):
+                # this call failed on its own (the others went through): a batch of events goes again,
+                # an orphaned slot is given back next time, the rest is asked again at the next sync
+                self.errors.labels(kind).inc()
+                if isinstance(res, NoScriptError):
+                    self._sha.clear()
+                else:
+                    log.warning("store_call_failed", call=kind, tenant=tenant, error=str(res))
+                if kind == "orphan":
+                    self._orphans.append((tenant, dim))
+                continue
             if kind == "slots":
                 self._slots_result(tenant, res)
             elif kind == "bucket":
-                adm.share_credit(tenant, dim, float(res[0]), float(res[1]))
+                if len(res) == 2:
+                    adm.share_credit(tenant, dim, float(res[0]), float(res[1]))
+            elif kind == "xadd":
+                self._batch = None
             elif kind == "last":
-                self.last_id = _id(res[0][0]) if res else "0-0"
+                self.last_id = _str(res[0][0]) if res else "0-0"
             elif kind == "read":
                 remote = self._events(res)
         self._ok()
@@ -320,49 +484,81 @@ class SharedStore:
         self.core.shares_changed()
         return True
 
+    def _next_batch(self) -> tuple[int, bytes, int] | None:
+        """The events to send: the last batch again if it may not have arrived (readers skip a sequence
+        they have seen), else what happened since. Bookings for nodes are only worth sending fresh."""
+        adm = self.core.admission
+        if self._batch is not None:
+            adm.dispatch_out.clear()
+            return self._batch
+        service, adm.service_out = adm.service_out, {}
+        dispatched, adm.dispatch_out = adm.dispatch_out, []
+        ends, self._ends = self._ends[:ENDS_PER_BATCH], self._ends[ENDS_PER_BATCH:]
+        if not (service or dispatched or ends):
+            return None
+        self._seq += 1
+        self._batch = (self._seq, orjson.dumps({"r": self.me, "q": self._seq, "s": service, "d": dispatched,
+                                                "e": ends}), len(ends))
+        return self._batch
+
     def _hello_result(self, res: list[Any]) -> None:
         epoch = _str(res[0])
         if self.epoch and epoch != self.epoch:
             log.warning("store_epoch_changed", note="the store lost its state (restarted empty): learning "
                         "period, slots rebuilt from what each replica holds", old=self.epoch, new=epoch)
-            self.last_id = None
+            self.last_id = "0-0"  # a new stream: read it from its start
             self._versions.clear()
+            self._seen.clear()
         self.epoch = epoch
         self.learning = bool(int(res[1]))
         self.live = sorted({_str(r) for r in res[2]} | {self.me})
         self.replicas_gauge.set(len(self.live))
-        # what a fallback split corrects for: the tenants held unevenly (the rest need no correction)
         uneven = res[3]
         holdings: dict[str, dict[str, int]] = {}
         for i in range(0, len(uneven) - 1, 2):
             raw = uneven[i + 1]
-            holdings[_str(uneven[i])] = {_str(raw[j])[2:]: int(raw[j + 1]) for j in range(0, len(raw) - 1, 2)
-                                         if _str(raw[j]).startswith("h:")}
+            fields = {_str(raw[j]): _str(raw[j + 1]) for j in range(0, len(raw) - 1, 2)}
+            live = set(self.live)
+            held = {f[2:]: int(v) for f, v in fields.items() if f.startswith("h:") and f[2:] in live}
+            # a dead replica's slots, still taken by what it admitted (until a slots call orphans them)
+            orphaned = sum(int(v) for f, v in fields.items()
+                           if f[:2] in ("o:", "p:") or (f.startswith("h:") and f[2:] not in live))
+            if orphaned:
+                held[ORPHANED] = orphaned
+            holdings[_str(uneven[i])] = held
         self.holdings = holdings
 
     def _slots_result(self, tenant: str, res: list[Any]) -> None:
-        held, free, version = int(res[0]), int(res[1]), int(res[2])
+        if int(res[0]) < 0:
+            return  # made for another epoch: the next sync asks again
+        held, free, version, orphans = int(res[0]), int(res[1]), int(res[2]), int(res[3])
         if version <= self._versions.get(tenant, 0):
             return  # older than an answer already applied
         self._versions[tenant] = version
-        rest = res[3:]
-        self.holdings[tenant] = {_str(rest[i]): int(rest[i + 1]) for i in range(0, len(rest) - 1, 2)}
+        rest = res[4:]
+        holdings = {_str(rest[i]): int(rest[i + 1]) for i in range(0, len(rest) - 1, 2)}
+        if orphans:
+            holdings[ORPHANED] = orphans
+        self.holdings[tenant] = holdings
         self.core.admission.share_slots(tenant, held, max(0, free))
 
-    def _events(self, res: Any) -> list[tuple[dict[str, float], list[tuple[str, int, int, str]], list[list[Any]]]]:
-        out = []
+    def _events(self, res: Any) -> list[Remote]:
+        out: list[Remote] = []
         for _stream, entries in res or []:
             for eid, fields in entries:
-                self.last_id = _id(eid)
+                self.last_id = _str(eid)
                 raw = fields.get(b"b") if isinstance(fields, dict) else None
-                if raw is None:
-                    continue
                 try:
-                    doc = orjson.loads(raw)
+                    doc = orjson.loads(raw) if raw is not None else None
                 except orjson.JSONDecodeError:
                     continue
                 if not isinstance(doc, dict) or doc.get("r") == self.me:
                     continue
+                sender, seq = str(doc.get("r")), doc.get("q")
+                if isinstance(seq, int):
+                    if seq <= self._seen.get(sender, 0):
+                        continue  # sent again after a sync that failed: already applied
+                    self._seen[sender] = seq
                 svc = {str(k): float(v) for k, v in (doc.get("s") or {}).items() if isinstance(v, int | float)}
                 disp = [(str(d[0]), int(d[1]), int(d[2]), str(d[3])) for d in doc.get("d") or []
                         if isinstance(d, list) and len(d) == 4]
@@ -372,11 +568,14 @@ class SharedStore:
         return out
 
     def _deliver(self, e: list[Any]) -> None:
-        owner, ticket, request_id, status, prompt, completion, answered, disconnected = e
-        from .admission import Usage
-
-        usage = Usage(int(prompt), int(completion)) if prompt is not None and completion is not None else None
-        self.core.ended(Ended(ticket or None, str(request_id), int(status), usage, bool(answered), bool(disconnected)))
+        try:
+            owner, ticket, request_id, status, prompt, completion, answered, disconnected = e
+            usage = Usage(int(prompt), int(completion)) if prompt is not None and completion is not None else None
+            self.core.ended(Ended(ticket or None, str(request_id), int(status), usage, bool(answered),
+                                  bool(disconnected)))
+        except (TypeError, ValueError) as err:
+            log.warning("forwarded_completion_unreadable", error=str(err))
+            return
         if owner != "*":
             self.forwarded.labels("received").inc()
 
@@ -387,15 +586,10 @@ class SharedStore:
         self._failing_since = None
         self.up_gauge.set(1)
 
-    def _failed(self, e: BaseException, reports: list[ShareReport], service: dict[str, float],
-                dispatched: list[tuple[str, int, int, str]], ends: list[list[Any]]) -> None:
-        """Keep what must not be lost for the next try (completions to forward, service and bookings);
-        credit given back in this sync is lost to the fleet, never spent twice."""
+    def _failed(self, e: BaseException) -> None:
+        """Completions to forward are kept for the next try (the batch they are in goes again); credit
+        given back in this sync is lost to the fleet, never spent twice."""
         adm = self.core.admission
-        for k, v in service.items():
-            adm.service_out[k] = adm.service_out.get(k, 0.0) + v
-        adm.dispatch_out[:0] = dispatched
-        self._ends[:0] = ends
         self.errors.labels("sync").inc()
         now = time.monotonic()
         if self._failing_since is None:
@@ -403,23 +597,34 @@ class SharedStore:
             log.warning("store_unreachable", error=f"{type(e).__name__}: {e}", url=_safe(self.cfg.url))
         self.ok = False
         self.up_gauge.set(0)
+        if len(self._ends) > MAX_ENDS:
+            dropped = len(self._ends) - MAX_ENDS
+            del self._ends[:dropped]
+            self.forwarded.labels("dropped").inc(dropped)
         if not adm.local_split and now - self._failing_since >= self.cfg.fallback_after_seconds:
-            others = [r for r in self.live if r != self.me]
-            adm.share_local(others, self.me, self.holdings)
+            live = list(self.live)
+            live += [f"~expected-{i}" for i in range(max(0, self.cfg.expected_replicas - len(live)))]
+            adm.share_local(live, self.me, self.holdings)
             self.fallback_gauge.set(1)
-            log.error("store_down_local_split", replicas=len(others) + 1,
+            log.error("store_down_local_split", replicas=len(live),
                       note="each limit split evenly among the replicas last seen alive until the store answers")
             self.core.shares_changed()
 
-    async def _rejoin(self) -> None:
-        """Back from a local split: leased credit again; what was spent meanwhile is debited."""
+    def _rejoin(self) -> None:
+        """Back from a local split: leased credit again; what was spent meanwhile is debited (in the
+        background: the next sync need not wait for it)."""
         adm = self.core.admission
+        if not adm.local_split:
+            return
         adm.share_rejoin()
         spent, adm.fallback_spent = adm.fallback_spent, {}
         self.fallback_gauge.set(0)
         log.info("store_rejoined", note="budgets are leased from the store again")
-        if not spent:
-            return
+        if spent:
+            self._debit_task = asyncio.get_running_loop().create_task(self._debit(spent))
+
+    async def _debit(self, spent: dict[str, tuple[float, float]]) -> None:
+        adm = self.core.admission
         pipe = self.client.pipeline(transaction=False)
         for tenant, (requests, tokens) in spent.items():
             s = adm.tenant_state(tenant)
@@ -427,10 +632,9 @@ class SharedStore:
                 continue
             for dim, amount, b in (("requests", requests, s.requests), ("tokens", tokens, s.tokens)):
                 if isinstance(b, Credit) and amount > 0:
-                    await self._bucket(keys=[self._k_bucket(tenant, dim), self.k_learning],
-                                       args=[b.rate, b.capacity, amount, 1], client=pipe)
+                    self._bucket_call(pipe, tenant, dim, b.rate, b.capacity, amount, partial=True)
         try:
-            await asyncio.wait_for(pipe.execute(), timeout=2 * self.cfg.timeout_ms / 1000.0)
+            await asyncio.wait_for(pipe.execute(raise_on_error=False), timeout=2 * self.cfg.timeout_ms / 1000.0)
         except (TimeoutError, RedisError, OSError):
             self.errors.labels("rejoin").inc()
         finally:
@@ -443,60 +647,59 @@ class SharedStore:
         round trip. Granted all or nothing per budget. False when the store could not be asked."""
         adm = self.core.admission
         s = adm.tenant_state(tenant)
-        if s is None or adm.local_split or not self.ok:
+        if s is None or adm.local_split or not self.ok or not self._sha:
             self.borrows.labels("refused" if s is not None else "error").inc()
             return False
-        q = s.config
-        pipe = self.client.pipeline(transaction=False)
-        calls: list[str] = []
-        ttl_ms = int(self.cfg.lease_ttl_seconds * 1000)
-        held = s.slots or 0
-        if q.max_concurrent is not None and s.inflight >= held:
-            ahead = self._borrowing.get(tenant, 0)
-            await self._slots(keys=[self.k_replicas, self._k_slots(tenant), self.k_learning, self.k_over],
-                              args=[self.me, q.max_concurrent, held, s.inflight, max(held, s.inflight) + ahead + 1,
-                                    ttl_ms, 1, tenant], client=pipe)
-            calls.append("slots")
-        for dim, b, need in (("requests", s.requests, 1.0), ("tokens", s.tokens, tokens)):
-            if isinstance(b, Credit) and b.level < need:
-                await self._bucket(keys=[self._k_bucket(tenant, dim), self.k_learning],
-                                   args=[b.rate, b.capacity, need - b.level, 0], client=pipe)
-                calls.append(dim)
-        if not calls:
-            await pipe.reset()
-            return True
-        slot = "slots" in calls
-        if slot:
-            self._borrowing[tenant] = self._borrowing.get(tenant, 0) + 1
-        try:
-            results = await asyncio.wait_for(pipe.execute(), timeout=self.cfg.timeout_ms / 1000.0)
-        except (TimeoutError, RedisError, OSError):
-            self.errors.labels("borrow").inc()
-            self.borrows.labels("error").inc()
-            return False
-        finally:
-            await pipe.reset()
-            if slot:
-                n = self._borrowing.get(tenant, 1) - 1
-                if n > 0:
-                    self._borrowing[tenant] = n
+        async with self._lock(tenant):
+            pipe = self.client.pipeline(transaction=False)
+            calls: list[str] = []
+            q = s.config
+            held = s.slots or 0
+            if q.max_concurrent is not None and s.inflight >= held:
+                self._slots_call(pipe, tenant, q.max_concurrent, held, s.inflight, max(held, s.inflight) + 1,
+                                 True, borrow=True)
+                calls.append("slots")
+            for dim, b, need in (("requests", s.requests, 1.0), ("tokens", s.tokens, tokens)):
+                if isinstance(b, Credit) and b.level < need:
+                    self._bucket_call(pipe, tenant, dim, b.rate, b.capacity, need - b.level, partial=False)
+                    calls.append(dim)
+            if not calls:
+                await pipe.reset()
+                return True
+            try:
+                results = await asyncio.wait_for(pipe.execute(raise_on_error=False),
+                                                 timeout=self.cfg.timeout_ms / 1000.0)
+            except (TimeoutError, RedisError, OSError):
+                self.errors.labels("borrow").inc()
+                self.borrows.labels("error").inc()
+                return False
+            finally:
+                await pipe.reset()
+            granted = True
+            for kind, res in zip(calls, results, strict=True):
+                if isinstance(res, BaseException) or (kind != "slots" and len(res) != 2):
+                    if isinstance(res, NoScriptError):
+                        self._sha.clear()
+                    granted = False
+                    continue
+                if kind == "slots":
+                    granted &= int(res[0]) > held
+                    self._slots_result(tenant, res)
                 else:
-                    self._borrowing.pop(tenant, None)
-        granted = True
-        for kind, res in zip(calls, results, strict=True):
-            if kind == "slots":
-                granted &= int(res[0]) > held
-                self._slots_result(tenant, res)
-            else:
-                granted &= float(res[0]) > 0
-                adm.share_credit(tenant, kind, float(res[0]), float(res[1]))
+                    granted &= float(res[0]) > 0
+                    adm.share_credit(tenant, kind, float(res[0]), float(res[1]))
         self.borrows.labels("granted" if granted else "refused").inc()
         return granted
 
-    def forward(self, e: Ended) -> None:
+    def forward(self, e: Ended, tenant: str = "") -> None:
         """A completion for a ticket another replica owns (or, without a ticket, one this replica does
-        not know): sent to it with the next sync."""
+        not know): sent to it with the next sync. For a replica that died, one of its orphaned slots of
+        ``tenant`` goes back instead."""
         owner = e.ticket.split("-", 1)[0] if e.ticket else "*"
+        if e.ticket and self.ok and owner not in self.live and tenant:
+            self._orphans.append((tenant, owner))
+            self.forwarded.labels("orphan").inc()
+            return
         u = e.usage
         self._ends.append([owner, e.ticket or "", e.request_id, e.status, u.prompt_tokens if u else None,
                            u.completion_tokens if u else None, e.upstream_answered, e.disconnected])
@@ -504,11 +707,15 @@ class SharedStore:
             self.forwarded.labels("sent").inc()
 
     async def close(self) -> None:
-        """Give back what this replica holds (a clean stop: the others need not wait for its TTL)."""
+        """A clean stop: leave at once (the others need not wait for its TTL), giving back every slot
+        but those of requests still running."""
         try:
             pipe = self.client.pipeline(transaction=False)
+            for s in self.core.admission.tenants():
+                if s.slots:  # what still runs stays taken (orphaned) until it ends; the rest goes back now
+                    pipe.hset(self._k_slots(s.name), mapping={f"h:{self.me}": s.inflight, f"i:{self.me}": s.inflight})
             pipe.zrem(self.k_replicas, self.me)
-            await asyncio.wait_for(pipe.execute(), timeout=self.cfg.timeout_ms / 1000.0)
+            await asyncio.wait_for(pipe.execute(raise_on_error=False), timeout=self.cfg.timeout_ms / 1000.0)
         except (TimeoutError, RedisError, OSError):
             pass
         await self.client.aclose()
@@ -516,10 +723,6 @@ class SharedStore:
 
 def _str(v: Any) -> str:
     return v.decode() if isinstance(v, bytes) else str(v)
-
-
-def _id(v: Any) -> str:
-    return _str(v)
 
 
 def _safe(url: str) -> str:
@@ -530,4 +733,4 @@ def _safe(url: str) -> str:
     return f"{scheme}://***@{rest.split('@', 1)[1]}"
 
 
-__all__ = ["BUCKET", "HELLO", "SLOTS", "SharedStore"]
+__all__ = ["BUCKET", "HELLO", "ORPHAN", "SCRIPTS", "SLOTS", "ResponseError", "SharedStore"]

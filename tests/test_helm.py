@@ -184,7 +184,8 @@ def test_the_rendered_store_loads_in_kvgate_with_its_secrets_mounted(tmp_path: P
 
     plain = kvgate_config(render(tmp_path, replicaCount=2, store={"redis": {"url": "redis://r:6379/1",
                                                                                "keyPrefix": "team-a:kvgate"}}))
-    assert plain["store"] == {"redis": {"url": "redis://r:6379/1", "key_prefix": "team-a:kvgate"}}  # no knobs unset
+    assert plain["store"] == {"redis": {"url": "redis://r:6379/1", "key_prefix": "team-a:kvgate",
+                                        "expected_replicas": 2}}  # no knobs unset; the replicas it runs
     assert parse_config(plain).store.redis is not None
     dep = named(render(tmp_path, replicaCount=2, store={"redis": {"url": "redis://r:6379/1"}}), "Deployment",
                 "demo-kvgate")
@@ -197,7 +198,7 @@ def test_the_charts_own_redis_admits_only_kvgate(tmp_path: Path) -> None:
     assert svc["spec"]["type"] == "ClusterIP" and svc["spec"]["ports"][0]["port"] == 6379
     cfg = kvgate_config(docs)
     assert cfg["store"]["redis"] == {"url": "redis://demo-kvgate-redis.llm.svc.cluster.local:6379/0",
-                                     "key_prefix": "demo"}
+                                     "key_prefix": "demo", "expected_replicas": 3}
     parse_config(cfg)
     dep = named(docs, "Deployment", "demo-kvgate-redis")
     assert dep["spec"]["replicas"] == 1

@@ -19,22 +19,25 @@ from gpu_probe.snapshot import Snapshot
 names = st.lists(st.text("abcdef", min_size=1, max_size=3), min_size=1, max_size=6, unique=True)
 
 
-@given(wants=st.dictionaries(st.text("abcdef", min_size=1, max_size=3), st.integers(0, 50), min_size=1, max_size=6),
-       cap=st.integers(0, 100))
-def test_fair_slots_are_max_min_fair_and_never_exceed_the_capacity(wants: dict[str, int], cap: int) -> None:
-    got = fair_slots(wants, cap)
+@given(demands=st.dictionaries(st.text("abcdef", min_size=1, max_size=3), st.integers(0, 50), min_size=1,
+                               max_size=6),
+       cap=st.integers(0, 100), data=st.data())
+def test_fair_slots_are_max_min_fair_spares_last_and_never_exceed_the_capacity(
+        demands: dict[str, int], cap: int, data: st.DataObject) -> None:
+    spares = set(data.draw(st.lists(st.sampled_from(sorted(demands)), unique=True)))
+    got = fair_slots(demands, cap, spares)
     assert sum(got.values()) <= cap
-    assert all(0 <= got[k] <= wants[k] for k in wants)
-    if sum(wants.values()) <= cap:
-        assert got == wants, "everyone gets what it wants when there is enough"
+    assert all(0 <= got[k] <= demands[k] + (k in spares) for k in demands)
+    if sum(demands.values()) <= cap:
+        assert all(got[k] >= demands[k] for k in demands), "everyone gets what it needs when there is enough"
+        assert sum(got.values()) == min(cap, sum(demands.values()) + len(spares)), "then a spare each"
     else:
-        assert sum(got.values()) == cap, "nothing is left idle while someone wants more"
-        # max-min: nobody short of its want has less than anyone else's share minus one slot
-        for k in wants:
-            if got[k] < wants[k]:
-                assert all(got[k] >= got[j] - 1 for j in wants)
-    shares = waterfill(wants, cap)
-    assert sum(shares.values()) <= cap + 1e-9
+        assert all(got[k] <= demands[k] for k in demands), "no spare while someone's demand is unmet"
+        assert sum(got.values()) == cap, "nothing is left idle while someone needs more"
+        for k in demands:  # max-min: nobody short of its demand has less than another's share minus one
+            if got[k] < demands[k]:
+                assert all(got[k] >= got[j] - 1 for j in demands)
+    assert sum(waterfill(demands, cap).values()) <= cap + 1e-9
 
 
 @given(replicas=names, cap=st.integers(0, 40), data=st.data())

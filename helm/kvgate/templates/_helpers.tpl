@@ -48,7 +48,7 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{- if not (regexMatch "^[A-Za-z0-9_.:-]{1,64}$" $prefix) -}}
 {{- fail (printf "store.redis.keyPrefix %q must match ^[A-Za-z0-9_.:-]{1,64}$ (set it when the release name does not)" $prefix) -}}
 {{- end -}}
-{{- $s := dict "url" $url "key_prefix" $prefix -}}
+{{- $s := dict "url" $url "key_prefix" $prefix "expected_replicas" (int .Values.replicaCount) -}}
 {{- if $r.existingSecret -}}
 {{- $_ := set $s "password_file" (printf "%s/password" (include "kvgate.redisPasswordDir" .)) -}}
 {{- end -}}
