@@ -78,6 +78,19 @@ async def sync_all(replicas: list[Replica], rounds: int = 1) -> None:
                 await r.store.sync()
 
 
+async def close_all(replicas: list[Replica]) -> None:
+    for r in replicas:
+        await r.store.close()
+
+
+def run_on(srv: RedisServer, test: Any) -> None:
+    """Run an async test against a redis-server of its own (the test stops and restarts it)."""
+    try:
+        asyncio.run(test())
+    finally:
+        srv.stop()
+
+
 def inflight(replicas: list[Replica]) -> int:
     return sum(r.tenant.inflight for r in replicas if r.alive)
 
@@ -114,8 +127,7 @@ def test_concurrency_is_exact_across_replicas_and_a_completion_may_reach_any_rep
         got = [await reps[i % 3].ask(f"s{i}") for i in range(3)]
         assert sum(1 for a in got if isinstance(a, Answer) and a.decision.admitted) == 1
         assert inflight(reps) == 4
-        for r in reps:
-            await r.store.close()
+        await close_all(reps)
 
     asyncio.run(run())
 
@@ -134,8 +146,7 @@ def test_token_budget_holds_across_replicas(server: RedisServer) -> None:
                 await sync_all(reps)
         reservation = 55
         assert 600 - 3 * reservation <= spent <= 600 + 1, f"spent {spent} of a 600-token bucket"
-        for r in reps:
-            await r.store.close()
+        await close_all(reps)
 
     asyncio.run(run())
 
@@ -203,13 +214,9 @@ def test_redis_down_falls_back_to_a_safe_local_split_and_rejoins_without_double_
             await sync_all(reps)
         held = sum(r.tenant.slots or 0 for r in reps)
         assert held <= max(4, inflight(reps))
-        for r in reps:
-            await r.store.close()
+        await close_all(reps)
 
-    try:
-        asyncio.run(run())
-    finally:
-        srv.stop()
+    run_on(srv, run)
 
 
 def test_redis_restarted_empty_rebuilds_from_what_replicas_hold_with_no_burst(tmp_path: Path) -> None:
@@ -248,13 +255,9 @@ def test_redis_restarted_empty_rebuilds_from_what_replicas_hold_with_no_burst(tm
                 r.core.ended(Ended(a.ticket, "", 200, None, upstream_answered=True))  # done: its slot is free
             await sync_all(reps)
         assert tokens <= 300 + 2 * 47, f"{tokens} tokens admitted from a 300-token bucket (no burst on restart)"
-        for r in reps:
-            await r.store.close()
+        await close_all(reps)
 
-    try:
-        asyncio.run(run())
-    finally:
-        srv.stop()
+    run_on(srv, run)
 
 
 def test_a_tenant_whose_record_expired_while_idle_is_served_again(server: RedisServer) -> None:
@@ -276,8 +279,7 @@ def test_a_tenant_whose_record_expired_while_idle_is_served_again(server: RedisS
             assert a.ticket is not None
             reps[i % 2].core.ended(Ended(a.ticket, "", 200, None, upstream_answered=True))
             await sync_all(reps)
-        for rep in reps:
-            await rep.store.close()
+        await close_all(reps)
 
     asyncio.run(run())
 
@@ -291,8 +293,7 @@ def test_a_burst_on_one_replica_sends_no_more_borrows_than_slots_are_free(server
         assert sum(1 for x in answers if isinstance(x, Answer) and x.decision.admitted) == 3
         borrows = sum(a.store.borrows.labels(k)._value.get() for k in ("granted", "refused", "error"))
         assert borrows <= 4, f"{borrows} round trips for a burst of 30 with 3 slots free"
-        for rep in (a, b):
-            await rep.store.close()
+        await close_all([a, b])
 
     asyncio.run(run())
 
