@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import os
+import signal
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -214,6 +216,34 @@ def test_redis_down_falls_back_to_a_safe_local_split_and_rejoins_without_double_
             await sync_all(reps)
         held = sum(r.tenant.slots or 0 for r in reps)
         assert held <= max(4, inflight(reps))
+        await close_all(reps)
+
+    run_on(srv, run)
+
+
+def test_a_slow_redis_is_a_down_redis_and_each_replica_falls_back_within_two_seconds(tmp_path: Path) -> None:
+    srv = RedisServer(tmp_path).start()
+
+    async def run() -> None:
+        cfg = config(srv.url, max_concurrent=4)
+        reps = [Replica(cfg) for _ in range(2)]
+        await sync_all(reps, 2)
+        assert srv.proc is not None
+        os.kill(srv.proc.pid, signal.SIGSTOP)  # hangs: every call times out
+        try:
+            t0 = time.monotonic()
+            while time.monotonic() - t0 < 5 and not all(r.core.admission.local_split for r in reps):
+                await sync_all(reps)
+            assert time.monotonic() - t0 < 2.0, "the local split within two seconds of Redis hanging"
+            assert all(r.core.admission.local_split == 2 and not r.store.ok for r in reps)
+            assert sorted(r.tenant.slots or 0 for r in reps) == [2, 2], "the cap split evenly"
+            answers = [await reps[i % 2].ask(f"r{i}") for i in range(8)]
+            assert sum(1 for a in answers if isinstance(a, Answer) and a.decision.admitted) == 4
+        finally:
+            os.kill(srv.proc.pid, signal.SIGCONT)
+        await sync_all(reps, 2)
+        assert all(r.store.ok and not r.core.admission.local_split for r in reps), "rejoined"
+        assert inflight(reps) == 4
         await close_all(reps)
 
     run_on(srv, run)
