@@ -101,18 +101,33 @@ class Pool:
 
 
 @dataclass
+class Store:
+    """Several replicas sharing a store: how many sync, how many enforce their local split, borrows/s."""
+
+    replicas: int = 0
+    up: int = 0
+    local_split: int = 0
+    borrows: float = 0.0
+    versions: set[str] = field(default_factory=set)
+    """The config versions the replicas run (more than one: a reload has not reached them all)."""
+
+
+@dataclass
 class View:
     pools: dict[str, Pool]
     interval: float
     sources: int
     title: str = "kvgate top"
+    store: Store | None = None
+    """None: no replica has a shared store."""
 
 
 def _counters(scrapes: Iterable[Scrape]) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
     out: dict[tuple[str, tuple[tuple[str, str], ...]], float] = defaultdict(float)
     for i, sc in enumerate(scrapes):
         for s in sc.samples:
-            if s.name == "kvgate_requests_total" or s.name.startswith("kvgate_request_duration_seconds_bucket"):
+            if s.name in ("kvgate_requests_total", "kvgate_store_borrows_total") or \
+                    s.name.startswith("kvgate_request_duration_seconds_bucket"):
                 out[(s.name, (("_src", str(i)), *sorted(s.labels.items())))] += s.value
     return out
 
@@ -138,12 +153,16 @@ def build(prev: list[Scrape], cur: list[Scrape], title: str = "kvgate top") -> V
     interval = max(1e-3, min(c.at - p.at for p, c in zip(prev, cur, strict=True))) if prev else 0.0
     before, after = _counters(prev), _counters(cur)
     pools: dict[str, Pool] = defaultdict(Pool)
+    store = Store()
     hist: dict[tuple[str, str], dict[float, float]] = defaultdict(lambda: defaultdict(float))
     for key, v in after.items():
         name, labels_t = key
         labels = dict(labels_t)
         d = max(0.0, v - before.get(key, 0.0)) if interval else v
         pool = labels.get("pool", "")
+        if name == "kvgate_store_borrows_total":
+            store.borrows += d / interval if interval else 0.0
+            continue
         if name == "kvgate_requests_total":
             row = pools[pool].tenants[labels.get("tenant", "?")]
             rate = d / interval if interval else 0.0
@@ -179,7 +198,14 @@ def build(prev: list[Scrape], cur: list[Scrape], title: str = "kvgate top") -> V
                 n.breaker = max(n.breaker, int(s.value))
             elif s.name == "kvgate_node_inflight_requests":
                 p.nodes[s.labels.get("node", "?")].inflight += s.value
-    return View(dict(pools), interval, len(cur), title)
+            elif s.name == "kvgate_store_up":
+                store.replicas += 1
+                store.up += int(s.value)
+            elif s.name == "kvgate_store_fallback":
+                store.local_split += int(s.value)
+            elif s.name == "kvgate_config_info" and s.value:
+                store.versions.add(s.labels.get("version", "?"))
+    return View(dict(pools), interval, len(cur), title, store if store.replicas else None)
 
 
 # -- rendering -------------------------------------------------------------------------------------
@@ -215,7 +241,14 @@ def text(v: View) -> str:
         for t, tr in sorted(p.tiers.items()):
             lines.append(f"{ind}tier {t:<12} queued {tr.queued:>4.0f}   latency p50 {_ms(tr.p50):>6} ms  "
                          f"p99 {_ms(tr.p99):>6} ms (admission to end)")
+    if v.store is not None:
+        lines.append(_store_line(v.store))
     return "\n".join(lines)
+
+
+def _store_line(st: Store) -> str:
+    return (f"store: {st.up}/{st.replicas} replicas syncing, {st.local_split} on their local split, "
+            f"{st.borrows:.1f} borrows/s, config {'/'.join(sorted(st.versions)) or '?'}")
 
 
 def rich_view(v: View) -> Any:
@@ -253,6 +286,9 @@ def rich_view(v: View) -> Any:
         for tn, tr in sorted(p.tiers.items()):
             qt.add_row(tn, f"{tr.queued:.0f}", _ms(tr.p50), _ms(tr.p99))
         parts.append(qt)
+    if v.store is not None:
+        bad = v.store.up < v.store.replicas or v.store.local_split or len(v.store.versions) > 1
+        parts.append(Text(_store_line(v.store), style="yellow" if bad else ""))
     return Group(*parts)
 
 

@@ -104,6 +104,28 @@ def test_top_rates_add_replicas_and_split_by_pool() -> None:
     assert "pool p1" in frame and "pool p2" in frame and "breaker open" in frame
 
 
+def test_top_says_how_the_replicas_share_their_store() -> None:
+    def metrics(up: int, split: int, borrows: int, version: str) -> str:
+        return ("# TYPE kvgate_store_up gauge\n"
+                f"kvgate_store_up {up}\n"
+                "# TYPE kvgate_store_fallback gauge\n"
+                f"kvgate_store_fallback {split}\n"
+                "# TYPE kvgate_store_borrows_total counter\n"
+                f'kvgate_store_borrows_total{{result="granted"}} {borrows}\n'
+                "# TYPE kvgate_config_info gauge\n"
+                f'kvgate_config_info{{version="{version}"}} 1\n'
+                "# TYPE kvgate_requests_total counter\n")
+
+    prev = [_scrape(metrics(1, 0, 0, "aaa"), 0.0), _scrape(metrics(0, 1, 0, "bbb"), 0.0)]
+    cur = [_scrape(metrics(1, 0, 8, "aaa"), 2.0), _scrape(metrics(0, 1, 2, "bbb"), 2.0)]
+    v = top.build(prev, cur)
+    assert v.store is not None and (v.store.replicas, v.store.up, v.store.local_split) == (2, 1, 1)
+    assert v.store.borrows == pytest.approx(5.0)
+    assert "store: 1/2 replicas syncing, 1 on their local split, 5.0 borrows/s, config aaa/bbb" in top.text(v)
+    assert top.build(prev[:1], cur[:1]).store is not None
+    assert top.build([_scrape("kvgate_x 1\n", 0.0)], [_scrape("kvgate_x 1\n", 1.0)]).store is None
+
+
 def test_the_report_writes_its_plots(tmp_path: Path) -> None:
     pytest.importorskip("matplotlib")
     from kvgate.scenarios.runner import run, write_report
