@@ -70,6 +70,9 @@ class TenantState:
     """With several replicas: this replica's slice of ``max_concurrent`` (``share.py``); None: all of it."""
     fleet_free: int = 0
     """Slots nobody held fleet-wide at the last sync: whether borrowing one is worth a round trip."""
+    record: int = 0
+    """What the store has on record as this replica's slots (at least ``slots``): until it is 0 the
+    replica keeps reporting, so that what it no longer uses goes back."""
     peak: int = 0
     refused: int = 0
     spent_tokens: float = 0.0
@@ -671,6 +674,9 @@ class Admission:
             self.inflight -= 1
             if s.tokens is not None:
                 s.tokens.give(lease.reserved_tokens - charged_tokens, now)
+            if self.local_split and s.name in self.fallback_spent:
+                r, t = self.fallback_spent[s.name]  # what the store is debited on rejoining: real usage
+                self.fallback_spent[s.name] = (r, t - (lease.reserved_tokens - charged_tokens))
         seconds = now - lease.started
         if responded:
             s.mean_seconds = _ewma(s.mean_seconds, seconds)
@@ -738,7 +744,8 @@ class Admission:
             buckets = (s.requests, s.tokens)
             if q.max_concurrent is None and all(b is None for b in buckets):
                 continue
-            if idle and not s.slots and all(not isinstance(b, Credit) or b.level == 0 for b in buckets):
+            if idle and not s.slots and not s.record and all(not isinstance(b, Credit) or b.level == 0
+                                                             for b in buckets):
                 # nothing held, nothing asked: what the fleet has free is no longer known, so the next
                 # request borrows (one round trip) rather than trusting a stale "none"
                 s.fleet_free = q.max_concurrent or 0
@@ -773,13 +780,14 @@ class Admission:
             s.largest = 0.0 if idle else s.largest * LARGEST_DECAY
         return out
 
-    def share_slots(self, tenant: str, slots: int, free: int) -> None:
-        """The store's answer for one tenant's concurrency: the slots this replica now holds, and how
-        many nobody holds."""
+    def share_slots(self, tenant: str, slots: int, free: int, record: int | None = None) -> None:
+        """The store's answer for one tenant's concurrency: the slots this replica may now admit on, how
+        many nobody holds, and what the store has on record for this replica."""
         s = self._tenants.get(tenant)
         if s is None or self.local_split:
             return
         s.slots, s.fleet_free = slots, free
+        s.record = slots if record is None else record
 
     def share_credit(self, tenant: str, budget: str, granted: float, fleet_level: float) -> None:
         """The store's answer for one budget (``requests`` | ``tokens``): credit granted, and the level

@@ -358,6 +358,16 @@ class RedisStore(_Strict):
             raise ValueError(f"file {v} does not exist")
         return v
 
+    @model_validator(mode="after")
+    def _timing(self) -> RedisStore:
+        sync_s = self.sync_interval_ms / 1000.0 + 2 * self.timeout_ms / 1000.0
+        if self.lease_ttl_seconds <= sync_s:
+            raise ValueError(f"lease_ttl_seconds: must be longer than one sync at its slowest "
+                             f"(sync_interval_ms + 2 x timeout_ms = {sync_s:g} s), or live replicas read as dead")
+        if self.fallback_after_seconds >= self.lease_ttl_seconds:
+            raise ValueError("fallback_after_seconds: must be shorter than lease_ttl_seconds")
+        return self
+
 
 class Store(_Strict):
     """Where quota state lives: in this process (one replica, the default) or in Redis (several)."""

@@ -42,7 +42,7 @@ from typing import Any
 import orjson
 import redis.asyncio as aioredis
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from redis.exceptions import NoScriptError, RedisError, ResponseError
+from redis.exceptions import NoScriptError, RedisError
 
 from . import logs
 from .admission import ShareReport, Usage
@@ -133,8 +133,7 @@ return {e, redis.call('EXISTS', KEYS[3]), redis.call('ZRANGEBYSCORE', KEYS[1], n
 """
 
 # KEYS: replicas, the tenant's slots hash (per replica h: held, w: demand, x: spare, i: in flight; per dead
-# replica o: orphaned slots still running, e: their expiry, p: its other slots, f: their expiry),
-# learning, over, epoch, version counter.
+# replica o: its orphaned slots, e: their expiry), learning, over, epoch, version counter.
 # ARGV: 1 replica, 2 cap, 3 slots it enforces now, 4 in flight, 5 demand, 6 spare 0|1, 7 ttl ms,
 #       8 borrow 0|1, 9 tenant, 10 known epoch, 11 orphan ttl ms.
 # Returns {-1} for a call made for another epoch, else {slots, free, version, orphaned slots, replica,
@@ -152,21 +151,27 @@ local raw = redis.call('HGETALL', KEYS[2])
 local fields = {}
 for i = 1, #raw, 2 do fields[raw[i]] = raw[i + 1] end
 local held, demand, spare, orphans = {}, {}, {}, 0
+-- first the orphans of replicas that died earlier: expired ones go; this replica's own (it was taken for
+-- dead while it lived: a lapsed heartbeat) go too, its record below says what it holds
+for f, v in pairs(fields) do
+  local kind, r = string.sub(f, 1, 2), string.sub(f, 3)
+  if kind == 'o:' then
+    if r == me or tonumber(fields['e:' .. r] or 0) < now or tonumber(v) <= 0 then
+      redis.call('HDEL', KEYS[2], f, 'e:' .. r)
+    else
+      orphans = orphans + tonumber(v)
+    end
+  end
+end
+-- then the replicas that died since: the requests they admitted still run; all they held stays taken
+-- until completions come in for them (END) or the lease timeout passes
 for f, v in pairs(fields) do
   local kind, r = string.sub(f, 1, 2), string.sub(f, 3)
   if kind == 'h:' or kind == 'w:' or kind == 'x:' or kind == 'i:' then
     if not live[r] then
       if kind == 'h:' and tonumber(v) > 0 then
-        -- a replica that died: the requests it admitted still run, their slots stay taken until their
-        -- completions come in (forwarded for it: ORPHAN) or the lease timeout passes; the rest of what
-        -- it held (spares, and what it admitted since its last report) for two lease TTLs
-        local running = math.min(tonumber(v), tonumber(fields['i:' .. r] or v))
-        redis.call('HINCRBY', KEYS[2], 'o:' .. r, running)
+        redis.call('HINCRBY', KEYS[2], 'o:' .. r, tonumber(v))
         redis.call('HSET', KEYS[2], 'e:' .. r, now + tonumber(ARGV[11]))
-        if tonumber(v) > running then
-          redis.call('HINCRBY', KEYS[2], 'p:' .. r, tonumber(v) - running)
-          redis.call('HSET', KEYS[2], 'f:' .. r, now + 2 * tonumber(ARGV[7]))
-        end
         orphans = orphans + tonumber(v)
       end
       redis.call('HDEL', KEYS[2], f)
@@ -174,15 +179,8 @@ for f, v in pairs(fields) do
       held[r] = tonumber(v)
     elseif kind == 'w:' then
       demand[r] = tonumber(v)
-    else
+    elseif kind == 'x:' then
       spare[r] = (v == '1')
-    end
-  elseif kind == 'o:' or kind == 'p:' then
-    local until_field = (kind == 'o:' and 'e:' or 'f:') .. r
-    if tonumber(fields[until_field] or 0) < now or tonumber(v) <= 0 then
-      redis.call('HDEL', KEYS[2], f, until_field)
-    else
-      orphans = orphans + tonumber(v)
     end
   end
 end
@@ -221,13 +219,28 @@ for r, h in pairs(held) do out[#out + 1] = r; out[#out + 1] = h end
 return out
 """
 
-# KEYS: the tenant's slots hash. ARGV: the dead replica. One of its orphaned slots comes back.
-ORPHAN = """
-for _, kind in ipairs({'o:', 'p:'}) do
-  local o = tonumber(redis.call('HGET', KEYS[1], kind .. ARGV[1]) or 0)
-  if o > 0 then redis.call('HINCRBY', KEYS[1], kind .. ARGV[1], -1); return 1 end
+# KEYS: replicas, events, the tenant's slots hash, the tickets already ended for dead replicas.
+# ARGV: the owner, its ticket, the completion (JSON), orphan ttl ms. A completion that reached another
+# replica than its owner's: for a live owner, an event it reads; for a dead one, one of its slots back
+# (once per ticket) — decided here, on the store's own view of who is alive.
+END = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local score = tonumber(redis.call('ZSCORE', KEYS[1], ARGV[1]) or 0)
+if score >= now then
+  redis.call('XADD', KEYS[2], 'MINID', '~', tostring(now - 30000), '*', 'b', ARGV[3])
+  return 1
 end
-return 0
+if redis.call('SADD', KEYS[4], ARGV[2]) == 0 then return 0 end
+redis.call('PEXPIRE', KEYS[4], tonumber(ARGV[4]))
+for _, kind in ipairs({'o:', 'h:'}) do
+  local n = tonumber(redis.call('HGET', KEYS[3], kind .. ARGV[1]) or 0)
+  if n > 0 then
+    redis.call('HINCRBY', KEYS[3], kind .. ARGV[1], -1)
+    return 2
+  end
+end
+return 3
 """
 
 # KEYS: the bucket (hash l = level, t = when), learning, epoch. ARGV: rate per s, capacity, amount
@@ -260,7 +273,7 @@ redis.call('PEXPIRE', KEYS[1], math.floor(math.min(full_ms, 86400000)) + 60000)
 return {tostring(granted), tostring(level)}
 """
 
-SCRIPTS = {"hello": HELLO, "slots": SLOTS, "orphan": ORPHAN, "bucket": BUCKET}
+SCRIPTS = {"hello": HELLO, "slots": SLOTS, "end": END, "bucket": BUCKET}
 
 Remote = tuple[dict[str, float], list[tuple[str, int, int, str]], list[list[Any]]]
 
@@ -294,8 +307,13 @@ class SharedStore:
         self.learning = False
         self._versions: dict[str, int] = {}
         """Tenant → the newest slots answer applied."""
-        self._locks: dict[str, asyncio.Lock] = {}
-        """One slots call per tenant on its way at a time: what a call reports is what the replica enforces."""
+        self._busy: dict[str, asyncio.Event] = {}
+        """Tenants with a slots call on its way (set when it is back): one at a time per tenant, so what a
+        call reports is what the replica enforces; a borrow waits for the call before it, a sync skips
+        the tenant."""
+        self._sent_cap: dict[str, int] = {}
+        """The cap each tenant's last slots call was made with: an answer for another cap (a reload
+        meanwhile) is dropped."""
         self.last_id: str | None = None
         self._seq = 0
         self._batch: tuple[int, bytes, int] | None = None
@@ -303,12 +321,13 @@ class SharedStore:
         sent again, same sequence, until a sync succeeds (readers skip what they have seen)."""
         self._seen: dict[str, int] = {}
         self._ends: list[list[Any]] = []
-        """Completions to forward: [owner ('*': every replica), ticket, request id, status, prompt,
+        """Completions without a ticket, for every replica: [owner '*', '', request id, status, prompt,
         completion, upstream answered, disconnected]."""
-        self._orphans: list[tuple[str, str]] = []
-        """(tenant, dead replica) of completions forwarded for a replica no longer alive."""
+        self._forward: list[tuple[str, str, str, bytes]] = []
+        """(owner, ticket, tenant, event) of completions for another replica's tickets: the END script
+        hands each to its owner, or, when the owner died, gives one of its slots back."""
         self._failing_since: float | None = None
-        self._debit_task: asyncio.Task[None] | None = None
+        self._tasks: set[asyncio.Task[None]] = set()
         self.ok = False
         r = registry
         self.up_gauge = Gauge("kvgate_store_up", "1 while this replica's last sync with the shared store "
@@ -349,6 +368,7 @@ class SharedStore:
 
     def _slots_call(self, pipe: Any, tenant: str, cap: int, enforced: int, inflight: int, demand: int,
                     spare: bool, borrow: bool) -> None:
+        self._sent_cap[tenant] = cap
         self._call(pipe, "slots",
                    [self.k_replicas, self._k_slots(tenant), self.k_learning, self.k_over, self.k_epoch,
                     self.k_version],
@@ -360,11 +380,18 @@ class SharedStore:
         self._call(pipe, "bucket", [self._k_bucket(tenant, dim), self.k_learning, self.k_epoch],
                    [repr(rate), repr(capacity), repr(amount), int(partial), self.epoch])
 
-    def _lock(self, tenant: str) -> asyncio.Lock:
-        lock = self._locks.get(tenant)
-        if lock is None:
-            lock = self._locks[tenant] = asyncio.Lock()
-        return lock
+    def _claim(self, tenant: str) -> bool:
+        """Mark a slots call for ``tenant`` on its way; False when one already is."""
+        if tenant in self._busy:
+            return False
+        self._busy[tenant] = asyncio.Event()
+        return True
+
+    def _done(self, tenants: list[str]) -> None:
+        for t in tenants:
+            ev = self._busy.pop(t, None)
+            if ev is not None:
+                ev.set()
 
     # -- the loop --------------------------------------------------------------------------------
 
@@ -392,60 +419,62 @@ class SharedStore:
                    [self.me, int(self.cfg.lease_ttl_seconds * 1000), secrets.token_hex(8), self.epoch,
                     self._k_slots(""), int(rejoining)])
         calls: list[tuple[str, str, str]] = []
-        held: list[asyncio.Lock] = []
-        for r in reports:
-            if r.cap is not None and r.demand is not None:
-                lock = self._lock(r.tenant)
-                if not lock.locked():  # a borrow for it is on its way: this tenant waits for the next sync
-                    await lock.acquire()
-                    held.append(lock)
+        claimed: list[str] = []
+        forward, self._forward = self._forward, []
+        try:
+            for r in reports:
+                if r.cap is not None and r.demand is not None and self._claim(r.tenant):
+                    claimed.append(r.tenant)
                     s = adm.tenant_state(r.tenant)
-                    self._slots_call(pipe, r.tenant, r.cap, s.slots or 0 if s is not None else r.slots, r.inflight,
-                                     r.demand, r.spare, borrow=False)
+                    self._slots_call(pipe, r.tenant, r.cap, (s.slots or 0) if s is not None else r.slots,
+                                     r.inflight, r.demand, r.spare, borrow=False)
                     calls.append(("slots", r.tenant, ""))
-            for dim, op in (("requests", r.requests), ("tokens", r.tokens)):
-                if op is not None and op[2] != 0:
-                    per_minute, capacity, amount = op
-                    self._bucket_call(pipe, r.tenant, dim, per_minute / 60.0, capacity, amount, partial=True)
-                    calls.append(("bucket", r.tenant, dim))
-        orphans, self._orphans = self._orphans, []
-        for tenant, owner in orphans:
-            self._call(pipe, "orphan", [self._k_slots(tenant)], [owner])
-            calls.append(("orphan", tenant, owner))
-        batch = self._next_batch()
-        if batch is not None:
-            pipe.xadd(self.k_events, {"b": batch[1]}, minid=f"{int(time.time() * 1000) - EVENTS_KEEP_MS}-0",
-                      approximate=True)
-            calls.append(("xadd", "", ""))
-        if self.last_id is None:
-            pipe.xrevrange(self.k_events, count=1)
-            calls.append(("last", "", ""))
-        else:
-            pipe.xread({self.k_events: self.last_id}, count=10_000)
-            calls.append(("read", "", ""))
-        try:
-            results = await asyncio.wait_for(pipe.execute(raise_on_error=False),
-                                             timeout=2 * self.cfg.timeout_ms / 1000.0)
-        except (TimeoutError, RedisError, OSError) as e:
-            for lock in held:
-                lock.release()
-            self._orphans[:0] = orphans
-            self._failed(e)
-            return False
+                for dim, op in (("requests", r.requests), ("tokens", r.tokens)):
+                    if op is not None and op[2] != 0:
+                        per_minute, capacity, amount = op
+                        self._bucket_call(pipe, r.tenant, dim, per_minute / 60.0, capacity, amount, partial=True)
+                        calls.append(("bucket", r.tenant, dim))
+            for owner, ticket, tenant, event in forward:
+                self._call(pipe, "end", [self.k_replicas, self.k_events, self._k_slots(tenant),
+                                         f"{self._prefix}:ended:{owner}"], [owner, ticket, event, self.orphan_ttl_ms])
+                calls.append(("end", tenant, ""))
+            batch = self._next_batch()
+            if batch is not None:
+                pipe.xadd(self.k_events, {"b": batch[1]}, minid=self._minid(), approximate=True)
+                calls.append(("xadd", "", ""))
+            if self.last_id is None:
+                pipe.xrevrange(self.k_events, count=1)
+                calls.append(("last", "", ""))
+            else:
+                pipe.xread({self.k_events: self.last_id}, count=10_000)
+                calls.append(("read", "", ""))
+            try:
+                results = await asyncio.wait_for(pipe.execute(raise_on_error=False),
+                                                 timeout=2 * self.cfg.timeout_ms / 1000.0)
+            except (TimeoutError, RedisError, OSError) as e:
+                # completions to forward go again (END is idempotent per ticket; an event twice is
+                # released once); credit given back is lost to the fleet, never spent twice
+                self._forward[:0] = forward
+                self._failed(e)
+                return False
+            finally:
+                await pipe.reset()
+            return self._apply(results, calls, forward, rejoining, t0)
         finally:
-            await pipe.reset()
-        try:
-            return self._apply(results, calls, rejoining, t0)
-        finally:
-            for lock in held:
-                lock.release()
+            self._done(claimed)
 
-    def _apply(self, results: list[Any], calls: list[tuple[str, str, str]], rejoining: bool, t0: float) -> bool:
+    def _minid(self) -> str:
+        """Trim the stream by Redis's clock (the last entry's id), not this replica's."""
+        ms = int(self.last_id.split("-")[0]) if self.last_id and self.last_id != "0-0" else 0
+        return f"{max(0, ms - EVENTS_KEEP_MS)}-0"
+
+    def _apply(self, results: list[Any], calls: list[tuple[str, str, str]],
+               forward: list[tuple[str, str, str, bytes]], rejoining: bool, t0: float) -> bool:
         adm = self.core.admission
         if isinstance(results[0], BaseException):
             if isinstance(results[0], NoScriptError):
                 self._sha.clear()  # Redis restarted: load them again
-            self._orphans[:0] = [(t, o) for k, t, o in calls if k == "orphan"]
+            self._forward[:0] = forward
             self._failed(results[0])
             return False
         self.sync_seconds.observe(time.perf_counter() - t0)
@@ -453,7 +482,9 @@ class SharedStore:
         if rejoining:
             self._rejoin()
         remote: list[Remote] = []
+        ends = iter(forward)
         for (kind, tenant, dim), res in zip(calls, results[1:], strict=True):
+            end = next(ends) if kind == "end" else None
             if isinstance(res, BaseException):
                 # this call failed on its own (the others went through): a batch of events goes again,
                 # an orphaned slot is given back next time, the rest is asked again at the next sync
@@ -462,14 +493,16 @@ class SharedStore:
                     self._sha.clear()
                 else:
                     log.warning("store_call_failed", call=kind, tenant=tenant, error=str(res))
-                if kind == "orphan":
-                    self._orphans.append((tenant, dim))
+                if end is not None:
+                    self._forward.append(end)
                 continue
             if kind == "slots":
                 self._slots_result(tenant, res)
             elif kind == "bucket":
                 if len(res) == 2:
                     adm.share_credit(tenant, dim, float(res[0]), float(res[1]))
+            elif kind == "end":
+                self.forwarded.labels("orphan" if int(res) >= 2 else "sent").inc()
             elif kind == "xadd":
                 self._batch = None
             elif kind == "last":
@@ -479,8 +512,8 @@ class SharedStore:
         self._ok()
         for svc, disp, fwd in remote:
             self.core.remote(svc, disp)
-            for end in fwd:
-                self._deliver(end)
+            for ev in fwd:
+                self._deliver(ev)
         self.core.shares_changed()
         return True
 
@@ -493,6 +526,8 @@ class SharedStore:
             return self._batch
         service, adm.service_out = adm.service_out, {}
         dispatched, adm.dispatch_out = adm.dispatch_out, []
+        if len(self._ends) > MAX_ENDS:
+            self._drop_ends()
         ends, self._ends = self._ends[:ENDS_PER_BATCH], self._ends[ENDS_PER_BATCH:]
         if not (service or dispatched or ends):
             return None
@@ -531,6 +566,9 @@ class SharedStore:
     def _slots_result(self, tenant: str, res: list[Any]) -> None:
         if int(res[0]) < 0:
             return  # made for another epoch: the next sync asks again
+        s = self.core.admission.tenant_state(tenant)
+        if s is None or s.config.max_concurrent != self._sent_cap.get(tenant):
+            return  # asked for another cap (a reload came in between): the next sync asks again
         held, free, version, orphans = int(res[0]), int(res[1]), int(res[2]), int(res[3])
         if version <= self._versions.get(tenant, 0):
             return  # older than an answer already applied
@@ -540,7 +578,7 @@ class SharedStore:
         if orphans:
             holdings[ORPHANED] = orphans
         self.holdings[tenant] = holdings
-        self.core.admission.share_slots(tenant, held, max(0, free))
+        self.core.admission.share_slots(tenant, held, max(0, free), holdings.get(self.me, held))
 
     def _events(self, res: Any) -> list[Remote]:
         out: list[Remote] = []
@@ -559,11 +597,15 @@ class SharedStore:
                     if seq <= self._seen.get(sender, 0):
                         continue  # sent again after a sync that failed: already applied
                     self._seen[sender] = seq
-                svc = {str(k): float(v) for k, v in (doc.get("s") or {}).items() if isinstance(v, int | float)}
-                disp = [(str(d[0]), int(d[1]), int(d[2]), str(d[3])) for d in doc.get("d") or []
-                        if isinstance(d, list) and len(d) == 4]
-                fwd = [e for e in doc.get("e") or [] if isinstance(e, list) and len(e) == 8
-                       and e[0] in (self.me, "*")]
+                try:
+                    svc = {str(k): float(v) for k, v in (doc.get("s") or {}).items() if isinstance(v, int | float)}
+                    disp = [(str(d[0]), int(d[1]), int(d[2]), str(d[3])) for d in doc.get("d") or []
+                            if isinstance(d, list) and len(d) == 4]
+                    fwd = [e for e in doc.get("e") or [] if isinstance(e, list) and len(e) == 8
+                           and e[0] in (self.me, "*")]
+                except (TypeError, ValueError, IndexError, AttributeError):
+                    log.warning("store_event_unreadable", entry=_str(eid))
+                    continue
                 out.append((svc, disp, fwd))
         return out
 
@@ -578,6 +620,15 @@ class SharedStore:
             return
         if owner != "*":
             self.forwarded.labels("received").inc()
+
+    def _drop_ends(self) -> None:
+        """Bound what waits to be forwarded while Redis is away: the oldest go (their slots come back by
+        reclaim at their owner, or by the lease timeout for a dead one)."""
+        for queue in (self._ends, self._forward):
+            if len(queue) > MAX_ENDS:
+                dropped = len(queue) - MAX_ENDS
+                del queue[:dropped]
+                self.forwarded.labels("dropped").inc(dropped)
 
     def _ok(self) -> None:
         if not self.ok:
@@ -597,10 +648,7 @@ class SharedStore:
             log.warning("store_unreachable", error=f"{type(e).__name__}: {e}", url=_safe(self.cfg.url))
         self.ok = False
         self.up_gauge.set(0)
-        if len(self._ends) > MAX_ENDS:
-            dropped = len(self._ends) - MAX_ENDS
-            del self._ends[:dropped]
-            self.forwarded.labels("dropped").inc(dropped)
+        self._drop_ends()
         if not adm.local_split and now - self._failing_since >= self.cfg.fallback_after_seconds:
             live = list(self.live)
             live += [f"~expected-{i}" for i in range(max(0, self.cfg.expected_replicas - len(live)))]
@@ -621,10 +669,14 @@ class SharedStore:
         self.fallback_gauge.set(0)
         log.info("store_rejoined", note="budgets are leased from the store again")
         if spent:
-            self._debit_task = asyncio.get_running_loop().create_task(self._debit(spent))
+            task = asyncio.get_running_loop().create_task(self._debit(spent))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
 
     async def _debit(self, spent: dict[str, tuple[float, float]]) -> None:
         adm = self.core.admission
+        if not self._sha:
+            return
         pipe = self.client.pipeline(transaction=False)
         for tenant, (requests, tokens) in spent.items():
             s = adm.tenant_state(tenant)
@@ -644,18 +696,35 @@ class SharedStore:
 
     async def borrow(self, tenant: str, tokens: float) -> bool:
         """Before refusing: lease what this request lacks — a slot, a request, ``tokens`` — in one
-        round trip. Granted all or nothing per budget. False when the store could not be asked."""
+        round trip. Granted all or nothing per budget. False when the store could not be asked in time
+        (``timeout_ms`` all told, waiting for a slots call before it included): the request is then
+        refused as over its quota, with its Retry-After, never left to Envoy's timeout."""
+        try:
+            async with asyncio.timeout(self.cfg.timeout_ms / 1000.0):
+                return await self._borrow(tenant, tokens)
+        except (TimeoutError, RedisError, OSError):
+            self.errors.labels("borrow").inc()
+            self.borrows.labels("error").inc()
+            return False
+
+    async def _borrow(self, tenant: str, tokens: float) -> bool:
         adm = self.core.admission
         s = adm.tenant_state(tenant)
+        while (ev := self._busy.get(tenant)) is not None:
+            await ev.wait()  # one slots call for a tenant at a time
         if s is None or adm.local_split or not self.ok or not self._sha:
-            self.borrows.labels("refused" if s is not None else "error").inc()
+            self.borrows.labels("refused").inc()
             return False
-        async with self._lock(tenant):
+        q = s.config
+        held = s.slots or 0
+        slot = q.max_concurrent is not None and s.inflight >= held
+        if slot and not self._claim(tenant):
+            return False
+        try:
             pipe = self.client.pipeline(transaction=False)
             calls: list[str] = []
-            q = s.config
-            held = s.slots or 0
-            if q.max_concurrent is not None and s.inflight >= held:
+            if slot:
+                assert q.max_concurrent is not None
                 self._slots_call(pipe, tenant, q.max_concurrent, held, s.inflight, max(held, s.inflight) + 1,
                                  True, borrow=True)
                 calls.append("slots")
@@ -667,12 +736,7 @@ class SharedStore:
                 await pipe.reset()
                 return True
             try:
-                results = await asyncio.wait_for(pipe.execute(raise_on_error=False),
-                                                 timeout=self.cfg.timeout_ms / 1000.0)
-            except (TimeoutError, RedisError, OSError):
-                self.errors.labels("borrow").inc()
-                self.borrows.labels("error").inc()
-                return False
+                results = await pipe.execute(raise_on_error=False)
             finally:
                 await pipe.reset()
             granted = True
@@ -688,23 +752,25 @@ class SharedStore:
                 else:
                     granted &= float(res[0]) > 0
                     adm.share_credit(tenant, kind, float(res[0]), float(res[1]))
+        finally:
+            if slot:
+                self._done([tenant])
         self.borrows.labels("granted" if granted else "refused").inc()
         return granted
 
     def forward(self, e: Ended, tenant: str = "") -> None:
-        """A completion for a ticket another replica owns (or, without a ticket, one this replica does
-        not know): sent to it with the next sync. For a replica that died, one of its orphaned slots of
-        ``tenant`` goes back instead."""
-        owner = e.ticket.split("-", 1)[0] if e.ticket else "*"
-        if e.ticket and self.ok and owner not in self.live and tenant:
-            self._orphans.append((tenant, owner))
-            self.forwarded.labels("orphan").inc()
-            return
+        """A completion for a ticket another replica owns (the END script, at the next sync, hands it
+        to its owner, or gives one of the owner's slots of ``tenant`` back if it died), or, without a
+        ticket, one this replica does not know (to every replica: Envoy gave up on a decision)."""
         u = e.usage
-        self._ends.append([owner, e.ticket or "", e.request_id, e.status, u.prompt_tokens if u else None,
-                           u.completion_tokens if u else None, e.upstream_answered, e.disconnected])
-        if e.ticket:
-            self.forwarded.labels("sent").inc()
+        event = [e.ticket.split("-", 1)[0] if e.ticket else "*", e.ticket or "", e.request_id, e.status,
+                 u.prompt_tokens if u else None, u.completion_tokens if u else None, e.upstream_answered,
+                 e.disconnected]
+        if not e.ticket:
+            self._ends.append(event)
+            return
+        owner = e.ticket.split("-", 1)[0]
+        self._forward.append((owner, e.ticket, tenant or "-", orjson.dumps({"r": self.me, "e": [event]})))
 
     async def close(self) -> None:
         """A clean stop: leave at once (the others need not wait for its TTL), giving back every slot
@@ -733,4 +799,4 @@ def _safe(url: str) -> str:
     return f"{scheme}://***@{rest.split('@', 1)[1]}"
 
 
-__all__ = ["BUCKET", "HELLO", "ORPHAN", "SCRIPTS", "SLOTS", "ResponseError", "SharedStore"]
+__all__ = ["BUCKET", "END", "HELLO", "SCRIPTS", "SLOTS", "SharedStore"]
