@@ -1,7 +1,9 @@
 """vLLM's Prometheus text → readings per (model, engine). Pure.
 
 Reads ``vllm:kv_cache_usage_perc`` and falls back to ``vllm:gpu_cache_usage_perc`` (the name before
-0.10, removed in 0.12). A server with several engines or models yields one reading each.
+0.10, removed in 0.12); likewise the prefix-cache counters ``vllm:prefix_cache_queries`` / ``_hits``
+(in tokens) fall back to ``vllm:gpu_prefix_cache_queries`` / ``_hits`` (the names before 0.9.2). A server
+with several engines or models yields one reading each.
 """
 
 from __future__ import annotations
@@ -25,7 +27,14 @@ COUNTERS = {
     "preemptions": "vllm:num_preemptions",
     "prompt_tokens": "vllm:prompt_tokens",
     "generation_tokens": "vllm:generation_tokens",
+    "prefix_queries": "vllm:prefix_cache_queries",
+    "prefix_hits": "vllm:prefix_cache_hits",
 }
+OLD_COUNTERS = {
+    "prefix_queries": "vllm:gpu_prefix_cache_queries",
+    "prefix_hits": "vllm:gpu_prefix_cache_hits",
+}
+"""Older names of some counters, read only where the new name is absent."""
 
 
 class ParseError(ValueError):
@@ -51,6 +60,7 @@ def parse(text: str) -> dict[tuple[str, str], EngineReading]:
     out: dict[tuple[str, str], EngineReading] = {}
     cache_info: dict[str, tuple[int | None, int | None]] = {}
     old_kv: dict[tuple[str, str], float] = {}
+    old_counters: dict[tuple[str, str], dict[str, float]] = {}
     try:
         families = list(text_string_to_metric_families(text))
     except Exception as e:  # the parser raises ValueError, TypeError, IndexError on garbage
@@ -67,6 +77,7 @@ def parse(text: str) -> dict[tuple[str, str], EngineReading]:
     hist_sums = {v + "_sum": k for k, v in HISTOGRAMS.items()}
     hist_counts = {v + "_count": k for k, v in HISTOGRAMS.items()}
     counter_names = {v + "_total": k for k, v in COUNTERS.items()}
+    old_counter_names = {v + "_total": k for k, v in OLD_COUNTERS.items()}
     for fam in families:
         if fam.name == "vllm:cache_config_info":
             for s in fam.samples:
@@ -88,6 +99,9 @@ def parse(text: str) -> dict[tuple[str, str], EngineReading]:
                 reading(s.labels).waiting = s.value
             elif s.name in counter_names:
                 reading(s.labels).counters[counter_names[s.name]] = s.value
+            elif s.name in old_counter_names:
+                r = reading(s.labels)
+                old_counters.setdefault((r.model, r.engine), {})[old_counter_names[s.name]] = s.value
             elif s.name in hist_sums or s.name in hist_counts:
                 r = reading(s.labels)
                 is_sum = s.name in hist_sums
@@ -98,6 +112,9 @@ def parse(text: str) -> dict[tuple[str, str], EngineReading]:
         r = out[key]
         if r.kv_usage is None:
             r.kv_usage, r.kv_metric = value, KV_OLD
+    for key, values in old_counters.items():
+        for name, value in values.items():
+            out[key].counters.setdefault(name, value)
     for r in out.values():
         r.num_gpu_blocks, r.block_size = cache_info.get(r.engine, (None, None))
     if not out:

@@ -2,7 +2,9 @@
 
 Latencies are *recent* ones: the mean of the observations that arrived between two readings
 (Δsum / Δcount of vLLM's histograms), kept until newer observations replace them. The node's
-figures aggregate its engines: the fullest KV cache, the sum of running and waiting requests.
+figures aggregate its engines: the fullest KV cache, the sum of running and waiting requests. The
+prefix-cache hit rate is of the last interval only (Δhits / Δqueries over all engines), null when
+nothing queried the cache in it.
 """
 
 from __future__ import annotations
@@ -45,6 +47,9 @@ class Snapshot:
     step times were measured on."""
     step_decode: float | None = None
     """Of those, decode tokens per step (generated tokens / steps): the rest is prefill."""
+    prefix_hit_rate: float | None = None
+    """Prompt tokens found in vLLM's prefix cache / prompt tokens looked up, over the last interval (vLLM's
+    ``prefix_cache_hits`` / ``prefix_cache_queries``); None when nothing was looked up in it, or unknown."""
     gpu_memory_used_bytes: int | None = None
     gpu_memory_total_bytes: int | None = None
     gpu_utilization: float | None = None
@@ -87,7 +92,7 @@ _FIELDS: dict[str, type] = {
     "node": str, "at": float, "ok": bool, "error": str, "kv_usage": float, "kv_metric": str, "blocks_total": int,
     "blocks_used": int, "block_size": int, "running": float, "waiting": float, "preemptions_per_s": float,
     "ttft_s": float, "itl_s": float, "prefill_s": float, "prefill_s_per_ktok": float, "latency_fresh": bool,
-    "queue_s": float, "step_fresh": bool, "step_tokens": float, "step_decode": float,
+    "queue_s": float, "step_fresh": bool, "step_tokens": float, "step_decode": float, "prefix_hit_rate": float,
     "gpu_memory_used_bytes": int, "gpu_memory_total_bytes": int, "gpu_utilization": float,
     "engines": list,
 }
@@ -106,7 +111,7 @@ class Deriver:
         dt = None if self._prev_at is None else at - self._prev_at
         had_prev = bool(self._prev)
         sums: dict[str, list[float]] = {}
-        preempted = generated = 0.0
+        preempted = generated = queried = hit = 0.0
         for key, r in readings.items():
             prev = self._prev.get(key)
             if prev is None:
@@ -120,6 +125,11 @@ class Deriver:
             c, pc = r.counters, prev.counters
             preempted += max(0.0, c.get("preemptions", 0.0) - pc.get("preemptions", 0.0))
             generated += max(0.0, c.get("generation_tokens", 0.0) - pc.get("generation_tokens", 0.0))
+            if "prefix_queries" in c and "prefix_queries" in pc:
+                dq = c["prefix_queries"] - pc["prefix_queries"]
+                if dq > 0:  # (a restarted vLLM's counters went back: skip that engine this time)
+                    queried += dq
+                    hit += max(0.0, c.get("prefix_hits", 0.0) - pc.get("prefix_hits", 0.0))
         for name, (total, count) in sums.items():
             self._recent[name] = total / count
         # both observed when requests finish, over the same requests: seconds of prefill per prompt token
@@ -155,6 +165,7 @@ class Deriver:
             prefill_s_per_ktok=self._recent.get("prefill_per_ktok"), latency_fresh=fresh,
             queue_s=self._recent.get("queue"),
             step_fresh="itl" in sums if had_prev else None, step_tokens=step_tokens, step_decode=step_decode,
+            prefix_hit_rate=min(1.0, hit / queried) if queried > 0 else None,
             gpu_memory_used_bytes=gpu.get("memory_used"), gpu_memory_total_bytes=gpu.get("memory_total"),
             gpu_utilization=gpu.get("utilization"),
             engines=[{"model": r.model, "engine": r.engine, "kv_usage": r.kv_usage, "running": r.running,

@@ -94,7 +94,8 @@ def _sim(a: argparse.Namespace) -> int:
         return 2
     engine = EngineOptions(policy=a.scheduling_policy, max_num_queued_reqs=a.max_num_queued_reqs, noise=a.noise,
                            seed=a.seed, num_gpu_blocks=a.num_gpu_blocks, max_num_seqs=a.max_num_seqs,
-                           max_num_batched_tokens=a.max_num_batched_tokens)
+                           max_num_batched_tokens=a.max_num_batched_tokens,
+                           prefix_caching=a.enable_prefix_caching)
     opts = SimOptions(served_model_name=a.served_model_name, mean_output_tokens=a.mean_output_tokens,
                       legacy_kv_metric=a.legacy_kv_metric, load_seconds=a.load_seconds)
     run(profile, engine, opts, a.host, a.port)
@@ -335,6 +336,8 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--noise", type=float, default=0.0, help="relative std-dev of step time")
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--legacy-kv-metric", action="store_true", help="export vllm:gpu_cache_usage_perc (pre-0.10)")
+    s.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                   help="vLLM's automatic prefix caching (on by default, as in vLLM)")
     s.add_argument("--load-seconds", type=float, default=0.0, help="simulated model load before listening")
     s.set_defaults(fn=_sim)
 

@@ -26,6 +26,8 @@ class EngineOptions:
     """Override the profile's KV capacity (tests, small scenarios)."""
     max_num_batched_tokens: int | None = None
     max_num_seqs: int | None = None
+    prefix_caching: bool = True
+    """vLLM's automatic prefix caching, on by default as in vLLM (``--no-enable-prefix-caching``)."""
 
 
 @dataclass
@@ -45,6 +47,7 @@ class Engine:
             max_num_seqs=o.max_num_seqs or p.max_num_seqs,
             policy=o.policy,
             max_num_queued_reqs=o.max_num_queued_reqs,
+            enable_prefix_caching=o.prefix_caching,
         ))
         self._rng = random.Random(o.seed)
         self._plan: Plan | None = None

@@ -44,8 +44,18 @@ class NodeMetrics:
         def counter(name: str, doc: str) -> Counter:
             return Counter(name, doc, names, registry=r).labels(*values)
 
-        counter("vllm:prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens.")
-        counter("vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.")
+        if legacy_kv_name:  # the older names (renamed in 0.9.2, hidden from 0.10, removed in 0.12)
+            self.prefix_queries = counter("vllm:gpu_prefix_cache_queries",
+                                          "GPU prefix cache queries, in terms of number of queried tokens.")
+            self.prefix_hits = counter("vllm:gpu_prefix_cache_hits",
+                                       "GPU prefix cache hits, in terms of number of cached tokens.")
+        else:
+            self.prefix_queries = counter("vllm:prefix_cache_queries",
+                                          "Prefix cache queries, in terms of number of queried tokens.")
+            self.prefix_hits = counter("vllm:prefix_cache_hits",
+                                       "Prefix cache hits, in terms of number of cached tokens.")
+        self._sched = sched
+        self._queried = self._hit = 0
         self.preemptions = counter("vllm:num_preemptions", "Cumulative number of preemption from the engine.")
         self.prompt_tokens = counter("vllm:prompt_tokens", "Number of prefill tokens processed.")
         self.generation_tokens = counter("vllm:generation_tokens", "Number of generation tokens processed.")
@@ -81,13 +91,18 @@ class NodeMetrics:
         Gauge("vllm:cache_config_info", "Information of the LLMEngine CacheConfig",
               ["block_size", "cache_dtype", "enable_prefix_caching", "engine", "gpu_memory_utilization",
                "num_gpu_blocks"], registry=r).labels(
-            str(sched.cfg.block_size), "auto", "False", "0", str(gpu_memory_utilization),
+            str(sched.cfg.block_size), "auto", str(sched.caching), "0", str(gpu_memory_utilization),
             str(sched.cfg.num_gpu_blocks)).set(1)
         engine.on_step = self.step
         engine.on_tokens = self.tokens
 
     def step(self, plan: Plan, at: float) -> None:
         self.iteration.observe(plan.tokens)
+        sched = self._sched
+        if sched.prefix_queries != self._queried:  # counted at admission, published per step as vLLM does
+            self.prefix_queries.inc(sched.prefix_queries - self._queried)
+            self.prefix_hits.inc(sched.prefix_hits - self._hit)
+            self._queried, self._hit = sched.prefix_queries, sched.prefix_hits
         if plan.preempted:
             self.preemptions.inc(len(plan.preempted))
 

@@ -7,6 +7,15 @@ What it reproduces (vLLM ``vllm/v1/core/sched/scheduler.py`` and ``kv_cache_mana
   as many as fit (chunked prefill: the rest of the prompt continues next step);
 * paged KV: blocks of ``block_size`` tokens; a waiting request is admitted only when blocks for its
   whole prompt are free; a running request grows by a block every ``block_size`` tokens;
+* automatic prefix caching (on by default, as in vLLM; ``kv_cache_manager.py``, ``block_pool.py``,
+  ``single_type_kv_cache_manager.py``): a block is hashed (``prefix_cache``) as soon as the tokens that
+  fill it are scheduled; a new or preempted request looks up the longest run of cached full blocks from
+  its start, but never its last token (``num_tokens - 1`` at most, in whole blocks: a fully cached prompt
+  recomputes its last block); a hit takes a reference on those blocks (out of the free queue if they were
+  there), skips their prefill and allocates only the rest; freed blocks keep their hash in the free
+  queue, tail first (``reversed(req_blocks)``), and allocation takes the queue's head, evicting the
+  least recently freed cached block; queries and hits are counted in tokens, at admission, separately
+  for preempted requests (vLLM's Prometheus counters count only the others);
 * when a running request cannot grow, the lowest-priority running request (FCFS: the newest) is
   preempted — its blocks freed, its progress dropped, to be recomputed when it is scheduled again —
   and no waiting request is admitted in that step;
@@ -20,10 +29,12 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from collections import deque
-from dataclasses import dataclass
+from collections import OrderedDict, deque
+from dataclasses import dataclass, field
 from enum import Enum
 from typing import Literal, NamedTuple
+
+from .prefix_cache import BlankRun, Block, Prompt, extend_hashes
 
 Policy = Literal["fcfs", "priority"]
 
@@ -55,6 +66,14 @@ class Request:
     finished_at: float | None = None
     prefill_done_at: float | None = None
     preemptions: int = 0
+    content: Prompt | None = None
+    """What the prompt holds, for prefix caching; None: only counts (never hits, caches nothing)."""
+    cached_tokens: int = 0
+    """Tokens found in the prefix cache when the request was last admitted (vLLM's ``num_cached_tokens``)."""
+    block_hashes: list[int] = field(default_factory=list)
+    """Hashes of the request's full blocks computed so far (vLLM's ``request.block_hashes``)."""
+    hashed: list[Block] = field(default_factory=list)
+    """The request's leading blocks that carry a hash (the rest of its ``blocks`` are blank)."""
 
     @property
     def num_tokens(self) -> int:
@@ -70,6 +89,7 @@ class SchedulerConfig:
     max_num_seqs: int = 1024
     policy: Policy = "fcfs"
     max_num_queued_reqs: int | None = None
+    enable_prefix_caching: bool = True
 
 
 @dataclass
@@ -113,6 +133,18 @@ class Scheduler:
         self.preemptions = 0
         self.prompt_tokens = 0
         self.generation_tokens = 0
+        self.caching = cfg.enable_prefix_caching
+        self._cached: dict[int, list[Block]] = {}
+        """Block hash → the blocks holding it (vLLM does not de-duplicate; a lookup takes the first)."""
+        self._queue: OrderedDict[Block | BlankRun, None] = OrderedDict()
+        """The free queue in eviction order (head first) while it holds a cached block; empty when every
+        free block is blank (then ``free_blocks`` says all, and count-only runs never touch it)."""
+        self._evictable = 0
+        self.prefix_queries = 0
+        self.prefix_hits = 0
+        """Prefix-cache queries and hits, in tokens, of requests never preempted (vLLM's counters)."""
+        self.preempted_prefix_queries = 0
+        self.preempted_prefix_hits = 0
 
     # -- queue -----------------------------------------------------------------------------------
 
@@ -181,9 +213,135 @@ class Scheduler:
 
     # -- one step --------------------------------------------------------------------------------
 
+    @property
+    def evictable_blocks(self) -> int:
+        """Free blocks that still hold a cached prefix (counted in ``free_blocks``, as vLLM counts them)."""
+        return self._evictable
+
+    @property
+    def cached_blocks(self) -> int:
+        """Blocks with a hash, in use or free."""
+        return sum(len(v) for v in self._cached.values())
+
+    def cache_hit_tokens(self, req: Request) -> int:
+        """Tokens of ``req`` the prefix cache would serve if it were admitted now; changes nothing."""
+        if not self.caching or req.content is None or not self._cached:
+            return 0
+        bs = self.cfg.block_size
+        max_blocks = (req.num_tokens - 1) // bs
+        # -1: the key of tokens that are the request's own, which no request in here has (seq >= 0)
+        hashes = extend_hashes(req.content, [], max_blocks, bs, req.prompt_tokens, -1)
+        n = 0
+        for h in hashes:
+            if not self._cached.get(h):
+                break
+            n += 1
+        return n * bs
+
     def _free(self, req: Request) -> None:
-        self.free_blocks += req.blocks
+        """Free a request's blocks as vLLM does: tail first, so its last blocks are evicted first."""
+        hashed = req.hashed
+        blank = req.blocks - len(hashed)
         req.blocks = 0
+        self.free_blocks += blank
+        q = self._queue
+        if q and blank:
+            last = next(reversed(q))
+            if isinstance(last, BlankRun):
+                last.n += blank
+            else:
+                q[BlankRun(blank)] = None
+        if not hashed:
+            return
+        for b in reversed(hashed):
+            b.ref -= 1
+            if b.ref == 0:
+                if not q and self.free_blocks:
+                    q[BlankRun(self.free_blocks)] = None  # the blank blocks already free are ahead of it
+                q[b] = None
+                self._evictable += 1
+                self.free_blocks += 1
+        req.hashed = []
+
+    def _take(self, n: int) -> None:
+        """Allocate ``n`` blocks from the head of the free queue, evicting the cached ones met there."""
+        self.free_blocks -= n
+        q = self._queue
+        if not q:
+            return
+        while n:
+            head = next(iter(q))
+            if isinstance(head, BlankRun):
+                if head.n > n:
+                    head.n -= n
+                    break
+                n -= head.n
+                del q[head]
+            else:
+                del q[head]
+                self._forget(head)
+                n -= 1
+        if not self._evictable:
+            q.clear()
+
+    def _forget(self, b: Block) -> None:
+        self._evictable -= 1
+        same = self._cached[b.hash]
+        same.remove(b)
+        if not same:
+            del self._cached[b.hash]
+
+    def _touch(self, hits: list[Block]) -> None:
+        """A hit takes a reference on each block; a free one leaves the free queue (vLLM's ``touch``)."""
+        q = self._queue
+        for b in hits:
+            if b.ref == 0:
+                del q[b]
+                self._evictable -= 1
+                self.free_blocks -= 1
+            b.ref += 1
+        if not self._evictable:
+            q.clear()
+
+    def _hashes(self, req: Request, n_blocks: int) -> list[int]:
+        have = req.block_hashes
+        if len(have) < n_blocks:
+            assert req.content is not None
+            # seq is unique per request in this scheduler: the key of the request's own tokens
+            extend_hashes(req.content, have, n_blocks, self.cfg.block_size, req.prompt_tokens, req.seq)
+        return have
+
+    def _lookup(self, req: Request) -> list[Block]:
+        """The longest run of cached full blocks from the start, leaving at least the last token to compute
+        (vLLM's ``get_computed_blocks`` / ``find_longest_cache_hit``)."""
+        max_blocks = (req.num_tokens - 1) // self.cfg.block_size
+        if max_blocks <= 0 or not self._cached:
+            return []
+        hits: list[Block] = []
+        cached = self._cached
+        for h in self._hashes(req, max_blocks)[:max_blocks]:
+            same = cached.get(h)
+            if not same:
+                break
+            hits.append(same[0])
+        return hits
+
+    def _cache_full_blocks(self, req: Request, num_tokens: int) -> None:
+        """Hash the request's blocks that ``num_tokens`` fill (vLLM's ``cache_blocks``, at allocation)."""
+        n_full = num_tokens // self.cfg.block_size
+        hashed = req.hashed
+        if n_full <= len(hashed):
+            return
+        hashes = self._hashes(req, n_full)
+        cached = self._cached
+        for i in range(len(hashed), n_full):
+            b = Block(hashes[i])
+            hashed.append(b)
+            same = cached.get(b.hash)
+            if same is None:
+                cached[b.hash] = [b]
+            else:
+                same.append(b)
 
     def _victim(self) -> Request:
         if self.cfg.policy == "priority":
@@ -197,6 +355,7 @@ class Scheduler:
         # Hot path of every simulation: arithmetic is inlined (ceil division for blocks) on purpose.
         bs = self.cfg.block_size
         budget = self.cfg.max_num_batched_tokens
+        caching = self.caching
         scheduled: dict[Request, int] = {}
         preempted: list[Request] = []
         running = self.running
@@ -235,8 +394,10 @@ class Scheduler:
                 if req.status is not Status.RUNNING:
                     continue
             if need > 0:
-                self.free_blocks -= need
+                self._take(need)
                 req.blocks += need
+            if caching and req.content is not None:
+                self._cache_full_blocks(req, computed + num_new)
             scheduled[req] = num_new
             budget -= num_new
             if num_new == 1 and remaining == 1 and req.output_tokens > 0:
@@ -251,16 +412,39 @@ class Scheduler:
                 if req is None:
                     break
                 need = -(-req.num_tokens // bs)
-                if need > self.free_blocks:
-                    break  # admitted only when the whole prompt fits
-                self._pop()
-                self.free_blocks -= need
+                if caching:
+                    hits = self._lookup(req) if req.content is not None else []
+                    evictable = 0
+                    for b in hits:
+                        if b.ref == 0:
+                            evictable += 1  # leaves the free queue: as good as allocated
+                    if need - len(hits) + evictable > self.free_blocks:
+                        break  # admitted only when the whole prompt fits
+                    self._pop()
+                    if hits:
+                        self._touch(hits)
+                        req.hashed = hits
+                    self._take(need - len(hits))
+                    req.num_computed = req.cached_tokens = len(hits) * bs
+                    if req.preemptions:
+                        self.preempted_prefix_queries += req.num_tokens
+                        self.preempted_prefix_hits += req.num_computed
+                    else:
+                        self.prefix_queries += req.num_tokens
+                        self.prefix_hits += req.num_computed
+                else:
+                    if need > self.free_blocks:
+                        break  # admitted only when the whole prompt fits
+                    self._pop()
+                    self._take(need)
                 req.blocks = need
                 req.status = Status.RUNNING
                 if req.first_scheduled is None:
                     req.first_scheduled = now
                 running.append(req)
                 num_new = min(req.num_tokens - req.num_computed, budget)
+                if caching and req.content is not None:
+                    self._cache_full_blocks(req, req.num_computed + num_new)
                 scheduled[req] = num_new
                 budget -= num_new
                 prefill += num_new
@@ -295,8 +479,7 @@ class Scheduler:
             if done:
                 req.status = Status.FINISHED
                 req.finished_at = now
-                self.free_blocks += req.blocks
-                req.blocks = 0
+                self._free(req)
                 finished = True
             generated += 1
             if every_token or done:

@@ -8,6 +8,11 @@ No model runs, so text is filler and lengths are chosen: prompt tokens are estim
 / 4 (+4 per chat message; token-id prompts count exactly); a request produces ``max_tokens`` tokens
 when ``ignore_eos`` is true, otherwise it "stops" at a seeded, geometrically distributed natural
 length (mean ``--mean-output-tokens``) capped by ``max_tokens``.
+
+Prefix caching sees the prompt's content: with no tokenizer, each 4-character chunk of text is a
+stand-in token whose id is a stable hash of the chunk (and each chat message 4 template tokens), so
+repeated prompts and shared leading messages hit as they would in vLLM (``sim.prefix_cache``); a
+``cache_salt`` keys the first block, as in vLLM.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ from prometheus_client import generate_latest
 
 from .engine import Engine, EngineOptions
 from .metrics import NodeMetrics
+from .prefix_cache import Prompt
 from .profiles import Profile
 from .scheduler import QueueFull, Request, Status, TokenEvent
 
@@ -97,20 +103,20 @@ def _error(status: int, message: str, type_: str = "BadRequestError") -> web.Res
                              status=status)
 
 
-def _content_chars(message: object, where: str) -> int:
-    """Characters of one chat message's content, validated as vLLM's request model does: ``content`` is
+def _content_text(message: object, where: str) -> str:
+    """The text of one chat message's content, validated as vLLM's request model does: ``content`` is
     a string, null, or a list of typed parts (objects with a string ``type``; text parts need a string
     ``text``). Anything else raises ValueError (a 400)."""
     if not isinstance(message, dict):
         raise ValueError(f"{where}: Input should be a valid dictionary or object")
     c = message.get("content")
     if c is None:
-        return 0
+        return ""
     if isinstance(c, str):
-        return len(c)
+        return c
     if not isinstance(c, list):
         raise ValueError(f"{where}.content: Input should be a valid string, null or a list of content parts")
-    chars = 0
+    texts = []
     for j, part in enumerate(c):
         at = f"{where}.content[{j}]"
         if not isinstance(part, dict):
@@ -122,8 +128,8 @@ def _content_chars(message: object, where: str) -> int:
             text = part.get("text")
             if not isinstance(text, str):
                 raise ValueError(f"{at}.text: Input should be a valid string")
-            chars += len(text)
-    return chars
+            texts.append(text)
+    return "".join(texts)
 
 
 def _positive_int(body: dict[str, Any], name: str) -> int | None:
@@ -190,21 +196,27 @@ class SimServer:
             "id": self.model, "object": "model", "created": int(time.time()), "owned_by": "vllm",
             "root": self.model, "parent": None, "max_model_len": self.profile.max_model_len}]})
 
-    def _prompt_tokens(self, body: dict[str, Any], chat: bool) -> int:
-        """Prompt tokens; ValueError (a 400) for a request vLLM's request model would refuse."""
+    def _prompt(self, body: dict[str, Any], chat: bool) -> tuple[int, Prompt]:
+        """Prompt tokens and their stand-in content; ValueError (a 400) for a request vLLM's request model
+        would refuse."""
+        salt = body.get("cache_salt")
+        if salt is not None and (not isinstance(salt, str) or not salt):
+            raise ValueError("Parameter 'cache_salt' must be a non-empty string if provided.")
         if chat:
             msgs = body.get("messages")
             if not isinstance(msgs, list) or not msgs:
                 raise ValueError("messages must be a non-empty list")
-            chars = 0
+            texts = []
             for i, m in enumerate(msgs):
-                chars += _content_chars(m, f"messages[{i}]")
-            return 4 * len(msgs) + math.ceil(chars / 4)
+                text = _content_text(m, f"messages[{i}]")
+                texts.append((str(m.get("role", "")), text))
+            chars = sum(len(t) for _, t in texts)
+            return 4 * len(msgs) + math.ceil(chars / 4), Prompt.from_chat(texts, salt)
         prompt = body.get("prompt")
         if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
-            return len(prompt)
+            return len(prompt), Prompt.from_ids(prompt, salt)
         if isinstance(prompt, str):
-            return max(1, math.ceil(len(prompt) / 4))
+            return max(1, math.ceil(len(prompt) / 4)), Prompt.from_text(prompt, salt)
         raise ValueError("prompt must be a string or a list of token ids")
 
     async def completions(self, http: web.Request) -> web.StreamResponse:
@@ -224,7 +236,7 @@ class SimServer:
         if priority != 0 and self.policy != "priority":
             return _error(400, f"Got priority {priority} but Priority scheduling is not enabled.")
         try:
-            prompt = self._prompt_tokens(body, chat)
+            prompt, content = self._prompt(body, chat)
             _positive_int(body, "n")
             max_tokens = _positive_int(body, "max_tokens")
             requested = _positive_int(body, "max_completion_tokens") if chat else None
@@ -243,7 +255,7 @@ class SimServer:
             natural = 1 + int(self._rng.expovariate(1.0 / max(1, self.options.mean_output_tokens - 1)))
             out, reason = (natural, "stop") if natural < limit else (limit, "length")
         req = Request(f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}", prompt, out, self.node.now(),
-                      priority, reason)
+                      priority, reason, content=content)
         try:
             queue = self.node.submit(req)
         except QueueFull:

@@ -13,7 +13,7 @@ import pytest
 from gpu_probe.nvml import Nvml
 from gpu_probe.parse import KV_NEW, KV_OLD, ParseError, parse
 from gpu_probe.server import Probe
-from gpu_probe.snapshot import Deriver
+from gpu_probe.snapshot import Deriver, Snapshot
 from kvgate.stack import free_port, wait_port
 
 REFERENCE = Path(__file__).resolve().parents[2] / "shared" / "reference" / "vllm-metrics-sample.txt"
@@ -143,3 +143,57 @@ def test_prefill_latency_is_normalised_by_prompt_tokens() -> None:
     assert s.latency_fresh is True
     idle = d.update(parse(text((13.0, 110), (56_000, 110))), 2.0)  # no request finished since
     assert idle.prefill_s_per_ktok == pytest.approx(0.5) and idle.latency_fresh is False  # shown, but old
+
+
+def prefix(queries: float, hits: float, old: bool = False, lab: str = M) -> str:
+    q, h = ("vllm:gpu_prefix_cache_queries", "vllm:gpu_prefix_cache_hits") if old else \
+        ("vllm:prefix_cache_queries", "vllm:prefix_cache_hits")
+    return (f"# TYPE {q} counter\n{q}_total{{{lab}}} {queries}\n"
+            f"# TYPE {h} counter\n{h}_total{{{lab}}} {hits}\n")
+
+
+@pytest.mark.skipif(not REFERENCE.exists(), reason="needs ../shared/reference")
+def test_reads_the_prefix_cache_counters_of_the_real_exposition() -> None:
+    [r] = parse(REFERENCE.read_text()).values()
+    assert (r.counters["prefix_queries"], r.counters["prefix_hits"]) == (20480, 8192)
+
+
+def test_prefix_cache_counters_fall_back_to_the_pre_0_9_2_names() -> None:
+    [new] = parse(exposition() + prefix(100, 40)).values()
+    [old] = parse(exposition() + prefix(300, 30, old=True)).values()
+    [both] = parse(exposition() + prefix(100, 40) + prefix(300, 30, old=True)).values()  # the new name wins
+    assert (new.counters["prefix_queries"], new.counters["prefix_hits"]) == (100, 40)
+    assert (old.counters["prefix_queries"], old.counters["prefix_hits"]) == (300, 30)
+    assert (both.counters["prefix_queries"], both.counters["prefix_hits"]) == (100, 40)
+    [none] = parse(exposition()).values()
+    assert "prefix_queries" not in none.counters
+
+
+def test_prefix_hit_rate_is_of_the_last_interval() -> None:
+    d = Deriver("n")
+    assert d.update(parse(exposition() + prefix(1000, 900)), 0.0).prefix_hit_rate is None  # no interval yet
+    s = d.update(parse(exposition() + prefix(1400, 1000)), 1.0)
+    assert s.prefix_hit_rate == pytest.approx(0.25)  # 100 of 400 tokens looked up, not the lifetime 0.71
+    assert d.update(parse(exposition() + prefix(1400, 1000)), 2.0).prefix_hit_rate is None  # nothing looked up
+    assert d.update(parse(exposition() + prefix(50, 50)), 3.0).prefix_hit_rate is None  # restarted: no delta
+    assert d.update(parse(exposition() + prefix(150, 100, old=True)), 4.0).prefix_hit_rate == pytest.approx(0.5)
+    # several engines: tokens summed over them (the second engine's TYPE lines made comments: no duplicates)
+    def two(q0: float, h0: float, q1: float, h1: float) -> str:
+        second = exposition(engine="1") + prefix(q1, h1, lab='model_name="m",engine="1"')
+        return exposition(engine="0") + prefix(q0, h0) + second.replace("# TYPE", "# X")
+
+    d = Deriver("n")
+    d.update(parse(two(0, 0, 0, 0)), 0.0)
+    assert d.update(parse(two(100, 100, 300, 0)), 1.0).prefix_hit_rate == pytest.approx(0.25)
+
+
+def test_snapshot_json_carries_the_hit_rate_and_reads_older_probes() -> None:
+    d = Deriver("n")
+    d.update(parse(exposition() + prefix(0, 0)), 0.0)
+    snap = d.update(parse(exposition() + prefix(10, 5)), 1.0)
+    doc = snap.to_json()
+    assert doc["prefix_hit_rate"] == 0.5 and Snapshot.from_json(doc).prefix_hit_rate == 0.5
+    del doc["prefix_hit_rate"]  # a probe from before the field
+    assert Snapshot.from_json(doc).prefix_hit_rate is None
+    with pytest.raises(ValueError, match="prefix_hit_rate"):
+        Snapshot.from_json({**doc, "prefix_hit_rate": "high"})

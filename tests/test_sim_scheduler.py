@@ -251,6 +251,6 @@ def test_exported_gauges_read_the_scheduler_state() -> None:
     assert val("vllm:prompt_tokens_total", labels) == 100
     assert val("vllm:generation_tokens_total", labels) == 1
     assert val("vllm:time_to_first_token_seconds_count", labels) == 1
-    assert val("vllm:cache_config_info", {"block_size": "16", "cache_dtype": "auto", "enable_prefix_caching": "False",
+    assert val("vllm:cache_config_info", {"block_size": "16", "cache_dtype": "auto", "enable_prefix_caching": "True",
                                           "engine": "0", "gpu_memory_utilization": "0.9",
                                           "num_gpu_blocks": "40"}) == 1
