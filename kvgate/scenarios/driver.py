@@ -36,6 +36,7 @@ from gpu_probe.snapshot import Deriver
 from scaler.law import ControlLaw, LawSettings, Signals
 from scaler.signals import BUDGET_REASONS, KINDS
 from sim.engine import Engine, EngineOptions
+from sim.prefix_cache import Prompt
 from sim.profiles import Profile
 from sim.scheduler import Request
 
@@ -206,6 +207,16 @@ class RunResult:
     lost: int
     breaker_opens_by_cause: dict[str, int] = field(default_factory=dict)
     """``breaker_opens`` split by cause (latency | kv | trial), as kvgate's core classifies them."""
+    prefill_tokens_computed: int = 0
+    """Prompt tokens the nodes actually prefilled: what they were asked for less their prefix-cache hits."""
+
+
+def _content(i: int, r: TraceRequest) -> Prompt | None:
+    """What the node can cache of a trace request's prompt: its shared segments, then its own tokens."""
+    if not r.segments:
+        return None
+    own = r.prompt_tokens - sum(n for _, n in r.segments)
+    return Prompt.from_segments([*r.segments, *([(f"\x00r{i}", own)] if own > 0 else [])])
 
 
 def _slowed(p: Profile, factor: float) -> Profile:
@@ -374,7 +385,7 @@ class Run:
         prio = 0
         if tier is not None and self.engine_options.policy == "priority":
             prio = tier.vllm_priority if tier.vllm_priority is not None else tier.priority
-        sreq = Request(f"r{i}", r.prompt_tokens, r.output_tokens, self.now, priority=prio)
+        sreq = Request(f"r{i}", r.prompt_tokens, r.output_tokens, self.now, priority=prio, content=_content(i, r))
         n.engine.add(sreq)
         self._inflight[sreq] = (i, ticket)
         o.status, o.node, o.decided_at = 200, n.index, self.now
@@ -555,8 +566,10 @@ class Run:
         gpus = self._gpus()
         gpu_s = sum(min(n.stopped_at or last, last) - n.provisioned_at for n in self.nodes)
         lost = sum(1 for o in self.outcomes if o.status == 0 or (o.status == 200 and o.e2e is None))
+        computed = sum(n.engine.scheduler.prefix_queries + n.engine.scheduler.preempted_prefix_queries
+                       - n.engine.scheduler.prefix_hits - n.engine.scheduler.preempted_prefix_hits for n in self.nodes)
         return RunResult(self.policy, self.outcomes, last - start, gpu_s * gpus, gpus, self.node_timeline,
-                         self.breaker_opens, lost, dict(self.breaker_opens_by_cause))
+                         self.breaker_opens, lost, dict(self.breaker_opens_by_cause), computed)
 
     def _busy(self) -> bool:
         return bool(self._inflight or self._held)

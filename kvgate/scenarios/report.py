@@ -151,6 +151,7 @@ class Summary:
             "goodput_rps": self.goodput, "goodput_per_gpu": self.goodput_per_gpu, "jain": self.fairness,
             "jain_60s_mean": self.jain_60s_mean, "jain_60s_min": self.jain_60s_min,
             "breaker_opens": self.result.breaker_opens, "breaker_opens_by_cause": self.breaker_opens_by_cause,
+            "prefill_tokens_computed": self.result.prefill_tokens_computed,
             "ideal": self.ideal,
             "tiers": {t: {"ttft_p50_p95_p99": g.ttft, "slo_attainment": g.slo, "offered": g.offered,
                           "admitted": g.admitted} for t, g in self.tiers.items()},

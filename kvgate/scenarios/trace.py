@@ -11,7 +11,12 @@ A line is a JSON object::
 * ``output_tokens`` — tokens the model will generate (>= 1);
 * ``stream`` — optional, default false;
 * ``max_tokens`` — optional, what the client asks for (>= output_tokens; default output_tokens):
-  what admission reserves before the real usage is known.
+  what admission reserves before the real usage is known;
+* ``segments`` — optional, what the prompt starts with, for prefix caching: ``[[id, tokens], ...]``,
+  a list of shared pieces (a system prompt, a RAG document, a chat's history so far) by id and token
+  length (ids are strings; the same id is the same tokens wherever it appears); their tokens add up to
+  at most ``prompt_tokens``, the rest is the request's own. Without it a prompt shares nothing;
+* ``session`` — optional, the conversation a request belongs to (a string; informational).
 
 Blank lines and lines starting with ``#`` are skipped. Every bad line is reported with its number.
 """
@@ -35,6 +40,9 @@ class TraceRequest:
     output_tokens: int
     stream: bool = False
     max_tokens: int | None = None
+    segments: tuple[tuple[str, int], ...] | None = None
+    """Shared pieces the prompt starts with (id, tokens); the rest of the prompt is its own."""
+    session: str | None = None
 
     @property
     def reserved_output(self) -> int:
@@ -45,6 +53,10 @@ class TraceRequest:
                                "output_tokens": self.output_tokens, "stream": self.stream}
         if self.max_tokens is not None:
             doc["max_tokens"] = self.max_tokens
+        if self.segments is not None:
+            doc["segments"] = [[i, n] for i, n in self.segments]
+        if self.session is not None:
+            doc["session"] = self.session
         return doc
 
 
@@ -68,7 +80,8 @@ def parse_line(text: str) -> TraceRequest:
         raise ValueError(f"not JSON ({e.msg})") from None
     if not isinstance(doc, dict):
         raise ValueError("must be a JSON object")
-    unknown = set(doc) - {"t", "tenant", "prompt_tokens", "output_tokens", "stream", "max_tokens"}
+    unknown = set(doc) - {"t", "tenant", "prompt_tokens", "output_tokens", "stream", "max_tokens", "segments",
+                          "session"}
     if unknown:
         raise ValueError(f"unknown field(s): {', '.join(sorted(unknown))}")
     t = doc.get("t")
@@ -85,7 +98,26 @@ def parse_line(text: str) -> TraceRequest:
     max_tokens = None
     if "max_tokens" in doc:
         max_tokens = _int(doc, "max_tokens", output)
-    return TraceRequest(float(t), tenant, prompt, output, stream, max_tokens)
+    segments = _segments(doc.get("segments"), prompt) if "segments" in doc else None
+    session = doc.get("session")
+    if session is not None and (not isinstance(session, str) or not session):
+        raise ValueError(f"session: must be a non-empty string, got {session!r}")
+    return TraceRequest(float(t), tenant, prompt, output, stream, max_tokens, segments, session)
+
+
+def _segments(v: Any, prompt: int) -> tuple[tuple[str, int], ...]:
+    if not isinstance(v, list):
+        raise ValueError(f"segments: must be a list of [id, tokens], got {v!r}")
+    out: list[tuple[str, int]] = []
+    for k, seg in enumerate(v):
+        if (not isinstance(seg, list) or len(seg) != 2 or not isinstance(seg[0], str) or not seg[0]
+                or isinstance(seg[1], bool) or not isinstance(seg[1], int) or seg[1] < 1):
+            raise ValueError(f"segments[{k}]: must be [id, tokens] with a non-empty string id and tokens >= 1, "
+                             f"got {seg!r}")
+        out.append((seg[0], seg[1]))
+    if sum(n for _, n in out) > prompt:
+        raise ValueError(f"segments: {sum(n for _, n in out)} tokens, more than prompt_tokens ({prompt})")
+    return tuple(out)
 
 
 def read_trace(path: str | Path) -> list[TraceRequest]:
