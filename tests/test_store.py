@@ -385,6 +385,37 @@ def test_a_replica_taken_for_dead_and_back_is_not_counted_twice(server: RedisSer
     asyncio.run(run())
 
 
+def test_a_tenants_slice_follows_its_traffic_to_another_replica_within_about_a_second(
+        server: RedisServer) -> None:
+    async def run() -> None:
+        cfg = config(server.url, max_concurrent=6)
+        a, b = Replica(cfg), Replica(cfg)
+        interval = cfg.store.redis.sync_interval_ms / 1000.0
+        await sync_all([a, b], 2)
+        for i in range(6):  # a burst on a: its slice grows to the cap, then its requests end
+            x = await a.ask(f"a{i}")
+            assert isinstance(x, Answer) and x.decision.admitted and x.ticket
+            a.core.ended(Ended(x.ticket, "", 200, None, upstream_answered=True))
+        await sync_all([a, b])
+        moved_at = time.monotonic()
+        served: list[Answer | Held] = []
+        while time.monotonic() - moved_at < 10.0:  # the traffic moves to b: six at once, held open
+            await sync_all([a, b])
+            served = [await b.ask(f"b{i}") for i in range(6)]
+            won = [x for x in served if isinstance(x, Answer) and x.decision.admitted]
+            if len(won) == 6:
+                break
+            for x in won:
+                assert isinstance(x, Answer) and x.ticket
+                b.core.ended(Ended(x.ticket, "", 200, None, upstream_answered=True))
+            await asyncio.sleep(interval)
+        # (about a second on a quiet machine: a's spare goes back once it has been idle for IDLE_S)
+        assert all(isinstance(x, Answer) and x.decision.admitted for x in served), "the whole cap followed"
+        await close_all([a, b])
+
+    asyncio.run(run())
+
+
 # -- the allocator in Redis matches the one in Python ------------------------------------------------
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
