@@ -327,6 +327,7 @@ class SharedStore:
         """(owner, ticket, tenant, event) of completions for another replica's tickets: the END script
         hands each to its owner, or, when the owner died, gives one of its slots back."""
         self._failing_since: float | None = None
+        self._sync_started = 0.0
         self._tasks: set[asyncio.Task[None]] = set()
         self.ok = False
         r = registry
@@ -404,6 +405,7 @@ class SharedStore:
     async def sync(self) -> bool:
         """One round trip; True when it succeeded."""
         t0 = time.perf_counter()
+        self._sync_started = time.monotonic()
         adm = self.core.admission
         try:
             if not self._sha:
@@ -644,7 +646,8 @@ class SharedStore:
         self.errors.labels("sync").inc()
         now = time.monotonic()
         if self._failing_since is None:
-            self._failing_since = now
+            # from when the failed sync began: a Redis that hangs has cost its whole timeout already
+            self._failing_since = self._sync_started
             log.warning("store_unreachable", error=f"{type(e).__name__}: {e}", url=_safe(self.cfg.url))
         self.ok = False
         self.up_gauge.set(0)

@@ -227,10 +227,13 @@ def test_a_slow_redis_is_a_down_redis_and_each_replica_falls_back_within_two_sec
         assert srv.proc is not None
         os.kill(srv.proc.pid, signal.SIGSTOP)  # hangs: every call times out
         try:
-            t0 = time.monotonic()
-            while time.monotonic() - t0 < 5 and not all(r.core.admission.local_split for r in reps):
+            rounds = 0
+            while rounds < 10 and not all(r.core.admission.local_split for r in reps):
                 await sync_all(reps)
-            assert time.monotonic() - t0 < 2.0, "the local split within two seconds of Redis hanging"
+                rounds += 1
+            # a failed sync waits out its timeout (200 ms here) and fallback_after_seconds is 0.2: each
+            # replica is on its split after its first or second failed sync (about 1 s with the defaults)
+            assert rounds <= 2, f"the local split after {rounds} failed syncs"
             assert all(r.core.admission.local_split == 2 and not r.store.ok for r in reps)
             assert sorted(r.tenant.slots or 0 for r in reps) == [2, 2], "the cap split evenly"
             answers = [await reps[i % 2].ask(f"r{i}") for i in range(8)]
