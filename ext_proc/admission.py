@@ -255,6 +255,8 @@ class Admission:
                 )
             else:
                 old_cap = state.config.max_concurrent
+                if t.max_concurrent is None:
+                    state.slots, state.record = (0 if self.shared else None), 0
                 if state.slots and old_cap and t.max_concurrent and t.max_concurrent < old_cap:
                     # a lower cap: this replica's slice shrinks in proportion until the store answers
                     state.slots = state.slots * t.max_concurrent // old_cap
@@ -461,6 +463,9 @@ class Admission:
 
     def _refund(self, lease: Lease, now: float) -> None:
         s = lease.tenant
+        if self.local_split and s.name in self.fallback_spent:
+            r, t = self.fallback_spent[s.name]  # never sent: nothing to debit on rejoining
+            self.fallback_spent[s.name] = (r - 1, t - lease.reserved_tokens)
         s.inflight -= 1
         if s.requests is not None:
             s.requests.give(1, now)

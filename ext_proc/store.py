@@ -136,8 +136,8 @@ return {e, redis.call('EXISTS', KEYS[3]), redis.call('ZRANGEBYSCORE', KEYS[1], n
 # replica o: its orphaned slots, e: their expiry), learning, over, epoch, version counter.
 # ARGV: 1 replica, 2 cap, 3 slots it enforces now, 4 in flight, 5 demand, 6 spare 0|1, 7 ttl ms,
 #       8 borrow 0|1, 9 tenant, 10 known epoch, 11 orphan ttl ms.
-# Returns {-1} for a call made for another epoch, else {slots, free, version, orphaned slots, replica,
-# record, replica, record, ...}.
+# Returns {-1} for a call made for another epoch, else {slots, free, version, orphaned slots, slots of its
+# own given back while it was taken for dead, replica, record, replica, record, ...}.
 SLOTS = FAIR + """
 if redis.call('GET', KEYS[5]) ~= ARGV[10] then return {-1} end
 local t = redis.call('TIME')
@@ -150,19 +150,25 @@ if not live[me] then live[me] = true; n = n + 1 end
 local raw = redis.call('HGETALL', KEYS[2])
 local fields = {}
 for i = 1, #raw, 2 do fields[raw[i]] = raw[i + 1] end
-local held, demand, spare, orphans = {}, {}, {}, 0
+local held, demand, spare, orphans, given = {}, {}, {}, 0, 0
 -- first the orphans of replicas that died earlier: expired ones go; this replica's own (it was taken for
--- dead while it lived: a lapsed heartbeat) go too, its record below says what it holds
+-- dead while it lived: a lapsed heartbeat) go too — less the slots END gave back for requests of its
+-- that ended meanwhile (c: what was orphaned, o: what is left), which it no longer holds
 for f, v in pairs(fields) do
   local kind, r = string.sub(f, 1, 2), string.sub(f, 3)
   if kind == 'o:' then
-    if r == me or tonumber(fields['e:' .. r] or 0) < now or tonumber(v) <= 0 then
-      redis.call('HDEL', KEYS[2], f, 'e:' .. r)
+    if r == me then
+      given = math.max(0, tonumber(fields['c:' .. r] or v) - tonumber(v))
+      redis.call('HDEL', KEYS[2], f, 'e:' .. r, 'c:' .. r)
+    elseif tonumber(fields['e:' .. r] or 0) < now or tonumber(v) <= 0 then
+      redis.call('HDEL', KEYS[2], f, 'e:' .. r, 'c:' .. r)
     else
       orphans = orphans + tonumber(v)
     end
   end
 end
+enforced = math.max(0, enforced - given)
+inflight = math.max(0, inflight - given)
 -- then the replicas that died since: the requests they admitted still run; all they held stays taken
 -- until completions come in for them (END) or the lease timeout passes
 for f, v in pairs(fields) do
@@ -171,6 +177,7 @@ for f, v in pairs(fields) do
     if not live[r] then
       if kind == 'h:' and tonumber(v) > 0 then
         redis.call('HINCRBY', KEYS[2], 'o:' .. r, tonumber(v))
+        redis.call('HINCRBY', KEYS[2], 'c:' .. r, tonumber(v))
         redis.call('HSET', KEYS[2], 'e:' .. r, now + tonumber(ARGV[11]))
         orphans = orphans + tonumber(v)
       end
@@ -195,7 +202,10 @@ spare[me] = (ARGV[6] == '1')
 local free = cap - others - mine
 local target
 if ARGV[8] == '1' then
-  target = mine + math.max(0, math.min(demand[me] - mine, free))
+  -- a borrow adds to what the replica enforces, not to a record still above it (a share it was told to
+  -- give back); only slots nobody holds
+  local base = math.max(enforced, inflight)
+  target = base + math.max(0, math.min(demand[me] - base, free))
 else
   target = fair(demand, spare, cap - orphans)[me]
   if target > mine then
@@ -214,7 +224,7 @@ local even = math.floor(cap / n)
 local uneven = record > even or orphans > 0
 for _, h in pairs(held) do if h > even then uneven = true end end
 if uneven then redis.call('SADD', KEYS[4], ARGV[9]) else redis.call('SREM', KEYS[4], ARGV[9]) end
-local out = {target, cap - others - record, version, orphans, me, record}
+local out = {target, cap - others - record, version, orphans, given, me, record}
 for r, h in pairs(held) do out[#out + 1] = r; out[#out + 1] = h end
 return out
 """
@@ -233,6 +243,9 @@ if score >= now then
 end
 if redis.call('SADD', KEYS[4], ARGV[2]) == 0 then return 0 end
 redis.call('PEXPIRE', KEYS[4], tonumber(ARGV[4]))
+-- the owner may only have been taken for dead: if it comes back it ends the lease (and its next slots
+-- call takes the slot given back here off what it holds)
+redis.call('XADD', KEYS[2], 'MINID', '~', tostring(now - 30000), '*', 'b', ARGV[3])
 for _, kind in ipairs({'o:', 'h:'}) do
   local n = tonumber(redis.call('HGET', KEYS[3], kind .. ARGV[1]) or 0)
   if n > 0 then
@@ -361,8 +374,10 @@ class SharedStore:
     async def _load(self) -> None:
         """Load the scripts (once, and again after Redis lost them): EVALSHA then costs no extra round
         trip (redis-py's Script objects check SCRIPT EXISTS before every pipeline)."""
+        sha = {}
         for name, src in SCRIPTS.items():
-            self._sha[name] = await asyncio.wait_for(self.client.script_load(src), self.cfg.timeout_ms / 1000.0)
+            sha[name] = await asyncio.wait_for(self.client.script_load(src), self.cfg.timeout_ms / 1000.0)
+        self._sha = sha  # all or none: a call never finds one missing
 
     def _call(self, pipe: Any, name: str, keys: list[str], args: list[Any]) -> None:
         pipe.evalsha(self._sha[name], len(keys), *keys, *args)
@@ -503,8 +518,8 @@ class SharedStore:
             elif kind == "bucket":
                 if len(res) == 2:
                     adm.share_credit(tenant, dim, float(res[0]), float(res[1]))
-            elif kind == "end":
-                self.forwarded.labels("orphan" if int(res) >= 2 else "sent").inc()
+            elif kind == "end" and int(res) > 0:
+                self.forwarded.labels("sent" if int(res) == 1 else "orphan").inc()
             elif kind == "xadd":
                 self._batch = None
             elif kind == "last":
@@ -565,22 +580,28 @@ class SharedStore:
             holdings[_str(uneven[i])] = held
         self.holdings = holdings
 
-    def _slots_result(self, tenant: str, res: list[Any]) -> None:
+    def _slots_result(self, tenant: str, res: list[Any]) -> bool:
+        """Apply a slots answer; False when it was not applied (another epoch, another cap, or older
+        than one already applied)."""
         if int(res[0]) < 0:
-            return  # made for another epoch: the next sync asks again
+            return False  # made for another epoch: the next sync asks again
         s = self.core.admission.tenant_state(tenant)
         if s is None or s.config.max_concurrent != self._sent_cap.get(tenant):
-            return  # asked for another cap (a reload came in between): the next sync asks again
-        held, free, version, orphans = int(res[0]), int(res[1]), int(res[2]), int(res[3])
+            return False  # asked for another cap (a reload came in between): the next sync asks again
+        held, free, version, orphans, given = (int(x) for x in res[:5])
         if version <= self._versions.get(tenant, 0):
-            return  # older than an answer already applied
+            return False
         self._versions[tenant] = version
-        rest = res[4:]
+        if given:
+            log.warning("store_taken_for_dead", tenant=tenant, slots_given_back=given,
+                        note="this replica's heartbeat lapsed; completions of its requests freed their slots")
+        rest = res[5:]
         holdings = {_str(rest[i]): int(rest[i + 1]) for i in range(0, len(rest) - 1, 2)}
         if orphans:
             holdings[ORPHANED] = orphans
         self.holdings[tenant] = holdings
         self.core.admission.share_slots(tenant, held, max(0, free), holdings.get(self.me, held))
+        return True
 
     def _events(self, res: Any) -> list[Remote]:
         out: list[Remote] = []
@@ -713,12 +734,15 @@ class SharedStore:
     async def _borrow(self, tenant: str, tokens: float) -> bool:
         adm = self.core.admission
         s = adm.tenant_state(tenant)
-        while (ev := self._busy.get(tenant)) is not None:
-            await ev.wait()  # one slots call for a tenant at a time
-        if s is None or adm.local_split or not self.ok or not self._sha:
-            self.borrows.labels("refused").inc()
+        if s is None:
             return False
         q = s.config
+        if q.max_concurrent is not None and s.inflight >= (s.slots or 0):
+            while (ev := self._busy.get(tenant)) is not None:
+                await ev.wait()  # one slots call for a tenant at a time
+        if adm.local_split or not self.ok or not self._sha:
+            self.borrows.labels("refused").inc()
+            return False
         held = s.slots or 0
         slot = q.max_concurrent is not None and s.inflight >= held
         if slot and not self._claim(tenant):
@@ -750,8 +774,7 @@ class SharedStore:
                     granted = False
                     continue
                 if kind == "slots":
-                    granted &= int(res[0]) > held
-                    self._slots_result(tenant, res)
+                    granted &= self._slots_result(tenant, res) and int(res[0]) > held
                 else:
                     granted &= float(res[0]) > 0
                     adm.share_credit(tenant, kind, float(res[0]), float(res[1]))

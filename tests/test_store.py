@@ -419,6 +419,36 @@ def test_a_tenants_slice_follows_its_traffic_to_another_replica_within_about_a_s
     asyncio.run(run())
 
 
+def test_a_slot_given_back_while_its_replica_was_taken_for_dead_is_not_counted_twice(server: RedisServer) -> None:
+    async def run() -> None:
+        cfg = config(server.url, max_concurrent=4)
+        a, b = Replica(cfg), Replica(cfg)
+        await sync_all([a, b], 2)
+        for i in range(4):
+            assert (await a.ask(f"a{i}")).decision.admitted  # type: ignore[union-attr]
+        a.alive = False  # paused past its lease TTL, its four requests running
+        await asyncio.sleep(1.2)
+        await b.ask("b0")  # b's call orphans what a held
+        # one of a's requests ends; its access log reaches b, which gives the slot back (a looks dead)
+        b.store.forward(Ended(a.admitted[0], "", 200, None, upstream_answered=True), "a")
+        await sync_all([b], 2)
+        assert (await b.ask("b1")).decision.admitted  # type: ignore[union-attr]
+        a.alive = True  # a was only paused: it comes back believing it still runs four
+        await a.store.sync()
+        assert a.tenant.inflight == 3, "the completion reached a too"
+        assert inflight([a, b]) == 4
+        refused = await a.ask("a-back")
+        assert isinstance(refused, Answer) and refused.reply is not None, \
+            "a's slice lost the slot given back while it was away: the cap is full at once"
+        await sync_all([a, b], 2)
+        got = [await r.ask(f"c{i}") for i, r in enumerate([a, b, a, b])]
+        assert not any(isinstance(x, Answer) and x.decision.admitted for x in got), "the cap is full"
+        assert sum(r.tenant.slots or 0 for r in (a, b)) <= 4
+        await close_all([a, b])
+
+    asyncio.run(run())
+
+
 # -- the allocator in Redis matches the one in Python ------------------------------------------------
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
