@@ -224,6 +224,21 @@ class BreakerConfig(_Strict):
     )
 
 
+class PrefixAffinity(_Strict):
+    """Prefix-cache awareness (``nodes.prefix``): kvgate remembers which prompt prefixes it sent to which
+    node and counts the expected cache hit in that node's TTFT prediction and KV projection."""
+
+    enabled: bool = True
+    block_chars: Annotated[int, Field(ge=16, le=4096)] = Field(
+        default=256, description="characters of prompt text per index block (~64 tokens at 4 chars a token)")
+    max_blocks_per_node: Annotated[int, Field(ge=16)] = Field(
+        default=20_000, description="blocks remembered per node (least recently used forgotten first): "
+        "about the node's KV cache in index blocks")
+    ttl_seconds: PositiveFloat = Field(default=600.0, description="a block not sent again for this long is forgotten")
+    max_blocks_per_request: Annotated[int, Field(ge=1, le=4096)] = Field(
+        default=256, description="leading blocks of a prompt that are hashed (bounds the cost per request)")
+
+
 class Performance(_Strict):
     """The prior of each node's performance model (``ext_proc/perf.py``): the step time of the model and
     GPU the pool serves, ``a + b·prefill_tokens + c·decode_seqs + d·context_tokens`` ms. Either a
@@ -308,6 +323,7 @@ class Nodes(_Strict):
     )
     performance: Performance = Performance()
     breaker: BreakerConfig = BreakerConfig()
+    prefix: PrefixAffinity = PrefixAffinity()
 
     def deprecations(self) -> list[str]:
         """Settings still honoured but on their way out: said once per load (logged by the server)."""

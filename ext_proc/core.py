@@ -40,6 +40,7 @@ from .config import Config, Tenant
 from .estimate import Estimate, Estimator
 from .identity import Identifier
 from .nodes import Fleet, Level
+from .prefix import text_chain, text_of
 from .reasons import UNKNOWN_KEY, Invalid, Rejection, reject
 from .stats import Stats
 from .wire import Reply, reject_reply
@@ -214,6 +215,10 @@ class Core:
         except Invalid as e:
             return self._final(self._refusal(tenant, e.rejection()), req.request_id)
         size = req.body_bytes if req.body_bytes is not None else len(req.body)
+        if self.fleet is not None and not est.prefix and est.document is not None:
+            pc = self.config.nodes.prefix if self.config.nodes is not None else None
+            if pc is not None and pc.enabled:
+                est = replace(est, prefix=text_chain(text_of(est.document), pc.block_chars, pc.max_blocks_per_request))
         never = self._never_fits(est)
         if never is not None:
             return self._final(self._refusal(tenant, never), req.request_id)
@@ -472,7 +477,8 @@ class Core:
             # take the place of one that can (refused, it may retry when the fleet has room)
             limit = max(max_wait, target_s) if waited <= 0 else target
         c = self.fleet.place(est.total, est.prompt_tokens, ticket, self._clock(), force=shadow, reserve=reserve,
-                             queue_caps=caps, priority=self._level(tier_name), target=target, limit=limit)
+                             queue_caps=caps, priority=self._level(tier_name), target=target, limit=limit,
+                             prefix=est.prefix)
         return Placed(c.node.address if c.node else None, c.reason, c.retry_after, c.ttft)
 
     def _floor(self, est: Estimate) -> float:

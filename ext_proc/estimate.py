@@ -74,6 +74,8 @@ class Estimate:
     """True when the client asked for ``stream_options.continuous_usage_stats`` (usage in every chunk)."""
     route: Route | None = None
     """The route kind the body was read as; None for a path that is not an inference route."""
+    prefix: tuple[int, ...] = ()
+    """The chain of the prompt's leading blocks (``prefix.py``), when kvgate tracks prefix caches."""
 
     @property
     def total(self) -> int:

@@ -42,6 +42,7 @@ from gpu_probe.snapshot import Snapshot
 from .breaker import Breaker, BreakerSettings, State
 from .config import Nodes
 from .perf import Speed, StepModel, from_config, prefill_heavy, step_ratio
+from .prefix import PrefixIndex
 
 DEFAULT_BLOCK = 16
 MAX_CANDIDATES = 8
@@ -149,6 +150,8 @@ class Choice:
     ttft: float | None = None
     """The predicted seconds to the first token on the chosen node (or, with no node meeting the target,
     on the best one)."""
+    hit: int = 0
+    """Prompt tokens the chosen node is expected to hold in its prefix cache (``prefix.py``)."""
 
 
 @dataclass(frozen=True)
@@ -180,6 +183,7 @@ class Fleet:
         self._best: Node | None = None
         self._order: list[Node] = []
         self._top_seen = -math.inf
+        self.prefix = PrefixIndex(cfg.prefix.max_blocks_per_node, cfg.prefix.ttl_seconds)
         self.set_nodes([(n.address, n.probe, n.kv_admit_threshold) for n in cfg.static])
 
     def set_levels(self, levels: list[Level]) -> None:
@@ -193,6 +197,7 @@ class Fleet:
 
     def reconfigure(self, cfg: Nodes) -> None:
         self.cfg = cfg
+        self.prefix.max_blocks, self.prefix.ttl = cfg.prefix.max_blocks_per_node, cfg.prefix.ttl_seconds
         model = from_config(cfg.performance)
         if model != self.model:
             # speed factors and latency baselines are relative to the prior: learned against the old one,
@@ -217,6 +222,8 @@ class Fleet:
                 n = Node(address, probe, threshold, Breaker(breaker_settings(self.cfg), self._hook(address)))
             n.probe, n.threshold, n.override = probe, threshold, override
             nodes[address] = n
+        for gone in set(self.nodes) - set(nodes):
+            self.prefix.forget(gone)
         self.nodes = nodes
         self._order = list(nodes.values())
 
@@ -327,16 +334,30 @@ class Fleet:
     def place(
         self, tokens: int, prompt_tokens: int, ticket: str, now: float, force: bool = False, reserve: float = 0.0,
         queue_caps: bool = True, priority: int = 0, target: float | None = None, limit: float | None = None,
+        prefix: tuple[int, ...] = (),
     ) -> Choice:
-        """Choose a node and book the request there (what ``Admission`` calls)."""
-        c = self.choose(tokens, now, force, prompt_tokens, reserve, queue_caps, priority, target, limit)
+        """Choose a node and book the request there (what ``Admission`` calls). ``prefix``: the chain of
+        the prompt's leading blocks (``prefix.py``), for prefix-cache affinity."""
+        c = self.choose(tokens, now, force, prompt_tokens, reserve, queue_caps, priority, target, limit, prefix)
         if c.node is not None:
-            self.dispatched(c.node.address, ticket, tokens, prompt_tokens, now, priority, c.ttft)
+            self.dispatched(c.node.address, ticket, tokens - c.hit, prompt_tokens - c.hit, now, priority, c.ttft)
+            if prefix and self.cfg.prefix.enabled:
+                self.prefix.record(c.node.address, prefix, now)
         return c
+
+    def hits(self, prefix: tuple[int, ...], prompt_tokens: int, now: float) -> dict[str, int]:
+        """Node → prompt tokens it is expected to hold in its prefix cache (never the whole prompt: vLLM
+        computes at least its last block)."""
+        if not prefix or not self.cfg.prefix.enabled:
+            return {}
+        per_block = self.cfg.prefix.block_chars // 4
+        cap = max(0, prompt_tokens - per_block)
+        return {a: min(cap, b * per_block) for a, b in self.prefix.match(prefix, now).items()}
 
     def choose(
         self, tokens: int, now: float, force: bool = False, prompt_tokens: int = 0, reserve: float = 0.0,
         queue_caps: bool = True, priority: int = 0, target: float | None = None, limit: float | None = None,
+        prefix: tuple[int, ...] = (),
     ) -> Choice:
         """``force``: any live node, whatever its load or breaker (shadow mode, bodyless routes).
         ``reserve``: KV fraction to leave free below each node's threshold (for more important tiers).
@@ -355,15 +376,20 @@ class Fleet:
             best = self._best
             if best is not None and self.nodes.get(best.address) is best and best not in pool:
                 pool.append(best)
-        c = self._choose(pool, tokens, now, prompt_tokens, reserve, queue_caps, priority, target, limit)
+        hits = self.hits(prefix, prompt_tokens, now)
+        c = self._choose(pool, tokens, now, prompt_tokens, reserve, queue_caps, priority, target, limit, hits)
         if c.node is None and pool is not self._order:
-            c = self._choose(self._order, tokens, now, prompt_tokens, reserve, queue_caps, priority, target, limit)
+            c = self._choose(self._order, tokens, now, prompt_tokens, reserve, queue_caps, priority, target, limit,
+                             hits)
         return c
 
     def _choose(
         self, pool: list[Node], tokens: int, now: float, prompt_tokens: int, reserve: float, queue_caps: bool,
-        priority: int, target: float | None, limit: float | None,
+        priority: int, target: float | None, limit: float | None, hits: dict[str, int] | None = None,
     ) -> Choice:
+        """The filters, the predictions and the pick. ``hits``: prompt tokens each node is expected to hold
+        in its prefix cache — that much less to prefill there, that much less new KV."""
+        hits = hits or {}
         fresh: list[Node] = []
         unknown: list[Node] = []
         kv_full = broken = queue_full = 0
@@ -376,8 +402,9 @@ class Fleet:
             if not n.breaker.allows(now):
                 broken += 1
                 continue
-            kv = n.projected_kv(tokens)
-            if kv is not None and kv >= n.threshold - reserve and not self._alone_fits(n, tokens, reserve):
+            new = tokens - hits.get(n.address, 0)
+            kv = n.projected_kv(new)
+            if kv is not None and kv >= n.threshold - reserve and not self._alone_fits(n, new, reserve):
                 kv_full += 1
                 continue
             if max_waiting is not None and n.waiting() >= max_waiting:
@@ -401,7 +428,7 @@ class Fleet:
             if best is not None and best in candidates and best not in sample:
                 sample.append(best)
             candidates = sample
-        scored = [(self.predict(n, prompt_tokens, priority, now), n) for n in candidates]
+        scored = [(self.predict(n, prompt_tokens - hits.get(n.address, 0), priority, now), n) for n in candidates]
         soonest, first = min(scored, key=lambda x: (x[0], -self._score(x[1], tokens)))
         self._best = first
         lim = limit if limit is not None else target
@@ -409,7 +436,7 @@ class Fleet:
         if priority == top.priority:
             self._top_seen = now
         elif (top.target is not None and now - self._top_seen < TOP_RECENT_S and len(scored) > 1
-              and self._long(first, prompt_tokens, top)):
+              and self._long(first, prompt_tokens - hits.get(first.address, 0), top)):
             # A long, less urgent prefill while the top tier has traffic: a long prefill running on a node
             # delays every request there by its chunks (vLLM runs running requests first, whatever their
             # priority), so the top tier keeps the last node with none booked.
@@ -422,25 +449,27 @@ class Fleet:
                 scored = busy
             soonest, first = min(scored, key=lambda x: (x[0], -self._score(x[1], tokens)))
         if target is None or lim is None:
-            return Choice(first, ttft=soonest)
-        own = self._own(first, prompt_tokens)
+            return Choice(first, ttft=soonest, hit=hits.get(first.address, 0))
+        own = self._own(first, prompt_tokens - hits.get(first.address, 0))
         if soonest > lim and (own <= lim or soonest - own > lim):
             # no node can give it its first token within what it may wait (its max wait, or for a
             # request already held, what is left of its target): waiting does not change that (the
             # backlog drains as fast as the wait runs), so the gateway refuses it now. A prompt whose
             # own prefill alone is longer is not refused for that: only for the work ahead of it
             return Choice(None, "fleet-queue", max(0.0, soonest - target), soonest)
-        if priority == top.priority or not self._long(first, prompt_tokens, top):
+        if priority == top.priority or not self._long(first, prompt_tokens - hits.get(first.address, 0), top):
             # the soonest: for the top tier, and for a prefill too short to cost a top-tier request its
             # target when it runs beside it
-            return Choice(first, ttft=soonest)
+            return Choice(first, ttft=soonest, hit=hits.get(first.address, 0))
         # a long prefill goes to the fullest node that still meets its target — or, its target lost, its
         # max wait — (best fit), where the booking keeps what waits behind it within its own target:
         # long prefills gather, the rest of the fleet stays quick for the top tier
         meets = [(t, n) for t, n in scored if t <= target] or [(t, n) for t, n in scored if t <= lim] or scored
-        kind = [(t, n) for t, n in meets if self._keeps_targets(n, prompt_tokens, priority, now)] or meets
-        t, n = max(kind, key=lambda x: (x[0], self._score(x[1], tokens)))
-        return Choice(n, ttft=t)
+        kind = [(t, n) for t, n in meets
+                if self._keeps_targets(n, prompt_tokens - hits.get(n.address, 0), priority, now)] or meets
+        # (a node holding its prefix first: it computes less there, whatever fits best)
+        t, n = max(kind, key=lambda x: (hits.get(x[1].address, 0), x[0], self._score(x[1], tokens)))
+        return Choice(n, ttft=t, hit=hits.get(n.address, 0))
 
     def floor_ttft(self, prompt_tokens: int) -> float:
         """The least time to a first token for this prompt on any node: its prefill alone, at the

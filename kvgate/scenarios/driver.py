@@ -31,6 +31,7 @@ from ext_proc.core import Answer, Core, Ended, Held, null_logger
 from ext_proc.core import Request as GatewayRequest
 from ext_proc.estimate import Estimate
 from ext_proc.identity import hash_key
+from ext_proc.prefix import segment_chain
 from gpu_probe.parse import EngineReading
 from gpu_probe.snapshot import Deriver
 from scaler.law import ControlLaw, LawSettings, Signals
@@ -68,6 +69,8 @@ class Policy:
     max_nodes: int = 16
     ideal: bool = False
     """A scenario's ideal reference (``workloads.Ideal``), not a policy to compare as one."""
+    prefix: bool = True
+    """kvgate's prefix-cache awareness (``nodes.prefix.enabled``); False: the ``kvgate-noprefix`` policy."""
 
     @property
     def label(self) -> str:
@@ -80,6 +83,8 @@ class Policy:
         doc = kv_shed_config(base) if self.admission == "kv-shed" else base.model_dump(mode="json")
         if profile is not None and base.nodes is not None and "performance" not in base.nodes.model_fields_set:
             doc.setdefault("nodes", {})["performance"] = {"profile": profile}
+        if not self.prefix and doc.get("nodes") is not None:
+            doc["nodes"]["prefix"] = {**(doc["nodes"].get("prefix") or {}), "enabled": False}
         for t in doc.get("tenants", []):
             t["api_key_sha256"] = [hash_key(run_key(t["name"]))]
         return parse_config(doc)
@@ -231,6 +236,7 @@ def kv_shed_config(base: Config) -> dict[str, Any]:
     nodes = base.nodes.model_dump(mode="json") if base.nodes is not None else {}
     nodes["breaker"] = {"kv_threshold": 1.0, "close_kv": 0.99, "latency_multiplier": 1e9,
                         "close_latency_multiplier": 1e9 - 1}
+    nodes["prefix"] = {**(nodes.get("prefix") or {}), "enabled": False}  # KV-aware picking only
     return {"tenants": [{"name": t.name} for t in base.tenants], "queue": {"enabled": False}, "nodes": nodes}
 
 
@@ -409,7 +415,8 @@ class Run:
             self._send(i, min(ready, key=lambda n: n.load), None)  # plain Envoy's least-request
             self._decisions.append((self.now, "admitted", r.tenant))
             return
-        est = Estimate(r.prompt_tokens, r.reserved_output, parsed=True, stream=r.stream)
+        est = Estimate(r.prompt_tokens, r.reserved_output, parsed=True, stream=r.stream,
+                       prefix=self._prefix_chain(r))
         req = GatewayRequest("/v1/chat/completions", f"r{i}", f"Bearer {run_key(r.tenant)}",
                       estimate=est, body_bytes=r.prompt_tokens * CHARS_PER_TOKEN + 200)
         out = self.core.decide(req)
@@ -419,6 +426,13 @@ class Run:
             assert isinstance(out, Answer), "one process, no store: nothing to borrow"
             self._decided(i, out.decision)
         self._answers()
+
+    def _prefix_chain(self, r: TraceRequest) -> tuple[int, ...]:
+        """kvgate's view of a trace request's prefix (no text in virtual time: its segments)."""
+        nodes = self.config.nodes
+        if not r.segments or nodes is None or not nodes.prefix.enabled:
+            return ()
+        return segment_chain(r.segments, nodes.prefix.max_blocks_per_request, nodes.prefix.block_chars // 4)
 
     def _out(self, n: SimNode) -> bool:
         """Out of service now (an ``Outage``)."""

@@ -1,0 +1,147 @@
+"""Which node may already hold a prompt's prefix in vLLM's prefix cache: kvgate's approximate index.
+
+vLLM reuses the KV blocks of a prompt prefix it has computed (automatic prefix caching): a request
+sent to the node that holds its prefix skips that prefill. kvgate cannot see vLLM's cache and has no
+tokenizer, so it keeps its own picture of it, from what it sent where:
+
+* a prompt is cut into blocks of ``nodes.prefix.block_chars`` characters of its text (about 64 tokens
+  at 4 characters a token), hashed in a chain from the start — a block's key covers everything before
+  it, as vLLM's block hashes do — up to ``max_blocks_per_request`` blocks; in virtual time, where there
+  is no text, blocks of 64 tokens over the trace's prefix segments (:func:`segment_chain`);
+* :class:`PrefixIndex` remembers, per node, the blocks sent there (least recently used forgotten first
+  beyond ``max_blocks_per_node``, and any not sent again for ``ttl_seconds``);
+* node choice (``nodes.py``) asks it how many leading blocks each candidate holds, and counts that
+  much less prefill in the node's predicted time to first token and that much less in its KV
+  projection. Affinity is a prediction, not a rule: a busy node holding the prefix loses to an idle
+  one as soon as its queue costs more than the prefill it would save.
+
+Approximations, documented: text blocks are not token blocks (the same text gives the same chain, which
+is all the index needs); vLLM evicts by its own LRU under KV pressure, which the index only bounds; the
+hashes are Python's (randomised per process), so each replica keeps its own index.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+SEGMENT_BLOCK_TOKENS = 64
+"""Tokens per index block in virtual time (segments): about ``block_chars`` / 4."""
+
+
+def text_of(doc: dict[str, Any] | None) -> str:
+    """The prompt text of a request body, as one string (chat messages: role and content in order)."""
+    if doc is None:
+        return ""
+    messages = doc.get("messages")
+    if isinstance(messages, list):
+        parts: list[str] = []
+        for m in messages:
+            if not isinstance(m, dict):
+                continue
+            parts.append(f"\x00{m.get('role', '')}\x01")
+            c = m.get("content")
+            if isinstance(c, str):
+                parts.append(c)
+            elif isinstance(c, list):
+                parts.extend(p.get("text", "") for p in c if isinstance(p, dict) and isinstance(p.get("text"), str))
+        return "".join(parts)
+    for key in ("prompt", "input"):
+        p = doc.get(key)
+        if isinstance(p, str):
+            return p
+        if isinstance(p, list) and p and all(isinstance(x, int) for x in p):
+            return ",".join(map(str, p))
+    return ""
+
+
+def text_chain(text: str, block_chars: int, max_blocks: int) -> tuple[int, ...]:
+    """Chained hashes of the full ``block_chars`` blocks at the start of ``text``."""
+    out: list[int] = []
+    h = 0
+    end = min(len(text), block_chars * max_blocks) - block_chars
+    for i in range(0, end + 1, block_chars):
+        h = hash((h, text[i:i + block_chars]))
+        out.append(h)
+    return tuple(out)
+
+
+def segment_chain(segments: Sequence[tuple[str, int]], max_blocks: int,
+                  block: int = SEGMENT_BLOCK_TOKENS) -> tuple[int, ...]:
+    """Chained hashes of the full ``block``-token blocks of a prompt that starts with ``segments``
+    (id, tokens): what two prompts sharing their leading segments share."""
+    out: list[int] = []
+    h = 0
+    pieces: list[tuple[str, int, int]] = []
+    filled = 0
+    for sid, n in segments:
+        at = 0
+        while at < n and len(out) < max_blocks:
+            take = min(n - at, block - filled)
+            pieces.append((sid, at, take))
+            at += take
+            filled += take
+            if filled == block:
+                h = hash((h, tuple(pieces)))
+                out.append(h)
+                pieces, filled = [], 0
+    return tuple(out)
+
+
+class PrefixIndex:
+    """Per node, the prompt blocks kvgate sent there: what vLLM may hold in its prefix cache."""
+
+    def __init__(self, max_blocks_per_node: int, ttl_s: float) -> None:
+        self.max_blocks = max_blocks_per_node
+        self.ttl = ttl_s
+        self._holders: dict[int, dict[str, float]] = {}
+        """Block → node → when it was last sent there."""
+        self._lru: dict[str, OrderedDict[int, None]] = {}
+
+    def __len__(self) -> int:
+        return sum(len(q) for q in self._lru.values())
+
+    def match(self, chain: Sequence[int], now: float) -> dict[str, int]:
+        """Node → how many of ``chain``'s leading blocks it holds (only nodes holding at least one)."""
+        out: dict[str, int] = {}
+        live: set[str] | None = None
+        horizon = now - self.ttl
+        for i, h in enumerate(chain):
+            holders = self._holders.get(h)
+            if not holders:
+                break
+            fresh = {n for n, at in holders.items() if at >= horizon and (live is None or n in live)}
+            if not fresh:
+                break
+            for n in fresh:
+                out[n] = i + 1
+            live = fresh
+        return out
+
+    def record(self, node: str, chain: Iterable[int], now: float) -> None:
+        """The blocks of a prompt sent to ``node``: it will hold them (until it evicts them)."""
+        lru = self._lru.get(node)
+        if lru is None:
+            lru = self._lru[node] = OrderedDict()
+        for h in chain:
+            self._holders.setdefault(h, {})[node] = now
+            if h in lru:
+                lru.move_to_end(h)
+            else:
+                lru[h] = None
+        while len(lru) > self.max_blocks:
+            old, _ = lru.popitem(last=False)
+            self._drop(old, node)
+
+    def forget(self, node: str) -> None:
+        """A node gone (or restarted: its cache is empty)."""
+        for h in self._lru.pop(node, ()):
+            self._drop(h, node)
+
+    def _drop(self, h: int, node: str) -> None:
+        holders = self._holders.get(h)
+        if holders is not None:
+            holders.pop(node, None)
+            if not holders:
+                del self._holders[h]
