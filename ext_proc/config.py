@@ -230,13 +230,13 @@ class PrefixAffinity(_Strict):
 
     enabled: bool = True
     block_chars: Annotated[int, Field(ge=16, le=4096)] = Field(
-        default=256, description="characters of prompt text per index block (~64 tokens at 4 chars a token)")
+        default=512, description="characters of prompt text per index block (~128 tokens at 4 chars a token)")
     max_blocks_per_node: Annotated[int, Field(ge=16)] = Field(
-        default=20_000, description="blocks remembered per node (least recently used forgotten first): "
-        "about the node's KV cache in index blocks")
+        default=10_000, description="blocks remembered per node (least recently used forgotten first): "
+        "about the node's KV cache in index blocks (10,000 x 128 tokens)")
     ttl_seconds: PositiveFloat = Field(default=600.0, description="a block not sent again for this long is forgotten")
     max_blocks_per_request: Annotated[int, Field(ge=1, le=4096)] = Field(
-        default=256, description="leading blocks of a prompt that are hashed (bounds the cost per request)")
+        default=128, description="leading blocks of a prompt that are hashed (bounds the cost per request)")
 
 
 class Performance(_Strict):

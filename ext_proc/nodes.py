@@ -342,7 +342,7 @@ class Fleet:
         if c.node is not None:
             self.dispatched(c.node.address, ticket, tokens - c.hit, prompt_tokens - c.hit, now, priority, c.ttft)
             if prefix and self.cfg.prefix.enabled:
-                self.prefix.record(c.node.address, prefix, now)
+                self.prefix.record(c.node.address, prefix, now, c.hit // (self.cfg.prefix.block_chars // 4))
         return c
 
     def hits(self, prefix: tuple[int, ...], prompt_tokens: int, now: float) -> dict[str, int]:

@@ -4,10 +4,11 @@ vLLM reuses the KV blocks of a prompt prefix it has computed (automatic prefix c
 sent to the node that holds its prefix skips that prefill. kvgate cannot see vLLM's cache and has no
 tokenizer, so it keeps its own picture of it, from what it sent where:
 
-* a prompt is cut into blocks of ``nodes.prefix.block_chars`` characters of its text (about 64 tokens
-  at 4 characters a token), hashed in a chain from the start — a block's key covers everything before
-  it, as vLLM's block hashes do — up to ``max_blocks_per_request`` blocks; in virtual time, where there
-  is no text, blocks of 64 tokens over the trace's prefix segments (:func:`segment_chain`);
+* a prompt is cut into blocks of ``nodes.prefix.block_chars`` characters of its text (512: about 128
+  tokens at 4 characters a token), hashed in a chain from the start — a block's key covers everything
+  before it, as vLLM's block hashes do — up to ``max_blocks_per_request`` blocks; in virtual time, where
+  there is no text, blocks of ``block_chars`` / 4 tokens over the trace's prefix segments
+  (:func:`segment_chain`);
 * :class:`PrefixIndex` remembers, per node, the blocks sent there (least recently used forgotten first
   beyond ``max_blocks_per_node``, and any not sent again for ``ttl_seconds``);
 * node choice (``nodes.py``) asks it how many leading blocks each candidate holds, and counts that
@@ -22,12 +23,13 @@ hashes are Python's (randomised per process), so each replica keeps its own inde
 
 from __future__ import annotations
 
+import math
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
-SEGMENT_BLOCK_TOKENS = 64
-"""Tokens per index block in virtual time (segments): about ``block_chars`` / 4."""
+SEGMENT_BLOCK_TOKENS = 128
+"""Tokens per index block in virtual time (segments), by default: ``block_chars`` / 4."""
 
 
 def text_of(doc: dict[str, Any] | None) -> str:
@@ -103,29 +105,51 @@ class PrefixIndex:
         return sum(len(q) for q in self._lru.values())
 
     def match(self, chain: Sequence[int], now: float) -> dict[str, int]:
-        """Node → how many of ``chain``'s leading blocks it holds (only nodes holding at least one)."""
-        out: dict[str, int] = {}
-        live: set[str] | None = None
+        """Node → how many of ``chain``'s leading blocks it holds (only nodes holding at least one).
+
+        A node that holds block ``k`` of a chain was sent everything before it (a block's hash covers
+        all before it, and :meth:`record` keeps a chain's head the most recently used: vLLM too frees a
+        request's blocks tail first), so the longest run is found by bisection: a few lookups per
+        distinct run length, not one per block."""
+        if not chain:
+            return {}
         horizon = now - self.ttl
-        for i, h in enumerate(chain):
-            holders = self._holders.get(h)
-            if not holders:
-                break
-            fresh = {n for n, at in holders.items() if at >= horizon and (live is None or n in live)}
-            if not fresh:
-                break
-            for n in fresh:
-                out[n] = i + 1
-            live = fresh
+        first = self._holders.get(chain[0])
+        pending = {n for n, at in first.items() if at >= horizon} if first else set()
+        out: dict[str, int] = {}
+        hi = len(chain)
+        while pending and hi >= 1:
+            lo = 1  # chain[lo - 1] is held by one of ``pending``
+            while lo < hi:
+                mid = (lo + hi + 1) // 2
+                holders = self._holders.get(chain[mid - 1])
+                if holders and any(holders.get(n, -math.inf) >= horizon for n in pending):
+                    lo = mid
+                else:
+                    hi = mid - 1
+            holders = self._holders.get(chain[lo - 1]) or {}
+            who = {n for n in pending if holders.get(n, -math.inf) >= horizon}
+            for n in who:
+                out[n] = lo
+            pending -= who
+            hi = lo - 1
         return out
 
-    def record(self, node: str, chain: Iterable[int], now: float) -> None:
-        """The blocks of a prompt sent to ``node``: it will hold them (until it evicts them)."""
+    def record(self, node: str, chain: Sequence[int], now: float, held: int = 0) -> None:
+        """The blocks of a prompt sent to ``node``: it will hold them (until it evicts them). Recorded
+        tail first, so that under the per-node limit a chain loses its tail before its head. ``held``:
+        leading blocks the node already holds (from :meth:`match`): refreshed only when last refreshed
+        more than a tenth of the TTL ago — a hot prefix costs a lookup, not a pass over its blocks."""
         lru = self._lru.get(node)
         if lru is None:
             lru = self._lru[node] = OrderedDict()
-        for h in chain:
-            self._holders.setdefault(h, {})[node] = now
+        holders = self._holders
+        if held:
+            head = holders.get(chain[0])
+            if head is not None and head.get(node, -math.inf) >= now - self.ttl / 10:
+                chain = chain[held:]
+        for h in reversed(chain):
+            holders.setdefault(h, {})[node] = now
             if h in lru:
                 lru.move_to_end(h)
             else:

@@ -348,3 +348,72 @@ def node_choice(sizes: tuple[int, ...] = (8, 64, 1_000), ops: int = 5000, quiet:
         for r in rows:
             print(f"{int(r['nodes']):>6} {r['place_us']:>18.1f} {r['predict_us']:>21.1f}")
     return rows
+
+
+def prefix_index(entries: int = 100_000, nodes: int = 8, ops: int = 2000, quiet: bool = False) -> dict[str, float]:
+    """``kvgate bench prefix``: what prefix affinity costs — memory of an index holding ``entries``
+    distinct prompt blocks spread over ``nodes`` nodes, and per decision: hashing a 16,000-character
+    prompt (4,000 tokens, 31 blocks of 512 characters) and matching it against that index, then one
+    whole node choice with and without the prefix."""
+    import tracemalloc
+
+    from ext_proc.config import Nodes
+    from ext_proc.nodes import Fleet, Level
+    from ext_proc.prefix import PrefixIndex, text_chain
+    from gpu_probe.snapshot import Snapshot
+
+    rng = random.Random(4)
+    tracemalloc.start()
+    before = tracemalloc.get_traced_memory()[0]
+    idx = PrefixIndex(max_blocks_per_node=entries // nodes + 1, ttl_s=600.0)
+    per_chain = 50
+    for k in range(entries // per_chain):
+        idx.record(f"n{k % nodes}", tuple(rng.getrandbits(63) for _ in range(per_chain)), now=0.0)
+    mem_mb = (tracemalloc.get_traced_memory()[0] - before) / 2**20
+    tracemalloc.stop()
+    prompts = ["".join(rng.choice("abcdefgh ") for _ in range(400)) * 40 for _ in range(20)]
+    t0 = time.perf_counter()
+    chains = [text_chain(prompts[i % 20], 512, 128) for i in range(ops)]
+    hash_us = (time.perf_counter() - t0) / ops * 1e6
+    for i, c in enumerate(chains[:20]):
+        idx.record(f"n{i % nodes}", c, now=1.0)
+    t0 = time.perf_counter()
+    for i, c in enumerate(chains):
+        m = idx.match(c, now=2.0)
+        node = f"n{i % nodes}"
+        idx.record(node, c, 2.0, m.get(node, 0))
+    match_us = (time.perf_counter() - t0) / ops * 1e6
+    cfg = Nodes.model_validate({"static": [{"address": f"10.0.0.{i}:8000", "probe": f"http://10.0.0.{i}:9102"}
+                                           for i in range(nodes)]})
+    place_us: dict[str, float] = {}
+    for with_prefix in (False, True):
+        fleet = Fleet(cfg, rng=random.Random(1))
+        fleet.set_levels([Level(0, 0.2), Level(1, 1.0)])
+        for node in fleet.nodes.values():
+            fleet.on_snapshot(node.address, Snapshot(node.address, 0.0, True, kv_usage=0.3, blocks_total=27_306,
+                                                     block_size=16, running=20.0, waiting=0.0, itl_s=0.02,
+                                                     step_fresh=True, step_tokens=400.0, step_decode=30.0), 0.0)
+        spent = 0.0
+        for i, c in enumerate(chains):
+            now = 3.0 + i * 0.01
+            if i % 25 == 0:  # a probe reading now and then, as in production (it settles what was sent)
+                for node in fleet.nodes.values():
+                    fleet.on_snapshot(node.address, Snapshot(node.address, now, True, kv_usage=0.3,
+                                                             blocks_total=27_306, block_size=16, running=20.0,
+                                                             waiting=0.0), now)
+            t0 = time.perf_counter()
+            ch = fleet.place(4200, 4000, f"t{i}", now, priority=i % 2, target=0.2 if i % 2 == 0 else 1.0,
+                             limit=5.0, prefix=c if with_prefix else ())
+            spent += time.perf_counter() - t0
+            if ch.node is not None:
+                fleet.completed(ch.node.address, f"t{i}", 4200, True, now)
+        place_us["with" if with_prefix else "without"] = spent / ops * 1e6
+    out = {"entries": float(len(idx)), "memory_mb": mem_mb, "hash_us": hash_us, "match_record_us": match_us,
+           "place_us_without_prefix": place_us["without"], "place_us_with_prefix": place_us["with"]}
+    if not quiet:
+        print(f"kvgate bench prefix: an index of {len(idx):,} prompt blocks over {nodes} nodes: {mem_mb:.1f} MB")
+        print(f"per decision (4,000-token prompt, {ops} decisions): hash {hash_us:.1f} µs + match and record "
+              f"{match_us:.1f} µs;"
+              f" a whole node choice {place_us['without']:.1f} µs without the prefix, {place_us['with']:.1f} µs"
+              " with it")
+    return out

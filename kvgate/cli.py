@@ -172,6 +172,15 @@ def _bench_nodes(a: argparse.Namespace) -> int:
     return 0
 
 
+def _bench_prefix(a: argparse.Namespace) -> int:
+    from .bench import prefix_index
+
+    result = prefix_index(a.entries, a.nodes, a.ops, quiet=a.json)
+    if a.json:
+        print(json.dumps(result, indent=2))
+    return 0
+
+
 def _bench_queue(a: argparse.Namespace) -> int:
     from .bench import queue_scaling
 
@@ -412,6 +421,13 @@ def parser() -> argparse.ArgumentParser:
     b.add_argument("--ops", type=int, default=5000)
     b.add_argument("--json", action="store_true")
     b.set_defaults(fn=_bench_nodes)
+    b = bsub.add_parser("prefix", help="cost of prefix affinity: the index's memory, hashing and matching a "
+                        "prompt, a node choice with and without it")
+    b.add_argument("--entries", type=int, default=100_000, help="distinct prompt blocks in the index")
+    b.add_argument("--nodes", type=int, default=8)
+    b.add_argument("--ops", type=int, default=2000)
+    b.add_argument("--json", action="store_true")
+    b.set_defaults(fn=_bench_prefix)
     b = bsub.add_parser("queue", help="cost of queue operations with 0, 1k and 10k requests queued")
     b.add_argument("--sizes", type=int, nargs="+", default=[0, 1_000, 10_000])
     b.add_argument("--ops", type=int, default=3000)

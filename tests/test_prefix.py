@@ -27,9 +27,9 @@ def test_the_text_of_a_chat_is_its_roles_and_contents_in_order() -> None:
 
 
 def test_segments_share_blocks_while_they_share_leading_segments() -> None:
-    a = segment_chain([("sys", 1500), ("doc-1", 3000)], 1000)
-    b = segment_chain([("sys", 1500), ("doc-1", 3000), ("q", 100)], 1000)
-    c = segment_chain([("sys", 1500), ("doc-2", 3000)], 1000)
+    a = segment_chain([("sys", 1500), ("doc-1", 3000)], 1000, 64)
+    b = segment_chain([("sys", 1500), ("doc-1", 3000), ("q", 100)], 1000, 64)
+    c = segment_chain([("sys", 1500), ("doc-2", 3000)], 1000, 64)
     assert len(a) == 4500 // 64 and b[:len(a)] == a
     shared = 1500 // 64  # the block that straddles sys and the document differs
     assert c[:shared] == a[:shared] and c[shared] != a[shared]
@@ -41,8 +41,10 @@ def test_the_index_matches_the_longest_leading_run_per_node_and_forgets() -> Non
     idx.record("b", (1, 2, 9), now=0.0)
     assert idx.match((1, 2, 3, 4, 5), now=1.0) == {"a": 4, "b": 2}
     assert idx.match((7, 1, 2), now=1.0) == {}, "leading blocks only"
-    idx.record("a", (1, 2, 30, 40), now=2.0)  # 6 distinct blocks on a: its least recently used goes
-    assert idx.match((1, 2, 3), now=3.0)["a"] == 2 and len(idx) == 5 + 3
+    idx.record("a", (1, 2, 30, 40), now=2.0)  # 6 distinct blocks on a: its least recently used goes —
+    # the old chain's tail (recorded tail first, as vLLM frees a request's blocks)
+    assert idx.match((1, 2, 3, 4), now=3.0)["a"] == 3 and idx.match((1, 2, 30, 40), now=3.0)["a"] == 4
+    assert len(idx) == 5 + 3
     assert idx.match((1, 2), now=150.0) == {}, "expired"
     idx.forget("a")
     assert "a" not in idx.match((1, 2, 9), now=3.0) and idx.match((1, 2, 9), now=3.0) == {"b": 3}
@@ -51,7 +53,7 @@ def test_the_index_matches_the_longest_leading_run_per_node_and_forgets() -> Non
 def test_a_request_goes_where_its_prefix_is_unless_another_node_is_sooner_by_more_than_it_saves() -> None:
     f = fleet(2)
     feed(f, 0.0, 0.1, 0.1)
-    chain = text_chain("A long shared document. " * 400, 256, 128)  # ~9,600 characters: 37 blocks
+    chain = text_chain("A long shared document. " * 400, 512, 128)  # 9,600 characters: 18 blocks of 512
     prompt = 2600
     first = f.place(prompt + 100, prompt, "t1", 0.0, prefix=chain)
     assert first.node is not None and first.hit == 0
@@ -60,19 +62,19 @@ def test_a_request_goes_where_its_prefix_is_unless_another_node_is_sooner_by_mor
     feed(f, 1.0, 0.1, 0.1)
     again = f.place(prompt + 100, prompt, "t2", 1.0, prefix=chain)
     assert again.node is not None and again.node.address == home, "the node holding the prefix computes less"
-    assert again.hit == 37 * 64
+    assert again.hit == 18 * 128
     f.completed(home, "t2", prompt + 100, True, 1.5)
     # the home node gets a long backlog of urgent prefill: now the other node is sooner despite the prefix
     for i in range(6):
         f.dispatched(home, f"x{i}", 8000, 8000, 2.0, priority=0)
     moved = f.place(prompt + 100, prompt, "t3", 2.0, prefix=chain)
     assert moved.node is not None and moved.node.address != home and moved.hit == 0
-    assert f.hits(chain, prompt, 2.0) == {home: 37 * 64, moved.node.address: 37 * 64}, "both hold it now"
+    assert f.hits(chain, prompt, 2.0) == {home: 18 * 128, moved.node.address: 18 * 128}, "both hold it now"
 
 
 def test_prefix_affinity_off_changes_nothing() -> None:
     f = fleet(2, prefix={"enabled": False})
     feed(f, 0.0, 0.1, 0.1)
-    chain = text_chain("A long shared document. " * 400, 256, 128)
+    chain = text_chain("A long shared document. " * 400, 512, 128)
     assert f.place(3000, 2600, "t1", 0.0, prefix=chain).hit == 0
     assert f.hits(chain, 2600, 0.0) == {} and len(f.prefix) == 0
