@@ -197,6 +197,9 @@ class _StateCollector(Collector):
                                 labels=["node"])
         breaker = GaugeMetricFamily("kvgate_node_breaker_state",
                                     "Circuit breaker per node: 0 closed, 1 half-open, 2 open", labels=["node"])
+        hit = GaugeMetricFamily("kvgate_node_prefix_cache_hit_ratio", "Each node's prefix-cache hits over its "
+                                "queried prompt tokens in its probe's last interval (vLLM's own counters)",
+                                labels=["node"])
         if st is not None:
             a = st.admission
             per: dict[str, int] = {self._stats.label(t.name): 0 for t in a.tenants()}
@@ -225,4 +228,7 @@ class _StateCollector(Collector):
                     breaker.add_metric([n.address], STATE_VALUE[n.breaker.state])
                     if n.fresh_at is not None:
                         age.add_metric([n.address], max(0.0, now - n.fresh_at))
-        yield from (inflight, fleet, depth, total, kv, projected, node_inflight, age, breaker)
+                    rate = n.snapshot.prefix_hit_rate if n.snapshot is not None else None
+                    if rate is not None:
+                        hit.add_metric([n.address], rate)
+        yield from (inflight, fleet, depth, total, kv, projected, node_inflight, age, breaker, hit)

@@ -78,3 +78,22 @@ def test_prefix_affinity_off_changes_nothing() -> None:
     chain = text_chain("A long shared document. " * 400, 512, 128)
     assert f.place(3000, 2600, "t1", 0.0, prefix=chain).hit == 0
     assert f.hits(chain, 2600, 0.0) == {} and len(f.prefix) == 0
+
+
+def test_each_nodes_prefix_hit_rate_is_exported() -> None:
+    import time
+
+    from prometheus_client import generate_latest
+
+    from ext_proc.config import parse_config
+    from ext_proc.core import Core
+    from gpu_probe.snapshot import Snapshot
+
+    cfg = parse_config({"nodes": {"static": [{"address": A, "probe": "http://p0"}, {"address": B, "probe": "http://p1"}]}})
+    core = Core(cfg, time.monotonic)
+    core.snapshot(A, Snapshot(node="n", at=time.time(), ok=True, kv_usage=0.2, blocks_total=100, block_size=16,
+                              prefix_hit_rate=0.75))
+    core.snapshot(B, Snapshot(node="n", at=time.time(), ok=True, kv_usage=0.2, blocks_total=100, block_size=16))
+    text = generate_latest(core.stats.registry).decode()
+    assert f'kvgate_node_prefix_cache_hit_ratio{{node="{A}"}} 0.75' in text
+    assert f'kvgate_node_prefix_cache_hit_ratio{{node="{B}"}}' not in text, "no queries: no ratio"
