@@ -447,8 +447,8 @@ def parser() -> argparse.ArgumentParser:
     b.set_defaults(fn=_bench_scenarios)
     from .scenarios.families import FAMILIES, POLICIES
 
-    b = bsub.add_parser("families", help="generated workload families (bursty, diurnal, shifting mixes) over "
-                        "several seeds: median and worst seed per policy")
+    b = bsub.add_parser("families", help="generated workload families (bursty, diurnal, shifting mixes, shared "
+                        "prefixes) over several seeds: median and worst seed per policy")
     b.add_argument("--family", action="append", choices=list(FAMILIES), help="default: all of them (repeatable)")
     b.add_argument("--seeds", type=int, default=3, help="seeds 1..N per family (default 3)")
     b.add_argument("--scale", type=float, default=1.0, help="shorten the runs (0.1 = the first tenth of each)")

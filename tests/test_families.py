@@ -1,11 +1,15 @@
-"""Workload families (``kvgate bench families``): deterministic generation, valid cases, the capacity
-yardstick, the windowed Jain index, the command's JSON, and the missing-matplotlib message."""
+"""Workload families (``kvgate bench families``): deterministic generation, valid cases (the shared-prefix
+family's included), the capacity yardstick, the windowed Jain index, the command's JSON, and the
+missing-matplotlib message."""
 
 from __future__ import annotations
 
 import builtins
 import json
 import sys
+from collections import defaultdict
+from dataclasses import replace
+from itertools import pairwise
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -17,19 +21,31 @@ from kvgate.cli import main
 from kvgate.scenarios import report
 from kvgate.scenarios.driver import Outcome, Policy, RunResult
 from kvgate.scenarios.families import (
+    EXTRA_METRICS,
     FAMILIES,
     FAMILY_PROFILES,
     METRICS,
     POLICIES,
+    SharedPrefixFamily,
     arrivals,
     family,
     node_capacity_rps,
 )
 from kvgate.scenarios.trace import TraceRequest
-from kvgate.scenarios.workloads import SHORT, Stream, poisson
+from kvgate.scenarios.workloads import (
+    SHORT,
+    SharedPrefixes,
+    SharedPrefixScenario,
+    Stream,
+    get_scenario,
+    offered_load,
+    poisson,
+)
 from sim.profiles import get_profile
 
 SEEDS = (1, 2, 3)
+STREAM_FAMILIES = [n for n in FAMILIES if n != "shared-prefix"]
+"""The families drawn as tenants' Poisson streams of ``SHORT`` and ``LONG`` requests."""
 
 
 # -- generation --------------------------------------------------------------------------------------
@@ -45,7 +61,7 @@ def test_a_family_is_deterministic_per_seed(name: str) -> None:
     assert a.trace(0.2) == [r for r in full if r.t < a.duration_s * 0.2]
 
 
-@pytest.mark.parametrize("name", list(FAMILIES))
+@pytest.mark.parametrize("name", STREAM_FAMILIES)
 def test_each_seed_draws_a_valid_case(name: str) -> None:
     profiles = set()
     for seed in SEEDS:
@@ -69,6 +85,82 @@ def test_each_seed_draws_a_valid_case(name: str) -> None:
         assert len(trace) / sc.duration_s == pytest.approx(sc.offered_rps, rel=0.1)
         assert {r.prompt_tokens > 1024 for r in trace} == {True, False}  # short and long requests
     assert profiles == set(FAMILY_PROFILES)
+
+
+def test_each_shared_prefix_seed_draws_a_valid_case() -> None:
+    profiles = set()
+    for seed in SEEDS:
+        sc = family("shared-prefix", seed)
+        assert isinstance(sc, SharedPrefixFamily) and sc.family == "shared-prefix"
+        profiles.add(sc.profile)
+        cfg = parse_config(sc.config)
+        assert {t.name: t.tier for t in cfg.tenants} == {"chat": "interactive", "rag": "standard", "api": "batch"}
+        assert not any(t.max_concurrent or t.tokens_per_minute for t in cfg.tenants)  # no quotas, as pinned
+        assert cfg.queue.inject_priority and cfg.nodes is not None
+        assert 2 <= sc.nodes <= 4 and 300 <= sc.duration_s <= 600 and 0.6 <= sc.load <= 1.1
+        assert [p.name for p in sc.policies] == list(POLICIES)
+        assert all(p.nodes == sc.nodes and p.min_nodes == 1 for p in sc.policies)
+        # the generator's parameters, within their ranges
+        t, prof = sc.traffic, get_profile(sc.profile)
+        assert t.duration_s == sc.duration_s and t.max_context == prof.max_model_len
+        assert 200 <= t.system_tokens <= 3000 and t.system_tokens % 100 == 0
+        assert 1 <= t.turns[0] <= 3 and t.turns[0] <= t.turns[1] <= 12
+        assert 3 <= t.think_s[0] <= 15 and t.think_s[0] + 10 <= t.think_s[1] <= t.think_s[0] + 60
+        assert 5 <= t.documents <= 50 and 1000 <= t.document_tokens[0] <= 3000
+        assert t.document_tokens[0] + 1000 <= t.document_tokens[1] <= t.document_tokens[0] + 5000
+        assert 0.6 <= t.zipf <= 1.4 and 0.1 <= t.rag_share <= 0.5 and 0.05 <= t.job_share <= 0.3
+        assert t.sessions >= 1 and 0 < sc.working_set[0] <= sc.working_set[1]
+
+        trace = sc.trace()
+        assert {r.tenant for r in trace} == {"chat", "rag", "api"}
+        assert all(0 <= r.t < sc.duration_s for r in trace)
+        # the session count brings the trace to the drawn load (no cache hit), hence the offered rate
+        assert offered_load(trace, prof, sc.nodes, sc.duration_s) == pytest.approx(sc.load, rel=0.05)
+        assert len(trace) / sc.duration_s == pytest.approx(sc.offered_rps, rel=0.05)
+        assert [p.share for p in sc.plan] == pytest.approx(
+            [sum(r.tenant == n for r in trace) / len(trace) for n in ("chat", "rag", "api")])
+        for r in trace:  # every prompt starts with its tenant's system prompt; its segments fit in it
+            assert r.segments is not None and r.segments[0] == (f"sys-{r.tenant}", t.system_tokens)
+            assert sum(n for _, n in r.segments) <= r.prompt_tokens
+            assert r.prompt_tokens + max(r.output_tokens, r.max_tokens or 0) <= prof.max_model_len
+        sessions: dict[str, list[TraceRequest]] = defaultdict(list)
+        for r in trace:
+            if r.session is not None:
+                sessions[r.session].append(r)
+        assert 0 < len(sessions) <= t.sessions and max(len(s) for s in sessions.values()) <= t.turns[1]
+        for turn in sessions.values():  # the history grows: a turn's prompt is the last one's + its answer
+            for prev, cur in pairwise(turn):
+                assert prev.segments is not None and cur.segments is not None
+                assert cur.segments[:len(prev.segments)] == prev.segments
+                assert cur.segments[len(prev.segments)][1] == prev.output_tokens
+        docs = {seg for r in trace for seg, _ in r.segments or () if seg.startswith("doc-")}
+        assert 0 < len(docs) <= t.documents
+        doc = sc.details()
+        assert doc["traffic"]["sessions"] == t.sessions and doc["traffic"]["max_context"] == prof.max_model_len
+        assert set(doc["working_set_kv"]) == {"mean", "peak"}
+        assert "system prompt" in sc.describe() and "working set" in sc.describe()
+    assert profiles == set(FAMILY_PROFILES)
+
+
+def test_a_shared_prefix_seed_is_deterministic_and_its_own() -> None:
+    a, b = family("shared-prefix", 1), family("shared-prefix", 1)
+    assert isinstance(a, SharedPrefixFamily) and isinstance(b, SharedPrefixFamily)
+    assert a.traffic == b.traffic and a.details() == b.details() and a.trace() == b.trace()
+    c = family("shared-prefix", 2)
+    assert isinstance(c, SharedPrefixFamily) and c.traffic != a.traffic
+
+
+def test_a_session_stops_before_a_turn_that_would_not_fit_the_context() -> None:
+    base = SharedPrefixes(duration_s=600.0, sessions=40, turns=(8, 12), think_s=(1.0, 5.0))
+    free = [r for r in base.build(3) if r.tenant == "chat"]
+    assert max(r.prompt_tokens + r.output_tokens for r in free) > 16_384
+    capped = [r for r in replace(base, max_context=16_384).build(3) if r.tenant == "chat"]
+    # the same sessions, each cut before its first turn over the limit (a session's context only grows)
+    assert capped == [r for r in free if r.prompt_tokens + r.output_tokens <= 16_384] and len(capped) < len(free)
+    assert not [r for r in replace(base, max_context=100).build(3) if r.tenant == "chat"]  # none fits at all
+    # no limit: the pinned scenario's generator, as it was
+    pinned = get_scenario("shared-prefix")
+    assert isinstance(pinned, SharedPrefixScenario) and pinned.traffic.max_context is None
 
 
 def test_the_capacity_yardstick_agrees_with_the_overload_scenario() -> None:
@@ -135,10 +227,11 @@ def test_the_families_command_prints_the_documented_json(capsys: pytest.CaptureF
             "long_share", "requests", "wall_s", "lost", "tenants"} <= set(seed)
     assert seed["lost"] == 0 and seed["requests"] > 0
     assert all({"name", "tier", "share", "long_share", "pattern"} <= set(t) for t in seed["tenants"])
+    assert "traffic" not in seed and "working_set_kv" not in seed  # the shared-prefix family's alone
     assert [p["policy"] for p in fam["policies"]] == list(POLICIES)
     for p in fam["policies"]:
         for m in ("interactive_slo", "slo", "goodput_per_gpu", "gpu_hours", "jain", "jain_60s_mean",
-                  "jain_60s_min"):
+                  "jain_60s_min", "ttft_p50", "ttft_p99", "prefill_tokens_computed"):
             assert set(p[m]) == {"median", "worst", "per_seed"} and len(p[m]["per_seed"]) == 1
             assert p[m]["median"] == p[m]["worst"] == p[m]["per_seed"][0]
         assert p["gpu_hours"]["median"] > 0 and 0 <= p["slo"]["median"] <= 1
@@ -149,8 +242,31 @@ def test_the_families_command_prints_a_table(capsys: pytest.CaptureFixture[str])
                  "--policies", "none", "kvgate"]) == 0
     out = capsys.readouterr().out
     assert "## mixed" in out and "* seed 1: " in out and "| kvgate " in out and "wall time: " in out
-    assert "| kv-shed" not in out
+    assert "| kv-shed" not in out and "prefill" not in out and "TTFT" not in out  # the columns it always had
     assert main(["bench", "families", "--seeds", "0"]) == 2
+
+
+def test_the_shared_prefix_family_reports_its_traffic_and_the_prefill(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["bench", "families", "--family", "shared-prefix", "--seeds", "1", "--scale", "0.05",
+                 "--json"]) == 0
+    doc: dict[str, Any] = json.loads(capsys.readouterr().out)
+    assert set(EXTRA_METRICS) <= set(doc["metrics"]) and doc["metrics"]["prefill_tokens_computed"]["worst"] == "max"
+    [fam] = doc["families"]
+    assert fam["family"] == "shared-prefix"
+    [seed] = fam["seeds"]
+    assert seed["lost"] == 0 and seed["requests"] > 0
+    assert [t["name"] for t in seed["tenants"]] == ["chat", "rag", "api"]
+    assert {"system_tokens", "sessions", "turns", "think_s", "documents", "document_tokens", "zipf", "rag_share",
+            "job_share", "max_context"} == set(seed["traffic"])
+    assert seed["working_set_kv"]["peak"] >= seed["working_set_kv"]["mean"] > 0
+    assert [p["policy"] for p in fam["policies"]] == list(POLICIES)
+    for p in fam["policies"]:
+        assert p["prefill_tokens_computed"]["median"] > 0
+    assert main(["bench", "families", "--family", "shared-prefix", "--seeds", "1", "--scale", "0.05",
+                 "--policies", "none", "kvgate"]) == 0
+    out = capsys.readouterr().out
+    assert "## shared-prefix" in out and "system prompt" in out and "| prefill (M tokens) |" in out
+    assert "TTFT p99 (s)" in out and "the highest for GPU-h, TTFT and prefill" in out
 
 
 # -- matplotlib is optional --------------------------------------------------------------------------

@@ -15,9 +15,12 @@ Families (the names are an interface; they stay):
 * ``diurnal`` — a day compressed into the run (trough at start and end, peak mid-run; batch tenants in
   anti-phase, as night jobs) and a burst of 1.5-3x for 30-90 s on the interactive and standard tenants;
 * ``mixed`` — each tenant's share of long requests shifts over the run (piecewise linear), so the mix of
-  short and long prompts the fleet sees changes under a steady request rate.
+  short and long prompts the fleet sees changes under a steady request rate;
+* ``shared-prefix`` — prompts that share prefixes (``workloads.SharedPrefixes``, the generator of the
+  pinned ``shared-prefix`` scenario): chat sessions whose history grows, RAG questions over shared
+  documents, one-off jobs, a system prompt per tenant; its parameters drawn per seed (below).
 
-What every seed draws (``family``):
+What every seed of the first four draws (``family``):
 
 * 2-5 tenants over the tiers interactive / standard / batch, at least one interactive (with three or
   more, each tier at least once), named ``chat-N`` / ``api-N`` / ``batch-N``, each with a share of the
@@ -33,6 +36,24 @@ What every seed draws (``family``):
   their mean demand (two significant figures); ``queue: {inject_priority: true}``; the nodes
   placeholder (``PLACEHOLDER_NODES``).
 
+What a ``shared-prefix`` seed draws (``_shared_prefix``): the profile, the fleet, the run and the offered
+load as above, then ``SharedPrefixes``' parameters:
+
+* a system prompt of 200-3,000 tokens (whole hundreds) for every tenant;
+* chat: sessions of 1-3 to 4-12 turns (the longest cut to what fits in 80% of the run at the mean turn
+  gap), think times from 3-15 s to that + 10-60 s; a session stops before a turn that would not fit the
+  model's context (``max_model_len``: 16k tokens on the 34B);
+* RAG: 10-50% of the requests, over 5-50 documents of 1,000-3,000 to that + 1,000-5,000 tokens (whole
+  hundreds), Zipf popularity with an exponent of 0.6-1.4;
+* jobs: 5-30% of the requests; chat has the rest;
+* the number of sessions: what brings the trace to the drawn load by ``workloads.offered_load``, the
+  same yardstick as ``node_capacity_rps`` with no prefix-cache hit (hits make the real load lower);
+* the tenants ``chat`` (interactive), ``rag`` (standard) and ``api`` (batch), without quotas, as in the
+  pinned scenario (where the prefixes are cached is the point); ``queue: {inject_priority: true}``.
+
+A tenant's long requests (``long_share``) are, in this family, its prompts of ``LONG``'s median (3,000
+tokens) or more: the system prompt alone takes most prompts past ``SHORT``'s longest.
+
 Policies (default: all five): ``none``, ``kv-shed`` and ``kvgate`` on the drawn fleet;
 ``autoscale-only`` and ``kvgate+scaler`` start at that fleet, between 1 and min(16, 3x) nodes, with
 ``kvgate scaler``'s default law except a 120 s cooldown (runs are 5-10 minutes: the default 10-minute
@@ -47,7 +68,7 @@ import statistics
 import time
 from bisect import bisect_right
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from functools import cache
 from typing import Any
 
@@ -56,13 +77,29 @@ from sim.profiles import Profile, get_profile
 from . import report
 from .runner import BenchConfig, PolicyName, ScalerSettings, ScenarioResult, run
 from .trace import TraceRequest
-from .workloads import LONG, PLACEHOLDER_NODES, SHORT, Rate, Scenario, Shape, Stream, thinned
+from .workloads import (
+    CHAT_TURN,
+    LONG,
+    PLACEHOLDER_NODES,
+    RESPONSE_S,
+    RESPONSE_S_PER_TOKEN,
+    SHORT,
+    Rate,
+    Scenario,
+    Shape,
+    SharedPrefixes,
+    Stream,
+    offered_load,
+    thinned,
+    working_set,
+)
 
 FAMILIES: dict[str, str] = {
     "bursty-onoff": "tenants alternating on/off periods of random lengths",
     "bursty-mmpp": "Markov-modulated Poisson: 2-3 rate states per tenant, random switching",
     "diurnal": "a compressed day (batch in anti-phase) and a burst on the interactive and standard tenants",
     "mixed": "each tenant's short/long prompt mix shifts over the run",
+    "shared-prefix": "chat sessions whose history grows, RAG over shared documents, a system prompt per tenant",
 }
 """Family name → what it is. The names are an interface (CLI, JSON): keep them stable."""
 
@@ -88,9 +125,18 @@ METRICS: dict[str, tuple[str, bool]] = {
     "jain": ("Jain", True),
     "jain_60s_mean": ("Jain 60 s mean", True),
     "jain_60s_min": ("Jain 60 s worst", True),
+    "ttft_p50": ("TTFT p50 (s)", False),
+    "ttft_p99": ("TTFT p99 (s)", False),
+    "prefill_tokens_computed": ("prefill (M tokens)", False),
 }
 """Per family and policy, over the seeds: name → (table header, higher is better). ``worst`` is the
-lowest seed's value, the highest for ``gpu_hours``."""
+lowest seed's value, the highest for ``gpu_hours``, the TTFTs (over every served request: a rejected one
+has none, so read them beside the SLO) and ``prefill_tokens_computed`` (prompt tokens the nodes
+prefilled: what they were asked for less their prefix-cache hits; fewer admitted requests also mean
+fewer, so read it beside the SLO and goodput)."""
+EXTRA_METRICS = ("ttft_p50", "ttft_p99", "prefill_tokens_computed")
+"""Added with ``shared-prefix``: in the JSON of every family, in the table of ``shared-prefix`` only (the
+other families' tables keep their columns)."""
 
 
 # -- capacity ----------------------------------------------------------------------------------------
@@ -267,6 +313,10 @@ class FamilyScenario(Scenario):
     def offered_rps(self) -> float:
         return self.load * self.capacity_rps
 
+    def details(self) -> dict[str, Any]:
+        """What the family adds to a seed's JSON (``SeedRun.to_json``)."""
+        return {}
+
     def describe(self) -> str:
         ts = ", ".join(f"{p.name} ({p.tier}, {100 * p.share:.0f}% of requests, {100 * p.long_share:.0f}% long"
                        + "".join(f", {k} {v}" for k, v in p.quota) + ")" for p in self.plan)
@@ -379,6 +429,8 @@ def family(name: str, seed: int, policies: Sequence[PolicyName] = POLICIES) -> F
     duration = 30.0 * rng.randint(10, 20)
     load = round(rng.uniform(0.6, 1.1), 2)
     trace_seed = rng.randrange(1, 2**31)
+    if name == "shared-prefix":
+        return _shared_prefix(rng, seed, profile, nodes, duration, load, trace_seed, policies)
 
     n = rng.randint(2, 5)
     tiers = ["interactive", *(["standard", "batch"] if n >= 3 else [rng.choice(("standard", "batch"))])]
@@ -436,6 +488,108 @@ def family(name: str, seed: int, policies: Sequence[PolicyName] = POLICIES) -> F
     return sc
 
 
+# -- shared prefixes ---------------------------------------------------------------------------------
+
+SHARED_TENANTS = (("chat", "interactive"), ("rag", "standard"), ("api", "batch"))
+"""``SharedPrefixes``' tenants and their tiers."""
+CALIBRATION_SESSIONS = 100
+"""Sessions of the first trace the load is measured on; the count is then scaled to the drawn load."""
+
+
+@dataclass(frozen=True)
+class SharedPrefixFamily(FamilyScenario):
+    """A ``shared-prefix`` seed: its trace is ``traffic``'s (sessions, not independent streams)."""
+
+    traffic: SharedPrefixes = field(default_factory=SharedPrefixes)
+    working_set: tuple[float, float] = (0.0, 0.0)
+    """The prefix cache's working set (``workloads.working_set``) over one node's KV: mean over the run,
+    peak."""
+
+    def trace(self, scale: float = 1.0) -> list[TraceRequest]:
+        """The requests; ``scale`` < 1 keeps the start of the full trace (the same requests, not a redraw)."""
+        end = self.duration_s * scale
+        return [r for r in self.traffic.build(self.trace_seed) if r.t < end]
+
+    def details(self) -> dict[str, Any]:
+        t = self.traffic
+        return {"traffic": {
+            "system_tokens": t.system_tokens, "sessions": t.sessions, "turns": list(t.turns),
+            "think_s": [round(x, 3) for x in t.think_s], "documents": t.documents,
+            "document_tokens": list(t.document_tokens), "zipf": t.zipf, "rag_share": t.rag_share,
+            "job_share": t.job_share, "max_context": t.max_context},
+            "working_set_kv": {"mean": round(self.working_set[0], 3), "peak": round(self.working_set[1], 3)}}
+
+    def describe(self) -> str:
+        return (f"{super().describe()}; every prompt starts with its tenant's {self.traffic.system_tokens:,}-token "
+                f"system prompt; the prefix working set is {self.working_set[0]:.1f}x one node's KV on average, "
+                f"{self.working_set[1]:.1f}x at its peak")
+
+
+def _working_set_kv(trace: Sequence[TraceRequest], duration: float, kv_tokens: int) -> tuple[float, float]:
+    steps = working_set(trace)
+    if not steps:
+        return 0.0, 0.0
+    area = sum(n * (min(t1, duration) - min(t0, duration))
+               for (t0, n), (t1, _) in zip(steps, [*steps[1:], (duration, 0)], strict=True))
+    return area / duration / kv_tokens, max(n for _, n in steps) / kv_tokens
+
+
+def _shared_prefix(rng: random.Random, seed: int, profile: str, nodes: int, duration: float, load: float,
+                   trace_seed: int, policies: Sequence[PolicyName]) -> SharedPrefixFamily:
+    prof = get_profile(profile)
+    system = 100 * rng.randint(2, 30)
+    lo_turns, hi_turns = rng.randint(1, 3), rng.randint(4, 12)
+    think_lo = rng.uniform(3.0, 15.0)
+    think = (round(think_lo, 1), round(think_lo + rng.uniform(10.0, 60.0), 1))
+    gap = RESPONSE_S + RESPONSE_S_PER_TOKEN * moments(CHAT_TURN).output + sum(think) / 2
+    hi_turns = min(hi_turns, max(2, 1 + int(0.8 * duration / gap)))
+    doc_lo = 100 * rng.randint(10, 30)
+    docs = (doc_lo, doc_lo + 100 * rng.randint(10, 50))
+    traffic = SharedPrefixes(
+        duration_s=duration, system_tokens=system, sessions=CALIBRATION_SESSIONS,
+        turns=(min(lo_turns, hi_turns), hi_turns), think_s=think, documents=rng.randint(5, 50),
+        document_tokens=docs, zipf=round(rng.uniform(0.6, 1.4), 2), rag_share=round(rng.uniform(0.1, 0.5), 2),
+        job_share=round(rng.uniform(0.05, 0.3), 2), max_context=prof.max_model_len)
+
+    # the load is about proportional to the sessions (the first k sessions are the same whatever the count,
+    # and RAG and jobs follow the chat's count): scale, then correct it, at most twice
+    def measured(t: SharedPrefixes) -> tuple[list[TraceRequest], float]:
+        tr = t.build(trace_seed)
+        return tr, offered_load(tr, prof, nodes, duration)
+
+    trace, measured_load = measured(traffic)
+    for _ in range(3):
+        sessions = max(1, round(traffic.sessions * load / measured_load))
+        if sessions == traffic.sessions:
+            break
+        traffic = replace(traffic, sessions=sessions)
+        trace, measured_load = measured(traffic)
+
+    limit = LONG.prompt_median
+    plan: list[TenantPlan] = []
+    turns, think = traffic.turns, traffic.think_s
+    desc = {"chat": f"{traffic.sessions} sessions of {turns[0]}-{turns[1]} turns (think {think[0]:g}-{think[1]:g} "
+                    "s), each prompt the session's history",
+            "rag": f"questions over {traffic.documents} documents of {docs[0]}-{docs[1]} tokens (Zipf "
+                   f"{traffic.zipf:g})",
+            "api": "one-off jobs"}
+    for tname, tier in SHARED_TENANTS:
+        mine = [r for r in trace if r.tenant == tname]
+        plan.append(TenantPlan(tname, tier, len(mine) / max(1, len(trace)),
+                               sum(r.prompt_tokens >= limit for r in mine) / max(1, len(mine)), desc[tname]))
+    config: dict[str, Any] = {"tenants": [{"name": n, "tier": t} for n, t in SHARED_TENANTS],
+                              "queue": {"inject_priority": True}, "nodes": PLACEHOLDER_NODES}
+    bench = BenchConfig(profile=profile, nodes=nodes, min_nodes=1, max_nodes=min(16, 3 * nodes), kvgate=config,
+                        policies=list(policies), scaler=SCALER, seed=seed)
+    name = "shared-prefix"
+    return SharedPrefixFamily(
+        f"{name}-{seed}", f"{name}, seed {seed}", FAMILIES[name], profile, duration, config, bench.policy_list(),
+        (), seed=seed, autoscaling=bench.autoscaling(), family=name, nodes=nodes, load=load,
+        capacity_rps=len(trace) / duration / measured_load if measured_load > 0 else 0.0,
+        long_share=sum(r.prompt_tokens >= limit for r in trace) / max(1, len(trace)), trace_seed=trace_seed,
+        plan=tuple(plan), traffic=traffic, working_set=_working_set_kv(trace, duration, prof.kv_tokens))
+
+
 # -- running and reporting ---------------------------------------------------------------------------
 
 def metric(s: report.Summary, name: str) -> float | None:
@@ -445,7 +599,9 @@ def metric(s: report.Summary, name: str) -> float | None:
         return g.slo if g is not None else None
     values: dict[str, float | None] = {
         "slo": s.all.slo, "goodput_per_gpu": s.goodput_per_gpu, "gpu_hours": s.gpu_hours, "jain": s.fairness,
-        "jain_60s_mean": s.jain_60s_mean, "jain_60s_min": s.jain_60s_min}
+        "jain_60s_mean": s.jain_60s_mean, "jain_60s_min": s.jain_60s_min,
+        "ttft_p50": s.all.ttft[0], "ttft_p99": s.all.ttft[2],
+        "prefill_tokens_computed": float(s.result.prefill_tokens_computed)}
     return values[name]
 
 
@@ -480,7 +636,7 @@ class SeedRun:
                 "lost": sum(s.result.lost for s in self.result.summaries),
                 "tenants": [{"name": p.name, "tier": p.tier, "share": round(p.share, 4),
                              "long_share": round(p.long_share, 4), "pattern": p.pattern, **dict(p.quota)}
-                            for p in sc.plan]}
+                            for p in sc.plan], **sc.details()}
 
 
 @dataclass
@@ -506,13 +662,20 @@ class FamilyResult:
 
     def table(self) -> str:
         """The policies' table, and the family's wall time."""
-        return "\n".join([table(self.rows()), "", f"Each cell: median / worst of {len(self.runs)} seed(s) "
-                          f"(worst: the lowest, the highest for GPU-h). Wall time for the family: "
+        cols = columns(self.family)
+        highest = "GPU-h" + (", TTFT and prefill" if any(m in EXTRA_METRICS for m in cols) else "")
+        return "\n".join([table(self.rows(), cols), "", f"Each cell: median / worst of {len(self.runs)} seed(s) "
+                          f"(worst: the lowest, the highest for {highest}). Wall time for the family: "
                           f"{self.seconds:.1f} s.", ""])
 
 
 def heading(name: str) -> str:
     return f"## {name}: {FAMILIES[name]}\n"
+
+
+def columns(name: str) -> list[str]:
+    """The metrics in family ``name``'s table (``EXTRA_METRICS`` only in ``shared-prefix``'s)."""
+    return [m for m in METRICS if name == "shared-prefix" or m not in EXTRA_METRICS]
 
 
 def _cell(name: str, agg: dict[str, Any]) -> str:
@@ -521,14 +684,17 @@ def _cell(name: str, agg: dict[str, Any]) -> str:
             return "-"
         if name in ("interactive_slo", "slo"):
             return f"{100 * x:.1f}%"
+        if name == "prefill_tokens_computed":
+            return f"{x / 1e6:.1f}"
         return f"{x:.2f}"
 
     return f"{one(agg['median'])} / {one(agg['worst'])}"
 
 
-def table(rows: dict[str, dict[str, dict[str, Any]]]) -> str:
-    return report.table(["policy", *(h for h, _ in METRICS.values())],
-                        [[p, *(_cell(m, ms[m]) for m in METRICS)] for p, ms in rows.items()])
+def table(rows: dict[str, dict[str, dict[str, Any]]], metrics: Sequence[str] | None = None) -> str:
+    ms_ = list(metrics) if metrics is not None else [m for m in METRICS if m not in EXTRA_METRICS]
+    return report.table(["policy", *(METRICS[m][0] for m in ms_)],
+                        [[p, *(_cell(m, ms[m]) for m in ms_)] for p, ms in rows.items()])
 
 
 def run_family(name: str, seeds: Sequence[int], scale: float = 1.0, policies: Sequence[PolicyName] = POLICIES,

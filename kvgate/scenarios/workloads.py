@@ -302,7 +302,8 @@ class SharedPrefixes:
       next one arrives a nominal response time (``RESPONSE_S`` + ``RESPONSE_S_PER_TOKEN`` per answer
       token) plus a think time (``think_s``, uniform) after the last; a session starts uniformly where
       all its turns fit in the run, so every session has all its turns (one that would last longer than
-      the run has its gaps shrunk to fit).
+      the run has its gaps shrunk to fit). With ``max_context``, a session stops before the first turn
+      whose prompt and answer would not fit the model's context (drawn as without it, then cut).
     * RAG (``rag``): ``rag_share`` of all requests, arriving uniformly over the run (a Poisson process
       of that count); prompt ``[sys-rag, doc-<i>]`` + its own question. ``documents`` documents of
       ``document_tokens`` tokens (uniform), picked with Zipf popularity (weight ``1/rank**zipf``).
@@ -327,6 +328,12 @@ class SharedPrefixes:
     job_share: float = 0.20
     max_tokens: int = 1024
     """What RAG questions and jobs ask for (chat asks for nothing: its reservation is its output)."""
+    max_context: int | None = None
+    """The model's context (prompt and answer, in tokens): a session stops before the first turn that would
+    not fit, as a chat app starts a new conversation there; it is the same session cut short (its turns
+    and times drawn as without the limit, so the other sessions are unchanged), and one whose first turn
+    does not fit has none. None: no limit (the pinned scenario's 8B has 128k tokens, far above its
+    longest session)."""
 
     def build(self, seed: int) -> list[TraceRequest]:
         chat = self._sessions(random.Random(seed * 7919))
@@ -350,8 +357,9 @@ class SharedPrefixes:
                 gaps = [g * 0.99 * self.duration_s / span for g in gaps]
                 span = sum(gaps)
             t = rng.uniform(0.0, self.duration_s - span)
+            fits = len(msgs) if self.max_context is None else self._fitting(msgs, self.max_context)
             history: list[tuple[str, int]] = [self._sys("chat")]
-            for j, (user, answer) in enumerate(msgs, 1):
+            for j, (user, answer) in enumerate(msgs[:fits], 1):
                 segments = (*history, (f"s{k}-u{j}", user))
                 out.append(TraceRequest(round(t, 6), "chat", sum(n for _, n in segments), answer, True,
                                         segments=segments, session=f"s{k}"))
@@ -359,6 +367,16 @@ class SharedPrefixes:
                 if j < len(msgs):
                     t += gaps[j - 1]
         return out
+
+    def _fitting(self, msgs: Sequence[tuple[int, int]], limit: int) -> int:
+        """How many of a session's turns fit in ``limit`` tokens of context: turn j's prompt (the system
+        prompt, the history, its message) and its answer."""
+        context = self.system_tokens
+        for j, (user, answer) in enumerate(msgs):
+            if context + user + answer > limit:
+                return j
+            context += user + answer
+        return len(msgs)
 
     def document_sizes(self, seed: int) -> list[int]:
         """Tokens of each document, ``doc-0`` (the most popular) first."""
