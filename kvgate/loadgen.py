@@ -9,6 +9,7 @@ error — so a test can count that nothing was lost.
 from __future__ import annotations
 
 import http.client
+import itertools
 import json
 import random
 import threading
@@ -44,9 +45,15 @@ class Result:
     error: str | None = None
 
 
+_SEQ = itertools.count()
+
+
 def _one(host: str, port: int, t: Traffic, res: Result, timeout: float) -> None:
-    doc = {"prompt": "x " * (t.prompt_chars // 2), "max_tokens": t.max_tokens, "ignore_eos": True,
-           "stream": t.stream}
+    # every prompt is its own (a request number first): like a RAG pipeline's retrieved context, it
+    # shares no prefix with the others, so no node can answer it from its prefix cache
+    head = f"request {next(_SEQ)} of {t.tenant}: "
+    doc = {"prompt": head + "x " * max(0, (t.prompt_chars - len(head)) // 2), "max_tokens": t.max_tokens,
+           "ignore_eos": True, "stream": t.stream}
     if t.model is not None:
         doc["model"] = t.model
     body = json.dumps(doc).encode()

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import shutil
 import time
@@ -44,11 +45,16 @@ def live_config(sc: Scenario) -> dict[str, Any]:
     return cfg
 
 
+_SEQ = itertools.count()
+
+
 async def _one(session: aiohttp.ClientSession, url: str, model: str, o: Outcome, t0: float) -> None:
     r = o.req
     await asyncio.sleep(max(0.0, t0 + r.t - time.monotonic()))
-    body = {"model": model, "prompt": [7] * r.prompt_tokens, "max_tokens": r.output_tokens, "ignore_eos": True,
-            "stream": True}
+    # token ids, one of its own first: like virtual time (a request without segments shares nothing),
+    # no node answers it from its prefix cache
+    body = {"model": model, "prompt": [1000 + next(_SEQ)] + [7] * (r.prompt_tokens - 1),
+            "max_tokens": r.output_tokens, "ignore_eos": True, "stream": True}
     start = t0 + r.t
     try:
         async with session.post(url, json=body, headers={"authorization": f"Bearer {_key(r.tenant)}"},
