@@ -40,7 +40,7 @@ from .config import Config, Tenant
 from .estimate import Estimate, Estimator
 from .identity import Identifier
 from .nodes import Fleet, Level
-from .prefix import text_chain, text_of
+from .prefix import chain_of
 from .reasons import UNKNOWN_KEY, Invalid, Rejection, reject
 from .stats import Stats
 from .wire import Reply, reject_reply
@@ -215,10 +215,10 @@ class Core:
         except Invalid as e:
             return self._final(self._refusal(tenant, e.rejection()), req.request_id)
         size = req.body_bytes if req.body_bytes is not None else len(req.body)
-        if self.fleet is not None and not est.prefix and est.document is not None:
+        if self.fleet is not None and not est.prefix and est.document is not None and est.output_tokens:
             pc = self.config.nodes.prefix if self.config.nodes is not None else None
             if pc is not None and pc.enabled:
-                est = replace(est, prefix=text_chain(text_of(est.document), pc.block_chars, pc.max_blocks_per_request))
+                est = replace(est, prefix=chain_of(est.document, pc.block_chars, pc.max_blocks_per_request))
         never = self._never_fits(est)
         if never is not None:
             return self._final(self._refusal(tenant, never), req.request_id)

@@ -196,6 +196,8 @@ class Fleet:
         self.levels = tuple(Level(p, merged[p]) for p in sorted(merged)) or (Level(0, None),)
 
     def reconfigure(self, cfg: Nodes) -> None:
+        if not cfg.prefix.enabled:
+            self.prefix.clear()
         self.cfg = cfg
         self.prefix.max_blocks, self.prefix.ttl = cfg.prefix.max_blocks_per_node, cfg.prefix.ttl_seconds
         model = from_config(cfg.performance)
@@ -243,6 +245,8 @@ class Fleet:
         if not snap.ok:
             return  # a failed reading says nothing new: the node ages towards unknown / dead
         repeat = n.snapshot is not None and n.snapshot.at == snap.at  # polled again before the probe's next reading
+        if n.fresh_at is not None and now - n.fresh_at > self.cfg.dead_after_seconds:
+            self.prefix.forget(address)  # back from the dead: a restarted vLLM's prefix cache is empty
         n.snapshot = snap
         n.fresh_at = now - age_s
         taken = now - age_s
@@ -340,9 +344,11 @@ class Fleet:
         the prompt's leading blocks (``prefix.py``), for prefix-cache affinity."""
         c = self.choose(tokens, now, force, prompt_tokens, reserve, queue_caps, priority, target, limit, prefix)
         if c.node is not None:
-            self.dispatched(c.node.address, ticket, tokens - c.hit, prompt_tokens - c.hit, now, priority, c.ttft)
+            # its KV counts whole (vLLM takes cached blocks nobody uses back out of the free pool: usage
+            # rises by the whole prompt), its prefill only what is not cached
+            self.dispatched(c.node.address, ticket, tokens, prompt_tokens - c.hit, now, priority, c.ttft)
             if prefix and self.cfg.prefix.enabled:
-                self.prefix.record(c.node.address, prefix, now, c.hit // (self.cfg.prefix.block_chars // 4))
+                self.prefix.record(c.node.address, prefix, now)
         return c
 
     def hits(self, prefix: tuple[int, ...], prompt_tokens: int, now: float) -> dict[str, int]:
@@ -402,9 +408,8 @@ class Fleet:
             if not n.breaker.allows(now):
                 broken += 1
                 continue
-            new = tokens - hits.get(n.address, 0)
-            kv = n.projected_kv(new)
-            if kv is not None and kv >= n.threshold - reserve and not self._alone_fits(n, new, reserve):
+            kv = n.projected_kv(tokens)
+            if kv is not None and kv >= n.threshold - reserve and not self._alone_fits(n, tokens, reserve):
                 kv_full += 1
                 continue
             if max_waiting is not None and n.waiting() >= max_waiting:
@@ -423,7 +428,12 @@ class Fleet:
                       "fleet-breakers-open" if broken else "fleet-no-healthy-node")
             return Choice(None, reason, self._retry_after(tokens, now))
         if len(candidates) > MAX_CANDIDATES:
-            sample = self._rng.sample(candidates, MAX_CANDIDATES - 1)
+            # the nodes holding the prompt's prefix (the longest held first, up to half) always, a
+            # sample of the rest, and the last best
+            keep = sorted((n for n in candidates if hits.get(n.address)), key=lambda n: -hits[n.address])
+            keep = keep[:MAX_CANDIDATES // 2]
+            rest = [n for n in candidates if n not in keep]
+            sample = keep + self._rng.sample(rest, min(len(rest), MAX_CANDIDATES - 1 - len(keep)))
             best = self._best
             if best is not None and best in candidates and best not in sample:
                 sample.append(best)

@@ -32,13 +32,15 @@ SEGMENT_BLOCK_TOKENS = 128
 """Tokens per index block in virtual time (segments), by default: ``block_chars`` / 4."""
 
 
-def text_of(doc: dict[str, Any] | None) -> str:
-    """The prompt text of a request body, as one string (chat messages: role and content in order)."""
+def text_of(doc: dict[str, Any] | None, limit: int = 1 << 62) -> str:
+    """The prompt text of a request body, as one string (chat messages: role and content in order;
+    content parts that are not text by their URL), at most about ``limit`` characters."""
     if doc is None:
         return ""
     messages = doc.get("messages")
     if isinstance(messages, list):
         parts: list[str] = []
+        size = 0
         for m in messages:
             if not isinstance(m, dict):
                 continue
@@ -47,7 +49,13 @@ def text_of(doc: dict[str, Any] | None) -> str:
             if isinstance(c, str):
                 parts.append(c)
             elif isinstance(c, list):
-                parts.extend(p.get("text", "") for p in c if isinstance(p, dict) and isinstance(p.get("text"), str))
+                for p in c:
+                    if isinstance(p, dict):
+                        t = p.get("text")
+                        parts.append(t if isinstance(t, str) else f"\x02{p.get('type')}:{_url(p)}\x03")
+            size += sum(len(x) for x in parts[-2:])
+            if size > limit:
+                break
         return "".join(parts)
     for key in ("prompt", "input"):
         p = doc.get(key)
@@ -58,10 +66,12 @@ def text_of(doc: dict[str, Any] | None) -> str:
     return ""
 
 
-def text_chain(text: str, block_chars: int, max_blocks: int) -> tuple[int, ...]:
-    """Chained hashes of the full ``block_chars`` blocks at the start of ``text``."""
+def text_chain(text: str, block_chars: int, max_blocks: int, seed: int = 0) -> tuple[int, ...]:
+    """Chained hashes of the full ``block_chars`` blocks at the start of ``text``. ``seed``: what else
+    keys vLLM's cache (the model or LoRA adapter, a ``cache_salt``): the same text under another seed
+    shares nothing."""
     out: list[int] = []
-    h = 0
+    h = seed
     end = min(len(text), block_chars * max_blocks) - block_chars
     for i in range(0, end + 1, block_chars):
         h = hash((h, text[i:i + block_chars]))
@@ -89,6 +99,25 @@ def segment_chain(segments: Sequence[tuple[str, int]], max_blocks: int,
                 out.append(h)
                 pieces, filled = [], 0
     return tuple(out)
+
+
+def _url(part: dict[str, Any]) -> str:
+    """What identifies a non-text content part (an image's URL or data), for the cache key."""
+    for key in ("image_url", "input_audio", "file", "video_url"):
+        v = part.get(key)
+        if isinstance(v, dict):
+            return str(v.get("url") or v.get("data") or v.get("file_id") or "")[:256]
+        if isinstance(v, str):
+            return v[:256]
+    return ""
+
+
+def chain_of(doc: dict[str, Any] | None, block_chars: int, max_blocks: int) -> tuple[int, ...]:
+    """A request body's chain: its prompt text, keyed by its model and ``cache_salt``."""
+    if doc is None:
+        return ()
+    seed = hash((str(doc.get("model")), str(doc.get("cache_salt"))))
+    return text_chain(text_of(doc, block_chars * max_blocks), block_chars, max_blocks, seed)
 
 
 class PrefixIndex:
@@ -135,19 +164,14 @@ class PrefixIndex:
             hi = lo - 1
         return out
 
-    def record(self, node: str, chain: Sequence[int], now: float, held: int = 0) -> None:
-        """The blocks of a prompt sent to ``node``: it will hold them (until it evicts them). Recorded
-        tail first, so that under the per-node limit a chain loses its tail before its head. ``held``:
-        leading blocks the node already holds (from :meth:`match`): refreshed only when last refreshed
-        more than a tenth of the TTL ago — a hot prefix costs a lookup, not a pass over its blocks."""
+    def record(self, node: str, chain: Sequence[int], now: float) -> None:
+        """The blocks of a prompt sent to ``node``: it will hold them (until it evicts them). The whole
+        chain, tail first, so that under the per-node limit and the TTL a chain loses its tail before its
+        head and what a node holds stays one unbroken run from the start (what :meth:`match` bisects)."""
         lru = self._lru.get(node)
         if lru is None:
             lru = self._lru[node] = OrderedDict()
         holders = self._holders
-        if held:
-            head = holders.get(chain[0])
-            if head is not None and head.get(node, -math.inf) >= now - self.ttl / 10:
-                chain = chain[held:]
         for h in reversed(chain):
             holders.setdefault(h, {})[node] = now
             if h in lru:
@@ -157,6 +181,10 @@ class PrefixIndex:
         while len(lru) > self.max_blocks:
             old, _ = lru.popitem(last=False)
             self._drop(old, node)
+
+    def clear(self) -> None:
+        self._holders.clear()
+        self._lru.clear()
 
     def forget(self, node: str) -> None:
         """A node gone (or restarted: its cache is empty)."""

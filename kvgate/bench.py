@@ -379,9 +379,8 @@ def prefix_index(entries: int = 100_000, nodes: int = 8, ops: int = 2000, quiet:
         idx.record(f"n{i % nodes}", c, now=1.0)
     t0 = time.perf_counter()
     for i, c in enumerate(chains):
-        m = idx.match(c, now=2.0)
-        name = f"n{i % nodes}"
-        idx.record(name, c, 2.0, m.get(name, 0))
+        idx.match(c, now=2.0)
+        idx.record(f"n{i % nodes}", c, 2.0)
     match_us = (time.perf_counter() - t0) / ops * 1e6
     cfg = Nodes.model_validate({"static": [{"address": f"10.0.0.{i}:8000", "probe": f"http://10.0.0.{i}:9102"}
                                            for i in range(nodes)]})

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ext_proc.prefix import PrefixIndex, segment_chain, text_chain, text_of
+from ext_proc.prefix import PrefixIndex, chain_of, segment_chain, text_chain, text_of
 from tests.test_nodes import feed, fleet
 
 A, B = "10.0.0.0:8000", "10.0.0.1:8000"
@@ -21,9 +21,19 @@ def test_a_chain_covers_everything_before_each_full_block() -> None:
 
 def test_the_text_of_a_chat_is_its_roles_and_contents_in_order() -> None:
     doc = {"messages": [{"role": "system", "content": "S"},
-                        {"role": "user", "content": [{"type": "text", "text": "U"}, {"type": "image_url"}]}]}
-    assert text_of(doc) == "\x00system\x01S\x00user\x01U"
+                        {"role": "user", "content": [{"type": "text", "text": "U"},
+                                                     {"type": "image_url", "image_url": {"url": "http://i/1.png"}}]}]}
+    assert text_of(doc) == "\x00system\x01S\x00user\x01U\x02image_url:http://i/1.png\x03", \
+        "an image is part of the key (another image: another cache entry)"
     assert text_of({"prompt": "P"}) == "P" and text_of({"prompt": [1, 2]}) == "1,2" and text_of(None) == ""
+
+
+def test_the_model_and_the_cache_salt_key_the_chain_as_they_key_vllms_cache() -> None:
+    body = {"messages": [{"role": "system", "content": "A long shared instruction. " * 100}]}
+    base = chain_of({**body, "model": "llama"}, 512, 128)
+    assert base and base == chain_of({**body, "model": "llama"}, 512, 128)
+    assert not set(base) & set(chain_of({**body, "model": "llama-lora-a"}, 512, 128)), "another adapter"
+    assert not set(base) & set(chain_of({**body, "model": "llama", "cache_salt": "t1"}, 512, 128)), "a salt"
 
 
 def test_segments_share_blocks_while_they_share_leading_segments() -> None:
@@ -97,3 +107,14 @@ def test_each_nodes_prefix_hit_rate_is_exported() -> None:
     text = generate_latest(core.stats.registry).decode()
     assert f'kvgate_node_prefix_cache_hit_ratio{{node="{A}"}} 0.75' in text
     assert f'kvgate_node_prefix_cache_hit_ratio{{node="{B}"}}' not in text, "no queries: no ratio"
+
+
+def test_what_a_node_holds_stays_one_run_from_the_start_when_a_chain_grows_and_ages() -> None:
+    idx = PrefixIndex(max_blocks_per_node=15, ttl_s=600.0)
+    turn1 = tuple(range(1, 11))
+    turn2 = (*turn1, *range(11, 16))  # the next turn of the same conversation: the history grows
+    idx.record("a", turn1, now=0.0)
+    idx.record("a", turn2, now=50.0)
+    idx.record("a", (99,), now=60.0)  # one block too many: the least recently used goes — the tail
+    assert idx.match(turn2, now=61.0) == {"a": 14}
+    assert idx.match(turn2, now=655.0) == {}, "the whole run ages together (the head was refreshed with it)"
