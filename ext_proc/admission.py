@@ -819,8 +819,7 @@ class Admission:
                 # slots of replicas that died are still taken by what they admitted
                 cap = max(0, q.max_concurrent - held.get(ORPHANED, 0))
                 s.slots = fallback_slots(cap, held, live).get(me, 0)
-            for attr, per_minute, burst in (("requests", q.requests_per_minute, q.request_burst),
-                                            ("tokens", q.tokens_per_minute, q.token_burst)):
+            for attr, per_minute, burst in _budgets(q):
                 b = getattr(s, attr)
                 if b is None or per_minute is None:
                     continue
@@ -835,8 +834,7 @@ class Admission:
         self.local_split = 0
         for s in self._tenants.values():
             q = s.config
-            for attr, per_minute, burst in (("requests", q.requests_per_minute, q.request_burst),
-                                            ("tokens", q.tokens_per_minute, q.token_burst)):
+            for attr, per_minute, burst in _budgets(q):
                 b = getattr(s, attr)
                 if isinstance(b, TokenBucket) and per_minute is not None:
                     setattr(s, attr, Credit(per_minute, default_burst(per_minute, burst), now, level=min(0.0, b.level)))
@@ -879,6 +877,11 @@ class ShareReport:
 
 BORROW = reject("tenant-concurrency", "borrow from the store")
 """What ``_check`` says when this replica's slice is short and the fleet's may not be (never sent)."""
+
+
+def _budgets(q: Tenant) -> tuple[tuple[str, float | None, int | None], ...]:
+    """A tenant's two budgets: (the TenantState attribute, per minute, burst)."""
+    return ("requests", q.requests_per_minute, q.request_burst), ("tokens", q.tokens_per_minute, q.token_burst)
 
 
 def _ewma(prev: float | None, x: float, alpha: float = EWMA_ALPHA) -> float:

@@ -238,6 +238,12 @@ class PrefixAffinity(_Strict):
     max_blocks_per_request: Annotated[int, Field(ge=1, le=4096)] = Field(
         default=128, description="leading blocks of a prompt that are hashed (bounds the cost per request)")
 
+    @property
+    def block_tokens(self) -> int:
+        """Tokens an index block stands for (at 4 characters a token): a hit's size, and the block of
+        the trace's segments in virtual time."""
+        return self.block_chars // 4
+
 
 class Performance(_Strict):
     """The prior of each node's performance model (``ext_proc/perf.py``): the step time of the model and

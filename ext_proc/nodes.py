@@ -356,7 +356,7 @@ class Fleet:
         computes at least its last block)."""
         if not prefix or not self.cfg.prefix.enabled:
             return {}
-        per_block = self.cfg.prefix.block_chars // 4
+        per_block = self.cfg.prefix.block_tokens
         cap = max(0, prompt_tokens - per_block)
         return {a: min(cap, b * per_block) for a, b in self.prefix.match(prefix, now).items()}
 
@@ -582,19 +582,11 @@ class Fleet:
         n = self.nodes.get(address)
         if n is None:
             return
-        n.pending.append((now, tokens, prompt_tokens, priority))
-        n.pending_tokens += tokens
-        n.pending_prompt += prompt_tokens
         n.requests[ticket] = (tokens, prompt_tokens, priority)
-        # its prefill now runs ahead of everything booked at less urgent levels
-        cost = self._own(n, prompt_tokens)
-        start = max(n.busy.get(priority, now), now)
+        start, cost = self._book(n, tokens, prompt_tokens, priority, now)
         if priority != self.levels[0].priority:
             n.running_low.append((start, start + cost, priority, ticket))
         n.prefills.append((start, start + cost, priority, ticket))
-        for lv in self.levels:
-            if lv.priority >= priority:
-                n.busy[lv.priority] = max(n.busy.get(lv.priority, now), now) + cost
         if n.breaker.dispatched():
             n.trials.add(ticket)
 
@@ -605,13 +597,21 @@ class Fleet:
         n = self.nodes.get(address)
         if n is None or tokens < 0 or prompt_tokens < 0:
             return
+        self._book(n, tokens, prompt_tokens, priority, now)
+
+    def _book(self, n: Node, tokens: int, prompt_tokens: int, priority: int, now: float) -> tuple[float, float]:
+        """A request sent to ``n``, by this replica or another: it counts in the KV projection until a
+        reading taken after it shows it, and its prefill runs ahead of everything booked at less urgent
+        levels (their clocks advance). Returns (when its prefill starts, what it costs)."""
         n.pending.append((now, tokens, prompt_tokens, priority))
         n.pending_tokens += tokens
         n.pending_prompt += prompt_tokens
         cost = self._own(n, prompt_tokens)
+        start = max(n.busy.get(priority, now), now)
         for lv in self.levels:
             if lv.priority >= priority:
                 n.busy[lv.priority] = max(n.busy.get(lv.priority, now), now) + cost
+        return start, cost
 
     def completed(self, address: str, ticket: str, tokens: int, ok: bool | None, now: float) -> None:
         """A request sent to ``address`` ended; ``ok`` None: no verdict on the node (never reached it)."""

@@ -329,9 +329,9 @@ class SharedStore:
         meanwhile) is dropped."""
         self.last_id: str | None = None
         self._seq = 0
-        self._batch: tuple[int, bytes, int] | None = None
-        """(sequence, bytes, completions in it) of the events sent and not yet known to have arrived:
-        sent again, same sequence, until a sync succeeds (readers skip what they have seen)."""
+        self._batch: bytes | None = None
+        """The events sent and not yet known to have arrived: sent again, with the same sequence in it,
+        until a sync succeeds (readers skip the sequences they have seen)."""
         self._seen: dict[str, int] = {}
         self._ends: list[list[Any]] = []
         """Completions without a ticket, for every replica: [owner '*', '', request id, status, prompt,
@@ -457,7 +457,7 @@ class SharedStore:
                 calls.append(("end", tenant, ""))
             batch = self._next_batch()
             if batch is not None:
-                pipe.xadd(self.k_events, {"b": batch[1]}, minid=self._minid(), approximate=True)
+                pipe.xadd(self.k_events, {"b": batch}, minid=self._minid(), approximate=True)
                 calls.append(("xadd", "", ""))
             if self.last_id is None:
                 pipe.xrevrange(self.k_events, count=1)
@@ -534,7 +534,7 @@ class SharedStore:
         self.core.shares_changed()
         return True
 
-    def _next_batch(self) -> tuple[int, bytes, int] | None:
+    def _next_batch(self) -> bytes | None:
         """The events to send: the last batch again if it may not have arrived (readers skip a sequence
         they have seen), else what happened since. Bookings for nodes are only worth sending fresh."""
         adm = self.core.admission
@@ -549,8 +549,7 @@ class SharedStore:
         if not (service or dispatched or ends):
             return None
         self._seq += 1
-        self._batch = (self._seq, orjson.dumps({"r": self.me, "q": self._seq, "s": service, "d": dispatched,
-                                                "e": ends}), len(ends))
+        self._batch = orjson.dumps({"r": self.me, "q": self._seq, "s": service, "d": dispatched, "e": ends})
         return self._batch
 
     def _hello_result(self, res: list[Any]) -> None:

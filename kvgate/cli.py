@@ -8,6 +8,13 @@ import sys
 from pathlib import Path
 
 
+def _emit(a: argparse.Namespace, result: object) -> int:
+    """A benchmark's result as JSON on stdout with ``--json`` (it printed its table itself otherwise)."""
+    if a.json:
+        print(json.dumps(result, indent=2))
+    return 0
+
+
 def _extproc(a: argparse.Namespace) -> int:
     from ext_proc.server import run
 
@@ -149,45 +156,35 @@ def _bench(a: argparse.Namespace) -> int:
             return 2
     result = overhead(seconds=a.seconds, connections=a.connections, stream=a.stream, quiet=a.json,
                       replicas=a.replicas)
-    if a.json:
-        print(json.dumps(result, indent=2))
-    return 0
+    return _emit(a, result)
 
 
 def _bench_sim(a: argparse.Namespace) -> int:
     from .bench import sim_speed
 
     result = sim_speed(a.seconds, a.nodes, a.rate, a.profile, quiet=a.json)
-    if a.json:
-        print(json.dumps(result, indent=2))
-    return 0
+    return _emit(a, result)
 
 
 def _bench_nodes(a: argparse.Namespace) -> int:
     from .bench import node_choice
 
     rows = node_choice(tuple(a.sizes), a.ops, quiet=a.json)
-    if a.json:
-        print(json.dumps(rows, indent=2))
-    return 0
+    return _emit(a, rows)
 
 
 def _bench_prefix(a: argparse.Namespace) -> int:
     from .bench import prefix_index
 
     result = prefix_index(a.entries, a.nodes, a.ops, quiet=a.json)
-    if a.json:
-        print(json.dumps(result, indent=2))
-    return 0
+    return _emit(a, result)
 
 
 def _bench_queue(a: argparse.Namespace) -> int:
     from .bench import queue_scaling
 
     rows = queue_scaling(tuple(a.sizes), a.ops, quiet=a.json)
-    if a.json:
-        print(json.dumps(rows, indent=2))
-    return 0
+    return _emit(a, rows)
 
 
 def _bench_scenarios(a: argparse.Namespace) -> int:

@@ -432,7 +432,7 @@ class Run:
         nodes = self.config.nodes
         if not r.segments or nodes is None or not nodes.prefix.enabled:
             return ()
-        return segment_chain(r.segments, nodes.prefix.max_blocks_per_request, nodes.prefix.block_chars // 4)
+        return segment_chain(r.segments, nodes.prefix.max_blocks_per_request, nodes.prefix.block_tokens)
 
     def _out(self, n: SimNode) -> bool:
         """Out of service now (an ``Outage``)."""
