@@ -28,9 +28,10 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import NamedTuple
 
-from .config import Config, Mode, Tenant
+from .config import Config, Mode, ModelBudget, Tenant
 from .estimate import Estimate
 from .limits import Credit, TokenBucket, default_burst
+from .pools import DEFAULT_POOL, PoolSpec, Router, pools_of
 from .queue import Entry, FairQueue, TierSpec
 from .reasons import UNKNOWN_KEY, RateLimitView, Rejection, reject
 from .share import IDLE_S, ORPHANED, credit_target, fallback_slots, slot_demand
@@ -91,6 +92,8 @@ class TenantState:
     """The tenant's usual request duration (a slow EWMA): what ``mean_seconds`` is compared with."""
     mean_output: float | None = None
     """Output tokens per request, as reported: the fair-share counters charge this, not max_tokens."""
+    model: str | None = None
+    """For a per-model budget (``tenants[i].model_budgets``): its key; the state is named ``tenant/key``."""
 
     @property
     def name(self) -> str:
@@ -119,6 +122,10 @@ class Lease:
     """Seconds to the first token kvgate predicted on its node when it dispatched it (None: no prediction)."""
     slo_miss: bool = False
     """Dispatched although the prediction says it misses its tier's TTFT target: unmet demand for the scaler."""
+    pool: str = DEFAULT_POOL
+    """The pool it was routed to: its queue, its fair-share counters, its nodes."""
+    budget: TenantState | None = None
+    """The tenant's per-model budget it also holds (``model_budgets``), if one applies."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -132,6 +139,9 @@ class Decision:
     borrow: bool = False
     """Not decided yet: this replica's slice of the tenant's limits cannot pay for it but the fleet's
     may; the shell borrows from the store (one round trip) and decides again."""
+    borrow_also: str | None = None
+    """With ``borrow``: the tenant's per-model budget is short here too (both are borrowed at once: a
+    second decision could not borrow again)."""
 
     @property
     def admitted(self) -> bool:
@@ -158,6 +168,7 @@ class Outcome:
     ticket: str
     decision: Decision
     waited: float
+    pool: str = DEFAULT_POOL
 
 
 @dataclass(slots=True, eq=False)
@@ -229,20 +240,27 @@ class Admission:
         self.dispatch_out: list[tuple[str, int, int, str]] = []
         """(node, tokens, prompt tokens, tier) of requests sent since the last sync: the other replicas
         book them on their view of the node."""
-        self.queue = FairQueue([], config.queue.max_size, config.queue.starvation_guard)
+        self.queues: dict[str, FairQueue] = {}
+        """The gateway queue of each pool: a flooded pool's backlog never holds another pool's requests."""
+        self._pools: dict[str, PoolSpec] = {}
+        self._budgets: dict[str, TenantState] = {}
+        """Per-model budgets, by ``tenant/key`` (``model_budgets``): checked and charged besides the tenant's."""
         self.config = config
         self.reconfigure(config)
 
     # -- configuration ---------------------------------------------------------------------------
 
-    def reconfigure(self, config: Config) -> None:
+    def reconfigure(self, config: Config, pools: Sequence[PoolSpec] | None = None) -> None:
         """Swap in a new config, keeping in-flight leases and what each tenant has already spent."""
         now = self._clock()
-        old = self._tenants
+        old = {**self._tenants, **self._budgets}
         tenants: dict[str, TenantState] = {}
-        for t in config.tenants:
+        budgets: dict[str, TenantState] = {}
+        wanted: list[tuple[Tenant, str | None, Mode]] = [(t, None, t.mode or config.mode) for t in config.tenants]
+        wanted += [(_budget_tenant(t, key, b), key, t.mode or config.mode)
+                   for t in config.tenants for key, b in t.model_budgets.items()]
+        for t, model, mode in wanted:
             state = old.get(t.name)
-            mode: Mode = t.mode or config.mode
             credit = self.shared and not self.local_split
             if state is None:
                 state = TenantState(
@@ -263,7 +281,8 @@ class Admission:
                 state.config, state.mode = t, mode
                 state.requests = _retuned(state.requests, t.requests_per_minute, t.request_burst, now, credit)
                 state.tokens = _retuned(state.tokens, t.tokens_per_minute, t.token_burst, now, credit)
-            tenants[t.name] = state
+            state.model = model
+            (tenants if model is None else budgets)[t.name] = state
         unknown = old.get(_UNKNOWN_SLOT)
         if unknown is None:
             unknown = TenantState(Tenant(name=UNKNOWN_TENANT, tier=config.lowest_tier), config.mode, None, None)
@@ -271,25 +290,52 @@ class Admission:
         unknown.config = Tenant(name=UNKNOWN_TENANT, tier=config.lowest_tier)
         tenants[_UNKNOWN_SLOT] = unknown
         self._tenants = tenants
+        self._budgets = budgets
         self.config = config
         if self.local_split and self._split is not None:
             self.share_local(*self._split)  # new limits, split the same way
-        q = self.queue
-        q.max_size, q.starvation_guard = config.queue.max_size, config.queue.starvation_guard
-        q.set_tiers([TierSpec(n, t.priority, t.max_queue_wait_ms / 1000.0) for n, t in config.tiers.items()])
-        for st in tenants.values():
-            q.set_weight(st.name, st.config.weight)
+        self._pools = {p.name: p for p in (pools if pools is not None else pools_of(config))}
+        tiers = [TierSpec(n, t.priority, t.max_queue_wait_ms / 1000.0) for n, t in config.tiers.items()]
+        for p in self._pools.values():
+            q = self.queues.get(p.name)
+            if q is None:
+                q = self.queues[p.name] = FairQueue([], p.queue_max_size, config.queue.starvation_guard)
+            q.max_size, q.starvation_guard = p.queue_max_size, config.queue.starvation_guard
+            q.set_tiers(tiers)
+            for st in tenants.values():
+                q.set_weight(st.name, st.config.weight)
+        for name in [n for n, q in self.queues.items() if n not in self._pools and not len(q)]:
+            del self.queues[name]  # a pool removed by a reload (what waited there is refused at the next pump)
+
+    def _pools_queues(self) -> list[FairQueue]:
+        return [q for name, q in self.queues.items() if name in self._pools]
+
+    @property
+    def queue(self) -> FairQueue:
+        """The first pool's gateway queue (the only one without ``pools``); never a removed pool's."""
+        return self.queues[next(iter(self._pools))]
+
+    def queue_of(self, pool: str) -> FairQueue:
+        """A pool's gateway queue; an unknown pool (another replica's older config): the first pool's."""
+        q = self.queues.get(pool)  # (not ``or``: an empty queue is falsy)
+        return q if q is not None else self.queue
 
     def tenant_state(self, name: str) -> TenantState | None:
-        return self._tenants.get(name)
+        """A tenant's state, or a per-model budget's (``tenant/key``)."""
+        return self._tenants.get(name) or self._budgets.get(name)
+
+    def states(self) -> list[TenantState]:
+        """Tenants and per-model budgets: what the store shares among replicas."""
+        return [*self._tenants.values(), *self._budgets.values()]
 
     # -- the decision ----------------------------------------------------------------------------
 
     def decide(self, tenant: Tenant | None, request_id: str, estimate: Estimate, body_bytes: int,
-               borrowed: bool = False) -> Decision:
+               borrowed: bool = False, refused: Rejection | None = None) -> Decision:
         """Decide one request now, or queue it (``Decision.queued``) until ``pump`` can decide it, or
         (several replicas) say that its tenant's slice here is short (``Decision.borrow``): decided again
-        with ``borrowed`` once the shell has borrowed from the store."""
+        with ``borrowed`` once the shell has borrowed from the store. ``refused``: what the core already
+        refuses it for (a model the tenant may not use) — a shadow-mode tenant is admitted all the same."""
         now = self._clock()
         if tenant is None:
             state = self._tenants[_UNKNOWN_SLOT]
@@ -298,8 +344,18 @@ class Admission:
             state = self._tenants.get(tenant.name) or self._tenants[_UNKNOWN_SLOT]
             state.last_seen = now
             # shadow mode admits anyway: a round trip would only change what its counters say
-            rejection = self._check(state, estimate, body_bytes, now,
-                                    may_borrow=self.shared and not borrowed and state.mode == "enforce")
+            may_borrow = self.shared and not borrowed and state.mode == "enforce"
+            rejection = refused or self._check(state, estimate, body_bytes, now, may_borrow)
+            budget = self._budget_of(state, estimate.model) if self._budgets and refused is None else None
+            if budget is not None and (rejection is None or rejection is BORROW):
+                budget.last_seen = now
+                short = self._check(budget, estimate, body_bytes, now, may_borrow)
+                if rejection is BORROW and short is BORROW:  # both short here: one borrow for the two
+                    return Decision(state.name, state.config.tier, None, None, borrow=True, borrow_also=budget.name)
+                if short is BORROW:
+                    return Decision(budget.name, state.config.tier, None, None, borrow=True)
+                if short is not None:
+                    rejection = short  # the model's budget refuses it fleet-wide: no borrow would help
             if rejection is BORROW:
                 return Decision(state.name, state.config.tier, None, None, borrow=True)
         tier = state.config.tier
@@ -309,7 +365,7 @@ class Admission:
             return self._shadow(state, request_id, estimate, rejection, now)
         ticket = self._ticket()
         placed: Placed | None = None
-        if not (self.config.queue.enabled and self.queue.waiting_at_or_above(tier)):
+        if not (self.config.queue.enabled and self.queue_of(estimate.pool).waiting_at_or_above(tier)):
             placed, capacity = self._place(estimate, ticket, tier, now)
             if capacity is None:
                 lease = self._grant(state, ticket, request_id, estimate, now, placed.node)
@@ -322,6 +378,13 @@ class Admission:
         elif state.mode == "shadow":
             return self._shadow(state, request_id, estimate, self._queue_rejection(state, "queue-ahead", 0.0), now)
         return self._enqueue(state, ticket, request_id, estimate, now, placed)
+
+    def _budget_of(self, s: TenantState, model: str | None) -> TenantState | None:
+        """The tenant's per-model budget that applies to ``model`` (None: none does)."""
+        if not s.config.model_budgets:
+            return None
+        key = Router.budget_key(s.config, model)
+        return None if key is None else self._budgets.get(f"{s.name}/{key}")
 
     def _predicted(self, lease: Lease, placed: Placed, waited: float) -> None:
         """Note the node's prediction on the lease, and whether it says the tier's target is missed
@@ -364,7 +427,7 @@ class Admission:
     def _enqueue(self, s: TenantState, ticket: str, request_id: str, est: Estimate, now: float,
                  placed: Placed | None = None) -> Decision:
         tier = s.config.tier
-        q = self.queue
+        q = self.queue_of(est.pool)
         cost = self._service(s, est)
         max_wait = self._hold_s(tier, est)
         if placed is not None and placed.reason == "fleet-queue" and placed.ttft is not None:
@@ -378,7 +441,7 @@ class Admission:
             victim = q.victim(tier) if len(q) == q.max_size else None
             if victim is None:
                 return Decision(s.name, tier, None, self._queue_rejection(s, "queue-full", predicted))
-            self._drop(victim, "queue-evicted", now)
+            self._drop(victim, "queue-evicted", now, queue=q)
         lease = self._grant(s, ticket, request_id, est, now, None, queued=True)
         entry = Entry(ticket, s.name, tier, cost, now, now + max_wait)
         self._held[ticket] = _Held(lease, est, entry)
@@ -420,11 +483,23 @@ class Admission:
         out, self._outbox = self._outbox, []
         if not self._held:
             return out
-        q = self.queue
+        for name, q in list(self.queues.items()):
+            if len(q):
+                self._pump_queue(q, now, out)
+            if name not in self._pools and not len(q):
+                del self.queues[name]
+        return out
+
+    def _pump_queue(self, q: FairQueue, now: float, out: list[Outcome]) -> None:
+        if q not in self._pools_queues():
+            # its pool went away in a reload: nothing will ever serve what waits there
+            while (gone := q.peek()) is not None:
+                self._drop(gone, "fleet-no-healthy-node", now, out, queue=q)
+            return
         for e in q.expired(now):
-            self._drop(e, "queue-timeout", now, out)
+            self._drop(e, "queue-timeout", now, out, queue=q)
         for e in q.doomed(now):
-            self._drop(e, "queue-deadline", now, out)
+            self._drop(e, "queue-deadline", now, out, queue=q)
         blocked: set[str] = set()
         while (nxt := q.peek(blocked)) is not None:
             h = self._held[nxt.key]
@@ -433,7 +508,8 @@ class Admission:
                 if capacity.reason == "fleet-inflight":
                     break  # no tier can go
                 if placed.reason == "fleet-queue" and placed.ttft is not None:
-                    self._drop(nxt, "queue-deadline", now, out, placed.wait)  # it cannot make it: say so now
+                    # it cannot make it: say so now
+                    self._drop(nxt, "queue-deadline", now, out, placed.wait, queue=q)
                     continue
                 # this tier's head cannot be placed (its KV reserve, its size, its target): the others may
                 blocked.add(nxt.tier)
@@ -444,33 +520,36 @@ class Admission:
             lease.node, lease.started = placed.node, now
             self._predicted(lease, placed, now - nxt.arrived)
             self._dispatch(lease, h.estimate, now)
-            out.append(Outcome(nxt.key, Decision(lease.tenant.name, lease.tier, lease, None), now - nxt.arrived))
-        return out
+            out.append(Outcome(nxt.key, Decision(lease.tenant.name, lease.tier, lease, None), now - nxt.arrived,
+                               lease.pool))
 
     def _drop(self, e: Entry, reason: str, now: float, out: list[Outcome] | None = None,
-              excess: float | None = None) -> None:
+              excess: float | None = None, *, queue: FairQueue) -> None:
         """Reject a queued request (503) and give back the quota it held. ``excess``: the predicted wait
         until it could be served (the Retry-After), when known."""
-        self.queue.remove(e, now)
+        queue.remove(e, now)
         h = self._held.pop(e.key)
         s = h.lease.tenant
         self._refund(h.lease, now)
         if excess is None and reason != "queue-timeout":
-            p = self.queue.predicted_wait(s.name, e.tier, e.cost)
+            p = queue.predicted_wait(s.name, e.tier, e.cost)
             excess = None if p is None else p - (e.deadline - e.arrived)
         d = Decision(s.name, e.tier, None, self._queue_rejection(s, reason, excess))
-        (self._outbox if out is None else out).append(Outcome(e.key, d, now - e.arrived))
+        (self._outbox if out is None else out).append(Outcome(e.key, d, now - e.arrived, h.lease.pool))
 
     def _refund(self, lease: Lease, now: float) -> None:
-        s = lease.tenant
-        if self.local_split and s.name in self.fallback_spent:
-            r, t = self.fallback_spent[s.name]  # never sent: nothing to debit on rejoining
-            self.fallback_spent[s.name] = (r - 1, t - lease.reserved_tokens)
-        s.inflight -= 1
-        if s.requests is not None:
-            s.requests.give(1, now)
-        if s.tokens is not None:
-            s.tokens.give(lease.reserved_tokens, now)
+        """A queued request that never went: everything it took goes back, its budget's too."""
+        for s in (lease.tenant, lease.budget):
+            if s is None:
+                continue
+            if self.local_split and s.name in self.fallback_spent:
+                r, t = self.fallback_spent[s.name]  # never sent: nothing to debit on rejoining
+                self.fallback_spent[s.name] = (r - 1, t - lease.reserved_tokens)
+            s.inflight -= 1
+            if s.requests is not None:
+                s.requests.give(1, now)
+            if s.tokens is not None:
+                s.tokens.give(lease.reserved_tokens, now)
 
     def cancel(self, ticket: str) -> bool:
         """The client went away while its request was queued: drop it silently, give its quota back.
@@ -479,7 +558,7 @@ class Admission:
         if h is None:
             return False
         now = self._clock()
-        self.queue.remove(h.entry, now)
+        self.queue_of(h.lease.pool).remove(h.entry, now)
         self._refund(h.lease, now)
         return True
 
@@ -518,11 +597,12 @@ class Admission:
                 f"({est.output_tokens} tokens) exceeds this tenant's context limit of "
                 f"{q.max_context_tokens} tokens. Lower max_tokens or shorten the prompt.",
             )
+        on = f" on model {s.model}" if s.model is not None else ""
         if s.tokens is not None and est.total > s.tokens.capacity:
             return reject(
                 "exceeds-token-budget",
                 f"This request would cost about {est.total} tokens, more than this tenant's whole "
-                f"token budget of {int(s.tokens.capacity)}; it can never be admitted as it is.",
+                f"token budget{on} of {int(s.tokens.capacity)}; it can never be admitted as it is.",
             )
         if q.max_concurrent is not None and s.inflight >= (
                 q.max_concurrent if s.slots is None else min(s.slots, q.max_concurrent)):
@@ -535,7 +615,7 @@ class Admission:
             wait = self._slot_free(s, now)
             r = self._policy(
                 s, "tenant-concurrency",
-                f"Too many concurrent requests for this tenant (limit {q.max_concurrent}).", wait, est, now,
+                f"Too many concurrent requests for this tenant{on} (limit {q.max_concurrent}).", wait, est, now,
             )
             return replace(r, fleet_caused=True) if self._fleet_caused(s, est, now) else r
         if s.requests is not None:
@@ -546,7 +626,7 @@ class Admission:
                     return BORROW
                 return self._policy(
                     s, "tenant-requests",
-                    f"Rate limit reached for requests (limit {int(s.requests.rate * 60)}/min).", wait, est, now,
+                    f"Rate limit reached for requests{on} (limit {int(s.requests.rate * 60)}/min).", wait, est, now,
                 )
         if s.tokens is not None:
             wait = s.tokens.seconds_until(est.total, now)
@@ -556,7 +636,7 @@ class Admission:
                     return BORROW
                 return self._policy(
                     s, "tenant-tokens",
-                    f"Rate limit reached for tokens (limit {int(s.tokens.rate * 60)}/min; this request "
+                    f"Rate limit reached for tokens{on} (limit {int(s.tokens.rate * 60)}/min; this request "
                     f"reserves about {est.total}).", wait, est, now,
                 )
         return None
@@ -568,6 +648,9 @@ class Admission:
         (Little's law), so the same traffic hits the same cap. Demand for capacity, not excess."""
         if s.mean_seconds is None or s.norm_seconds is None or s.mean_seconds <= SLOWED * s.norm_seconds:
             return False
+        pool = est.pool or DEFAULT_POOL
+        if any(lease.pool != pool for lease in s.leases.values()):
+            return False  # its slots are held (and slowed) elsewhere too: not this pool's demand to claim
         if s.requests is not None and s.requests.seconds_until(1, now) > 0:
             return False
         return s.tokens is None or s.tokens.seconds_until(est.total, now) <= 0
@@ -622,24 +705,31 @@ class Admission:
     ) -> Lease:
         """Take the tenant's quota; unless ``queued``, also the fleet slot (the request goes to a node)."""
         lease = Lease(ticket, s, request_id, est.total, est.prompt_tokens, now, charged, s.config.tier, node,
-                      queued_at=now if queued else None)
+                      queued_at=now if queued else None, pool=est.pool or DEFAULT_POOL)
         if charged:
-            s.inflight += 1
-            if s.requests is not None:
-                s.requests.take(1, now)
-            if s.tokens is not None:
-                s.tokens.take(est.total, now)
-            if self.shared:
-                s.peak = max(s.peak, s.inflight)
-                s.spent_requests += 1
-                s.spent_tokens += est.total
-                s.largest = max(s.largest, est.total)
-                if self.local_split:
-                    r, t = self.fallback_spent.get(s.name, (0.0, 0.0))
-                    self.fallback_spent[s.name] = (r + 1, t + est.total)
+            lease.budget = self._budget_of(s, est.model) if self._budgets else None
+            for b in (s, lease.budget):
+                if b is not None:
+                    self._take(b, est.total, now)
         if not queued:
             self._dispatch(lease, est, now)
         return lease
+
+    def _take(self, s: TenantState, tokens: int, now: float) -> None:
+        """Charge one request of ``tokens`` to a tenant (or a per-model budget)."""
+        s.inflight += 1
+        if s.requests is not None:
+            s.requests.take(1, now)
+        if s.tokens is not None:
+            s.tokens.take(tokens, now)
+        if self.shared:
+            s.peak = max(s.peak, s.inflight)
+            s.spent_requests += 1
+            s.spent_tokens += tokens
+            s.largest = max(s.largest, tokens)
+            if self.local_split:
+                r, t = self.fallback_spent.get(s.name, (0.0, 0.0))
+                self.fallback_spent[s.name] = (r + 1, t + tokens)
 
     def _dispatch(self, lease: Lease, est: Estimate, now: float) -> None:
         """The request leaves kvgate for a node: it holds a fleet slot and counts as service received."""
@@ -647,15 +737,19 @@ class Admission:
         s = lease.tenant
         if lease.charged:
             s.leases[lease.ticket] = lease
+            if lease.budget is not None:
+                lease.budget.leases[lease.ticket] = lease
             self.inflight += 1
         lease.service = self._service(s, est)
-        self.queue.charge(s.name, lease.service)
+        q = self.queue_of(lease.pool)
+        q.charge(s.name, lease.service)
         if self.shared:
-            self.service_out[s.name] = self.service_out.get(s.name, 0.0) + lease.service
+            key = _service_key(lease.pool, s.name)
+            self.service_out[key] = self.service_out.get(key, 0.0) + lease.service
             if lease.node is not None:
                 self.dispatch_out.append((lease.node, est.total, est.prompt_tokens, lease.tier))
         if lease.queued_at is None:
-            self.queue.note_dispatch(lease.service, now)
+            q.note_dispatch(lease.service, now)
 
     # -- completion ------------------------------------------------------------------------------
 
@@ -674,18 +768,23 @@ class Admission:
         charged_tokens = usage.total if usage is not None else (lease.reserved_tokens if responded else 0)
         s = lease.tenant
         if lease.charged:
-            s.inflight -= 1
-            s.leases.pop(ticket, None)
             self.inflight -= 1
-            if s.tokens is not None:
-                s.tokens.give(lease.reserved_tokens - charged_tokens, now)
-            if self.local_split and s.name in self.fallback_spent:
-                r, t = self.fallback_spent[s.name]  # what the store is debited on rejoining: real usage
-                self.fallback_spent[s.name] = (r, t - (lease.reserved_tokens - charged_tokens))
+            for b in (s, lease.budget):
+                if b is None:
+                    continue
+                b.inflight -= 1
+                b.leases.pop(ticket, None)
+                if b.tokens is not None:
+                    b.tokens.give(lease.reserved_tokens - charged_tokens, now)
+                if self.local_split and b.name in self.fallback_spent:
+                    r, t = self.fallback_spent[b.name]  # what the store is debited on rejoining: real usage
+                    self.fallback_spent[b.name] = (r, t - (lease.reserved_tokens - charged_tokens))
         seconds = now - lease.started
         if responded:
             s.mean_seconds = _ewma(s.mean_seconds, seconds)
             s.norm_seconds = _ewma(s.norm_seconds, seconds, NORM_ALPHA)
+            if lease.budget is not None:  # its Retry-After when its own cap refuses
+                lease.budget.mean_seconds = _ewma(lease.budget.mean_seconds, seconds)
             self._mean_seconds = _ewma(self._mean_seconds, seconds)
         w_out = self.config.queue.output_token_weight
         if usage is not None:
@@ -695,9 +794,10 @@ class Admission:
             served = lease.prompt_estimate + w_out * (lease.reserved_tokens - lease.prompt_estimate)
         else:
             served = 0.0
-        self.queue.charge(s.name, served - lease.service)
+        self.queue_of(lease.pool).charge(s.name, served - lease.service)
         if self.shared:
-            self.service_out[s.name] = self.service_out.get(s.name, 0.0) + served - lease.service
+            key = _service_key(lease.pool, s.name)
+            self.service_out[key] = self.service_out.get(key, 0.0) + served - lease.service
         return Completion(lease, charged_tokens, usage, seconds, served)
 
     def reclaim_expired(self) -> list[Completion]:
@@ -743,7 +843,7 @@ class Admission:
         credit rather than spends it twice). Resets the demand seen since the last report."""
         now = self._clock()
         out = []
-        for s in self._tenants.values():
+        for s in self.states():
             q = s.config
             idle = s.inflight == 0 and now - s.last_seen > IDLE_S
             buckets = (s.requests, s.tokens)
@@ -788,7 +888,7 @@ class Admission:
     def share_slots(self, tenant: str, slots: int, free: int, record: int | None = None) -> None:
         """The store's answer for one tenant's concurrency: the slots this replica may now admit on, how
         many nobody holds, and what the store has on record for this replica."""
-        s = self._tenants.get(tenant)
+        s = self.tenant_state(tenant)
         if s is None or self.local_split:
             return
         s.slots, s.fleet_free = slots, free
@@ -797,7 +897,7 @@ class Admission:
     def share_credit(self, tenant: str, budget: str, granted: float, fleet_level: float) -> None:
         """The store's answer for one budget (``requests`` | ``tokens``): credit granted, and the level
         of the fleet's bucket after it."""
-        s = self._tenants.get(tenant)
+        s = self.tenant_state(tenant)
         b = getattr(s, budget) if s is not None and budget in ("requests", "tokens") else None
         if isinstance(b, Credit) and not self.local_split:
             b.level += granted
@@ -812,7 +912,7 @@ class Admission:
         now = self._clock()
         self.local_split = n
         self._split = (live, me, holdings)
-        for s in self._tenants.values():
+        for s in self.states():
             q = s.config
             if q.max_concurrent is not None:
                 held = holdings.get(s.name, {})
@@ -832,7 +932,7 @@ class Admission:
         spent meanwhile is in ``fallback_spent``, for the store to debit)."""
         now = self._clock()
         self.local_split = 0
-        for s in self._tenants.values():
+        for s in self.states():
             q = s.config
             for attr, per_minute, burst in _budgets(q):
                 b = getattr(s, attr)
@@ -882,6 +982,18 @@ BORROW = reject("tenant-concurrency", "borrow from the store")
 def _budgets(q: Tenant) -> tuple[tuple[str, float | None, int | None], ...]:
     """A tenant's two budgets: (the TenantState attribute, per minute, burst)."""
     return ("requests", q.requests_per_minute, q.request_burst), ("tokens", q.tokens_per_minute, q.token_burst)
+
+
+def _budget_tenant(t: Tenant, key: str, b: ModelBudget) -> Tenant:
+    """A per-model budget as the tenant-shaped limits the checks read; named ``tenant/key`` (a name no
+    tenant can have: '/' is not allowed in tenant names)."""
+    return Tenant.model_construct(name=f"{t.name}/{key}", tier=t.tier, weight=t.weight, mode=t.mode,
+                                  **b.model_dump())
+
+
+def _service_key(pool: str, tenant: str) -> str:
+    """How fair-share service is keyed between replicas: ``pool/tenant`` (tenant and pool names have no '/')."""
+    return f"{pool}/{tenant}"
 
 
 def _ewma(prev: float | None, x: float, alpha: float = EWMA_ALPHA) -> float:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ipaddress
 import re
+from fnmatch import fnmatchcase
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -51,8 +52,35 @@ class Quota(_Strict):
     )
 
 
+ModelName = Annotated[str, Field(pattern=r"^[^\s\x00-\x1f\x7f]{1,256}$")]
+"""A model or LoRA adapter name as clients send it in ``model``, or a pattern of them (``*``, ``?``,
+``[...]`` as in shell globs): one to 256 printable characters, no spaces."""
+
+
+def is_pattern(name: str) -> bool:
+    """Whether a model name in the config is a glob pattern (matched with :func:`fnmatch.fnmatchcase`)."""
+    return any(c in name for c in "*?[")
+
+
+class ModelBudget(_Strict):
+    """A tenant's own limits on one model (``tenants[i].model_budgets``): on top of its overall quota, so
+    the 70B cannot take all of a tenant's tokens per minute. ``None``: no separate limit."""
+
+    max_concurrent: PositiveInt | None = None
+    requests_per_minute: PositiveFloat | None = None
+    request_burst: PositiveInt | None = None
+    tokens_per_minute: PositiveFloat | None = None
+    token_burst: PositiveInt | None = None
+
+
 class Tenant(Quota):
     name: Annotated[str, Field(pattern=_NAME)]
+    models: list[ModelName] | None = Field(
+        default=None, description="the models (names or patterns) this tenant may use: any other is 403 "
+        "model_not_allowed; None: every model the pools serve")
+    model_budgets: dict[ModelName, ModelBudget] = Field(
+        default_factory=dict, description="per-model limits (key: a model name or pattern; the first that "
+        "matches applies), enforced besides the tenant's own")
     api_key_sha256: list[str] = Field(default_factory=list)
     tier: Annotated[str, Field(pattern=_NAME)] = "standard"
     weight: PositiveFloat = Field(
@@ -349,6 +377,38 @@ class Nodes(_Strict):
         return self
 
 
+class PoolQueue(_Strict):
+    max_size: PositiveInt | None = Field(
+        default=None, description="requests this pool's gateway queue holds at once; default: queue.max_size")
+
+
+class Pool(_Strict):
+    """One set of vLLM nodes serving the same models (``pools[i]``): its own nodes, performance prior
+    (``nodes.performance.profile``), KV thresholds, breakers and gateway queue. A request goes to the pool
+    that serves its ``model``."""
+
+    name: Annotated[str, Field(pattern=_NAME)]
+    models: list[ModelName] = Field(
+        min_length=1, description="model names the pool serves, exactly as clients send them, or patterns "
+        "('llama-3.1-8b-*'); an exact name wins over a pattern, then patterns in file order")
+    adapters: list[ModelName] = Field(
+        default_factory=list, description="LoRA adapter names loaded on the pool's nodes (vLLM --lora-modules): "
+        "routed here and listed by GET /v1/models with the pool's first model as parent")
+    weight: PositiveFloat | None = Field(
+        default=None, description="for a model several pools serve: this pool's share of its requests "
+        "(every pool serving it needs one)")
+    nodes: Nodes
+    queue: PoolQueue = PoolQueue()
+
+    @field_validator("adapters")
+    @classmethod
+    def _exact(cls, v: list[str]) -> list[str]:
+        for name in v:
+            if is_pattern(name):
+                raise ValueError(f"{name!r}: an adapter is named exactly (no '*', '?' or '[')")
+        return v
+
+
 class RedisStore(_Strict):
     """Shared state for several kvgate replicas (``store.redis``): leased quota slices, completions
     forwarded to the replica that owns a ticket, merged fair-share counters and node bookings."""
@@ -410,6 +470,9 @@ class Config(_Strict):
     tiers: dict[Annotated[str, Field(pattern=_NAME)], Tier] = Field(default_factory=lambda: dict(DEFAULT_TIERS))
     queue: Queue = Queue()
     store: Store = Store()
+    pools: list[Pool] = Field(
+        default_factory=list, description="several models, each on its own nodes; none: one pool named "
+        "'default' serving every model on the nodes of 'nodes'")
     tenants: list[Tenant] = Field(default_factory=list)
 
     @model_validator(mode="after")
@@ -437,6 +500,7 @@ class Config(_Strict):
                         f"tenants[{i}].api_key_sha256: a key is already given to tenant {owners[digest]!r}"
                     )
                 owners[digest] = t.name
+        self._check_pools()
         if self.identity.unknown_keys == "default":
             if self.identity.default_tenant is None:
                 raise ValueError("identity.default_tenant: required when identity.unknown_keys is 'default'")
@@ -445,6 +509,61 @@ class Config(_Strict):
                     f"identity.default_tenant: no tenant named {self.identity.default_tenant!r} in tenants"
                 )
         return self
+
+    def _check_pools(self) -> None:
+        """Pool names and nodes unique; a model (or adapter) in two pools only with a weight on each;
+        tenants' model entitlements and budgets naming models some pool serves."""
+        if not self.pools:
+            for i, t in enumerate(self.tenants):
+                for key in t.model_budgets:
+                    if t.models is not None and not any(fnmatchcase(key, m) or key == m for m in t.models):
+                        raise ValueError(f"tenants[{i}].model_budgets.{key}: not among the tenant's models")
+            return
+        if self.nodes is not None:
+            raise ValueError("nodes: with pools, each pool lists its own nodes (pools[i].nodes); move these there")
+        pools: dict[str, int] = {}
+        where: dict[str, tuple[int, str]] = {}
+        served: dict[str, int] = {}
+        for i, p in enumerate(self.pools):
+            if p.name in pools:
+                raise ValueError(f"pools[{i}].name: pool {p.name!r} is defined twice")
+            if p.name == "none":
+                raise ValueError(f"pools[{i}].name: 'none' is reserved (the metrics' pool label of a request "
+                                 "refused before it was routed)")
+            pools[p.name] = i
+            for field, names in (("models", p.models), ("adapters", p.adapters)):
+                for j, m in enumerate(names):
+                    first = served.get(m)
+                    if first is not None and first != i:
+                        other = self.pools[first]
+                        if p.weight is None or other.weight is None:
+                            raise ValueError(
+                                f"pools[{i}].{field}[{j}]: model {m!r} is also served by pool {other.name!r}; "
+                                f"give both pools a weight to split its requests between them")
+                    served[m] = i
+            for n in p.nodes.static:
+                if n.address in where and where[n.address][0] != i:
+                    raise ValueError(f"pools[{i}].nodes.static: node {n.address} is also in pool "
+                                     f"{where[n.address][1]!r}; a node serves one pool")
+                where[n.address] = (i, p.name)
+            dns = p.nodes.dns
+            if dns is not None:
+                key = f"dns {dns.name}:{dns.port}"
+                if key in where:
+                    raise ValueError(f"pools[{i}].nodes.dns: {dns.name}:{dns.port} is also pool "
+                                     f"{where[key][1]!r}'s; a node serves one pool")
+                where[key] = (i, p.name)
+        patterns = [m for m in served if is_pattern(m)]
+        for i, t in enumerate(self.tenants):
+            for field, names in (("models", t.models or []), ("model_budgets", list(t.model_budgets))):
+                for m in names:
+                    if m not in served and not any(fnmatchcase(m, pat) for pat in patterns) and \
+                            not (is_pattern(m) and any(fnmatchcase(s, m) for s in served)):
+                        raise ValueError(f"tenants[{i}].{field}: no pool serves a model {m!r}; pools serve: "
+                                         + ", ".join(sorted(served)))
+            for key in t.model_budgets:
+                if t.models is not None and not any(fnmatchcase(key, m) or key == m for m in t.models):
+                    raise ValueError(f"tenants[{i}].model_budgets.{key}: not among the tenant's models")
 
     @property
     def top_tier(self) -> str:

@@ -40,10 +40,11 @@ from .config import Config, Tenant
 from .estimate import Estimate, Estimator
 from .identity import Identifier
 from .nodes import Fleet, Level
+from .pools import NO_POOL, Router
 from .prefix import chain_of
 from .reasons import UNKNOWN_KEY, Invalid, Rejection, reject
 from .stats import Stats
-from .wire import Reply, reject_reply
+from .wire import Reply, json_reply, reject_reply
 
 ENVOY_GRACE_S = 3.0
 """How long an Envoy's access-log connection may stay away before the requests it carried are taken
@@ -85,6 +86,8 @@ class Answer:
     """What Envoy's side needs (dynamic metadata ``kvgate``): ticket, endpoint, strip_usage, tenant."""
     held: str | None = None
     """For the answer to a queued request: the ticket its :class:`Held` named (admitted or not)."""
+    pool: str = NO_POOL
+    """The pool the request was routed to (``none``: refused before routing)."""
 
     @property
     def ticket(self) -> str | None:
@@ -110,6 +113,8 @@ class Borrow:
     request: Request
     """The request with its estimate filled in: deciding it again does not parse it again."""
     tenant: str
+    also: str | None = None
+    """A second name to borrow for at once: the tenant's per-model budget (``tenant/model``)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -145,7 +150,9 @@ class Core:
         self.stats = stats if stats is not None else Stats(max_tenant_labels=config.metrics.max_tenant_labels)
         self._observer = on_transition
         self.admission = Admission(config, clock, rng=random.Random(self._rng.getrandbits(32)))
-        self.fleet: Fleet | None = None
+        self.fleets: dict[str, Fleet] = {}
+        """Each pool's nodes (``pools.py``), by pool name; none for a pool whose nodes Envoy picks."""
+        self.router = Router(config, random.Random(self._rng.getrandbits(32)))
         self._waiting: dict[str, _Waiting] = {}
         """Queued requests: ticket → what their answer needs."""
         self._outbox: list[Answer] = []
@@ -174,23 +181,47 @@ class Core:
         self.config = config
         self.identifier = Identifier(config)
         self.estimator = Estimator(config.estimation, config.limits)
-        self.admission.reconfigure(config)
-        if config.nodes is None:
-            self.fleet = None
-        elif self.fleet is None:
-            self.fleet = Fleet(config.nodes, rng=random.Random(self._rng.getrandbits(32)),
-                               on_transition=self._transition)
-        else:
-            self.fleet.reconfigure(config.nodes)
-        if self.fleet is not None:
-            self.fleet.set_levels([Level(self._level(name), t.ttft_target_ms / 1000.0 if t.ttft_target_ms else None)
-                                   for name, t in config.tiers.items()])
-            for warning in config.nodes.deprecations() if config.nodes is not None else ():
-                self.log.warning("config_deprecated", note=warning)
-        self.admission.pick = self._pick if self.fleet is not None else None
-        self.admission.floor = self._floor if self.fleet is not None else None
+        self.router = Router(config, self.router.rng)
+        self.admission.reconfigure(config, self.router.pools)
+        fleets: dict[str, Fleet] = {}
+        levels = [Level(self._level(name), t.ttft_target_ms / 1000.0 if t.ttft_target_ms else None)
+                  for name, t in config.tiers.items()]
+        for pool in self.router.pools:
+            if pool.nodes is None:
+                continue
+            f = self.fleets.get(pool.name)
+            if f is None:
+                f = Fleet(pool.nodes, rng=random.Random(self._rng.getrandbits(32)),
+                          on_transition=self._observer_for(pool.name))
+            else:
+                f.reconfigure(pool.nodes)
+            f.set_levels(levels)
+            fleets[pool.name] = f
+            for warning in pool.nodes.deprecations():
+                self.log.warning("config_deprecated", pool=pool.name, note=warning)
+        self.fleets = fleets
+        self._fleet_of: dict[str, Fleet] = {a: f for f in fleets.values() for a in f.nodes}
+        """Node address → its pool's fleet (addresses are unique across pools)."""
+        self.admission.pick = self._pick if fleets else None
+        self.admission.floor = self._floor if fleets else None
         self.stats.set_tenants([t.name for t in config.tenants], config.metrics.max_tenant_labels)
         self._pump()
+
+    @property
+    def fleet(self) -> Fleet | None:
+        """The first pool's nodes (the only pool's, without ``pools``): what single-pool callers read."""
+        return next(iter(self.fleets.values()), None)
+
+    def pool_fleet(self, pool: str) -> Fleet | None:
+        return self.fleets.get(pool)
+
+    def _node_fleet(self, address: str) -> Fleet | None:
+        f = self._fleet_of.get(address)
+        if f is None or address not in f.nodes:
+            f = next((f for f in self.fleets.values() if address in f.nodes), None)
+            if f is not None:
+                self._fleet_of[address] = f
+        return f
 
     # -- the decision ----------------------------------------------------------------------------
 
@@ -215,20 +246,32 @@ class Core:
         except Invalid as e:
             return self._final(self._refusal(tenant, e.rejection()), req.request_id)
         size = req.body_bytes if req.body_bytes is not None else len(req.body)
-        if self.fleet is not None and not est.prefix and est.document is not None and est.output_tokens:
-            pc = self.config.nodes.prefix if self.config.nodes is not None else None
-            if pc is not None and pc.enabled:
-                est = replace(est, prefix=chain_of(est.document, pc.block_chars, pc.max_blocks_per_request))
+        pool = self.router.route(est.model)
+        if pool is None:
+            return self._final(self._refusal(tenant, self._unrouted(est)), req.request_id)
+        refused = None
+        if not self.router.allowed(tenant, est.model):
+            refused = reject("model-not-allowed", f"This API key may not use the model {est.model!r}.",
+                             param="model")
+        prefix = est.prefix
+        if not prefix and est.document is not None and est.output_tokens and pool.nodes is not None:
+            pc = pool.nodes.prefix
+            if pc.enabled:
+                prefix = chain_of(est.document, pc.block_chars, pc.max_blocks_per_request)
+        if est.pool != pool.name or prefix is not est.prefix:
+            # (the constructor, not ``dataclasses.replace``: a third of the cost, once per request)
+            est = Estimate(est.prompt_tokens, est.output_tokens, est.parsed, est.stream, est.include_usage,
+                           est.document, est.continuous_usage, est.route, prefix, est.model, pool.name)
         never = self._never_fits(est)
         if never is not None:
-            return self._final(self._refusal(tenant, never), req.request_id)
+            return self._final(self._refusal(tenant, never), req.request_id, pool=pool.name)
         if not est.parsed:
             self.stats.unparsed_bodies.inc()
             self.log.info("body_not_json", request_id=req.request_id, bytes=size,
                           note="decided on request size alone")
-        d = self.admission.decide(tenant, req.request_id, est, size, borrowed)
+        d = self.admission.decide(tenant, req.request_id, est, size, borrowed, refused)
         if d.borrow:
-            return Borrow(replace(req, body=b"", estimate=est, body_bytes=size), d.tenant)
+            return Borrow(replace(req, body=b"", estimate=est, body_bytes=size), d.tenant, d.borrow_also)
         if d.queued:
             assert d.lease is not None
             ticket = d.lease.ticket
@@ -240,6 +283,18 @@ class Core:
             return Held(ticket, req.request_id, d.tier, tier.max_queue_wait_ms / 1000.0 if tier else 5.0)
         return self._final(d, req.request_id, est, req.envoy)
 
+    def _unrouted(self, est: Estimate) -> Rejection:
+        """No pool serves the request: 404 for a model nobody serves, 400 for a request naming none
+        (with several pools kvgate cannot tell where it goes). Never a 503: it can never succeed."""
+        if est.model is not None:
+            return reject("model-not-found", f"The model {est.model!r} does not exist on this gateway.",
+                          param="model")
+        if not est.parsed:
+            return reject("invalid-body", "The request body is not JSON: this gateway serves several models "
+                          "and routes each request by its 'model'.")
+        return reject("invalid-parameter", "'model' is required (a string naming the model): this gateway "
+                      "serves several models.", param="model")
+
     def _refusal(self, tenant: Tenant | None, rejection: Rejection | None) -> Decision:
         """A decision taken before the admission core (who is asking, what the request is), accounted
         to the tenant when it is known and to ``unknown`` in the lowest tier when not."""
@@ -250,9 +305,10 @@ class Core:
     def _never_fits(self, est: Estimate) -> Rejection | None:
         """A request larger than the KV cache of every node can never run: 400, not a 503 the clients
         and the scaler would take for demand."""
-        if self.fleet is None:
+        f = self.fleets.get(est.pool)
+        if f is None:
             return None
-        cap = self.fleet.max_capacity_tokens()
+        cap = f.max_capacity_tokens()
         if cap is None or est.total <= cap:
             return None
         return reject("context-too-long",
@@ -261,19 +317,22 @@ class Core:
                       f"({cap} tokens). Lower max_tokens or shorten the prompt.",
                       param="max_tokens" if est.prompt_tokens <= cap else "messages")
 
-    def _final(self, d: Decision, request_id: str, est: Estimate | None = None, envoy: str = "") -> Answer:
+    def _final(self, d: Decision, request_id: str, est: Estimate | None = None, envoy: str = "",
+               pool: str | None = None) -> Answer:
         """Account a final decision and build its answer."""
-        self.stats.decision(d)
+        if pool is None:
+            pool = est.pool if est is not None and est.pool else NO_POOL
+        self.stats.decision(d, pool)
         r = d.rejection
         if r is not None:
             self.log.info("shadow_reject" if d.admitted else "reject", request_id=request_id, tenant=d.tenant,
-                          tier=d.tier, status=r.status, reason=r.reason, cls=r.klass,
+                          tier=d.tier, status=r.status, reason=r.reason, cls=r.klass, pool=pool,
                           retry_after_s=None if r.retry_after is None else round(r.retry_after, 3),
                           estimated_tokens=est.total if est is not None else None)
         lease = d.lease
         if lease is None:
             assert r is not None
-            return Answer(request_id, d, reject_reply(r))
+            return Answer(request_id, d, reject_reply(r), pool=pool)
         if request_id:
             # two open requests with one id (an id the client chose): neither is released by id
             if request_id in self._by_request:
@@ -285,11 +344,13 @@ class Core:
             self._envoy_of[lease.ticket] = envoy
         body, strip = self._rewrite(est, d.tier)
         meta: dict[str, Any] = {"ticket": lease.ticket, "strip_usage": strip, "tenant": d.tenant, "tier": d.tier}
+        if lease.budget is not None:
+            meta["budget"] = lease.budget.name  # another replica's access log gives its slot back too
         if est is not None and est.parsed and not est.stream:
             meta["buffered"] = True  # the answer comes whole: Envoy's longer first-byte timeout applies
         if lease.node is not None:
             meta["endpoint"] = lease.node  # the Lua helper turns it into the ORIGINAL_DST header
-        return Answer(request_id, d, None, body, meta)
+        return Answer(request_id, d, None, body, meta, pool=pool)
 
     def _rewrite(self, est: Estimate | None, tier_name: str) -> tuple[bytes | None, bool]:
         """The body kvgate sends on: usage asked for (so completions can be reconciled) and the tier's
@@ -314,9 +375,10 @@ class Core:
             mutated = True
         return (orjson.dumps(doc) if mutated else None), strip
 
-    def headers(self, authorization: str | None, trusted: str | None = None) -> Answer:
+    def headers(self, authorization: str | None, trusted: str | None = None, path: str = "") -> Answer:
         """Bodyless routes (GET /v1/models, /health): identity only, no quota; a live node when kvgate
-        chooses nodes."""
+        chooses nodes. With several pools kvgate answers GET /v1/models itself: the models the caller
+        may use (a node knows only its own)."""
         try:
             tenant = self.identifier.resolve(authorization, trusted).tenant
         except Invalid as e:
@@ -324,13 +386,27 @@ class Core:
         if tenant is None and self.config.mode == "enforce":
             return Answer("", self._refusal(None, UNKNOWN_KEY), reject_reply(UNKNOWN_KEY))
         d = self._refusal(tenant, None)
-        meta: dict[str, Any] = {"tenant": d.tenant}
-        if self.fleet is not None:
-            c = self.fleet.choose(0, self._clock(), force=True)
-            if c.node is None:
-                r = self.admission.no_node(c.reason, c.retry_after)
+        bare = path.split("?", 1)[0].rstrip("/")
+        if bare.startswith("/v1/models") and (not self.router.single or (tenant is not None and tenant.models)):
+            # kvgate knows which models the caller may use (a node knows only its own, and all of them)
+            if bare == "/v1/models":
+                return Answer("", d, json_reply(200, self.router.listing(tenant)))
+            model = self.router.model_entry(tenant, bare.removeprefix("/v1/models/"))
+            if model is None:
+                r = reject("model-not-found", "The model does not exist on this gateway.", param="model")
                 return Answer("", self._refusal(tenant, r), reject_reply(r))
-            meta["endpoint"] = c.node.address
+            return Answer("", d, json_reply(200, model))
+        meta: dict[str, Any] = {"tenant": d.tenant}
+        chosen = None
+        for f in self.fleets.values():  # any pool with a live node answers /health
+            chosen = f.choose(0, self._clock(), force=True)
+            if chosen.node is not None:
+                break
+        if chosen is not None:
+            if chosen.node is None:
+                r = self.admission.no_node(chosen.reason, chosen.retry_after)
+                return Answer("", self._refusal(tenant, r), reject_reply(r))
+            meta["endpoint"] = chosen.node.address
         return Answer("", d, None, None, meta)
 
     # -- the queue -------------------------------------------------------------------------------
@@ -347,9 +423,9 @@ class Core:
     def _deliver(self, outcomes: list[Outcome]) -> None:
         for o in outcomes:
             d = o.decision
-            self.stats.queue_wait.labels(d.tier, "admitted" if d.admitted else "rejected").observe(o.waited)
+            self.stats.queue_wait.labels(d.tier, "admitted" if d.admitted else "rejected", o.pool).observe(o.waited)
             if d.rejection is not None:
-                self.stats.queue_rejections.labels(d.tier, d.rejection.reason).inc()
+                self.stats.queue_rejections.labels(d.tier, d.rejection.reason, o.pool).inc()
             w = self._waiting.pop(o.ticket, None)
             if w is None:
                 continue
@@ -363,8 +439,9 @@ class Core:
         """The stream of a queued request ended before its answer (the client or Envoy gave up)."""
         w = self._waiting.pop(ticket, None)
         tier = self.admission.held_tier(ticket)
+        pool = w.estimate.pool if w is not None and w.estimate.pool else NO_POOL
         if self.admission.cancel(ticket):
-            self.stats.queue_cancelled.labels(tier or "unknown").inc()
+            self.stats.queue_cancelled.labels(tier or "unknown", pool).inc()
             self.log.info("queued_request_cancelled", ticket=ticket,
                           request_id=w.request_id if w else None, note="the client went away while queued")
             self._pump()
@@ -420,8 +497,10 @@ class Core:
             del self._by_request[c.lease.request_id]
         self._envoy_of.pop(ticket, None)
         self.stats.completion(c, outcome)
-        if c.lease.node is not None and self.fleet is not None:
-            self.fleet.completed(c.lease.node, ticket, c.charged_tokens, verdict, self._clock())
+        if c.lease.node is not None:
+            f = self.fleets.get(c.lease.pool) or self._node_fleet(c.lease.node)
+            if f is not None:
+                f.completed(c.lease.node, ticket, c.charged_tokens, verdict, self._clock())
 
     # -- Envoys ----------------------------------------------------------------------------------
 
@@ -460,7 +539,9 @@ class Core:
         """Node choice for one request of ``tier_name`` that already waited ``waited`` s in the gateway
         queue: its KV reserve, the vLLM priority level it runs at, what is left of its TTFT target and of
         its max wait."""
-        assert self.fleet is not None
+        fleet = self.fleets.get(est.pool)
+        if fleet is None:  # its pool went away in a reload while it waited
+            return Placed(None, "fleet-no-healthy-node")
         cfg = self.config
         tier = cfg.tiers.get(tier_name)
         reserve = tier.reserve_kv if tier is not None else 0.0
@@ -476,7 +557,7 @@ class Core:
             # goes only while it can still make its target — it waited for room, and sending it late would
             # take the place of one that can (refused, it may retry when the fleet has room)
             limit = max(max_wait, target_s) if waited <= 0 else target
-        c = self.fleet.place(est.total, est.prompt_tokens, ticket, self._clock(), force=shadow, reserve=reserve,
+        c = fleet.place(est.total, est.prompt_tokens, ticket, self._clock(), force=shadow, reserve=reserve,
                              queue_caps=caps, priority=self._level(tier_name), target=target, limit=limit,
                              prefix=est.prefix)
         return Placed(c.node.address if c.node else None, c.reason, c.retry_after, c.ttft)
@@ -484,8 +565,8 @@ class Core:
     def _floor(self, est: Estimate) -> float:
         """The least time to a first token any node could give this request (its prefill alone on the
         fastest node): a held request that cannot be sent before its target minus this is refused."""
-        assert self.fleet is not None
-        return self.fleet.floor_ttft(est.prompt_tokens)
+        fleet = self.fleets.get(est.pool)
+        return fleet.floor_ttft(est.prompt_tokens) if fleet is not None else 0.0
 
     def _level(self, tier_name: str) -> int:
         """The vLLM priority a tier's requests run at: the one kvgate writes into their bodies, or 0 for
@@ -496,27 +577,43 @@ class Core:
             return 0
         return tier.vllm_priority if tier.vllm_priority is not None else tier.priority
 
-    def _transition(self, node: str, old: State, new: State, why: str) -> None:
+    def _observer_for(self, pool: str) -> Callable[[str, State, State, str], None]:
+        return lambda node, old, new, why: self._transition(node, old, new, why, pool)
+
+    def _transition(self, node: str, old: State, new: State, why: str, pool: str = NO_POOL) -> None:
         if new is State.OPEN:
             cause = open_cause(why)
             self.breaker_opens[cause] = self.breaker_opens.get(cause, 0) + 1
-        self.stats.node_transitions.labels(node, old.value, new.value).inc()
-        self.log.warning("breaker_transition", node=node, old=old.value, new=new.value, why=why)
+        self.stats.node_transitions.labels(node, old.value, new.value, pool).inc()
+        self.log.warning("breaker_transition", node=node, pool=pool, old=old.value, new=new.value, why=why)
         if self._observer is not None:
             self._observer(node, old, new, why)
 
-    def set_nodes(self, entries: list[tuple[str, str, float | None]]) -> None:
-        if self.fleet is not None:
-            self.fleet.set_nodes(entries)
+    def set_nodes(self, entries: list[tuple[str, str, float | None]], pool: str | None = None) -> None:
+        """The nodes of ``pool`` (default: the first pool) now: from DNS discovery, or a benchmark's autoscaler."""
+        f = self.fleet if pool is None else self.fleets.get(pool)
+        if f is not None:
+            # a node serves one pool: an address another pool already has (DNS answering with another
+            # pool's node) is left out, or readings and bookings would go to one copy of it only
+            taken = {a for other in self.fleets.values() if other is not f for a in other.nodes}
+            clash = [e for e in entries if e[0] in taken]
+            if clash:
+                self.log.warning("node_in_two_pools", pool=pool, nodes=[e[0] for e in clash],
+                                 note="left out: it already serves another pool")
+                entries = [e for e in entries if e[0] not in taken]
+            f.set_nodes(entries)
+            for a in f.nodes:
+                self._fleet_of[a] = f
             self._pump()
 
     def snapshot(self, address: str, snap: Snapshot, age_s: float = 0.0) -> None:
         """A probe reading arrived (``age_s``: how old it already was)."""
-        if self.fleet is None:
+        f = self._node_fleet(address)
+        if f is None:
             return
         if not math.isfinite(age_s) or age_s < 0:
             age_s = 0.0
-        self.fleet.on_snapshot(address, snap, self._clock(), age_s)
+        f.on_snapshot(address, snap, self._clock(), age_s)
         self._pump()
 
     # -- other replicas ------------------------------------------------------------------------------
@@ -528,14 +625,17 @@ class Core:
         """What the other replicas did since their last sync: fair-share service they gave each tenant
         (added to this replica's counters: fairness holds across replicas) and requests they sent to
         nodes (booked on this replica's view of each node until a reading shows them)."""
-        q = self.admission.queue
-        for tenant, delta in service.items():
-            if self.admission.tenant_state(tenant) is not None and math.isfinite(delta):
-                q.charge(tenant, delta)
-        if self.fleet is not None and dispatched:
+        adm = self.admission
+        for key, delta in service.items():
+            pool, _, tenant = key.rpartition("/")  # "pool/tenant"; a bare tenant: the first pool
+            if adm.tenant_state(tenant) is not None and math.isfinite(delta):
+                adm.queue_of(pool).charge(tenant, delta)
+        if self.fleets and dispatched:
             now = self._clock()
             for node, tokens, prompt, tier in dispatched:
-                self.fleet.booked_elsewhere(node, tokens, prompt, self._level(tier), now)
+                f = self._node_fleet(node)
+                if f is not None:
+                    f.booked_elsewhere(node, tokens, prompt, self._level(tier), now)
         self._pump()
 
     def shares_changed(self) -> None:

@@ -76,6 +76,10 @@ class Estimate:
     """The route kind the body was read as; None for a path that is not an inference route."""
     prefix: tuple[int, ...] = ()
     """The chain of the prompt's leading blocks (``prefix.py``), when kvgate tracks prefix caches."""
+    model: str | None = None
+    """The body's ``model`` (None: absent or not a string)."""
+    pool: str = ""
+    """The pool the core routed it to (``pools.py``); "" before routing."""
 
     @property
     def total(self) -> int:
@@ -165,7 +169,9 @@ class Estimator:
         continuous = isinstance(opts, dict) and opts.get("continuous_usage_stats") is True
         if route == "responses":
             include_usage = True  # the Responses API always ends a stream with response.completed + usage
-        return Estimate(prompt, output, True, stream is True, include_usage, doc, continuous, route)
+        model = doc.get("model")
+        return Estimate(prompt, output, True, stream is True, include_usage, doc, continuous, route,
+                        model=model if isinstance(model, str) else None)
 
     # -- parameters ------------------------------------------------------------------------------
 

@@ -183,6 +183,14 @@ class Fleet:
         self._best: Node | None = None
         self._order: list[Node] = []
         self._top_seen = -math.inf
+        self._not_closed: int | None = None
+        """Breakers not closed, counted once and then kept by every transition (``_hook``): every reading
+        asks whether another may open, and at 1,000 nodes counting them each time cost more than the
+        rest of the reading. None: count again (the node set changed)."""
+        self._max_cap: int | None = None
+        self._max_cap_known = False
+        """``max_capacity_tokens``, kept until a reading changes a node's capacity or the node set
+        changes: every request asks for it."""
         self.prefix = PrefixIndex(cfg.prefix.max_blocks_per_node, cfg.prefix.ttl_seconds)
         self.set_nodes([(n.address, n.probe, n.kv_admit_threshold) for n in cfg.static])
 
@@ -228,12 +236,18 @@ class Fleet:
             self.prefix.forget(gone)
         self.nodes = nodes
         self._order = list(nodes.values())
+        self._not_closed = None
+        self._max_cap_known = False
 
-    def _hook(self, address: str) -> Callable[[State, State, str], None] | None:
-        cb = self._on_transition
-        if cb is None:
-            return None
-        return lambda old, new, why: cb(address, old, new, why)
+    def _hook(self, address: str) -> Callable[[State, State, str], None]:
+        def transition(old: State, new: State, why: str) -> None:
+            if self._not_closed is not None and (old is State.CLOSED) != (new is State.CLOSED):
+                self._not_closed += 1 if old is State.CLOSED else -1
+            cb = self._on_transition
+            if cb is not None:
+                cb(address, old, new, why)
+
+        return transition
 
     # -- readings --------------------------------------------------------------------------------
 
@@ -247,6 +261,9 @@ class Fleet:
         repeat = n.snapshot is not None and n.snapshot.at == snap.at  # polled again before the probe's next reading
         if n.fresh_at is not None and now - n.fresh_at > self.cfg.dead_after_seconds:
             self.prefix.forget(address)  # back from the dead: a restarted vLLM's prefix cache is empty
+        if self._max_cap_known and (n.snapshot is None or n.snapshot.blocks_total != snap.blocks_total
+                                    or n.snapshot.block_size != snap.block_size):
+            self._max_cap_known = False
         n.snapshot = snap
         n.fresh_at = now - age_s
         taken = now - age_s
@@ -266,8 +283,11 @@ class Fleet:
         if ratio is not None:
             n.latency = ratio
             n.speed.observe(ratio)
-        n.breaker.observe(snap.kv_usage, ratio, now, self._may_open_another(),
-                          may_trip_on_kv=self._another_closed(n, now))
+        # (what only a trip of a closed breaker consults is asked only then: each walks the fleet)
+        closed = n.breaker.state is State.CLOSED
+        n.breaker.observe(snap.kv_usage, ratio, now, self._may_open_another() if closed and ratio is not None else True,
+                          may_trip_on_kv=self._another_closed(n, now) if closed and snap.kv_usage is not None
+                          and snap.kv_usage > n.breaker.s.kv_threshold else True)
         self._correct(n, now)
 
     def _context(self, n: Node) -> float:
@@ -322,7 +342,9 @@ class Fleet:
     def _may_open_another(self) -> bool:
         """Whether one more breaker may open on latency (``breaker.max_open_fraction``)."""
         total = len(self.nodes)
-        not_closed = sum(1 for n in self.nodes.values() if n.breaker.state is not State.CLOSED)
+        not_closed = self._not_closed
+        if not_closed is None:
+            not_closed = self._not_closed = sum(1 for n in self.nodes.values() if n.breaker.state is not State.CLOSED)
         return not_closed + 1 < total and (not_closed + 1) <= self.cfg.breaker.max_open_fraction * total
 
     def status(self, n: Node, now: float) -> str:
@@ -351,14 +373,16 @@ class Fleet:
                 self.prefix.record(c.node.address, prefix, now)
         return c
 
-    def hits(self, prefix: tuple[int, ...], prompt_tokens: int, now: float) -> dict[str, int]:
+    def hits(self, prefix: tuple[int, ...], prompt_tokens: int, now: float,
+             among: list[Node] | None = None) -> dict[str, int]:
         """Node → prompt tokens it is expected to hold in its prefix cache (never the whole prompt: vLLM
-        computes at least its last block)."""
+        computes at least its last block); of the nodes ``among`` only, when given."""
         if not prefix or not self.cfg.prefix.enabled:
             return {}
         per_block = self.cfg.prefix.block_tokens
         cap = max(0, prompt_tokens - per_block)
-        return {a: min(cap, b * per_block) for a, b in self.prefix.match(prefix, now).items()}
+        held = self.prefix.match(prefix, now, None if among is None else [n.address for n in among])
+        return {a: min(cap, b * per_block) for a, b in held.items()}
 
     def choose(
         self, tokens: int, now: float, force: bool = False, prompt_tokens: int = 0, reserve: float = 0.0,
@@ -382,11 +406,13 @@ class Fleet:
             best = self._best
             if best is not None and self.nodes.get(best.address) is best and best not in pool:
                 pool.append(best)
-        hits = self.hits(prefix, prompt_tokens, now)
+        # (of a sample, only what the sample holds: with a prompt the whole fleet was sent, matching every
+        # node's holding was most of a decision's cost at 1,000 nodes)
+        hits = self.hits(prefix, prompt_tokens, now, pool if pool is not self._order else None)
         c = self._choose(pool, tokens, now, prompt_tokens, reserve, queue_caps, priority, target, limit, hits)
         if c.node is None and pool is not self._order:
             c = self._choose(self._order, tokens, now, prompt_tokens, reserve, queue_caps, priority, target, limit,
-                             hits)
+                             self.hits(prefix, prompt_tokens, now))
         return c
 
     def _choose(
@@ -549,8 +575,10 @@ class Fleet:
     def max_capacity_tokens(self) -> int | None:
         """The largest KV cache of any known node in tokens (None before any reading): a request
         larger than this can never run anywhere."""
-        caps = [c for n in self.nodes.values() if (c := n.capacity_tokens()) is not None]
-        return max(caps) if caps else None
+        if not self._max_cap_known:
+            caps = [c for n in self.nodes.values() if (c := n.capacity_tokens()) is not None]
+            self._max_cap, self._max_cap_known = (max(caps) if caps else None), True
+        return self._max_cap
 
     def _score(self, n: Node, tokens: int) -> float:
         kv = n.projected_kv(tokens)

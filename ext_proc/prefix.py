@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import Any
 
 SEGMENT_BLOCK_TOKENS = 128
@@ -133,8 +133,10 @@ class PrefixIndex:
     def __len__(self) -> int:
         return sum(len(q) for q in self._lru.values())
 
-    def match(self, chain: Sequence[int], now: float) -> dict[str, int]:
-        """Node → how many of ``chain``'s leading blocks it holds (only nodes holding at least one).
+    def match(self, chain: Sequence[int], now: float, among: Collection[str] | None = None) -> dict[str, int]:
+        """Node → how many of ``chain``'s leading blocks it holds (only nodes holding at least one; of
+        ``among`` only, when given: a prompt every node was sent — a common system prompt — is held by
+        the whole fleet, and a decision that looks at a sample of it need not walk all of them).
 
         A node that holds block ``k`` of a chain was sent everything before it (a block's hash covers
         all before it, and :meth:`record` keeps a chain's head the most recently used: vLLM too frees a
@@ -144,7 +146,12 @@ class PrefixIndex:
             return {}
         horizon = now - self.ttl
         first = self._holders.get(chain[0])
-        pending = {n for n, at in first.items() if at >= horizon} if first else set()
+        if not first:
+            return {}
+        if among is None:
+            pending = {n for n, at in first.items() if at >= horizon}
+        else:
+            pending = {n for n in among if first.get(n, -math.inf) >= horizon}
         out: dict[str, int] = {}
         hi = len(chain)
         while pending and hi >= 1:

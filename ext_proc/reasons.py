@@ -60,6 +60,10 @@ _TABLE: tuple[Reason, ...] = (
            "This request costs more tokens than the tenant's whole token budget."),
     Reason("route-not-found", 404, "invalid", "invalid_request_error", "unknown_url",
            "Unknown request URL. This gateway serves the OpenAI inference routes only."),
+    Reason("model-not-found", 404, "invalid", "invalid_request_error", "model_not_found",
+           "The model does not exist on this gateway: no pool serves it."),
+    Reason("model-not-allowed", 403, "auth", "invalid_request_error", "model_not_allowed",
+           "This API key may not use this model."),
     # -- policy: the tenant is over its own quota (429) ---------------------------------------------
     Reason("tenant-concurrency", 429, "policy", "concurrency", "rate_limit_exceeded",
            "Too many concurrent requests for this tenant."),
@@ -118,7 +122,7 @@ class Rejection:
     reason: str
     """A key of :data:`REASONS`."""
     klass: str
-    """policy (429) | capacity (503) | invalid (400/404/413) | auth (401/403)."""
+    """policy (429) | capacity (503) | invalid (400/404/413) | auth (401/403) | gateway (Envoy's 503)."""
     message: str
     retry_after: float | None = None
     requests: RateLimitView | None = None

@@ -41,9 +41,7 @@ from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from prometheus_client import Counter, Gauge, start_http_server
 
-from gpu_probe.snapshot import Snapshot
-
-from . import logs
+from . import cpuparts, logs
 from .addresses import join_hostport, split_hostport
 from .admission import Usage
 from .config import Config, ConfigError, load_config
@@ -88,6 +86,13 @@ def _attr(msg: Any, name: str) -> str:
     return v.string_value if v is not None else ""
 
 
+_NO_FIELDS: dict[str, Any] = {}
+
+
+def _text(v: Any) -> str:
+    return v.string_value if v is not None else ""
+
+
 def _with_attributes(body: ep.ProcessingRequest, first: ep.ProcessingRequest) -> ep.ProcessingRequest:
     out = ep.ProcessingRequest()
     out.CopyFrom(body)
@@ -97,13 +102,31 @@ def _with_attributes(body: ep.ProcessingRequest, first: ep.ProcessingRequest) ->
 
 
 def _metadata(values: dict[str, Any]) -> struct_pb2.Struct:
+    """``values`` under the ``kvgate`` namespace. Field by field rather than ``Struct.update``: the
+    values are only strings and booleans, and update's generic walk cost more than the rest of the
+    reply (per request, on the hot path)."""
     s = struct_pb2.Struct()
-    s.update({META_NS: values})
+    fields = s.fields[META_NS].struct_value.fields
+    for k, v in values.items():
+        if isinstance(v, bool):
+            fields[k].bool_value = v
+        elif isinstance(v, str):
+            fields[k].string_value = v
+        else:
+            fields[k].CopyFrom(_value(v))
     return s
 
 
+def _value(v: Any) -> struct_pb2.Value:
+    out = struct_pb2.Value()
+    s = struct_pb2.Struct()
+    s.update({"v": v})
+    out.CopyFrom(s.fields["v"])
+    return out
+
+
 def _immediate(reply: Reply) -> ep.ProcessingResponse:
-    reason = next((v for k, v in reply.headers if k == REASON_HEADER), "reject")
+    reason = next((v for k, v in reply.headers if k == REASON_HEADER), "reject" if reply.status >= 400 else "answer")
     headers = ep.HeaderMutation(
         set_headers=[
             base_pb2.HeaderValueOption(header=base_pb2.HeaderValue(key=k, raw_value=v.encode()))
@@ -228,12 +251,25 @@ class Gateway:
                                  "(first 12 hex digits) of the file it loaded", ["version"],
                                  registry=self.stats.registry)
         self._version = ""
+        self.parts: cpuparts.CpuParts | None = None
+        if cpuparts.enabled():
+            self._measure_parts()
         self.store: SharedStore | None = None
         if config.store.redis is not None:
             from .store import SharedStore
 
             self.store = SharedStore(config.store.redis, self.core, self.stats.registry)
         self._apply(config)
+
+    def _measure_parts(self) -> None:
+        """``KVGATE_CPU_PARTS=1``: count the request path's CPU by part (``cpuparts.py``)."""
+        p = self.parts = cpuparts.CpuParts()
+        p.patch(self.core, "core", ("decide", "ended", "tick", "cancel", "snapshot", "headers", "remote"))
+        p.patch(self.stats, "metrics", ("decision", "completion"))
+        p.patch(self.stats.decision_seconds, "metrics", ("observe",))
+        p.patch(self.core.log, "logging", ("debug", "info", "warning", "error", "exception"))
+        p.patch(self, "shell", ("on_body", "on_headers", "on_access_log", "flush"))
+        self.stats.registry.register(p)
 
     @property
     def config(self) -> Config:
@@ -313,10 +349,13 @@ class Gateway:
         t0 = time.perf_counter()
         if first is not None and ATTR_NS not in msg.attributes:
             msg = _with_attributes(msg, first)
+        attrs = msg.attributes.get(ATTR_NS)
+        fields = attrs.fields if attrs is not None else _NO_FIELDS  # (looked up once, not per attribute)
+        auth = fields.get(ATTR_AUTH)
         req = Request(
-            path=_attr(msg, ATTR_PATH), request_id=_attr(msg, ATTR_ID), authorization=_attr(msg, ATTR_AUTH) or None,
-            body=msg.request_body.body, trusted=_attr(msg, self._trusted_attr) if self._trusted_attr else None,
-            envoy=peer,
+            path=_text(fields.get(ATTR_PATH)), request_id=_text(fields.get(ATTR_ID)),
+            authorization=(auth.string_value or None) if auth is not None else None, body=msg.request_body.body,
+            trusted=_text(fields.get(self._trusted_attr)) if self._trusted_attr else None, envoy=peer,
         )
         out = self.core.decide(req)
         if isinstance(out, Borrow):
@@ -332,7 +371,11 @@ class Gateway:
         """The tenant's slice here is short: borrow from the store (one round trip), decide again."""
         if self.store is not None:
             est = b.request.estimate
-            await self.store.borrow(b.tenant, float(est.total) if est is not None else 0.0)
+            tokens = float(est.total) if est is not None else 0.0
+            if b.also is None:
+                await self.store.borrow(b.tenant, tokens)
+            else:  # the tenant and its per-model budget, both short here: in parallel, one round trip
+                await asyncio.gather(self.store.borrow(b.tenant, tokens), self.store.borrow(b.also, tokens))
         out = self.core.decide(b.request, borrowed=True)
         assert not isinstance(out, Borrow)
         result: Answer | tuple[Held, asyncio.Future[Answer]] = out if isinstance(out, Answer) else (
@@ -352,26 +395,33 @@ class Gateway:
         """Bodyless routes (GET /v1/models, ...): identity only, no quota."""
         auth: list[str] = []
         trusted = None
+        path = ""
         for h in msg.request_headers.headers.headers:
-            if h.key == "authorization":
+            if h.key == ":path":
+                path = h.raw_value.decode(errors="replace")
+            elif h.key == "authorization":
                 auth.append(h.raw_value.decode(errors="replace"))
             elif h.key == self.config.identity.trusted_header:
                 trusted = h.raw_value.decode(errors="replace")
-        return envoy_reply(self.core.headers(",".join(auth) if auth else None, trusted), headers_phase=True)
+        return envoy_reply(self.core.headers(",".join(auth) if auth else None, trusted, path), headers_phase=True)
 
     def on_access_log(self, entry: Any) -> None:
         common = entry.common_properties
         md = common.metadata.filter_metadata
         kv = md.get(META_NS)
-        ticket = kv.fields["ticket"].string_value if kv is not None and "ticket" in kv.fields else ""
-        if kv is not None and "rejected" in kv.fields and not ticket:
+        kf = kv.fields if kv is not None else _NO_FIELDS  # each map looked up once
+        ticket = _text(kf.get("ticket"))
+        if not ticket and "rejected" in kf:
             return  # kvgate's own refusal ending (the client left during it): it held nothing
         usage = None
         u = md.get(USAGE_NS)
-        if u is not None and "prompt_tokens" in u.fields:
-            p = u.fields["prompt_tokens"].number_value
-            c = u.fields["completion_tokens"].number_value if "completion_tokens" in u.fields else 0.0
-            if all(math.isfinite(x) and 0 <= x < 1e12 for x in (p, c)):  # else: charged as unreported
+        uf = u.fields if u is not None else _NO_FIELDS
+        pv = uf.get("prompt_tokens")
+        if pv is not None:
+            p = pv.number_value
+            cv = uf.get("completion_tokens")
+            c = cv.number_value if cv is not None else 0.0
+            if math.isfinite(p) and math.isfinite(c) and 0 <= p < 1e12 and 0 <= c < 1e12:  # else: unreported
                 usage = Usage(int(p), int(c))
         e = Ended(
             ticket or None, entry.request.request_id, entry.response.response_code.value, usage,
@@ -380,8 +430,7 @@ class Gateway:
         )
         if self.store is not None and ticket and not self.core.owns(ticket):
             # another replica's: Envoy's access log may reach any replica
-            tenant = kv.fields["tenant"].string_value if kv is not None and "tenant" in kv.fields else ""
-            self.store.forward(e, tenant)
+            self.store.forward(e, _text(kf.get("tenant")), _text(kf.get("budget")))
             return
         done = self.core.ended(e)
         if done is None and self.store is not None and not ticket and e.request_id:
@@ -418,6 +467,7 @@ def _stat(p: Path | None) -> tuple[float, int] | None:
 class ExtProcServicer:
     def __init__(self, gw: Gateway) -> None:
         self.gw = gw
+        self.reply = envoy_reply if gw.parts is None else gw.parts.wrap("protobuf", envoy_reply)
 
     async def Process(
         self, request_iterator: AsyncIterator[ep.ProcessingRequest | Undecodable], context: grpc.aio.ServicerContext
@@ -452,7 +502,7 @@ class ExtProcServicer:
                             gw.forget(held)
                     else:
                         answer = out
-                    yield envoy_reply(answer)
+                    yield self.reply(answer)
                     # Done: closing the stream cleanly lets Envoy go on without kvgate. A kvgate restart
                     # from here on does not touch this request.
                     return
@@ -510,10 +560,13 @@ class AccessLogServicer(als_pb2_grpc.AccessLogServiceServicer):  # type: ignore[
 
 def _process_handler(gw: Gateway) -> grpc.GenericRpcHandler:
     servicer = ExtProcServicer(gw)
+    decode: Callable[[bytes], Any] = _decode
+    encode: Callable[[Any], bytes] = ep.ProcessingResponse.SerializeToString
+    if gw.parts is not None:
+        decode, encode = gw.parts.wrap("protobuf", decode), gw.parts.wrap("protobuf", encode)
     return grpc.method_handlers_generic_handler(SERVICE_NAME, {
         "Process": grpc.stream_stream_rpc_method_handler(
-            servicer.Process, request_deserializer=_decode,
-            response_serializer=ep.ProcessingResponse.SerializeToString),
+            servicer.Process, request_deserializer=decode, response_serializer=encode),
     })
 
 
@@ -638,55 +691,45 @@ async def watch_config(gw: Gateway) -> None:
 
 
 async def poll_nodes(gw: Gateway) -> None:
-    """Fetch every probe's snapshot in the background; a request never waits on this. A probe that is
-    down, slow or talks nonsense only makes its own node age towards unknown."""
-    import aiohttp
+    """Follow every probe in the background; a request never waits on this. Each probe streams its
+    readings over one connection (``follow.py``; a probe without the stream is polled as before). A
+    probe that is down, slow, silent or talks nonsense only makes its own node age towards unknown."""
+    from .follow import Follower
 
-    async def one(session: aiohttp.ClientSession, address: str, probe: str, timeout: float) -> None:
-        try:
-            async with session.get(probe.rstrip("/") + "/snapshot", timeout=aiohttp.ClientTimeout(total=timeout)) as r:
-                doc = await r.json(content_type=None)
-            snap = Snapshot.from_json(doc)
-            age = max(0.0, time.time() - snap.at)
-            gw.core.snapshot(address, snap, age)
-        except Exception as e:
-            gw.core.node_failed(address, f"{type(e).__name__}: {e}")
-
-    async with aiohttp.ClientSession() as session:
-        while True:
-            fleet, nodes_cfg = gw.core.fleet, gw.config.nodes
-            if fleet is None or nodes_cfg is None:
-                await asyncio.sleep(1.0)
-                continue
-            interval = nodes_cfg.poll_interval_seconds
-            timeout = max(0.2, min(1.0, 2 * interval))
-            await asyncio.gather(*(one(session, n.address, n.probe, timeout) for n in list(fleet.nodes.values())))
-            gw.flush()
-            await asyncio.sleep(interval)
+    await Follower(gw.core, gw.flush).run()
 
 
 async def discover_nodes(gw: Gateway) -> None:
-    """DNS of a headless Service: every address it resolves to (A and AAAA) is a node, with its probe."""
+    """DNS of a headless Service: every address it resolves to (A and AAAA) is a node, with its probe;
+    each pool with ``nodes.dns`` is looked up at its own ``refresh_seconds``."""
     loop = asyncio.get_running_loop()
+    due: dict[str, float] = {}
     while True:
-        cfg = gw.config.nodes
-        if cfg is None or cfg.dns is None or gw.core.fleet is None:
-            await asyncio.sleep(5.0)
-            continue
-        dns = cfg.dns
-        try:
-            infos = await loop.getaddrinfo(dns.name, dns.port, type=socket.SOCK_STREAM)
-            ips = sorted({str(i[4][0]) for i in infos})
-            entries: list[tuple[str, str, float | None]] = [
-                (join_hostport(ip, dns.port), f"http://{join_hostport(ip, dns.probe_port)}", None) for ip in ips]
-            entries += [(n.address, n.probe, n.kv_admit_threshold) for n in cfg.static]
-            if {e[0] for e in entries} != set(gw.core.fleet.nodes):
-                log.info("nodes_discovered", name=dns.name, nodes=[e[0] for e in entries])
-            gw.core.set_nodes(entries)
-            gw.flush()
-        except OSError as e:
-            log.warning("node_discovery_failed", name=dns.name, error=str(e), kept=len(gw.core.fleet.nodes))
-        await asyncio.sleep(dns.refresh_seconds)
+        now = loop.time()
+        pools = [(p.name, p.nodes) for p in gw.core.router.pools
+                 if p.nodes is not None and p.nodes.dns is not None and p.name in gw.core.fleets]
+        for name, cfg in pools:
+            assert cfg is not None and cfg.dns is not None
+            if due.get(name, 0.0) > now:
+                continue
+            dns = cfg.dns
+            due[name] = now + dns.refresh_seconds
+            fleet = gw.core.fleets[name]
+            try:
+                infos = await loop.getaddrinfo(dns.name, dns.port, type=socket.SOCK_STREAM)
+                ips = sorted({str(i[4][0]) for i in infos})
+                entries: list[tuple[str, str, float | None]] = [
+                    (join_hostport(ip, dns.port), f"http://{join_hostport(ip, dns.probe_port)}", None) for ip in ips]
+                entries += [(n.address, n.probe, n.kv_admit_threshold) for n in cfg.static]
+                if {e[0] for e in entries} != set(fleet.nodes):
+                    log.info("nodes_discovered", pool=name, name=dns.name, nodes=[e[0] for e in entries])
+                gw.core.set_nodes(entries, name)
+                gw.flush()
+            except OSError as e:
+                log.warning("node_discovery_failed", pool=name, name=dns.name, error=str(e), kept=len(fleet.nodes))
+        for gone in set(due) - {n for n, _ in pools}:
+            del due[gone]
+        await asyncio.sleep(max(0.05, min(due.values(), default=now + 5.0) - loop.time()) if pools else 5.0)
 
 
 def run(config_path: str, log_level: str = "info", overrides: dict[str, Any] | None = None) -> int:

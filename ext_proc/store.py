@@ -246,14 +246,21 @@ redis.call('PEXPIRE', KEYS[4], tonumber(ARGV[4]))
 -- the owner may only have been taken for dead: if it comes back it ends the lease (and its next slots
 -- call takes the slot given back here off what it holds)
 redis.call('XADD', KEYS[2], 'MINID', '~', tostring(now - 30000), '*', 'b', ARGV[3])
-for _, kind in ipairs({'o:', 'h:'}) do
-  local n = tonumber(redis.call('HGET', KEYS[3], kind .. ARGV[1]) or 0)
-  if n > 0 then
-    redis.call('HINCRBY', KEYS[3], kind .. ARGV[1], -1)
-    return 2
+-- the tenant's slots (KEYS[3]) and, for a request under a per-model budget, the budget's (KEYS[5])
+local out = 3
+for k = 3, #KEYS do
+  if k ~= 4 then
+    for _, kind in ipairs({'o:', 'h:'}) do
+      local n = tonumber(redis.call('HGET', KEYS[k], kind .. ARGV[1]) or 0)
+      if n > 0 then
+        redis.call('HINCRBY', KEYS[k], kind .. ARGV[1], -1)
+        out = 2
+        break
+      end
+    end
   end
 end
-return 3
+return out
 """
 
 # KEYS: the bucket (hash l = level, t = when), learning, epoch. ARGV: rate per s, capacity, amount
@@ -336,7 +343,7 @@ class SharedStore:
         self._ends: list[list[Any]] = []
         """Completions without a ticket, for every replica: [owner '*', '', request id, status, prompt,
         completion, upstream answered, disconnected]."""
-        self._forward: list[tuple[str, str, str, bytes]] = []
+        self._forward: list[tuple[str, str, str, str, bytes]] = []
         """(owner, ticket, tenant, event) of completions for another replica's tickets: the END script
         hands each to its owner, or, when the owner died, gives one of its slots back."""
         self._failing_since: float | None = None
@@ -451,9 +458,11 @@ class SharedStore:
                         per_minute, capacity, amount = op
                         self._bucket_call(pipe, r.tenant, dim, per_minute / 60.0, capacity, amount, partial=True)
                         calls.append(("bucket", r.tenant, dim))
-            for owner, ticket, tenant, event in forward:
-                self._call(pipe, "end", [self.k_replicas, self.k_events, self._k_slots(tenant),
-                                         f"{self._prefix}:ended:{owner}"], [owner, ticket, event, self.orphan_ttl_ms])
+            for owner, ticket, tenant, budget, event in forward:
+                keys = [self.k_replicas, self.k_events, self._k_slots(tenant), f"{self._prefix}:ended:{owner}"]
+                if budget:
+                    keys.append(self._k_slots(budget))
+                self._call(pipe, "end", keys, [owner, ticket, event, self.orphan_ttl_ms])
                 calls.append(("end", tenant, ""))
             batch = self._next_batch()
             if batch is not None:
@@ -486,7 +495,7 @@ class SharedStore:
         return f"{max(0, ms - EVENTS_KEEP_MS)}-0"
 
     def _apply(self, results: list[Any], calls: list[tuple[str, str, str]],
-               forward: list[tuple[str, str, str, bytes]], rejoining: bool, t0: float) -> bool:
+               forward: list[tuple[str, str, str, str, bytes]], rejoining: bool, t0: float) -> bool:
         adm = self.core.admission
         if isinstance(results[0], BaseException):
             if isinstance(results[0], NoScriptError):
@@ -783,7 +792,7 @@ class SharedStore:
         self.borrows.labels("granted" if granted else "refused").inc()
         return granted
 
-    def forward(self, e: Ended, tenant: str = "") -> None:
+    def forward(self, e: Ended, tenant: str = "", budget: str = "") -> None:
         """A completion for a ticket another replica owns (the END script, at the next sync, hands it
         to its owner, or gives one of the owner's slots of ``tenant`` back if it died), or, without a
         ticket, one this replica does not know (to every replica: Envoy gave up on a decision)."""
@@ -795,14 +804,14 @@ class SharedStore:
             self._ends.append(event)
             return
         owner = e.ticket.split("-", 1)[0]
-        self._forward.append((owner, e.ticket, tenant or "-", orjson.dumps({"r": self.me, "e": [event]})))
+        self._forward.append((owner, e.ticket, tenant or "-", budget, orjson.dumps({"r": self.me, "e": [event]})))
 
     async def close(self) -> None:
         """A clean stop: leave at once (the others need not wait for its TTL), giving back every slot
         but those of requests still running."""
         try:
             pipe = self.client.pipeline(transaction=False)
-            for s in self.core.admission.tenants():
+            for s in self.core.admission.states():  # per-model budgets' slices too
                 if s.slots:  # what still runs stays taken (orphaned) until it ends; the rest goes back now
                     pipe.hset(self._k_slots(s.name), mapping={f"h:{self.me}": s.inflight, f"i:{self.me}": s.inflight})
             pipe.zrem(self.k_replicas, self.me)

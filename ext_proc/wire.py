@@ -27,6 +27,11 @@ def error_body(message: str, type_: str, code: str | None, param: str | None = N
     return orjson.dumps({"error": {"message": message, "type": type_, "param": param, "code": code}})
 
 
+def json_reply(status: int, doc: object) -> Reply:
+    """An answer kvgate gives itself (GET /v1/models with several pools)."""
+    return Reply(status, [("content-type", "application/json")], orjson.dumps(doc))
+
+
 def reject_reply(r: Rejection) -> Reply:
     entry = REASONS.get(r.reason)
     type_, code = (entry.type, entry.code) if entry else ("server_error", r.reason.replace("-", "_"))

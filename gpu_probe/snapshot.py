@@ -66,27 +66,86 @@ class Snapshot:
             raise ValueError(f"a snapshot is a JSON object, got {type(doc).__name__}")
         known: dict[str, Any] = {}
         for k, kind in _FIELDS.items():
-            if k not in doc:
-                continue
-            v = doc[k]
-            if v is None and k not in ("node", "at", "ok"):
-                known[k] = None
-                continue
-            if kind is float:
-                if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v) or v < 0:
-                    raise ValueError(f"snapshot field {k!r}: expected a finite number >= 0, got {v!r}")
-                v = float(v)
-            elif kind is int:
-                if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-                    raise ValueError(f"snapshot field {k!r}: expected an integer >= 0, got {v!r}")
-            elif not isinstance(v, kind):
-                raise ValueError(f"snapshot field {k!r}: expected {kind.__name__}, got {v!r}")
-            known[k] = v
+            if k in doc:
+                known[k] = _checked(k, kind, doc[k])
         for required in ("node", "at", "ok"):
             if required not in known:
                 raise ValueError(f"snapshot field {required!r} is missing")
         return cls(**known)
 
+
+def _checked(k: str, kind: type, v: Any) -> Any:
+    """One field of a probe's JSON, validated (``from_json``)."""
+    if v is None and k not in ("node", "at", "ok"):
+        return None
+    if kind is float:
+        if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v) or v < 0:
+            raise ValueError(f"snapshot field {k!r}: expected a finite number >= 0, got {v!r}")
+        return float(v)
+    if kind is int:
+        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+            raise ValueError(f"snapshot field {k!r}: expected an integer >= 0, got {v!r}")
+    elif not isinstance(v, kind):
+        raise ValueError(f"snapshot field {k!r}: expected {kind.__name__}, got {v!r}")
+    return v
+
+
+def changes(old: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
+    """The probe's stream message between two snapshot documents: the fields of ``new`` whose value
+    differs from ``old``'s (by type too: ``0`` and ``False``, ``1`` and ``1.0`` are different JSON).
+
+    Merging each message into the previous document (:class:`StreamDecoder`) gives ``new`` back. A
+    reading always moves ``at``, so a reading is never an empty message: ``{}`` is free to mean a
+    heartbeat (the connection is alive, no reading since)."""
+    out = {}
+    for k, v in new.items():
+        was = old.get(k, _ABSENT)
+        if was is _ABSENT or type(was) is not type(v) or was != v:
+            out[k] = v
+    return out
+
+
+class StreamDecoder:
+    """kvgate's side of one probe stream (``GET /snapshot/stream``): each message is merged into the
+    snapshot so far. What comes out is what ``Snapshot.from_json`` makes of the merged document (the
+    same validation as a poll's: a stream cannot smuggle in what a poll would refuse), but only the
+    fields a message carries are checked again: at 4,000 readings a second, validating every field of
+    every reading cost twice as much (6 µs a reading against 3)."""
+
+    def __init__(self) -> None:
+        self.last: Snapshot | None = None
+
+    def feed(self, msg: Any) -> Snapshot | None:
+        """One decoded line: the snapshot it makes, or None for a heartbeat (``{}``). A message that is
+        not a JSON object, a first message that is not a whole snapshot (``node``, ``at``, ``ok``), or a
+        bad value is a ValueError: the stream cannot be trusted further and the caller reconnects (a new
+        stream starts with a whole snapshot)."""
+        if not isinstance(msg, dict):
+            raise ValueError(f"a stream message is a JSON object, got {type(msg).__name__}")
+        if not msg:
+            return None
+        last = self.last
+        if last is None:
+            snap = Snapshot.from_json(msg)
+        else:
+            fields = dict(last.__dict__)
+            for k, v in msg.items():
+                kind = _FIELDS.get(k)
+                if kind is None:
+                    continue  # a newer probe's field: ignored, as by from_json
+                t = type(v)
+                if t is not kind or (t is float and not 0.0 <= v < math.inf) or (t is int and v < 0):
+                    v = _checked(k, kind, v)  # (the common case, a value of the field's own type, is checked inline)
+                fields[k] = v
+            # the previous snapshot with these fields changed: a new object (the core keeps the previous
+            # one), made without dataclasses.replace's __init__ call — 3 µs a reading, for nothing to check
+            snap = object.__new__(Snapshot)
+            snap.__dict__ = fields
+        self.last = snap
+        return snap
+
+
+_ABSENT = object()
 
 _FIELDS: dict[str, type] = {
     "node": str, "at": float, "ok": bool, "error": str, "kv_usage": float, "kv_metric": str, "blocks_total": int,

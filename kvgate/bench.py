@@ -26,10 +26,13 @@ import time
 from pathlib import Path
 from typing import Any
 
+from prometheus_client.parser import text_string_to_metric_families
+
+from ext_proc.cpuparts import ENV, PARTS
 from ext_proc.identity import hash_key
 
 from .envoy_config import EnvoyParams
-from .stack import Stack
+from .stack import Stack, http_get
 
 KEY = "sk-bench"
 BODY = '{"model":"standin-8b","messages":[{"role":"user","content":"Say hello in five words."}],"max_tokens":8%s}'
@@ -40,13 +43,20 @@ def _cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def _wrk(url: str, seconds: float, connections: int, body: str, workdir: Path) -> dict[str, Any]:
+def _wrk(url: str, seconds: float, connections: int, body: str, workdir: Path,
+         rate: float | None = None) -> dict[str, Any]:
+    """wrk at its most, or (``rate``) paced: each connection waits between its requests so that all of
+    them together offer about ``rate`` req/s (wrk's ``delay()``; a connection's latency adds to its wait,
+    so the offered rate is a little under ``rate``: the achieved one is reported)."""
     script = workdir / "post.lua"
+    pace = ""
+    if rate is not None and rate > 0:
+        pace = f"function delay()\n  return {max(0.0, connections / rate * 1000.0):.3f}\nend\n"
     script.write_text(
         'wrk.method = "POST"\n'
         f"wrk.body = '{body}'\n"
         'wrk.headers["Content-Type"] = "application/json"\n'
-        f'wrk.headers["Authorization"] = "Bearer {KEY}"\n'
+        f'wrk.headers["Authorization"] = "Bearer {KEY}"\n' + pace
     )
     out = subprocess.run(
         ["wrk", "-t1", f"-c{connections}", f"-d{max(1, round(seconds))}s", "--latency", "-s", str(script),
@@ -66,7 +76,7 @@ def _wrk(url: str, seconds: float, connections: int, body: str, workdir: Path) -
             "errors": int(non2xx.group(1)) if non2xx else 0}
 
 
-def _builtin(url: str, seconds: float, connections: int, body: str) -> dict[str, Any]:
+def _builtin(url: str, seconds: float, connections: int, body: str, rate: float | None = None) -> dict[str, Any]:
     """Fallback load generator when wrk is not installed (it shares the CPU, so figures are lower)."""
     import asyncio
 
@@ -86,6 +96,8 @@ def _builtin(url: str, seconds: float, connections: int, body: str) -> dict[str,
                 if r.status != 200:
                     errors += 1
             lat.append(time.perf_counter() - t)
+            if rate:
+                await asyncio.sleep(connections / rate)
 
     async def main() -> float:
         async with aiohttp.ClientSession() as s:
@@ -106,31 +118,55 @@ def _cpu_of(st: Stack) -> tuple[float, float]:
     return kv, redis
 
 
+def _parts(st: Stack) -> dict[str, float]:
+    """kvgate's ``kvgate_cpu_part_seconds_total`` (``KVGATE_CPU_PARTS=1``), by part, summed over replicas."""
+    out: dict[str, float] = {}
+    for url in st.metrics_urls:
+        _, text = http_get(url, timeout=5)
+        for fam in text_string_to_metric_families(text.decode()):
+            for smp in fam.samples:
+                if smp.name == "kvgate_cpu_part_seconds_total":
+                    part = smp.labels.get("part", "?")
+                    out[part] = out.get(part, 0.0) + smp.value
+    return out
+
+
 def overhead(seconds: float = 10.0, connections: int = 16, stream: bool = False, quiet: bool = False,
-             replicas: int = 1) -> dict[str, Any]:
+             replicas: int = 1, breakdown: bool = True, access_log_batch: int = 0) -> dict[str, Any]:
+    """Plain Envoy against Envoy + kvgate on the full request path (decision on the body, usage
+    extraction, completion accounting), at the most each can do; with ``breakdown`` also, side by side
+    in the same run: the transport floor (``kvgate.bare``, a server that decides nothing), where
+    kvgate's CPU goes (``KVGATE_CPU_PARTS``: core, metrics, logging, protobuf, shell; the transport is
+    the rest), and the latency kvgate adds at half its maximum rate."""
     body = BODY % (',"stream":true' if stream else "")
     tool = "wrk" if shutil.which("wrk") else "builtin"
     cfg = {"tenants": [{"name": "bench", "api_key_sha256": [hash_key(KEY)], "max_concurrent": 10_000}]}
     results: dict[str, Any] = {"load_generator": tool, "connections": connections, "seconds": seconds,
-                               "stream": stream, "envoy_workers": 1}
-    runs: list[tuple[str, bool, int, bool]] = [("plain_envoy", False, 1, False), ("envoy_kvgate", True, 1, False)]
+                               "stream": stream, "envoy_workers": 1, "access_log_batch_bytes": access_log_batch}
+    envoy = EnvoyParams(access_log_buffer_bytes=access_log_batch)
+    Run = tuple[str, bool, int, bool, dict[str, Any]]
+    runs: list[Run] = [("plain_envoy", False, 1, False, {}), ("envoy_kvgate", True, 1, False, {})]
+    if breakdown:
+        runs += [("transport_floor", True, 1, False, {"bare": True}),
+                 ("breakdown", True, 1, False, {"extproc_env": {ENV: "1"}})]
     if replicas > 1:
-        runs += [("redis_1", True, 1, True), (f"redis_{replicas}", True, replicas, True)]
+        runs += [("redis_1", True, 1, True, {}), (f"redis_{replicas}", True, replicas, True, {})]
     with tempfile.TemporaryDirectory(prefix="kvgate-bench-") as tmp:
         work = Path(tmp)
-        for name, with_kvgate, n, redis in runs:
-            st = Stack(work / name, cfg, upstreams=1, token_ms=0.0, envoy=EnvoyParams(), with_kvgate=with_kvgate,
-                       replicas=n, redis=redis)
+
+        def load(url: str, secs: float, rate: float | None = None) -> dict[str, Any]:
+            if tool == "wrk":
+                return _wrk(url, secs, connections, body, work, rate)
+            return _builtin(url, secs, connections, body, rate)
+
+        for name, with_kvgate, n, redis, extra in runs:
+            st = Stack(work / name, cfg, upstreams=1, token_ms=0.0, envoy=envoy, with_kvgate=with_kvgate,
+                       replicas=n, redis=redis, **extra)
             with st:
-
-                def run(secs: float, url: str = st.url) -> dict[str, Any]:
-                    if tool == "wrk":
-                        return _wrk(url, secs, connections, body, work)
-                    return _builtin(url, secs, connections, body)
-
-                run(1.0)  # warm up connections, JIT of the Lua, Python caches
+                load(st.url, 1.0)  # warm up connections, JIT of the Lua, Python caches
                 kv0, redis0 = _cpu_of(st)
-                r = run(seconds)
+                parts0 = _parts(st) if name == "breakdown" else {}
+                r = load(st.url, seconds)
                 time.sleep(0.3)  # let the last access-log entries land before reading CPU
                 kv1, redis1 = _cpu_of(st)
                 if with_kvgate:
@@ -138,8 +174,37 @@ def overhead(seconds: float = 10.0, connections: int = 16, stream: bool = False,
                 if redis:
                     r["replicas"] = n
                     r["redis_cpu_us_per_request"] = (redis1 - redis0) / max(1, r["requests"]) * 1e6
+                if name == "breakdown":
+                    parts1 = _parts(st)
+                    per = {p: (parts1.get(p, 0.0) - parts0.get(p, 0.0)) / max(1, r["requests"]) * 1e6 for p in PARTS}
+                    per["transport"] = max(0.0, r["kvgate_cpu_us_per_request"] - sum(per.values()))
+                    per["total"] = r["kvgate_cpu_us_per_request"]
+                    r["cpu_us_per_request"] = per
+                if breakdown and name == "envoy_kvgate":
+                    # half kvgate's maximum, the same offered rate for both paths: what kvgate adds
+                    results["half_rate"] = {"rate": r["rps"] / 2}
+                    results["half_rate"]["envoy_kvgate"] = load(st.url, seconds, r["rps"] / 2)
             results[name] = r
     results["ratio_rps"] = results["envoy_kvgate"]["rps"] / results["plain_envoy"]["rps"]
+    if breakdown:
+        with tempfile.TemporaryDirectory(prefix="kvgate-bench-") as tmp:
+            st = Stack(Path(tmp) / "plain_half", cfg, upstreams=1, token_ms=0.0, envoy=EnvoyParams(),
+                       with_kvgate=False)
+            with st:
+                work = Path(tmp)
+                rate = results["half_rate"]["rate"]
+                if tool == "wrk":
+                    _wrk(st.url, 1.0, connections, body, work)
+                    results["half_rate"]["plain_envoy"] = _wrk(st.url, seconds, connections, body, work, rate)
+                else:
+                    results["half_rate"]["plain_envoy"] = _builtin(st.url, seconds, connections, body, rate)
+        h = results["half_rate"]
+        h["added_p50_ms"] = h["envoy_kvgate"]["p50_ms"] - h["plain_envoy"]["p50_ms"]
+        floor = results["transport_floor"]
+        floor["ratio_rps"] = floor["rps"] / results["plain_envoy"]["rps"]
+        # (the headline run's figures stay as they are: the breakdown ran apart, instrumented)
+        results["cpu_breakdown_us_per_request"] = results.pop("breakdown")["cpu_us_per_request"]
+        results["cpu_breakdown_us_per_request"]["transport_floor"] = floor["kvgate_cpu_us_per_request"]
     if replicas > 1:
         mem, one, many = results["envoy_kvgate"], results.pop("redis_1"), results.pop(f"redis_{replicas}")
         results["store"] = {
@@ -151,30 +216,50 @@ def overhead(seconds: float = 10.0, connections: int = 16, stream: bool = False,
         results["replicas"] = {"n": replicas, "store": "redis", "one": one, "many": many,
                                "ratio_rps": many["rps"] / one["rps"] if one["rps"] > 0 else None}
     if not quiet:
-        p, k = results["plain_envoy"], results["envoy_kvgate"]
-        print(f"kvgate bench overhead  ({tool}, {connections} connections, {seconds:g}s each, 1 Envoy worker, "
-              f"{'SSE' if stream else 'JSON'} responses)")
-        print(f"{'path':<16}{'req/s':>10}{'p50 ms':>10}{'p99 ms':>10}{'errors':>8}")
-        for name, r in (("plain envoy", p), ("envoy + kvgate", k)):
-            print(f"{name:<16}{r['rps']:>10.0f}{r['p50_ms']:>10.2f}{r['p99_ms']:>10.2f}{r['errors']:>8}")
-        print(f"ratio (kvgate / plain): {results['ratio_rps']:.2f}   "
-              f"kvgate CPU per request: {k['kvgate_cpu_us_per_request']:.0f} us")
-        if replicas > 1:
-            one, many = results["replicas"]["one"], results["replicas"]["many"]
-            print(f"\nstore: in-process vs Redis (1 replica), and 1 vs {replicas} replicas sharing Redis "
-                  f"(kvgate CPU summed over the replicas)")
-            print(f"{'path':<22}{'req/s':>10}{'p50 ms':>10}{'p99 ms':>10}{'errors':>8}{'kvgate us/req':>15}"
-                  f"{'redis us/req':>14}")
-            for name, r in (("memory, 1 replica", k), ("redis, 1 replica", one),
-                            (f"redis, {replicas} replicas", many)):
-                rcpu = f"{r['redis_cpu_us_per_request']:.0f}" if "redis_cpu_us_per_request" in r else "-"
-                print(f"{name:<22}{r['rps']:>10.0f}{r['p50_ms']:>10.2f}{r['p99_ms']:>10.2f}{r['errors']:>8}"
-                      f"{r['kvgate_cpu_us_per_request']:>15.0f}{rcpu:>14}")
-            cpu_ratio, rps_ratio = results["store"]["kvgate_cpu_ratio"], results["replicas"]["ratio_rps"]
-            print(f"kvgate CPU per request, Redis / in-process: {'-' if cpu_ratio is None else f'{cpu_ratio:.2f}'}"
-                  f"   req/s, {replicas} replicas / 1: {'-' if rps_ratio is None else f'{rps_ratio:.2f}'}")
-        sys.stdout.flush()
+        _print_overhead(results, tool, connections, seconds, stream, replicas)
     return results
+
+
+def _print_overhead(results: dict[str, Any], tool: str, connections: int, seconds: float, stream: bool,
+                    replicas: int) -> None:
+    p, k = results["plain_envoy"], results["envoy_kvgate"]
+    print(f"kvgate bench overhead  ({tool}, {connections} connections, {seconds:g}s each, 1 Envoy worker, "
+          f"{'SSE' if stream else 'JSON'} responses)")
+    print(f"{'path':<22}{'req/s':>10}{'p50 ms':>10}{'p99 ms':>10}{'errors':>8}{'CPU us/req':>12}")
+    rows = [("plain envoy", p), ("envoy + kvgate", k)]
+    if "transport_floor" in results:
+        rows.append(("envoy + bare ext_proc", results["transport_floor"]))
+    for name, r in rows:
+        cpu = f"{r['kvgate_cpu_us_per_request']:.0f}" if "kvgate_cpu_us_per_request" in r else "-"
+        print(f"{name:<22}{r['rps']:>10.0f}{r['p50_ms']:>10.2f}{r['p99_ms']:>10.2f}{r['errors']:>8}{cpu:>12}")
+    print(f"ratio (kvgate / plain): {results['ratio_rps']:.2f}   "
+          f"kvgate CPU per request: {k['kvgate_cpu_us_per_request']:.0f} us")
+    if "transport_floor" in results:
+        f = results["transport_floor"]
+        print(f"transport floor (a server that decides nothing): {f['kvgate_cpu_us_per_request']:.0f} us/request, "
+              f"{f['ratio_rps']:.2f}x plain")
+        b = results["cpu_breakdown_us_per_request"]
+        print("where kvgate's CPU goes (us/request, an instrumented run of its own): " + ", ".join(
+            f"{part} {b[part]:.0f}" for part in (*PARTS, "transport")) + f"; total {b['total']:.0f}")
+        h = results["half_rate"]
+        print(f"at half kvgate's maximum ({h['rate']:.0f} req/s offered): p50 plain "
+              f"{h['plain_envoy']['p50_ms']:.2f} ms, with kvgate {h['envoy_kvgate']['p50_ms']:.2f} ms "
+              f"(+{h['added_p50_ms']:.2f} ms)")
+    if replicas > 1:
+        one, many = results["replicas"]["one"], results["replicas"]["many"]
+        print(f"\nstore: in-process vs Redis (1 replica), and 1 vs {replicas} replicas sharing Redis "
+              f"(kvgate CPU summed over the replicas)")
+        print(f"{'path':<22}{'req/s':>10}{'p50 ms':>10}{'p99 ms':>10}{'errors':>8}{'kvgate us/req':>15}"
+              f"{'redis us/req':>14}")
+        for name, r in (("memory, 1 replica", k), ("redis, 1 replica", one),
+                        (f"redis, {replicas} replicas", many)):
+            rcpu = f"{r['redis_cpu_us_per_request']:.0f}" if "redis_cpu_us_per_request" in r else "-"
+            print(f"{name:<22}{r['rps']:>10.0f}{r['p50_ms']:>10.2f}{r['p99_ms']:>10.2f}{r['errors']:>8}"
+                  f"{r['kvgate_cpu_us_per_request']:>15.0f}{rcpu:>14}")
+        cpu_ratio, rps_ratio = results["store"]["kvgate_cpu_ratio"], results["replicas"]["ratio_rps"]
+        print(f"kvgate CPU per request, Redis / in-process: {'-' if cpu_ratio is None else f'{cpu_ratio:.2f}'}"
+              f"   req/s, {replicas} replicas / 1: {'-' if rps_ratio is None else f'{rps_ratio:.2f}'}")
+    sys.stdout.flush()
 
 
 def sim_speed(seconds: float = 600.0, nodes: int = 8, rate: float = 200.0, profile: str = "8b-h100",

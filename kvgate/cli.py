@@ -69,6 +69,7 @@ def _envoy_config(a: argparse.Namespace) -> int:
         listen_address=a.listen_address, listen_port=a.listen_port, admin_port=a.admin_port,
         extproc_host=a.extproc_host.strip("[]"), extproc_port=a.extproc_port, upstreams=ups, fail_open=a.fail_open,
         trusted_header=a.trusted_header, original_dst=a.original_dst,
+        access_log_buffer_bytes=getattr(a, "access_log_batch", 0),
     )
     if a.config:
         from ext_proc.config import load_config
@@ -77,7 +78,7 @@ def _envoy_config(a: argparse.Namespace) -> int:
     if a.route:
         post = tuple(r for m, r in (_route(x) for x in a.route) if m == "POST")
         get = tuple(r for m, r in (_route(x) for x in a.route) if m == "GET")
-        params = replace(params, inference_paths=post, bodyless_paths=get)
+        params = replace(params, inference_paths=post, bodyless_paths=get, bodyless_prefixes=())
     sys.stdout.write(dump(bootstrap(params)))
     return 0
 
@@ -122,6 +123,56 @@ def _scaler(a: argparse.Namespace) -> int:
     return run(a.config, a.log_level)
 
 
+POOL_FORM_TEXT = "NAME=PROFILE:N"
+
+
+class _PoolAction(argparse.Action):
+    """``--pool NAME=PROFILE:N``, repeatable: each value parsed into a :class:`kvgate.stack.SimPool` (its
+    ``type``), a pool name given twice refused here, so every --pool mistake reads as argparse's own."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: object,
+                 option_string: str | None = None) -> None:
+        from .stack import SimPool
+
+        assert isinstance(values, SimPool)
+        pools: list[SimPool] = list(getattr(namespace, self.dest) or [])
+        for p in pools:
+            if p.name == values.name:
+                raise argparse.ArgumentError(self, f"{values.spec!r}: pool {values.name!r} is already given by "
+                                             f"{p.spec!r} (a pool is named after its model, lower-cased and "
+                                             "sanitised)")
+        setattr(namespace, self.dest, [*pools, values])
+
+
+def _pool_spec(spec: str) -> object:
+    from .stack import SimPool
+
+    try:
+        return SimPool.parse(spec)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+POOL_HELP = ("start N simulated vLLM nodes (kvgate sim --profile PROFILE --served-model-name NAME) as a pool "
+             "serving model NAME, and add it to kvgate's config (repeatable; the config's own pools are kept, its "
+             "top-level nodes settings other than the node list become each pool's). The pool is named after NAME "
+             "lower-cased, every run of characters outside [a-z0-9_.-] made '-', at most 63 characters (the pool-name "
+             "pattern [a-z0-9][a-z0-9_.-]{0,62}): meta-llama/Llama-3.1-8B is pool meta-llama-llama-3.1-8b. Not with "
+             "--nodes, --profile, --vllm or --standin")
+
+
+def _check_pool_args(a: argparse.Namespace) -> None:
+    """--pool replaces the single fleet --nodes/--profile/--vllm/--standin describe: refuse the mix the
+    way argparse refuses a bad value (usage, the flag, exit 2) rather than ignore one of them."""
+    if not getattr(a, "pool", None):
+        return
+    for flag, given in (("--nodes", a.nodes is not None), ("--profile", a.profile is not None),
+                        ("--vllm", bool(a.vllm)), ("--standin", a.standin)):
+        if given:
+            a.subparser.error(f"argument --pool: not with {flag}: each --pool {POOL_FORM_TEXT} names its own "
+                              "profile and node count, and pools replace the single fleet of simulated nodes")
+
+
 def _up(a: argparse.Namespace) -> int:
     from .demo import up
 
@@ -155,7 +206,7 @@ def _bench(a: argparse.Namespace) -> int:
             print(f"kvgate: --replicas {a.replicas}: {e}", file=sys.stderr)
             return 2
     result = overhead(seconds=a.seconds, connections=a.connections, stream=a.stream, quiet=a.json,
-                      replicas=a.replicas)
+                      replicas=a.replicas, breakdown=not a.no_breakdown, access_log_batch=a.access_log_batch)
     return _emit(a, result)
 
 
@@ -185,6 +236,14 @@ def _bench_queue(a: argparse.Namespace) -> int:
 
     rows = queue_scaling(tuple(a.sizes), a.ops, quiet=a.json)
     return _emit(a, rows)
+
+
+def _bench_scale(a: argparse.Namespace) -> int:
+    from .bench_scale import scale
+
+    result = scale(tuple(a.nodes), tuple(a.tenants), a.ops, tuple(a.follow_nodes), a.period, a.seconds,
+                   tuple(a.modes), quiet=a.json)
+    return _emit(a, result)
 
 
 def _bench_scenarios(a: argparse.Namespace) -> int:
@@ -311,6 +370,9 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--trusted-header", default=None,
                    help="the tenant header your authn filter sets; the client's copy is stripped first")
     s.add_argument("--original-dst", action="store_true", help="kvgate picks the node (ORIGINAL_DST cluster)")
+    s.add_argument("--access-log-batch", type=int, default=0, metavar="BYTES",
+                   help="batch completions to kvgate up to BYTES or 50 ms (e.g. 16384): less CPU per request, but "
+                        "a slot frees up to 50 ms after its response ends (default 0: at once)")
     s.add_argument("--config", default=None, metavar="KVGATE_YAML",
                    help="derive circuit breakers, timeouts, body limit and trusted header from kvgate's config")
     s.add_argument("--route", action="append", default=[], metavar="[POST:|GET:]PATH",
@@ -347,7 +409,7 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--load-seconds", type=float, default=0.0, help="simulated model load before listening")
     s.set_defaults(fn=_sim)
 
-    s = sub.add_parser("probe", help="the per-node probe: vLLM /metrics + NVML -> GET /snapshot")
+    s = sub.add_parser("probe", help="the per-node probe: vLLM /metrics + NVML -> GET /snapshot and /snapshot/stream")
     s.add_argument("--vllm", required=True, help="the vLLM server's base URL, e.g. http://127.0.0.1:8000")
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=9102)
@@ -365,8 +427,11 @@ def parser() -> argparse.ArgumentParser:
         s = sub.add_parser(name, help=helptext)
         s.add_argument("--config", type=Path, default=None, help="kvgate config (default: the demo tenants)")
         s.add_argument("--port", type=int, default=10000, help="Envoy's listen port")
-        s.add_argument("--nodes", type=int, default=2, help="simulated vLLM nodes to start")
-        s.add_argument("--profile", default="8b-h100", help="profile of the simulated vLLM nodes")
+        s.add_argument("--nodes", type=int, default=None, help="simulated vLLM nodes to start (default 2)")
+        s.add_argument("--profile", default=None, help="profile of the simulated vLLM nodes (default 8b-h100)")
+        s.add_argument("--pool", action=_PoolAction, type=_pool_spec, default=[], metavar=POOL_FORM_TEXT,
+                       help=POOL_HELP + (" (the demo: the chatbot, batch and intruder clients ask for the first "
+                                         "pool's model, the RAG flood for the last pool's)" if name == "demo" else ""))
         s.add_argument("--kv-blocks", type=int, default=3000 if name == "demo" else None,
                        help="KV blocks per simulated node (the demo's small cache shows KV pressure)")
         s.add_argument("--vllm", action="append", default=[], metavar="URL",
@@ -385,7 +450,7 @@ def parser() -> argparse.ArgumentParser:
                            help="seconds a client waits on a silent connection before giving up")
             s.add_argument("--json", action="store_true",
                            help="print only the before/after summary, as one JSON document on stdout")
-        s.set_defaults(fn=fn)
+        s.set_defaults(fn=fn, subparser=s)
 
     s = sub.add_parser("top", help="a live view of running kvgate replicas from their /metrics")
     s.add_argument("--metrics", action="append", required=True, metavar="URL",
@@ -403,6 +468,11 @@ def parser() -> argparse.ArgumentParser:
     b.add_argument("--replicas", type=int, default=1,
                    help="above 1, also: kvgate's CPU per request with the Redis store vs the in-process one, and "
                         "req/s of 1 vs this many replicas sharing Redis (needs redis-server)")
+    b.add_argument("--access-log-batch", type=int, default=0, metavar="BYTES",
+                   help="Envoy batches completions to kvgate (kvgate envoy-config --access-log-batch)")
+    b.add_argument("--no-breakdown", action="store_true",
+                   help="only the two headline runs: not the transport floor (a server that decides nothing), "
+                        "the CPU breakdown by part, nor the latency added at half kvgate's maximum rate")
     b.add_argument("--json", action="store_true")
     b.set_defaults(fn=_bench)
     b = bsub.add_parser("sim", help="virtual-time speed of a simulated fleet")
@@ -430,6 +500,19 @@ def parser() -> argparse.ArgumentParser:
     b.add_argument("--ops", type=int, default=3000)
     b.add_argument("--json", action="store_true")
     b.set_defaults(fn=_bench_queue)
+    b = bsub.add_parser("scale", help="decision time against nodes and tenants, and the CPU of following 10, 100 "
+                        "and 1,000 simulated probes (streamed, and polled as older probes are)")
+    b.add_argument("--nodes", type=int, nargs="+", default=[10, 100, 1_000], help="fleet sizes for decision time")
+    b.add_argument("--tenants", type=int, nargs="+", default=[10, 10_000])
+    b.add_argument("--ops", type=int, default=20_000, help="decisions per figure (0: skip decision time)")
+    b.add_argument("--follow-nodes", type=int, nargs="+", default=[10, 100, 1_000],
+                   help="simulated probes to follow (one port each, in a separate process)")
+    b.add_argument("--period", type=float, default=0.25, help="the probes' read and kvgate's poll interval")
+    b.add_argument("--seconds", type=float, default=10.0, help="measured seconds per follow figure")
+    b.add_argument("--modes", nargs="*", choices=["poll", "stream"], default=["poll", "stream"],
+                   help="poll: probes without the stream (kvgate polls GET /snapshot); stream: GET /snapshot/stream")
+    b.add_argument("--json", action="store_true")
+    b.set_defaults(fn=_bench_scale)
     from .scenarios.workloads import SCENARIOS
 
     b = bsub.add_parser("scenarios", help="the field guide's scenarios in virtual time, policies side by side")
@@ -459,7 +542,9 @@ def parser() -> argparse.ArgumentParser:
     b.add_argument("--scale", type=float, default=1.0)
     b.set_defaults(fn=_bench_trace)
     b = bsub.add_parser("live", help="a short scenario through the real stack, beside the same in virtual time")
-    b.add_argument("--scenario", default="noisy-neighbour", choices=list(SCENARIOS))
+    # the live stack runs one fleet of simulated nodes: a scenario with model pools is virtual time only
+    b.add_argument("--scenario", default="noisy-neighbour",
+                   choices=[n for n, make in SCENARIOS.items() if not make().config.get("pools")])
     b.add_argument("--seconds", type=float, default=30.0, help="length of the replayed trace")
     b.add_argument("--json", action="store_true")
     b.add_argument("--workdir", type=Path, default=Path(".kvgate-run/live"))
@@ -471,6 +556,7 @@ def main(argv: list[str] | None = None) -> int:
     from ext_proc.config import ConfigError
 
     a = parser().parse_args(argv)
+    _check_pool_args(a)
     try:
         return int(a.fn(a))
     except ConfigError as e:

@@ -20,7 +20,7 @@ import sys
 import threading
 import time
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -30,7 +30,7 @@ from ext_proc.identity import hash_key
 from . import loadgen, top
 from .envoy_config import EnvoyParams
 from .loadgen import Result, Traffic
-from .stack import RedisMissing, Stack, redis_binary
+from .stack import RedisMissing, SimPool, Stack, redis_binary
 
 
 @dataclass(frozen=True)
@@ -51,6 +51,9 @@ CLIENTS = [
            "a client with an unknown API key"),
 ]
 SEED = 7
+DEFAULT_NODES = 2
+"""Simulated nodes ``kvgate up`` / ``demo`` start without --nodes (and without --pool)."""
+DEFAULT_PROFILE = "8b-h100"
 
 
 def demo_config(mode: str = "enforce") -> dict[str, Any]:
@@ -82,14 +85,20 @@ def _stack(a: argparse.Namespace, cfg: dict[str, Any] | None = None, workdir: Pa
         cfg = load_yaml(a.config.read_text(), str(a.config)) if a.config else demo_config()
         if a.standin and not a.config:  # the stand-in upstream is no node kvgate picks: no nodes section
             cfg = {k: v for k, v in cfg.items() if k != "nodes"}
+    pools: list[SimPool] = list(getattr(a, "pool", None) or [])
+    given = cfg.get("nodes") or {}
+    if pools and (given.get("static") or given.get("dns")):
+        print(f"kvgate: --pool: the config's top-level nodes ({len(given.get('static') or [])} static"
+              f"{', DNS' if given.get('dns') else ''}) are not used: pools and nodes are exclusive; put them under "
+              "a pool of the config's own to keep them", file=sys.stderr)
     # the nodes always run vLLM's priority scheduler: without priorities sent, it is first come first served
     priority = a.config is None or bool((cfg.get("queue") or {}).get("inject_priority"))
-    sim_args = None if a.standin else ["--profile", a.profile, *(
+    sim_args = None if a.standin else ["--profile", a.profile or DEFAULT_PROFILE, *(
         ["--num-gpu-blocks", str(a.kv_blocks)] if a.kv_blocks else []), *(
         ["--scheduling-policy", "priority"] if priority else [])]
-    return Stack((workdir or a.workdir).resolve(), cfg, upstreams=a.nodes, token_ms=a.token_ms,
-                 envoy=EnvoyParams(listen_port=a.port), sim_args=sim_args, nodes=not a.standin,
-                 vllm_urls=a.vllm or None, replicas=getattr(a, "replicas", 1))
+    return Stack((workdir or a.workdir).resolve(), cfg, upstreams=DEFAULT_NODES if a.nodes is None else a.nodes,
+                 token_ms=a.token_ms, envoy=EnvoyParams(listen_port=a.port), sim_args=sim_args,
+                 nodes=not a.standin, vllm_urls=a.vllm or None, replicas=getattr(a, "replicas", 1), pools=pools)
 
 
 def _metrics_lines(st: Stack) -> str:
@@ -102,12 +111,35 @@ def _metrics_lines(st: Stack) -> str:
             f"  live view of all replicas:  kvgate top {' '.join('--metrics ' + u for u in st.metrics_urls)}\n")
 
 
+def _pool_lines(st: Stack) -> str:
+    """A line per pool: its name, the model(s) it serves, its nodes (and, for those this stack started,
+    their profile and probes) — what a user needs to send a request to each and find its node."""
+    probes = dict(zip([f"{h}:{p}" for h, p in st.envoy.upstreams], st.probe_ports, strict=False))
+    lines = "  pools (the body's model picks the pool, kvgate the node):\n"
+    for pool in st.kvgate_config.get("pools") or []:
+        name, models = str(pool.get("name")), ", ".join(map(str, pool.get("models") or []))
+        nodes = pool.get("nodes") or {}
+        addrs = [str(n.get("address")) for n in nodes.get("static") or []]
+        mine = name in st.pool_nodes
+        where = ", ".join(f"{a} (probe {probes[a]})" if mine and a in probes else a for a in addrs)
+        if nodes.get("dns"):
+            where = ", ".join(x for x in (where, f"DNS {nodes['dns'].get('name')}") if x)
+        profile = (nodes.get("performance") or {}).get("profile", "8b-h100")
+        origin = f"{len(addrs)} x kvgate sim, {profile}" if mine else "from the config"
+        lines += f"    {name:<26}model {models} [{origin}]: {where or '-'}\n"
+    return lines
+
+
 def _banner(st: Stack, file: TextIO | None = None) -> None:
+    if st.pooled:
+        nodes = _pool_lines(st)
+    else:
+        probes = ' (kvgate picks the node; probes on ' + ', '.join(map(str, st.probe_ports)) + ')' if st.nodes else ''
+        nodes = f"  vLLM nodes:                 {', '.join(f'{h}:{p}' for h, p in st.envoy.upstreams)}{probes}\n"
     print(f"kvgate local stack is up\n  OpenAI-compatible endpoint: {st.url}/v1\n"
           f"{_metrics_lines(st)}"
           f"  Envoy admin:                http://127.0.0.1:{st.envoy.admin_port}\n"
-          f"  vLLM nodes:                 {', '.join(f'{h}:{p}' for h, p in st.envoy.upstreams)}"
-          f"{' (kvgate picks the node; probes on ' + ', '.join(map(str, st.probe_ports)) + ')' if st.nodes else ''}\n"
+          f"{nodes}"
           f"  logs and config:            {st.workdir}", file=file or sys.stdout, flush=True)
 
 
@@ -225,9 +257,9 @@ def _ms(x: float | None) -> str:
     return f"{x:.0f} ms" if x < 1000 else f"{x / 1000:.1f} s"
 
 
-def before_after(doc: dict[str, dict[str, dict[str, Any]]], seconds: float) -> str:
-    rows = [f"Before/after: the same {seconds:g}s open-loop schedule (seed {SEED}) through the same two simulated"
-            " vLLM nodes.",
+def before_after(doc: dict[str, dict[str, dict[str, Any]]], seconds: float,
+                 fleet: str = "the same two simulated vLLM nodes") -> str:
+    rows = [f"Before/after: the same {seconds:g}s open-loop schedule (seed {SEED}) through {fleet}.",
             f"  {'tenant':<9}{'kvgate':<9}{'sent':>6}{'200':>6}{'429':>6}{'503':>6}{'401':>6}{'other':>6}"
             f"{'lost':>6}{'TTFT p50':>10}{'p99':>9}{'target':>8}  Retry-After (429)"]
     for c in CLIENTS:
@@ -260,16 +292,32 @@ def before_after(doc: dict[str, dict[str, dict[str, Any]]], seconds: float) -> s
     return "\n".join(rows)
 
 
+def demo_traffic(pools: list[SimPool]) -> list[Traffic]:
+    """The clients' traffic; with pools, each asks for a model (with several pools no request may leave
+    it out): the RAG flood for the last pool's, everyone else for the first pool's — so with two pools
+    the flood lands on its own pool, and the chatbot's pool stays healthy beside it."""
+    if not pools:
+        return [c.traffic for c in CLIENTS]
+    return [replace(c.traffic, model=(pools[-1] if c.traffic.tenant == "rag" else pools[0]).model) for c in CLIENTS]
+
+
+def _fleet_text(pools: list[SimPool]) -> str:
+    if not pools:
+        return "the same two simulated vLLM nodes"
+    return "the same simulated pools (" + ", ".join(f"{p.name}: {p.nodes} x {p.profile}" for p in pools) + ")"
+
+
 def demo(a: argparse.Namespace) -> int:
     t0 = time.monotonic()
     out: TextIO = sys.stderr if a.json else sys.stdout
-    arrivals = loadgen.schedule([c.traffic for c in CLIENTS], a.seconds, SEED)
+    pools: list[SimPool] = list(getattr(a, "pool", None) or [])
+    traffic = demo_traffic(pools)
+    arrivals = loadgen.schedule(traffic, a.seconds, SEED)
     print(f"kvgate demo: {len(arrivals)} requests on one seeded open-loop schedule, sent twice — without and "
           "with kvgate's admission.", file=out)
-    for c in CLIENTS:
-        t = c.traffic
+    for c, t in zip(CLIENTS, traffic, strict=True):
         print(f"  {t.tenant:<9} {t.rate:>4g} req/s, {t.prompt_chars // 4:>5} prompt tokens, {t.max_tokens:>4} out"
-              f"{' (streaming)' if t.stream else ''}: {c.role}", file=out)
+              f"{' (streaming)' if t.stream else ''}{f', model {t.model}' if t.model else ''}: {c.role}", file=out)
     sides: dict[str, list[Result]] = {}
     for side, mode, title in SIDES:
         sides[side] = run_side(a, mode, title, arrivals, out)
@@ -279,6 +327,6 @@ def demo(a: argparse.Namespace) -> int:
         json.dump(doc, sys.stdout, indent=2)
         sys.stdout.write("\n")
     else:
-        print("\n" + before_after(doc, a.seconds), flush=True)
+        print("\n" + before_after(doc, a.seconds, _fleet_text(pools)), flush=True)
         print(f"(the demo took {time.monotonic() - t0:.0f}s; logs and configs in {a.workdir.resolve()})")
     return 0

@@ -59,6 +59,8 @@ INFERENCE_PATHS: tuple[str, ...] = ("/v1/chat/completions", "/v1/completions", "
 """POST routes whose buffered body kvgate decides on."""
 BODYLESS_PATHS: tuple[str, ...] = ("/v1/models", "/health")
 """GET routes sent to kvgate headers-only (identity, no quota)."""
+BODYLESS_PREFIXES: tuple[str, ...] = ("/v1/models/",)
+"""GET routes by prefix, the same way: ``/v1/models/{model}`` (OpenAI's retrieve)."""
 UNLIMITED_MAX_REQUESTS = 100_000
 """The circuit breakers' size when kvgate's own config sets no fleet-wide bound."""
 
@@ -87,7 +89,11 @@ class EnvoyParams:
     """Remove the client's copy of ``trusted_header`` first in the filter chain (the operator's authn
     filter, which sets it, goes after that removal). Only the local test stack turns it off."""
     access_log_buffer_bytes: int = 0
-    """0: each completion reaches kvgate at once (slots free promptly); more batches entries."""
+    """0 (the default): each completion reaches kvgate at once, so a slot frees as its response ends.
+    Above 0 (``kvgate envoy-config --access-log-batch BYTES``): Envoy batches entries up to this many
+    bytes or 50 ms (``buffer_flush_interval``), whichever comes first — one gRPC message carries many
+    (kvgate's CPU per request about -80 us on 2 cores), but a slot frees up to 50 ms late: a tenant at
+    its ``max_concurrent`` that sends its next request the moment a response ends may get a 429."""
     original_dst: bool = False
     """True: kvgate picks the node; the upstream cluster sends each request to the host:port kvgate put
     in x-gateway-destination-endpoint (ORIGINAL_DST), as the Gateway API Inference Extension does."""
@@ -97,6 +103,7 @@ class EnvoyParams:
     :func:`params_for`), so kvgate's limits bind, never Envoy's default 1,024."""
     inference_paths: tuple[str, ...] = INFERENCE_PATHS
     bodyless_paths: tuple[str, ...] = BODYLESS_PATHS
+    bodyless_prefixes: tuple[str, ...] = BODYLESS_PREFIXES
     request_headers_timeout_ms: int = 10_000
     """A client must have sent all its request headers within this (slowloris)."""
     request_timeout_ms: int = 70_000
@@ -115,7 +122,9 @@ class EnvoyParams:
 def params_for(cfg: Config, base: EnvoyParams | None = None) -> EnvoyParams:
     """``base`` with the limits that must sit above kvgate's own, derived from kvgate's config."""
     base = base or EnvoyParams()
-    queued = cfg.queue.max_size if cfg.queue.enabled else 0
+    # every pool has its own gateway queue (``pools[i].queue.max_size``, default ``queue.max_size``)
+    queued = sum(p.queue.max_size or cfg.queue.max_size for p in cfg.pools) if cfg.pools else cfg.queue.max_size
+    queued = queued if cfg.queue.enabled else 0
     if cfg.fleet.max_inflight is None:
         max_requests = max(base.max_requests, UNLIMITED_MAX_REQUESTS)
     else:
@@ -447,8 +456,10 @@ def routes(p: EnvoyParams, kvgate: bool = True) -> list[dict[str, Any]]:
                     "request_headers_to_remove": [BUFFERED_HEADER]})  # the node never sees it
         out.append({"name": f"inference:{path}", "match": {**_path(path), "headers": _method("POST")},
                     "route": inference_route_action(p)})
-    for path in p.bodyless_paths:
-        r: dict[str, Any] = {"name": f"bodyless:{path}", "match": {**_path(path), "headers": _method("GET")},
+    bodyless = [(path, _path(path)) for path in p.bodyless_paths]
+    bodyless += [(prefix + "*", {"prefix": prefix}) for prefix in p.bodyless_prefixes]
+    for name, match in bodyless:
+        r: dict[str, Any] = {"name": f"bodyless:{name}", "match": {**match, "headers": _method("GET")},
                              "route": {"cluster": UPSTREAM_CLUSTER, "timeout": "60s"}}
         if kvgate:
             r["typed_per_filter_config"] = headers_only_override()

@@ -7,8 +7,10 @@ the very same binaries and configs a user would.
 from __future__ import annotations
 
 import contextlib
+import copy
 import os
 import random
+import re
 import shutil
 import signal
 import socket
@@ -21,6 +23,8 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+
+from ext_proc.config import ConfigError, is_pattern, parse_config
 
 from .envoy_config import EXTPROC_CLUSTER, EnvoyParams, bootstrap, dump, params_for
 
@@ -112,6 +116,120 @@ def http_get(url: str, timeout: float = 2.0) -> tuple[int, bytes]:
     except urllib.error.HTTPError as e:
         return int(e.code), bytes(e.read())
 
+POOL_FORM = "NAME=PROFILE:N"
+"""The form of ``kvgate up --pool``: a model name, a ``kvgate sim`` profile, a node count."""
+POOL_EXAMPLE = "llama-8b=8b-h100:2"
+_POOL_NAME = re.compile(r"^[a-z0-9][a-z0-9_.-]{0,62}$")  # ext_proc.config's pattern for pool names
+_MODEL_NAME = re.compile(r"^[^\s\x00-\x1f\x7f]{1,256}$")  # ext_proc.config.ModelName
+RESERVED_POOL_NAMES = ("none",)
+"""``pool="none"`` labels requests refused before routing (ext_proc.pools.NO_POOL): no pool may take it."""
+
+
+def pool_name(model: str) -> str:
+    """The pool name ``kvgate up --pool`` gives a model: lower-cased, every run of characters outside
+    ``[a-z0-9_.-]`` made one ``-``, leading and trailing ``-._`` dropped, at most 63 characters — so
+    ``meta-llama/Llama-3.1-8B`` is pool ``meta-llama-llama-3.1-8b``. Pool names label every per-pool
+    metric, hence the pattern; "" when nothing usable is left."""
+    name = re.sub(r"[^a-z0-9_.-]+", "-", model.lower()).strip("-._")
+    return name[:63].rstrip("-._")
+
+
+@dataclass(frozen=True)
+class SimPool:
+    """A pool of simulated vLLM nodes the stack starts (``kvgate up --pool NAME=PROFILE:N``): ``nodes``
+    ``kvgate sim --profile PROFILE --served-model-name MODEL`` processes, added to kvgate's config as the
+    pool :attr:`name` serving exactly ``model``, with ``nodes.performance.profile`` its profile (the
+    prior kvgate's performance model starts from). Checked on construction: a bad one is a ValueError
+    saying what is wrong, before anything starts."""
+
+    model: str
+    profile: str = "8b-h100"
+    nodes: int = 1
+    name: str = field(default="", compare=False)
+    """The pool's name; derived from ``model`` by :func:`pool_name` (the default)."""
+
+    def __post_init__(self) -> None:
+        from sim.profiles import PROFILES
+
+        if not _MODEL_NAME.match(self.model):
+            raise ValueError(f"model name {self.model!r}: 1 to 256 printable characters, no spaces")
+        if is_pattern(self.model):
+            raise ValueError(f"model name {self.model!r}: a simulated node serves one exact name "
+                             "(no '*', '?' or '[')")
+        if self.profile not in PROFILES:
+            raise ValueError(f"unknown profile {self.profile!r}; known: {', '.join(PROFILES)}")
+        if self.nodes < 1:
+            raise ValueError(f"N must be at least 1 (a pool needs a node), got {self.nodes}")
+        name = self.name or pool_name(self.model)
+        if not _POOL_NAME.match(name):
+            raise ValueError(f"no pool name can be made from model name {self.model!r} (a pool name is "
+                             "[a-z0-9][a-z0-9_.-]{0,62}; the model's is lower-cased, other characters made '-')")
+        if name in RESERVED_POOL_NAMES:
+            raise ValueError(f"pool name {name!r} is reserved (it labels requests refused before routing)")
+        object.__setattr__(self, "name", name)
+
+    @property
+    def spec(self) -> str:
+        """As given on the command line."""
+        return f"{self.model}={self.profile}:{self.nodes}"
+
+    @classmethod
+    def parse(cls, spec: str) -> SimPool:
+        """``NAME=PROFILE:N``. The last ``=`` and the last ``:`` split it, so a model name may hold
+        either (``llama3:8b=8b-h100:1``). ValueError naming the spec and the expected form otherwise."""
+        model, eq, rest = spec.rpartition("=")
+        profile, colon, count = rest.rpartition(":")
+        if not (eq and colon and model and profile and count):
+            raise ValueError(f"{spec!r}: want {POOL_FORM} (a model name, a kvgate sim profile, a node count), "
+                             f"e.g. {POOL_EXAMPLE}")
+        try:
+            n = int(count)
+        except ValueError:
+            raise ValueError(f"{spec!r}: N must be a whole number of nodes, got {count!r} "
+                             f"(want {POOL_FORM}, e.g. {POOL_EXAMPLE})") from None
+        try:
+            return cls(model, profile, n)
+        except ValueError as e:
+            raise ValueError(f"{spec!r}: {e}") from None
+
+
+def with_pools(cfg: dict[str, Any], pools: list[tuple[SimPool, list[dict[str, str]]]]) -> dict[str, Any]:
+    """kvgate's config ``cfg`` with ``pools`` (each with its ``nodes.static`` entries) appended to its own
+    ``pools``. Pools and a top-level ``nodes`` are exclusive, so ``nodes`` goes; its settings other than
+    the node list and the performance model (breaker, KV threshold, polling, prefix affinity...) become
+    each added pool's, so a config tuned for one pool keeps its tuning. A pool name the config has
+    already is a ConfigError: two pools of one name would be two sets of metrics under one label."""
+    base = {k: v for k, v in (cfg.get("nodes") or {}).items() if k not in ("static", "dns", "performance")}
+    base.setdefault("poll_interval_seconds", 0.2)
+    out_pools = list(cfg.get("pools") or [])
+    taken = {p.get("name"): i for i, p in enumerate(out_pools) if isinstance(p, dict)}
+    for pool, static in pools:
+        if pool.name in taken:
+            where = f"pools[{taken[pool.name]}] of kvgate's config" if taken[pool.name] < len(
+                cfg.get("pools") or []) else "another --pool"
+            raise ConfigError(f"--pool {pool.spec}: pool {pool.name!r} is already defined ({where}); a pool "
+                              "name is the model name, lower-cased and sanitised, so give each pool its own model")
+        taken[pool.name] = len(out_pools)
+        nodes = {**copy.deepcopy(base), "static": static, "performance": {"profile": pool.profile}}
+        out_pools.append({"name": pool.name, "models": [pool.model], "nodes": nodes})
+    out = {k: v for k, v in cfg.items() if k != "nodes"}
+    out["pools"] = out_pools
+    return out
+
+
+def _drop_flag(args: list[str], flag: str) -> list[str]:
+    """``args`` without ``flag`` and its value (a pool's node sets its own profile and model name)."""
+    out: list[str] = []
+    skip = False
+    for a in args:
+        if skip:
+            skip = False
+        elif a == flag:
+            skip = True
+        elif not a.startswith(flag + "="):
+            out.append(a)
+    return out
+
 
 @dataclass
 class Stack:
@@ -136,18 +254,69 @@ class Stack:
     redis: bool | None = None
     """Start a local ``redis-server`` and put ``store.redis`` into kvgate's config (unless that has a
     store already). None: only with more than one replica."""
+    pools: list[SimPool] = field(default_factory=list)
+    """Pools of simulated nodes to start and add to kvgate's config (:func:`with_pools`); then
+    ``upstreams`` is not used, kvgate picks the node, and ``sim_args`` go to every pool's nodes (less
+    ``--profile`` and ``--served-model-name``, which each pool sets). A config with ``pools`` of its own
+    and no ``pools`` here starts no node: its pools list theirs."""
+    bare: bool = False
+    """Run the transport floor (``kvgate.bare``: decides nothing) where kvgate would run."""
+    extproc_env: dict[str, str] = field(default_factory=dict)
+    """Extra environment of the kvgate processes (e.g. ``KVGATE_CPU_PARTS=1``)."""
+    pool_nodes: dict[str, list[str]] = field(default_factory=dict)
+    """After start: each started pool's nodes (base URLs), by pool name."""
     probe_ports: list[int] = field(default_factory=list)
     procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
     metrics_port: int = 0
     metrics_ports: list[int] = field(default_factory=list)
     redis_port: int = 0
     config_path: Path = field(init=False)
+    _given: dict[str, Any] | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.replicas < 1:
             raise ValueError("replicas: at least 1")
+        if self.pooled and self.vllm_urls:
+            raise ValueError("vllm_urls: with pools, each pool lists its own nodes (in kvgate's config)")
+        names = [p.name for p in self.pools]
+        if len(set(names)) < len(names):
+            raise ValueError(f"pools: a pool name given twice: {names}")
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.config_path = self.workdir / "kvgate.yaml"
+
+    @property
+    def pooled(self) -> bool:
+        """kvgate runs with ``pools`` (the stack's or its config's own), not a top-level ``nodes``."""
+        return bool(self.pools) or bool(self.kvgate_config.get("pools"))
+
+    def pooled_config(self, nodes: list[tuple[str, str]]) -> dict[str, Any]:
+        """kvgate's config with this stack's pools added, given each started node's (address, probe URL)
+        in pool order (``pools[0]``'s nodes first)."""
+        if len(nodes) != sum(p.nodes for p in self.pools):
+            raise ValueError(f"{len(nodes)} nodes for pools of {sum(p.nodes for p in self.pools)}")
+        if self._given is None:  # the config as given: a second start adds the pools to it, not to the last result
+            self._given = self.kvgate_config
+        if not self.pools:  # the config's own pools only: as it is (kvgate reports a top-level nodes beside them)
+            return self._given
+        groups, i = [], 0
+        for p in self.pools:
+            groups.append((p, [{"address": a, "probe": u} for a, u in nodes[i:i + p.nodes]]))
+            i += p.nodes
+        return with_pools(self._given, groups)
+
+    def check_pools(self) -> None:
+        """The config this stack will run with, checked before anything starts (ConfigError naming the
+        field): the nodes' ports are not chosen yet, so placeholders stand in for them."""
+        if not self.pooled:
+            return
+        n = sum(p.nodes for p in self.pools)
+        parse_config(self.pooled_config([(f"127.0.0.1:{k + 1}", f"http://127.0.0.1:{k + 1}") for k in range(n)]),
+                     "kvgate's config with the --pool pools added")
+
+    def pool_sim_args(self, pool: SimPool) -> list[str]:
+        """``kvgate sim`` arguments of one of ``pool``'s nodes (its port and seed apart)."""
+        args = _drop_flag(_drop_flag(list(self.sim_args or []), "--profile"), "--served-model-name")
+        return [*args, "--profile", pool.profile, "--served-model-name", pool.model]
 
     @property
     def url(self) -> str:
@@ -182,9 +351,9 @@ class Stack:
         """The kvgate processes' names (keys of ``procs``, stems of their log files)."""
         return ["kvgate"] if self.replicas == 1 else [f"kvgate{i}" for i in range(self.replicas)]
 
-    def _spawn(self, name: str, args: list[str]) -> subprocess.Popen[bytes]:
+    def _spawn(self, name: str, args: list[str], extra_env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
         logf = open(self.workdir / f"{name}.log", "ab")  # noqa: SIM115 (lives as long as the process)
-        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        env = dict(os.environ, PYTHONUNBUFFERED="1", **(extra_env or {}))
         p = subprocess.Popen(args, stdout=logf, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         self.procs[name] = p
         return p
@@ -209,6 +378,7 @@ class Stack:
         """Start everything; if any part fails, what was started is stopped again before the error."""
         if self.uses_redis:
             redis_binary()  # before anything is started
+        self.check_pools()
         try:
             return self._start()
         except BaseException:
@@ -217,7 +387,9 @@ class Stack:
 
     def _start(self) -> Stack:
         external = [u.rstrip("/") for u in (self.vllm_urls or [])]
-        ports = [] if external else [free_port() for _ in range(self.upstreams)]
+        pooled = self.pooled
+        owners = [p for p in self.pools for _ in range(p.nodes)]  # the pool of each node started
+        ports = [] if external else [free_port() for _ in range(len(owners) if pooled else self.upstreams)]
         trusted = (self.kvgate_config.get("identity") or {}).get("trusted_header")
         self.envoy = replace(
             self.envoy,
@@ -228,17 +400,15 @@ class Stack:
             extproc_port=free_port(),
             extproc_ports=(),
             upstreams=[("127.0.0.1", p) for p in ports] or [_hostport(u) for u in external],
-            original_dst=self.nodes or self.envoy.original_dst,
+            original_dst=self.nodes or pooled or self.envoy.original_dst,
             # no authn filter in the local stack: the tests' client plays the authenticator and sets the
             # trusted header itself, so it is not stripped here (it is everywhere else)
             strip_trusted_header=False,
         )
-        try:  # Envoy's limits sized above kvgate's own (circuit breakers, timeouts, body limit)
-            from ext_proc.config import parse_config
-
+        # Envoy's limits sized above kvgate's own (circuit breakers, timeouts, body limit); a bad config
+        # is kvgate's to report when it starts
+        with contextlib.suppress(Exception):
             self.envoy = params_for(parse_config(self.kvgate_config), self.envoy)
-        except Exception:  # kvgate itself reports a bad config when it starts
-            pass
         if self.replicas > 1:
             self.envoy = replace(self.envoy, extproc_ports=(self.envoy.extproc_port,
                                                             *(free_port() for _ in range(self.replicas - 1))))
@@ -248,14 +418,17 @@ class Stack:
             self.redis_port = free_port()
         py = sys.executable
         for i, port in enumerate(ports):
-            if self.sim_args is not None:
+            if pooled:
+                cmd = [py, "-m", "kvgate.cli", "sim", "--port", str(port), "--seed", str(i),
+                       *self.pool_sim_args(owners[i])]
+            elif self.sim_args is not None:
                 cmd = [py, "-m", "kvgate.cli", "sim", "--port", str(port), "--seed", str(i), *self.sim_args]
             else:
                 cmd = [py, "-m", "kvgate.cli", "upstream", "--port", str(port), "--token-ms", str(self.token_ms)]
             self._spawn(f"upstream{i}", cmd)
         for i, port in enumerate(ports):
             wait_port(port, proc=self.procs[f"upstream{i}"])
-        if self.nodes:
+        if self.nodes or pooled:
             urls = external or [f"http://127.0.0.1:{p}" for p in ports]
             self.probe_ports = [free_port() for _ in urls]
             for i, (url, pp) in enumerate(zip(urls, self.probe_ports, strict=True)):
@@ -263,6 +436,16 @@ class Stack:
                                           "--interval", "0.2"])
             for i, pp in enumerate(self.probe_ports):
                 wait_port(pp, proc=self.procs[f"probe{i}"])
+        if pooled:
+            self.pool_nodes = {p.name: [] for p in self.pools}
+            for pool, url in zip(owners, urls, strict=True):
+                self.pool_nodes[pool.name].append(url)
+            self.kvgate_config = self.pooled_config([
+                ("{}:{}".format(*_hostport(u)), f"http://127.0.0.1:{pp}")
+                for u, pp in zip(urls, self.probe_ports, strict=True)])
+            with contextlib.suppress(Exception):  # Envoy's limits from the config kvgate really runs with
+                self.envoy = params_for(parse_config(self.kvgate_config), self.envoy)
+        elif self.nodes:
             nodes_cfg = dict(self.kvgate_config.get("nodes") or {})
             nodes_cfg["static"] = [
                 {"address": "{}:{}".format(*_hostport(u)), "probe": f"http://127.0.0.1:{pp}"}
@@ -303,11 +486,12 @@ class Stack:
         self._wait_replica(i)
 
     def _spawn_replica(self, i: int) -> None:
-        cmd = [sys.executable, "-m", "kvgate.cli", "extproc", "--config", str(self.config_path)]
+        cmd = [sys.executable, "-m", "kvgate.bare" if self.bare else "kvgate.cli"]
+        cmd += ["--config", str(self.config_path)] if self.bare else ["extproc", "--config", str(self.config_path)]
         if self.replicas > 1:  # one config file, its own addresses
             cmd += ["--grpc-address", f"127.0.0.1:{self.extproc_ports[i]}",
                     "--metrics-address", f"127.0.0.1:{self.metrics_ports[i]}"]
-        self._spawn(self.replica_names[i], cmd)
+        self._spawn(self.replica_names[i], cmd, self.extproc_env)
 
     def _wait_replica(self, i: int) -> None:
         name = self.replica_names[i]

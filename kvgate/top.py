@@ -19,7 +19,7 @@ import time
 import urllib.error
 from collections import defaultdict
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
@@ -205,7 +205,29 @@ def build(prev: list[Scrape], cur: list[Scrape], title: str = "kvgate top") -> V
                 store.local_split += int(s.value)
             elif s.name == "kvgate_config_info" and s.value:
                 store.versions.add(s.labels.get("version", "?"))
-    return View(dict(pools), interval, len(cur), title, store if store.replicas else None)
+    return View(_one_pool(dict(pools)), interval, len(cur), title, store if store.replicas else None)
+
+
+def _one_pool(pools: dict[str, Pool]) -> dict[str, Pool]:
+    """A config without pools shows as one table with no pool heading: its pool (``default``), the
+    requests refused before routing (``none``) and an older kvgate's unlabelled series are one."""
+    if not set(pools) <= {"", "default", "none"}:
+        return pools
+    one = Pool()
+    for p in pools.values():
+        for name, row in p.tenants.items():
+            into = one.tenants[name]
+            for f in fields(row):
+                a, b = getattr(into, f.name), getattr(row, f.name)
+                if f.name.startswith("ttft"):  # latencies do not add: the one that is known
+                    setattr(into, f.name, a if a is not None else b)
+                else:
+                    setattr(into, f.name, a + b)
+        for name, n in p.nodes.items():  # a node, or a tier's latency, belongs to one pool
+            one.nodes.setdefault(name, n)
+        for name, t in p.tiers.items():
+            one.tiers.setdefault(name, t)
+    return {"": one}
 
 
 # -- rendering -------------------------------------------------------------------------------------

@@ -89,7 +89,15 @@ class ScalerConfig(_Strict):
     stale_after_seconds: Annotated[float, Field(gt=0)] = 60.0
     pools: dict[Annotated[str, Field(pattern=r"^[a-z0-9][a-z0-9_.-]{0,62}$")], Pool] = Field(
         default_factory=lambda: {"default": Pool()},
-        description="one per ScaledObject; its scalerMetadata 'pool' names it")
+        description="one per ScaledObject; its scalerMetadata 'pool' names it, and it scales on kvgate's pool of "
+        "the same name (a kvgate without pools: its one pool, whatever the name)")
+
+    @model_validator(mode="after")
+    def _no_none_pool(self) -> ScalerConfig:
+        # pool="none" labels kvgate's requests refused before routing: a pool of that name would read nothing
+        if "none" in self.pools:
+            raise ValueError("pools.none: 'none' is reserved (kvgate labels requests refused before routing with it)")
+        return self
 
 
 def load_scaler_config(path: str | Path) -> ScalerConfig:

@@ -101,7 +101,8 @@ class LawSettings:
 
 @dataclass(frozen=True)
 class Signals:
-    """What every kvgate replica reported, summed, over the window ending at ``at``."""
+    """What every kvgate replica reported for one pool (``scaler.signals.PoolSignals``; or for the whole
+    fleet), summed, over the window ending at ``at``."""
 
     at: float
     admitted: dict[str, float] = field(default_factory=dict)

@@ -1,7 +1,13 @@
 """``kvgate scaler``: KEDA's external scaler over gRPC, around the pure control law.
 
 Every ``interval_seconds`` it reads the signals (every kvgate replica, or Prometheus) and runs each
-pool's law. KEDA asks:
+pool's law on that pool's own signals: scaler pool ``NAME`` reads kvgate's series labelled
+``pool="NAME"`` (``scaler.signals.PoolSignals.of``), so a flood on one model scales only the Deployment
+serving it. A kvgate without ``pools`` reports the one pool ``default`` (or no pool label at all): every
+scaler pool then reads that fleet-wide signal, as before pools. A pool kvgate does not report reads zero
+demand (a complete read that saw none of its requests is not missing data); since a misspelt pool name
+would scale its Deployment down to ``min_replicas`` that way, it is logged (``pool_not_reported``, with
+the pools kvgate does report) and exported (``kvgate_scaler_pool_reported{pool}`` 0). KEDA asks:
 
 * ``GetMetricSpec`` → one metric per pool, ``kvgate-desired-replicas-<pool>``, target 1 (KEDA's
   default AverageValue: the HPA computes desired = ceil(value / 1), i.e. the law's replica count);
@@ -23,7 +29,7 @@ unmet rate and its split by cause, the projection, the KV-cache usage) and the n
 per pool (``kvgate_scaler_unmet_demand_ratio{pool,cause}``, ``kvgate_scaler_projected_unmet_ratio``,
 ``kvgate_scaler_kv_usage_ratio``).
 
-A ScaledObject names its pool in ``scalerMetadata.pool`` (default ``default``).
+A ScaledObject names its pool in ``scalerMetadata.pool`` (default ``default``): kvgate's pool of that name.
 """
 
 from __future__ import annotations
@@ -35,7 +41,7 @@ import signal
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 import grpc
 from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
@@ -47,7 +53,7 @@ from . import externalscaler_pb2 as pb
 from . import externalscaler_pb2_grpc as pb_grpc
 from .config import ScalerConfig
 from .law import CAUSES, ControlLaw, Signals, Verdict
-from .signals import DirectSource, PrometheusSource, SourceError
+from .signals import DEFAULT_POOL, DirectSource, PoolSignals, PrometheusSource, SourceError
 
 log = logs.get("kvgate.scaler")
 METRIC_PREFIX = "kvgate-desired-replicas-"
@@ -55,10 +61,19 @@ KEDA_PREFIX = re.compile(r"^s\d+-")
 
 
 class Source(Protocol):
+    """A source that knows no pools: its fleet-wide signals are every scaler pool's (``PoolSignals.single``)."""
+
     def read(self, now: float) -> Signals: ...
 
 
-def source_for(cfg: ScalerConfig) -> Source:
+@runtime_checkable
+class PoolSource(Protocol):
+    """A source that reads every pool's signals at once (``DirectSource``, ``PrometheusSource``)."""
+
+    def read_pools(self, now: float) -> PoolSignals: ...
+
+
+def source_for(cfg: ScalerConfig) -> PoolSource:
     s = cfg.source
     if s.prometheus:
         return PrometheusSource(s.prometheus, s.job, cfg.window_seconds)
@@ -73,12 +88,17 @@ class PoolState:
 
 
 class Scaler:
-    def __init__(self, cfg: ScalerConfig, source: Source, registry: CollectorRegistry | None = None) -> None:
+    def __init__(self, cfg: ScalerConfig, source: Source | PoolSource,
+                 registry: CollectorRegistry | None = None) -> None:
         self.cfg = cfg
         self.source = source
         self.pools = {name: PoolState(ControlLaw(p.law(cfg.stale_after_seconds, cfg.window_seconds)))
                       for name, p in cfg.pools.items()}
-        self.signals: Signals | None = None
+        self.signals: PoolSignals | None = None
+        self.shared: bool | None = None
+        """Whether the last complete read had one fleet-wide signal for every pool (None: none yet)."""
+        self._reported: dict[str, bool] = {}
+        """Per pool: whether kvgate reported it at the last complete read."""
         self.changed = asyncio.Event()
         r = self.registry = registry if registry is not None else CollectorRegistry()
         self.m_desired = Gauge("kvgate_scaler_desired_replicas", "Replicas the control law asks for", ["pool"],
@@ -111,29 +131,62 @@ class Scaler:
         self.m_observed = Gauge("kvgate_scaler_observed_replicas",
                                 "vLLM replicas the signals last reported: the floor of a hold on missing data",
                                 ["pool"], registry=r)
+        self.m_reported = Gauge("kvgate_scaler_pool_reported",
+                                "1 when kvgate reports series for the pool (pool=\"<name>\", or a kvgate without "
+                                "pools: its one pool); 0: the pool reads zero demand (is it named as in kvgate's "
+                                "config pools?)", ["pool"], registry=r)
         for name in self.pools:
             self.m_ready.labels(name).set(0)
             self.m_missing.labels(name).set(1)
 
-    def read(self, now: float) -> Signals | None:
+    def read(self, now: float) -> PoolSignals | None:
         """The signals now (blocking HTTP: the server calls it off the event loop); None when unreadable."""
         try:
-            return self.source.read(now)
+            if isinstance(self.source, PoolSource):
+                return self.source.read_pools(now)
+            return PoolSignals.single(self.source.read(now))
         except SourceError as e:
             log.warning("signal_source_failed", error=str(e))
             return None
 
-    def apply(self, sig: Signals | None, now: float) -> None:
-        """Run each pool's law on the signals and publish the verdicts."""
+    def _track_pools(self, sig: PoolSignals) -> None:
+        """Export which pools kvgate reports, and log a change (complete reads only: a partial one may miss
+        a pool)."""
+        if sig.shared != self.shared:
+            self.shared = sig.shared
+            if sig.shared and set(self.pools) != {DEFAULT_POOL}:
+                log.info("one_fleet_signal", pools=sorted(self.pools),
+                         note="kvgate reports no pool but 'default' (no pools in its config): every scaler pool "
+                         "reads its fleet-wide signal")
+        for name in self.pools:
+            reported = sig.reported(name)
+            self.m_reported.labels(name).set(1 if reported else 0)
+            if not reported and self._reported.get(name, True):
+                log.warning("pool_not_reported", pool=name, kvgate_pools=sorted(sig),
+                            note="kvgate reports no series for this pool: it reads zero demand (a scaler pool "
+                            "scales kvgate's pool of the same name)")
+            self._reported[name] = reported
+
+    def apply(self, sig: Signals | PoolSignals | None, now: float) -> None:
+        """Run each pool's law on its own signals and publish the verdicts (fleet-wide ``Signals``: every
+        pool's)."""
+        if isinstance(sig, Signals):
+            sig = PoolSignals.single(sig)
         self.m_source.set(1 if sig is not None and sig.complete else 0)
+        if sig is not None and sig.complete:
+            fleet = sig.fleet().reject_rate
+            if fleet is not None:
+                self.m_rate.set(fleet)
+            self._track_pools(sig)
         if sig is not None:
             self.signals = sig
         self.m_policy.clear()
         for name, st in self.pools.items():
             old = st.verdict
-            v = st.verdict = st.law.decide(sig, now)
-            if not v.missing_data and sig is not None:
-                st.active = sig.held > 0 or sig.demand > 0
+            ps = sig.of(name) if sig is not None else None
+            v = st.verdict = st.law.decide(ps, now)
+            if not v.missing_data and ps is not None:
+                st.active = ps.held > 0 or ps.demand > 0
             self.m_ready.labels(name).set(1 if v.ready else 0)
             self.m_missing.labels(name).set(1 if v.missing_data else 0)
             if st.law.observed is not None:
@@ -149,8 +202,6 @@ class Scaler:
                 continue
             self.m_desired.labels(name).set(v.desired)
             self.m_decisions.labels(name, v.action).inc()
-            if not v.missing_data and sig is not None and sig.reject_rate is not None:
-                self.m_rate.set(sig.reject_rate)
             if v.unmet is not None:
                 for cause in CAUSES:
                     self.m_unmet.labels(name, cause).set(v.unmet.share(cause))
@@ -242,7 +293,7 @@ class ExternalScalerServicer(pb_grpc.ExternalScalerServicer):
                            metricValueFloat=float(desired))])
 
 
-async def serve(cfg: ScalerConfig, source: Source | None = None) -> None:
+async def serve(cfg: ScalerConfig, source: Source | PoolSource | None = None) -> None:
     scaler = Scaler(cfg, source or source_for(cfg))
     server = grpc.aio.server()
     pb_grpc.add_ExternalScalerServicer_to_server(ExternalScalerServicer(scaler), server)  # type: ignore[no-untyped-call]

@@ -1,21 +1,33 @@
 """Where the scaler's signals come from: every kvgate replica's /metrics, or a Prometheus that scrapes them.
 
-Both give the same ``Signals``: per-tenant admitted and capacity-rejected requests over the window,
-policy rejections (and, of those, the ones for a tenant's own request or token budget and the ones
-the fleet caused), admitted requests predicted to miss their SLO, requests held in kvgate's queues
-now, the vLLM replicas kvgate sees and their mean KV-cache usage. Shadow-mode would-be rejections are
-admits (they reached the fleet). A kvgate of an older version exports no fleet-caused or
-predicted-miss counters: read as none. The PromQL of ``TRIGGER_QUERY`` is what the README offers as a
-KEDA Prometheus trigger, for users who want no scaler service.
+Both give the same ``Signals``, one per model pool (``PoolSignals``): per-tenant admitted and
+capacity-rejected requests over the window, policy rejections (and, of those, the ones for a tenant's
+own request or token budget and the ones the fleet caused), admitted requests predicted to miss their
+SLO, requests held in kvgate's queues now, the vLLM replicas kvgate sees and their mean KV-cache usage.
+Shadow-mode would-be rejections are admits (they reached the fleet). A kvgate of an older version
+exports no fleet-caused or predicted-miss counters: read as none.
+
+Pools: every series is grouped by its ``pool`` label, so that each scaler pool acts on its own pool's
+demand and replicas, not on the whole fleet's. A series without the label (a kvgate older than pools)
+belongs to pool ``default``, the one pool of a kvgate without ``pools`` in its config; ``pool="none"``
+labels requests refused before routing (no key, a bad body, a model no pool serves): they never wanted
+any pool's capacity, so they count nowhere, not even in the fleet-wide sums. (A model the tenant may not
+use is labelled with the pool that serves it; its 403 is class ``auth``, never demand.)
+
+The PromQL of ``TRIGGER_QUERY`` (fleet-wide) and ``trigger_query(pool)`` (one pool) is what the README
+offers as a KEDA Prometheus trigger, for users who want no scaler service; ``TRIGGER_QUERY_BY_POOL`` is
+the shipped recording rule ``kvgate:capacity_reject_ratio:rate2m`` (one series per pool).
 """
 
 from __future__ import annotations
 
 import json
+import re
 import socket
 import urllib.parse
 import urllib.request
 from collections import deque
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 
 from prometheus_client.parser import text_string_to_metric_families
@@ -35,6 +47,24 @@ BUDGET_REASONS = ("tenant-requests", "tenant-tokens")
 FLEET_CAUSED = "kvgate_fleet_caused_rejections_total"
 PREDICTED_MISSES = "kvgate_predicted_slo_misses_total"
 
+DEFAULT_POOL = "default"
+"""The one pool of a kvgate without ``pools``, and of series without a pool label (ext_proc.pools.DEFAULT_POOL;
+spelled out here so that the scaler reads kvgate's exposition format, not kvgate's code)."""
+NO_POOL = "none"
+"""``pool="none"``: requests refused before routing (ext_proc.pools.NO_POOL). Never a pool's demand."""
+POOL_NAME = re.compile(r"^[a-z0-9][a-z0-9_.-]{0,62}$")
+"""A pool's name, as kvgate's and the scaler's configs spell it (also what makes it safe inside PromQL)."""
+POOLED = frozenset({"kvgate_requests_total", FLEET_CAUSED, PREDICTED_MISSES, "kvgate_queue_depth_requests",
+                    "kvgate_nodes_total", "kvgate_node_kv_usage_ratio", "kvgate_fleet_inflight_requests"})
+"""The families whose ``pool`` label says which pools a kvgate reports (the gauges exist for every pool
+from the start; the counters once a request came)."""
+
+
+def pool_of(labels: Mapping[str, str]) -> str | None:
+    """The pool a series counts for: its ``pool`` label, ``default`` without one; None for ``none``."""
+    pool = labels.get("pool") or DEFAULT_POOL
+    return None if pool == NO_POOL else pool
+
 
 @dataclass(frozen=True)
 class Reading:
@@ -44,41 +74,70 @@ class Reading:
     """vLLM nodes this replica knows; None when it does not choose nodes (Envoy does)."""
     kv_usage: float | None = None
     """The mean KV-cache usage of the nodes this replica probes; None: no node reading."""
+    pools: Mapping[str, Reading] = field(default_factory=dict)
+    """The same, per pool this replica reports (the fields above are their sums; pool ``none`` is in neither)."""
+
+
+@dataclass
+class _Acc:
+    """One pool's running sums while a page is parsed."""
+
+    totals: Totals = field(default_factory=dict)
+    held: float = 0.0
+    nodes: int | None = None
+    kv: list[float] = field(default_factory=list)
+
+    def add(self, key: tuple[str, str], v: float) -> None:
+        self.totals[key] = self.totals.get(key, 0.0) + v
+
+    def reading(self) -> Reading:
+        return Reading(self.totals, self.held, self.nodes, sum(self.kv) / len(self.kv) if self.kv else None)
 
 
 def parse_kvgate(text: str) -> Reading:
-    """One replica's exposition → cumulative counts (raises ValueError on text that is not one)."""
-    totals: Totals = {}
-    held = 0.0
-    nodes: int | None = None
-    kv: list[float] = []
+    """One replica's exposition → cumulative counts, per pool and summed (raises ValueError on text that is
+    not one)."""
+    acc: dict[str, _Acc] = {}
     seen = False
     for fam in text_string_to_metric_families(text):
         for s in fam.samples:
-            if s.name == "kvgate_requests_total":
+            if s.name in ("kvgate_requests_total", "kvgate_fleet_inflight_requests"):
                 seen = True
-                dec, cls, tenant = s.labels.get("decision"), s.labels.get("class"), s.labels.get("tenant", "")
+            if s.name not in POOLED:
+                continue
+            pool = pool_of(s.labels)
+            if pool is None:  # refused before routing: no pool's demand, nor the fleet's
+                continue
+            a = acc.setdefault(pool, _Acc())
+            tenant = s.labels.get("tenant", "")
+            if s.name == "kvgate_requests_total":
+                dec, cls = s.labels.get("decision"), s.labels.get("class")
                 kind = ("admitted" if dec in ("admit", "shadow_reject") else
                         "capacity" if cls == "capacity" else "policy" if cls == "policy" else None)
                 if kind is not None:
-                    totals[(kind, tenant)] = totals.get((kind, tenant), 0.0) + s.value
+                    a.add((kind, tenant), s.value)
                 if kind == "policy" and s.labels.get("reason") in BUDGET_REASONS:
-                    totals[("budget", tenant)] = totals.get(("budget", tenant), 0.0) + s.value
+                    a.add(("budget", tenant), s.value)
             elif s.name in (FLEET_CAUSED, PREDICTED_MISSES):
-                kind = "fleet" if s.name == FLEET_CAUSED else "slo_miss"
-                tenant = s.labels.get("tenant", "")
-                totals[(kind, tenant)] = totals.get((kind, tenant), 0.0) + s.value
+                a.add(("fleet" if s.name == FLEET_CAUSED else "slo_miss", tenant), s.value)
             elif s.name == "kvgate_queue_depth_requests":
-                held += s.value
+                a.held += s.value
             elif s.name == "kvgate_nodes_total":
-                nodes = (nodes or 0) + int(s.value)
+                a.nodes = (a.nodes or 0) + int(s.value)
             elif s.name == "kvgate_node_kv_usage_ratio":
-                kv.append(s.value)
-            elif s.name == "kvgate_fleet_inflight_requests":
-                seen = True
+                a.kv.append(s.value)
     if not seen:
         raise ValueError("not a kvgate metrics page (no kvgate_requests_total / kvgate_fleet_inflight_requests)")
-    return Reading(totals, held, nodes, sum(kv) / len(kv) if kv else None)
+    whole = _Acc()
+    for a in acc.values():
+        for k, v in a.totals.items():
+            whole.add(k, v)
+        whole.held += a.held
+        if a.nodes is not None:
+            whole.nodes = (whole.nodes or 0) + a.nodes
+        whole.kv += a.kv
+    r = whole.reading()
+    return Reading(r.totals, r.held, r.nodes, r.kv_usage, {p: a.reading() for p, a in acc.items()})
 
 
 def _signals(at: float, delta: Totals, held: float, nodes: int | None, complete: bool,
@@ -89,6 +148,73 @@ def _signals(at: float, delta: Totals, held: float, nodes: int | None, complete:
     return Signals(at, by["admitted"], by["capacity"], by["policy"], held, nodes, complete,
                    fleet_caused=by["fleet"], budget_rejected=by["budget"], slo_missed=by["slo_miss"],
                    kv_usage=kv_usage)
+
+
+def _summed(dicts: Iterable[dict[str, float]]) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for d in dicts:
+        for k, v in d.items():
+            out[k] = out.get(k, 0.0) + v
+    return out
+
+
+@dataclass(frozen=True)
+class PoolSignals(Mapping[str, Signals]):
+    """The signals of every pool kvgate reports, read together at ``at`` (a mapping pool → ``Signals``).
+
+    ``complete`` is the read's: one kvgate replica not answering undercounts every pool alike."""
+
+    at: float
+    pools: Mapping[str, Signals] = field(default_factory=dict)
+    complete: bool = True
+
+    def __getitem__(self, pool: str) -> Signals:
+        return self.pools[pool]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.pools)
+
+    def __len__(self) -> int:
+        return len(self.pools)
+
+    @property
+    def shared(self) -> bool:
+        """Whether kvgate reports no pool but ``default``: a kvgate without ``pools`` (or older than pools)
+        has one fleet, and every scaler pool reads its signal, as before pools existed — so that a scaler
+        config written then (a pool named after its Deployment) keeps scaling on it."""
+        return set(self.pools) <= {DEFAULT_POOL}
+
+    def of(self, pool: str) -> Signals:
+        """What scaler pool ``pool`` acts on: kvgate's pool of that name; with a ``shared`` signal, the
+        fleet's; otherwise, a pool kvgate does not report, nothing: zero demand and no replicas seen —
+        a complete read that saw no request for the pool is not missing data."""
+        sig = self.pools.get(DEFAULT_POOL if self.shared else pool)
+        return sig if sig is not None else Signals(self.at, complete=self.complete)
+
+    def reported(self, pool: str) -> bool:
+        """Whether kvgate reports series for scaler pool ``pool`` (else it reads zero demand)."""
+        return pool in self.pools or (self.shared and DEFAULT_POOL in self.pools)
+
+    def fleet(self) -> Signals:
+        """Every pool's signals summed (replicas added; KV-cache usage averaged over their replicas)."""
+        sigs = list(self.pools.values())
+        replicas = [s.replicas for s in sigs if s.replicas is not None]
+        kv = [(s.kv_usage, s.replicas) for s in sigs if s.kv_usage is not None]
+        weight = sum(n or 0 for _, n in kv)
+        kv_usage = (None if not kv else sum(u * (n or 0) for u, n in kv) / weight if weight
+                    else sum(u for u, _ in kv) / len(kv))
+        return Signals(self.at, _summed(s.admitted for s in sigs), _summed(s.capacity_rejected for s in sigs),
+                       _summed(s.policy_rejected for s in sigs), sum(s.held for s in sigs),
+                       sum(replicas) if replicas else None, self.complete,
+                       fleet_caused=_summed(s.fleet_caused for s in sigs),
+                       budget_rejected=_summed(s.budget_rejected for s in sigs),
+                       slo_missed=_summed(s.slo_missed for s in sigs), kv_usage=kv_usage)
+
+    @classmethod
+    def single(cls, sig: Signals) -> PoolSignals:
+        """Fleet-wide signals (a source that knows no pools) as the one pool ``default``: every scaler pool
+        reads them."""
+        return cls(sig.at, {DEFAULT_POOL: sig}, sig.complete)
 
 
 @dataclass
@@ -102,7 +228,7 @@ class DirectSource:
     window_s: float = 60.0
     timeout_s: float = 2.0
     dns: str | None = None
-    _history: dict[str, deque[tuple[float, Totals]]] = field(default_factory=dict)
+    _history: dict[str, deque[tuple[float, dict[str, Totals]]]] = field(default_factory=dict)
 
     def targets(self) -> list[str] | None:
         """The replicas' metrics URLs now; None when the DNS name does not resolve."""
@@ -122,10 +248,14 @@ class DirectSource:
             return str(r.read().decode())
 
     def read(self, now: float) -> Signals:
-        delta: Totals = {}
-        held = 0.0
-        nodes: int | None = None
-        kv: list[float] = []
+        """Every pool's signals summed (``read_pools(now).fleet()``): one read, as the scaler did before pools."""
+        return self.read_pools(now).fleet()
+
+    def read_pools(self, now: float) -> PoolSignals:
+        delta: dict[str, Totals] = {}
+        held: dict[str, float] = {}
+        nodes: dict[str, int] = {}
+        kv: dict[str, list[float]] = {}
         urls = self.targets()
         if urls is None:
             raise SourceError(f"cannot resolve {self.dns}")
@@ -139,48 +269,82 @@ class DirectSource:
             except (OSError, ValueError):
                 complete = False
                 continue
-            held += reading.held
-            if reading.nodes is not None:  # every replica sees the same fleet: the largest view
-                nodes = max(nodes or 0, reading.nodes)
-            if reading.kv_usage is not None:
-                kv.append(reading.kv_usage)
+            for pool, r in reading.pools.items():
+                held[pool] = held.get(pool, 0.0) + r.held
+                if r.nodes is not None:  # every replica sees the same pool: the largest view
+                    nodes[pool] = max(nodes.get(pool, 0), r.nodes)
+                if r.kv_usage is not None:
+                    kv.setdefault(pool, []).append(r.kv_usage)
             h = self._history.get(url)
             if h is None:
                 h = self._history[url] = deque()
                 # A replica that appears later is new: all its counts fall in the window. On the scaler's
                 # own first read the replicas' totals span their whole lives, not a window: no verdict yet.
                 complete = complete and not first
-            h.append((now, reading.totals))
+            h.append((now, {pool: r.totals for pool, r in reading.pools.items()}))
             while len(h) > 2 and h[1][0] <= now - self.window_s:
                 h.popleft()
             base = h[0][1] if len(h) > 1 else {}
-            for k, v in reading.totals.items():
-                before = base.get(k, 0.0)
-                d = v - before if v >= before else v  # a counter reset: the replica restarted
-                delta[k] = delta.get(k, 0.0) + d
-        return _signals(now, delta, held, nodes, complete, sum(kv) / len(kv) if kv else None)
+            for pool, r in reading.pools.items():
+                was, d = base.get(pool, {}), delta.setdefault(pool, {})
+                for k, v in r.totals.items():
+                    before = was.get(k, 0.0)
+                    d[k] = d.get(k, 0.0) + (v - before if v >= before else v)  # a counter reset: it restarted
+        return PoolSignals(now, {pool: _signals(now, d, held.get(pool, 0.0), nodes.get(pool), complete,
+                                                sum(kv[pool]) / len(kv[pool]) if pool in kv else None)
+                                 for pool, d in delta.items()}, complete)
 
 
 QUERIES = {
-    "admitted": 'sum by (tenant) (increase(kvgate_requests_total{decision=~"admit|shadow_reject"}[%s]))',
-    "capacity": 'sum by (tenant) (increase(kvgate_requests_total{decision="reject",class="capacity"}[%s]))',
-    "policy": 'sum by (tenant) (increase(kvgate_requests_total{decision="reject",class="policy"}[%s]))',
-    "budget": 'sum by (tenant) (increase(kvgate_requests_total{decision="reject",class="policy",'
+    "admitted": 'sum by (tenant, pool) (increase(kvgate_requests_total{decision=~"admit|shadow_reject"}[%s]))',
+    "capacity": 'sum by (tenant, pool) (increase(kvgate_requests_total{decision="reject",class="capacity"}[%s]))',
+    "policy": 'sum by (tenant, pool) (increase(kvgate_requests_total{decision="reject",class="policy"}[%s]))',
+    "budget": 'sum by (tenant, pool) (increase(kvgate_requests_total{decision="reject",class="policy",'
               f'reason=~"{"|".join(BUDGET_REASONS)}"}}[%s]))',
     # absent from an older kvgate: no series, an empty answer, none counted
-    "fleet": f"sum by (tenant) (increase({FLEET_CAUSED}[%s]))",
-    "slo_miss": f"sum by (tenant) (increase({PREDICTED_MISSES}[%s]))",
-    "held": "sum(kvgate_queue_depth_requests)",
-    "nodes": "max(sum by (instance) (kvgate_nodes_total))",
-    "kv_usage": "avg(kvgate_node_kv_usage_ratio)",
+    "fleet": f"sum by (tenant, pool) (increase({FLEET_CAUSED}[%s]))",
+    "slo_miss": f"sum by (tenant, pool) (increase({PREDICTED_MISSES}[%s]))",
+    "held": "sum by (pool) (kvgate_queue_depth_requests)",
+    # per kvgate replica (instance): the largest view of each pool is taken after pool-less series join "default"
+    "nodes": "sum by (instance, pool) (kvgate_nodes_total)",
+    "kv_sum": "sum by (pool) (kvgate_node_kv_usage_ratio)",
+    "kv_count": "count by (pool) (kvgate_node_kv_usage_ratio)",
+    "pools": "count by (pool) (kvgate_fleet_inflight_requests)",
     "replicas_up": 'count(up{job="%s"} == 1)',
     "replicas_all": 'count(up{job="%s"})',
 }
 
-_CAP = '(sum(rate(kvgate_requests_total{decision="reject",class="capacity"}[2m])) or vector(0))'
-_ADM = '(sum(rate(kvgate_requests_total{decision=~"admit|shadow_reject"}[2m])) or vector(0))'
-TRIGGER_QUERY = f"{_CAP} / clamp_min({_ADM} + {_CAP}, 1e-9)"
-"""The simple path (README): the capacity reject ratio as a KEDA Prometheus trigger, metricType Value."""
+_CAPACITY = 'kvgate_requests_total{%sdecision="reject",class="capacity"}'
+_ADMITTED = 'kvgate_requests_total{%sdecision=~"admit|shadow_reject"}'
+
+
+def _ratio(selector: str) -> str:
+    cap = f"(sum(rate({_CAPACITY % selector}[2m])) or vector(0))"
+    adm = f"(sum(rate({_ADMITTED % selector}[2m])) or vector(0))"
+    return f"{cap} / clamp_min({adm} + {cap}, 1e-9)"
+
+
+TRIGGER_QUERY = _ratio("")
+"""The simple path (README): the capacity reject ratio as a KEDA Prometheus trigger, metricType Value.
+Fleet-wide: for a kvgate without pools (every series its pool ``default``, labelled or not)."""
+
+
+def trigger_query(pool: str) -> str:
+    """``TRIGGER_QUERY`` of one pool (``{pool="<name>"}`` selectors): the trigger of that pool's
+    ScaledObject, so that a flood on one model scales only the Deployment serving it."""
+    if not POOL_NAME.match(pool) or pool == NO_POOL:
+        raise ValueError(f"pool {pool!r}: not a pool name (^[a-z0-9][a-z0-9_.-]{{0,62}}$, not {NO_POOL!r})")
+    return _ratio(f'pool="{pool}",')
+
+
+_CAP_BY_POOL = f"sum by (pool) (rate({_CAPACITY % ''}[2m]))"
+_ADM_BY_POOL = f"sum by (pool) (rate({_ADMITTED % ''}[2m]))"
+TRIGGER_QUERY_BY_POOL = (f"({_CAP_BY_POOL} or {_ADM_BY_POOL} * 0) / "
+                         f"clamp_min(({_ADM_BY_POOL} or {_CAP_BY_POOL} * 0) + ({_CAP_BY_POOL} or {_ADM_BY_POOL} * 0), "
+                         "1e-9)")
+"""The capacity reject ratio of every pool at once, one series per ``pool`` (a pool without 503s — no such
+series yet — reads 0, not nothing): the shipped rule records it as ``kvgate:capacity_reject_ratio:rate2m``,
+so ``kvgate:capacity_reject_ratio:rate2m{pool="<name>"}`` is ``trigger_query(name)``."""
 
 
 @dataclass
@@ -201,23 +365,55 @@ class PrometheusSource:
         return [(x.get("metric", {}), float(x["value"][1])) for x in doc["data"]["result"]]
 
     def read(self, now: float) -> Signals:
+        """Every pool's signals summed (``read_pools(now).fleet()``)."""
+        return self.read_pools(now).fleet()
+
+    def read_pools(self, now: float) -> PoolSignals:
         w = f"{int(self.window_s)}s"
+        seen: set[str] = set()
+
+        def rows(q: str) -> Iterator[tuple[str, dict[str, str], float]]:
+            for labels, v in self.query(q):
+                pool = pool_of(labels)
+                if pool is not None:
+                    seen.add(pool)
+                    yield pool, labels, v
+
         try:
-            delta: Totals = {}
+            delta: dict[str, Totals] = {}
             for kind in KINDS:
-                for labels, v in self.query(QUERIES[kind] % w):
-                    delta[(kind, labels.get("tenant", ""))] = v
-            held = sum(v for _, v in self.query(QUERIES["held"]))
-            node_rows = self.query(QUERIES["nodes"])
-            kv_rows = self.query(QUERIES["kv_usage"])
+                for pool, labels, v in rows(QUERIES[kind] % w):
+                    d, key = delta.setdefault(pool, {}), (kind, labels.get("tenant", ""))
+                    d[key] = d.get(key, 0.0) + v  # pool-less and pool="default" rows: one pool
+            held: dict[str, float] = {}
+            for pool, _, v in rows(QUERIES["held"]):
+                held[pool] = held.get(pool, 0.0) + v
+            per_instance: dict[tuple[str, str], float] = {}
+            for pool, labels, v in rows(QUERIES["nodes"]):
+                key = (pool, labels.get("instance", ""))
+                per_instance[key] = per_instance.get(key, 0.0) + v
+            nodes: dict[str, int] = {}
+            for (pool, _), v in per_instance.items():
+                nodes[pool] = max(nodes.get(pool, 0), int(v))
+            kv_sum: dict[str, float] = {}
+            kv_count: dict[str, float] = {}
+            for pool, _, v in rows(QUERIES["kv_sum"]):
+                kv_sum[pool] = kv_sum.get(pool, 0.0) + v
+            for pool, _, v in rows(QUERIES["kv_count"]):
+                kv_count[pool] = kv_count.get(pool, 0.0) + v
+            for _ in rows(QUERIES["pools"]):
+                pass
             up = sum(v for _, v in self.query(QUERIES["replicas_up"] % self.job))
             total = sum(v for _, v in self.query(QUERIES["replicas_all"] % self.job))
         except (OSError, ValueError, KeyError) as e:
             raise SourceError(f"prometheus at {self.url}: {e}") from e
         if total == 0:
             raise SourceError(f"prometheus at {self.url}: no scrape target in job {self.job!r}")
-        nodes = int(node_rows[0][1]) if node_rows else None
-        return _signals(now, delta, held, nodes, complete=up == total, kv_usage=kv_rows[0][1] if kv_rows else None)
+        complete = up == total
+        return PoolSignals(now, {pool: _signals(now, delta.get(pool, {}), held.get(pool, 0.0), nodes.get(pool),
+                                                complete, kv_sum[pool] / kv_count[pool] if kv_count.get(pool)
+                                                else None)
+                                 for pool in seen}, complete)
 
 
 class SourceError(Exception):

@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from ext_proc.identity import hash_key
 
 
@@ -23,6 +25,20 @@ def test_bench_overhead_reports_both_paths() -> None:
         assert doc[path]["rps"] > 0 and doc[path]["errors"] == 0 and doc[path]["p99_ms"] >= doc[path]["p50_ms"]
     assert doc["envoy_kvgate"]["kvgate_cpu_us_per_request"] > 0
     assert 0 < doc["ratio_rps"] < 5
+    # side by side: the transport floor, where kvgate's CPU goes (measured), the latency at half its maximum
+    floor = doc["transport_floor"]
+    assert floor["rps"] > 0 and floor["errors"] == 0 and floor["kvgate_cpu_us_per_request"] > 0
+    parts = doc["cpu_breakdown_us_per_request"]
+    assert set(parts) >= {"core", "metrics", "logging", "protobuf", "shell", "transport", "total",
+                          "transport_floor"}
+    assert parts["core"] > 0 and parts["protobuf"] > 0 and parts["metrics"] > 0
+    assert sum(parts[p] for p in ("core", "metrics", "logging", "protobuf", "shell", "transport")) == \
+        pytest.approx(parts["total"])
+    half = doc["half_rate"]
+    assert half["rate"] == pytest.approx(doc["envoy_kvgate"]["rps"] / 2)
+    for path in ("plain_envoy", "envoy_kvgate"):
+        assert half[path]["errors"] == 0 and 0 < half[path]["rps"] <= doc[path]["rps"] * 1.5
+    assert half["added_p50_ms"] == pytest.approx(half["envoy_kvgate"]["p50_ms"] - half["plain_envoy"]["p50_ms"])
 
 
 def test_hash_key_and_check_config(tmp_path: Path) -> None:

@@ -32,17 +32,31 @@ TENANTS = ["chat", "rag", "batch"]
 NODES = ["10.0.0.1:8000", "10.0.0.2:8000", "[::1]:8000"]
 
 
-def config(max_size: int = 8, drop: str | None = None, conc: int = 3) -> Any:
+MODELS = ["small-m", "big-m", "nope", None]
+POOL_NODES = {"small": NODES[:2], "big": NODES[2:]}
+
+
+def config(max_size: int = 8, drop: str | None = None, conc: int = 3, pools: bool = False) -> Any:
     tiers = {"chat": "interactive", "rag": "standard", "batch": "batch"}
+    tenants: list[dict[str, Any]] = [
+        {"name": n, "api_key_sha256": [hash_key("k-" + n)], "tier": tiers[n], "max_concurrent": conc,
+         "tokens_per_minute": 6000, "requests_per_minute": 120}
+        for n in TENANTS if n != drop
+    ]
+    nodes = lambda addrs: {"static": [{"address": a, "probe": f"http://{a}"} for a in addrs],  # noqa: E731
+                           "max_waiting_requests": 2, "max_prefill_tokens": 4000}
+    if not pools:
+        return parse_config({"tenants": tenants, "queue": {"max_size": max_size}, "nodes": nodes(NODES)})
+    for t in tenants:  # rag has its own budget on the big model; batch may not use it
+        if t["name"] == "rag":
+            t["model_budgets"] = {"big-*": {"tokens_per_minute": 3000, "max_concurrent": 1}}
+        if t["name"] == "batch":
+            t["models"] = ["small-m"]
     return parse_config({
-        "tenants": [
-            {"name": n, "api_key_sha256": [hash_key("k-" + n)], "tier": tiers[n], "max_concurrent": conc,
-             "tokens_per_minute": 6000, "requests_per_minute": 120}
-            for n in TENANTS if n != drop
-        ],
-        "queue": {"max_size": max_size},
-        "nodes": {"static": [{"address": a, "probe": f"http://{a}"} for a in NODES],
-                  "max_waiting_requests": 2, "max_prefill_tokens": 4000},
+        "tenants": tenants, "queue": {"max_size": max_size},
+        "pools": [{"name": "small", "models": ["small-m"], "nodes": nodes(POOL_NODES["small"])},
+                  {"name": "big", "models": ["big-*"], "nodes": nodes(POOL_NODES["big"]),
+                   "queue": {"max_size": max(1, max_size // 2)}}],
     })
 
 
@@ -57,10 +71,12 @@ def metrics(core: Core) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
 
 
 class CoreMachine(RuleBasedStateMachine):
+    POOLS = False
+
     def __init__(self) -> None:
         super().__init__()
         self.clock = FakeClock()
-        self.core = Core(config(), self.clock, log=null_logger())
+        self.core = Core(config(pools=self.POOLS), self.clock, log=null_logger())
         self.seq = 0
         self.open: dict[str, tuple[str, int]] = {}
         """Admitted, not ended: ticket → (request id, reserved tokens)."""
@@ -85,12 +101,21 @@ class CoreMachine(RuleBasedStateMachine):
             self._answer(a)
 
     @rule(tenant=st.sampled_from([*TENANTS, "intruder"]), prompt=st.integers(1, 3000),
-          output=st.integers(1, 800), envoy=st.sampled_from(["e1", "e2"]))
-    def request(self, tenant: str, prompt: int, output: int, envoy: str) -> None:
+          output=st.integers(1, 800), envoy=st.sampled_from(["e1", "e2"]), model=st.sampled_from(MODELS))
+    def request(self, tenant: str, prompt: int, output: int, envoy: str, model: str | None) -> None:
         self.seq += 1
         rid = f"r{self.seq}"
         out = self.core.decide(Request("/v1/chat/completions", rid, f"Bearer k-{tenant}", envoy=envoy,
-                                       estimate=Estimate(prompt, output, True), body_bytes=prompt * 4))
+                                       estimate=Estimate(prompt, output, True, model=model), body_bytes=prompt * 4))
+        if self.POOLS and isinstance(out, Answer) and out.decision.lease is not None:
+            # routed by model: its node is one of its pool's
+            assert out.decision.lease.node is None or out.decision.lease.node in POOL_NODES[out.pool]
+            assert model is not None and model.split("-")[0] == out.pool
+        if self.POOLS and isinstance(out, Answer) and model in ("nope", None):
+            assert out.reply is not None and out.reply.status in (400, 401, 404) and out.pool == "none"
+        if self.POOLS and isinstance(out, Answer) and tenant == "batch" and model == "big-m" and \
+                self.core.config.tenant("batch") is not None:
+            assert out.reply is not None and out.reply.status == 403
         if isinstance(out, Held):
             self.held[rid] = out.ticket
         else:
@@ -151,7 +176,7 @@ class CoreMachine(RuleBasedStateMachine):
 
     @rule(max_size=st.integers(1, 10), drop=st.sampled_from([None, *TENANTS]), conc=st.integers(1, 4))
     def reload(self, max_size: int, drop: str | None, conc: int) -> None:
-        self.core.reconfigure(config(max_size, drop, conc))
+        self.core.reconfigure(config(max_size, drop, conc, self.POOLS))
         self._drain_answers()
 
     @rule(node=st.sampled_from(NODES), kv=st.floats(0.0, 1.0), waiting=st.integers(0, 4))
@@ -163,7 +188,11 @@ class CoreMachine(RuleBasedStateMachine):
 
     @rule(keep=st.integers(0, 3))
     def nodes_change(self, keep: int) -> None:
-        self.core.set_nodes([(a, f"http://{a}", None) for a in NODES[:keep]])
+        if self.POOLS:
+            for pool, addrs in POOL_NODES.items():
+                self.core.set_nodes([(a, f"http://{a}", None) for a in addrs[:keep]], pool)
+        else:
+            self.core.set_nodes([(a, f"http://{a}", None) for a in NODES[:keep]])
         self._drain_answers()
 
     # -- what must hold --------------------------------------------------------------------------
@@ -183,14 +212,19 @@ class CoreMachine(RuleBasedStateMachine):
         for t in a.tenants():
             mine = sum(1 for lease in leases if lease.tenant is t and lease.charged)
             assert t.inflight == mine, (t.name, t.inflight, mine)
+        for b in a._budgets.values():  # a per-model budget counts what it holds, like its tenant
+            mine = sum(1 for lease in leases if lease.budget is b and lease.charged)
+            assert b.inflight == mine, (b.name, b.inflight, mine)
         assert a.inflight == sum(1 for lease in a.leases() if lease.charged)
+        for pool, q in a.queues.items():  # each queued request waits in its own pool's queue
+            assert len(q) == sum(1 for h in a._held.values() if h.lease.pool == pool), pool
         assert {lease.ticket for lease in a.leases()} == set(self.open)
         assert a.queued == len(self.held)
 
     @invariant()
     def budgets_never_overrun(self) -> None:
         now = self.clock()
-        for t in self.core.admission.tenants():
+        for t in self.core.admission.states():
             for b in (t.tokens, t.requests):
                 if b is not None:
                     assert b.available(now) >= -1e-6, (t.name, b.available(now))
@@ -205,15 +239,20 @@ class CoreMachine(RuleBasedStateMachine):
                 label = self.core.stats.label(lease.tenant.name)
                 per[label] = per.get(label, 0) + 1
         for name in [*TENANTS, "unknown", "other"]:
-            assert m.get(("kvgate_inflight_requests", (("tenant", name),)), 0.0) == per.get(name, 0)
+            got = sum(v for (n, labels), v in m.items()
+                      if n == "kvgate_inflight_requests" and ("tenant", name) in labels)
+            assert got == per.get(name, 0)
         assert all(v >= 0 for (n, _), v in m.items() if n == "kvgate_inflight_requests")
-        assert m[("kvgate_fleet_inflight_requests", ())] == a.inflight
+        for pool in self.core.fleets:
+            sent = sum(1 for lease in a.leases() if lease.charged and lease.pool == pool)
+            assert m[("kvgate_fleet_inflight_requests", (("pool", pool),))] == sent
+        assert sum(v for (n, _), v in m.items() if n == "kvgate_fleet_inflight_requests") == a.inflight
         depth = sum(v for (n, _), v in m.items() if n == "kvgate_queue_depth_requests")
         assert depth == a.queued
-        fleet = self.core.fleet
-        assert fleet is not None
-        for n in fleet.nodes.values():
-            assert m[("kvgate_node_inflight_requests", (("node", n.address),))] == n.inflight
+        assert self.core.fleets
+        for pool, fleet in self.core.fleets.items():
+            for n in fleet.nodes.values():
+                assert m[("kvgate_node_inflight_requests", (("node", n.address), ("pool", pool)))] == n.inflight
 
     @precondition(lambda self: True)
     @rule()
@@ -234,11 +273,22 @@ class CoreMachine(RuleBasedStateMachine):
                 self.ended.add(ticket)
         a = self.core.admission
         assert a.open_leases == 0 and a.queued == 0 and a.inflight == 0
-        assert all(t.inflight == 0 for t in a.tenants())
-        assert self.core.fleet is not None
-        assert all(n.inflight == 0 for n in self.core.fleet.nodes.values())
+        assert all(t.inflight == 0 for t in a.states())
+        assert self.core.fleets
+        assert all(n.inflight == 0 for f in self.core.fleets.values() for n in f.nodes.values())
 
 
 CoreMachine.TestCase.settings = settings(max_examples=100, stateful_step_count=50, deadline=None,
                                          suppress_health_check=[HealthCheck.too_slow])
 TestCore = CoreMachine.TestCase
+
+
+class PoolMachine(CoreMachine):
+    """The same, with two model pools (each its own nodes and queue), a per-model budget and a model a
+    tenant may not use: requests reach only their pool's nodes, budgets hold like tenants do."""
+
+    POOLS = True
+
+
+PoolMachine.TestCase.settings = CoreMachine.TestCase.settings
+TestPools = PoolMachine.TestCase

@@ -174,9 +174,12 @@ def test_client_cutting_an_sse_stream_halfway_releases_the_slot(stack: Stack) ->
     s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
               b"Authorization: Bearer " + KEYS["tight"].encode() + b"\r\n"
               b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+    s.settimeout(10)  # a refusal (no stream) must fail the test, not hang it
     got = b""
     while got.count(b"data: ") < 3:
-        got += s.recv(65536)
+        chunk = s.recv(65536)
+        assert chunk and not got.startswith(b"HTTP/1.1 4"), got[:300]
+        got += chunk
     assert inflight(stack, "tight") == 1
     s.close()  # ~2 s of stream left
     wait_for(lambda: inflight(stack, "tight") == 0, timeout=5, what="slot released after disconnect")

@@ -9,6 +9,7 @@ shape is checked.
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -130,6 +131,105 @@ def test_the_scaled_object_matches_kedas_crd(tmp_path: Path) -> None:
     broken["spec"]["triggers"][0].pop("type")
     with pytest.raises(jsonschema.ValidationError):  # the schema really checks
         jsonschema.validate(broken, schema)
+
+
+# two models, each its own vLLM Deployment and kvgate pool; the 70B's entry sets more of the law
+POOLED_CONFIG: dict[str, Any] = {
+    "tenants": VALUES["config"]["tenants"],
+    "pools": [{"name": "llama-8b", "models": ["llama-8b"], "nodes": {"dns": {"name": "vllm-8b.llm.svc.cluster.local"}}},
+              {"name": "llama-70b", "models": ["llama-70b"],
+               "nodes": {"dns": {"name": "vllm-70b.llm.svc.cluster.local"}}}]}
+TWO_POOLS: list[dict[str, Any]] = [
+    {"name": "llama-8b", "scaleTargetRef": {"kind": "Deployment", "name": "vllm-8b"}, "maxReplicas": 16},
+    {"name": "llama-70b", "scaleTargetRef": {"name": "vllm-70b"}, "minReplicas": 0, "maxReplicas": 4, "step": 1,
+     "coldStartSeconds": 180, "warmPoolKvUsage": 0.7}]
+
+
+def crd_schema() -> dict[str, Any]:
+    if not CRD.is_file():
+        pytest.skip("../shared/reference is not beside this checkout")
+    crd = yaml.safe_load(CRD.read_text())
+    schema: dict[str, Any] = next(v for v in crd["spec"]["versions"] if v["name"] == "v1alpha1")["schema"][
+        "openAPIV3Schema"]
+    return schema
+
+
+def test_one_scaled_object_per_pool_each_on_its_own_kvgate_pool(tmp_path: Path) -> None:
+    schema = crd_schema()
+    docs = render(tmp_path, config=POOLED_CONFIG, pools=TWO_POOLS, poolDefaults={"cooldownSeconds": 300})
+    sos = {so["spec"]["triggers"][0]["metadata"]["pool"]: so for so in of(docs, "ScaledObject")}
+    assert set(sos) == {"llama-8b", "llama-70b"}
+    for so in sos.values():
+        jsonschema.validate(so, schema)
+    assert {so["metadata"]["name"] for so in sos.values()} == {"demo-kvgate-llama-8b", "demo-kvgate-llama-70b"}
+
+    def shape(so: dict[str, Any]) -> tuple[Any, ...]:
+        spec = so["spec"]
+        behaviour = spec["advanced"]["horizontalPodAutoscalerConfig"]["behavior"]
+        return (spec["scaleTargetRef"]["name"], spec["minReplicaCount"], spec["maxReplicaCount"],
+                behaviour["scaleUp"]["policies"][0]["value"], behaviour["scaleDown"]["stabilizationWindowSeconds"])
+
+    # each its own Deployment and bounds; what an entry leaves out comes from poolDefaults (0 is a value)
+    assert shape(sos["llama-8b"]) == ("vllm-8b", 1, 16, 2, 300)
+    assert shape(sos["llama-70b"]) == ("vllm-70b", 0, 4, 1, 300)
+    cms = {d["metadata"]["name"]: d["data"] for d in of(docs, "ConfigMap")}
+    sc = ScalerConfig.model_validate(yaml.safe_load(cms["demo-kvgate-scaler"]["scaler.yaml"]))
+    assert set(sc.pools) == set(sos)  # every ScaledObject's scalerMetadata.pool is a scaler pool
+    big, small = sc.pools["llama-70b"], sc.pools["llama-8b"]
+    assert (big.min_replicas, big.max_replicas, big.step, big.cooldown_seconds, big.cold_start_seconds,
+            big.warm_pool_kv_usage) == (0, 4, 1, 300, 180, 0.7)
+    assert (small.max_replicas, small.cold_start_seconds, small.warm_pool_kv_usage) == (16, 60, 0.55)  # the law's
+    # kvgate's own pools pass through to its config, and load there
+    assert kvgate_config(docs)["pools"] == POOLED_CONFIG["pools"]
+    assert [p.name for p in parse_config(kvgate_config(docs)).pools] == ["llama-8b", "llama-70b"]
+
+
+def test_the_single_pool_values_of_before_pools_render_as_before(tmp_path: Path) -> None:
+    # the chart's own defaults: one pool, every setting as it was (and kvgate without pools: the scaler
+    # pool "vllm" reads kvgate's one pool, "default")
+    out = helm("template", "demo", str(CHART), "--namespace", "llm", "--api-versions", "keda.sh/v1alpha1").stdout
+    docs = [d for d in yaml.safe_load_all(out) if d]
+    (so,) = of(docs, "ScaledObject")
+    assert so["spec"]["triggers"][0]["metadata"]["pool"] == "vllm" and so["metadata"]["name"] == "demo-kvgate-vllm"
+    scaler = yaml.safe_load(named(docs, "ConfigMap", "demo-kvgate-scaler")["data"]["scaler.yaml"])
+    assert scaler["pools"] == {"vllm": {"min_replicas": 1, "max_replicas": 8, "step": 2, "scale_up_threshold": 0.25,
+                                        "scale_down_threshold": 0.05, "cooldown_seconds": 600, "warm_pool": 0}}
+    assert "pools" not in kvgate_config(docs)
+
+
+def test_the_notes_say_which_pools_scale_on_what(tmp_path: Path) -> None:
+    lora = {"name": "sql-lora", "adapters": ["sql-lora"], "models": ["x"],
+            "nodes": {"dns": {"name": "lora.llm.svc.cluster.local"}}}
+    text = notes(tmp_path, config={**POOLED_CONFIG, "pools": [*POOLED_CONFIG["pools"], lora]}, pools=TWO_POOLS)
+    assert "each ScaledObject scales on its own kvgate pool: llama-8b, llama-70b" in text
+    assert "not autoscaled (no entry in pools): sql-lora" in text
+    # two Deployments on a kvgate without pools: both would scale on its one signal — said, not refused
+    # (it is what such values did before pools)
+    assert "WARNING: config.pools is not set: kvgate serves one pool (\"default\"), and all 2 ScaledObjects " \
+           "(llama-8b, llama-70b) scale on its one fleet-wide signal" in notes(tmp_path, pools=TWO_POOLS)
+    assert "WARNING: config.pools" not in notes(tmp_path)  # one pool: nothing to warn about
+
+
+NOT_PER_POOL = ("kvgate_scaler_", "kvgate_decision_duration", "kvgate_unparsed", "kvgate_config_", "kvgate_store_")
+"""kvgate's families without a pool label (the pools contract), and the scaler's (its pools are ScaledObjects')."""
+
+
+def test_the_dashboard_filters_every_per_pool_metric_by_the_pool_variable() -> None:
+    dash = json.loads((CHART / "files" / "dashboard.json").read_text())
+    (var,) = [v for v in dash["templating"]["list"] if v["name"] == "pool"]
+    # several pools at once, and "All" as a regex that also matches the pool-less series of an older kvgate
+    assert var["multi"] and var["includeAll"] and var["allValue"] == ".*"
+    assert var["datasource"] == {"type": "prometheus", "uid": "${datasource}"}
+    selectors = [(p["title"], m.group(1), m.group(2) or "") for p in dash["panels"] for t in p["targets"]
+                 for m in re.finditer(r"\b(kvgate_[a-z_]+)(\{[^}]*\})?", t["expr"])]
+    pooled = [(title, name, sel) for title, name, sel in selectors if not name.startswith(NOT_PER_POOL)]
+    assert len({title for title, _, _ in pooled}) >= 10
+    unfiltered = [(title, name) for title, name, sel in pooled if 'pool=~"$pool"' not in sel]
+    assert not unfiltered, unfiltered
+    # and where it matters, grouped by pool too: capacity rejections, the ratio that scales, queues, nodes' KV
+    grouped = {p["title"] for p in dash["panels"] for t in p["targets"] if re.search(r"by \(pool\b", t["expr"])}
+    for what in ("capacity (503", "Capacity reject ratio", "Queue depth", "KV-cache usage", "vLLM nodes"):
+        assert any(what in title for title in grouped), (what, grouped)
 
 
 def test_optional_apis_render_only_where_the_cluster_has_them(tmp_path: Path) -> None:
@@ -256,6 +356,15 @@ def test_only_envoy_reaches_the_ext_proc_port(tmp_path: Path) -> None:
     ({"envoy": {"mode": "nginx"}}, "/envoy/mode"),
     ({"scaler": {"replicas": 2}}, "'replicas' not allowed"),
     ({"pools": [{"name": "x"}]}, "/pools/0"),
+    ({"pools": [{"name": "none", "scaleTargetRef": {"name": "v"}}]}, "/pools/0/name"),  # kvgate's "refused"
+    ({"poolDefaults": {"spreadShare": 1.5}}, "/poolDefaults/spreadShare"),
+    ({"pools": [{"name": "x", "scaleTargetRef": {"name": "a"}}, {"name": "x", "scaleTargetRef": {"name": "b"}}]},
+     'pools[1].name: "x" is listed twice'),
+    ({"config": {"pools": [{"name": "llama-8b", "models": ["llama-8b"]}]},
+      "pools": [{"name": "llama-70b", "scaleTargetRef": {"name": "v"}}]},
+     'pools[0].name: "llama-70b" is not a pool of config.pools (llama-8b): its ScaledObject would scale on no signal'),
+    ({"poolDefaults": None, "pools": [{"name": "x", "scaleTargetRef": {"name": "v"}}]},
+     "pools[0].minReplicas: required (in the entry or in poolDefaults)"),
     ({"scaler": {"source": "prometheus"}}, "scaler.prometheusUrl is required"),
 ])
 def test_bad_values_get_a_clear_error(tmp_path: Path, values: dict[str, Any], error: str) -> None:

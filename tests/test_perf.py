@@ -517,7 +517,7 @@ def test_fleet_caused_429s_and_predicted_misses_are_counted_for_the_scaler() -> 
     assert (doomed.decision.rejection.status, doomed.decision.rejection.reason) == (503, "queue-deadline")
     assert doomed.decision.rejection.retry_after is not None and doomed.decision.rejection.retry_after > 1.0
     text = generate_latest(core.stats.registry).decode()
-    assert 'kvgate_predicted_slo_misses_total{tenant="t",tier="interactive"} 1.0' in text
+    assert 'kvgate_predicted_slo_misses_total{pool="default",tenant="t",tier="interactive"} 1.0' in text
 
 
 def test_counter_of_fleet_caused_rejections_moves() -> None:
@@ -541,7 +541,7 @@ def test_counter_of_fleet_caused_rejections_moves() -> None:
     r = ask("x").decision.rejection
     assert r is not None and r.reason == "tenant-concurrency" and r.fleet_caused
     text = generate_latest(core.stats.registry).decode()
-    assert 'kvgate_fleet_caused_rejections_total{tenant="t",tier="standard"} 1.0' in text
+    assert 'kvgate_fleet_caused_rejections_total{pool="default",tenant="t",tier="standard"} 1.0' in text
     samples = Counter(line.split("{")[0] for line in text.splitlines() if line.startswith("kvgate_fleet_caused"))
     assert samples == {"kvgate_fleet_caused_rejections_total": 1, "kvgate_fleet_caused_rejections_created": 1}
 

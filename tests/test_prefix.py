@@ -105,7 +105,7 @@ def test_each_nodes_prefix_hit_rate_is_exported() -> None:
                               prefix_hit_rate=0.75))
     core.snapshot(B, Snapshot(node="n", at=time.time(), ok=True, kv_usage=0.2, blocks_total=100, block_size=16))
     text = generate_latest(core.stats.registry).decode()
-    assert f'kvgate_node_prefix_cache_hit_ratio{{node="{A}"}} 0.75' in text
+    assert f'kvgate_node_prefix_cache_hit_ratio{{node="{A}",pool="default"}} 0.75' in text
     assert f'kvgate_node_prefix_cache_hit_ratio{{node="{B}"}}' not in text, "no queries: no ratio"
 
 

@@ -3,17 +3,20 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 import pytest
+from aiohttp import web
 
 from gpu_probe.nvml import Nvml
 from gpu_probe.parse import KV_NEW, KV_OLD, ParseError, parse
-from gpu_probe.server import Probe
-from gpu_probe.snapshot import Deriver, Snapshot
+from gpu_probe.server import STREAM_PATH, Probe
+from gpu_probe.snapshot import Deriver, Snapshot, changes
 from kvgate.stack import free_port, wait_port
 
 REFERENCE = Path(__file__).resolve().parents[2] / "shared" / "reference" / "vllm-metrics-sample.txt"
@@ -197,3 +200,94 @@ def test_snapshot_json_carries_the_hit_rate_and_reads_older_probes() -> None:
     assert Snapshot.from_json(doc).prefix_hit_rate is None
     with pytest.raises(ValueError, match="prefix_hit_rate"):
         Snapshot.from_json({**doc, "prefix_hit_rate": "high"})
+
+
+# -- the stream (GET /snapshot/stream) ---------------------------------------------------------------
+
+
+class _Driven(Probe):
+    """The real probe server whose readings the test publishes (no vLLM polled)."""
+
+    async def _run(self) -> None:
+        await asyncio.Event().wait()
+
+
+def _reading(i: int, kv: float = 0.5) -> Snapshot:
+    return Snapshot(node="n", at=1000.0 + i, ok=True, kv_usage=kv, blocks_total=100, block_size=16, running=3.0,
+                    waiting=0.0, engines=[{"model": "m", "engine": "0", "kv_usage": kv}])
+
+
+async def _served(probe: Probe, shutdown_timeout: float = 60.0) -> tuple[web.AppRunner, str]:
+    runner = web.AppRunner(probe.app(), access_log=None, shutdown_timeout=shutdown_timeout)
+    await runner.setup()
+    port = free_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    return runner, f"http://127.0.0.1:{port}"
+
+
+async def test_the_stream_sends_the_snapshot_then_what_changed_then_heartbeats() -> None:
+    probe = _Driven("http://vllm.invalid")
+    probe.publish(_reading(0))
+    runner, url = await _served(probe)
+    try:
+        async with aiohttp.ClientSession() as s:
+            async with s.get(url + "/snapshot") as r:  # the poll is what it always was
+                assert r.content_type == "application/json" and await r.json() == _reading(0).to_json()
+            async with s.get(url + STREAM_PATH, params={"heartbeat": "0.2"}) as r:
+                assert r.status == 200 and r.content_type == "application/x-ndjson"
+
+                async def line() -> Any:
+                    raw = await r.content.readline()
+                    assert raw.endswith(b"\n")
+                    return json.loads(raw)
+
+                assert await line() == _reading(0).to_json()  # whole, first
+                probe.publish(_reading(1, kv=0.7))
+                assert await line() == {"at": 1001.0, "kv_usage": 0.7,  # then what changed, nothing else
+                                        "engines": [{"model": "m", "engine": "0", "kv_usage": 0.7}]}
+                probe.publish(_reading(2, kv=0.7))
+                assert await line() == {"at": 1002.0}  # a reading always moves `at`
+                assert await line() == {}  # nothing for a heartbeat: the connection is alive, no reading
+                probe.publish(_reading(3, kv=0.1))
+                probe.publish(_reading(4, kv=0.7))  # two readings before the stream could send: folded
+                assert await line() == {"at": 1004.0}
+    finally:
+        await runner.cleanup()
+
+
+async def test_the_stream_sends_at_most_one_line_per_interval_asked() -> None:
+    probe = _Driven("http://vllm.invalid")
+    probe.publish(_reading(0))
+    runner, url = await _served(probe)
+    try:
+        async with aiohttp.ClientSession() as s:
+            async with s.get(url + STREAM_PATH, params={"interval": "1.0"}) as r:
+                assert json.loads(await r.content.readline())["at"] == 1000.0
+                probe.publish(_reading(1, kv=0.6))
+                await asyncio.sleep(0.05)  # (well within the interval: the line for reading 1 is not due yet)
+                probe.publish(_reading(2, kv=0.8))
+                assert json.loads(await r.content.readline()) == {
+                    "at": 1002.0, "kv_usage": 0.8, "engines": [{"model": "m", "engine": "0", "kv_usage": 0.8}]}
+            for bad in ({"interval": "soon"}, {"heartbeat": "-1"}, {"interval": "nan"}):
+                async with s.get(url + STREAM_PATH, params=bad) as r:
+                    assert r.status == 400
+    finally:
+        await runner.cleanup()
+
+
+async def test_a_probe_shutting_down_ends_its_streams_cleanly() -> None:
+    """Without it the server waits out its shutdown timeout for a response that never ends (60 s by
+    default: a probe's rolling update stuck for a minute), then cuts it."""
+    probe = _Driven("http://vllm.invalid")
+    probe.publish(_reading(0))
+    runner, url = await _served(probe, shutdown_timeout=0.5)
+    async with aiohttp.ClientSession() as s, s.get(url + STREAM_PATH) as r:
+        await r.content.readline()
+        cleanup = asyncio.ensure_future(runner.cleanup())
+        assert await r.content.read() == b""  # a clean end of the chunked body (a cut one raises)
+        await cleanup
+
+
+def test_stream_changes_compare_types_too() -> None:
+    assert changes({"a": 1, "b": 0, "c": None}, {"a": 1.0, "b": False, "c": None}) == {"a": 1.0, "b": False}
+    assert changes({}, {"x": None}) == {"x": None}

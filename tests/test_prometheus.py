@@ -20,7 +20,7 @@ import yaml
 
 from ext_proc.identity import hash_key
 from kvgate.stack import Stack, free_port, wait_port
-from scaler.signals import TRIGGER_QUERY, PrometheusSource
+from scaler.signals import TRIGGER_QUERY, TRIGGER_QUERY_BY_POOL, PrometheusSource
 from tests.helpers import chat, post, wait_for
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -38,7 +38,12 @@ def test_the_shipped_rules_pass_promtool_and_record_the_trigger_query() -> None:
     r = subprocess.run(["promtool", "check", "rules", str(RULES)], capture_output=True, text=True)
     assert r.returncode == 0, r.stdout + r.stderr
     rules = yaml.safe_load(RULES.read_text())["groups"][0]["rules"]
-    assert rules[0]["expr"] == TRIGGER_QUERY  # the recorded signal is the documented trigger
+    # the recorded signal is the documented trigger, one series per pool (tests/test_scaler_pools_e2e.py
+    # checks it against trigger_query(pool) on two pools)
+    assert rules[0] == {"record": "kvgate:capacity_reject_ratio:rate2m", "expr": TRIGGER_QUERY_BY_POOL}
+    # the alerts that aggregate keep the pool apart
+    by = {x["alert"]: x["expr"] for x in rules[1:]}
+    assert "by (tenant, pool)" in by["KvgateTenantOverQuota"] and "by (pool, node)" in by["KvgateBreakerOpen"]
 
 
 @pytest.fixture(scope="module")
@@ -109,6 +114,9 @@ def test_the_scalers_prometheus_source_reads_kvgates_signals(scraped: tuple[Stac
     s = src.read(time.monotonic())
     assert s.complete and s.replicas == 1  # one node, as kvgate_nodes_total says
     assert s.admitted.get("app", 0) > 0 and s.reject_rate is not None and 0 < s.reject_rate < 1
+    pools = src.read_pools(time.monotonic())  # a kvgate without pools: its one pool, "default"
+    assert set(pools) == {"default"} and pools.shared and pools["default"].replicas == 1
+    assert pools.of("vllm").capacity_rejected.get("app", 0) > 0  # every scaler pool reads it
 
 
 def test_the_trigger_query_and_the_recorded_series_give_the_same_ratio(scraped: tuple[Stack, str]) -> None:
@@ -128,12 +136,12 @@ def test_every_dashboard_query_runs_and_the_kvgate_ones_return_data(scraped: tup
     empty = []
     for panel in dash["panels"]:
         for t in panel["targets"]:
-            q = t["expr"].replace("$__rate_interval", "1m")
+            q = t["expr"].replace("$__rate_interval", "1m").replace("$pool", ".*")  # "All"
             rows = src.query(q)  # raises on a PromQL error
             if not rows:
                 empty.append(panel["title"])
     # the scaler is not scraped here, no breaker or latency quantile needs data to be a valid query, and
     # this kvgate runs alone, without a shared store
-    assert set(empty) <= {"Scaler: desired replicas by pool", "Queue wait p99 by tier",
+    assert set(empty) <= {"Scaler: desired replicas by pool", "Queue wait p99 by pool and tier",
                           "Replicas: shared store (up, local split, borrows/s)"}, empty
     assert "Replicas: config version each runs" not in empty

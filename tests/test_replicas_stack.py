@@ -142,6 +142,7 @@ def test_up_with_two_replicas_prints_the_endpoint_then_each_replicas_metrics(tmp
 def test_bench_overhead_with_replicas_adds_store_and_replica_figures() -> None:
     _need_redis()
     r = kvgate("bench", "overhead", "--replicas", "2", "--seconds", "1", "--connections", "4", "--json",
+               "--no-breakdown",
                timeout=240)
     assert r.returncode == 0, r.stderr[-3000:]
     doc = json.loads(r.stdout)

@@ -17,7 +17,7 @@ from kvgate.stack import free_port
 from scaler.config import ScalerConfig, load_scaler_config
 from scaler.law import Signals
 from scaler.server import Scaler
-from scaler.signals import DirectSource, SourceError
+from scaler.signals import DirectSource, PoolSignals, SourceError
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "scaler.yaml"
 
@@ -40,6 +40,7 @@ def test_the_shipped_example_is_valid() -> None:
     ("source: {prometheus: 'http://p'}\npools: {p: {min_replicas: 4, max_replicas: 2}}\n",
      r"pools\.p: .*max_replicas: must be at least min_replicas"),
     ("source: {prometheus: 'http://p'}\npools: {p: {stepp: 2}}\n", r"pools\.p\.stepp"),
+    ("source: {prometheus: 'http://p'}\npools: {none: {}}\n", r"pools\.none: 'none' is reserved"),
 ])
 def test_bad_configs_name_the_field(tmp_path: Path, text: str, error: str) -> None:
     f = tmp_path / "scaler.yaml"
@@ -60,13 +61,13 @@ def replica() -> Iterator[tuple[Gateway, int]]:
         httpd.shutdown()
 
 
-def reject(gw: Gateway, tenant: str, status: int = 503) -> None:
+def reject(gw: Gateway, tenant: str, status: int = 503, pool: str = "default") -> None:
     cls = "capacity" if status == 503 else "policy"
-    gw.stats.decision(Decision(tenant, "standard", None, Rejection(status, "fleet-kv", cls, "")))
+    gw.stats.decision(Decision(tenant, "standard", None, Rejection(status, "fleet-kv", cls, "")), pool)
 
 
-def admit(gw: Gateway, tenant: str) -> None:
-    gw.stats.decision(Decision(tenant, "standard", None, None))
+def admit(gw: Gateway, tenant: str, pool: str = "default") -> None:
+    gw.stats.decision(Decision(tenant, "standard", None, None), pool)
 
 
 def test_direct_source_differences_counters_and_never_reads_a_lifetime_as_a_window(
@@ -94,6 +95,42 @@ def test_direct_source_without_an_answering_replica(replica: tuple[Gateway, int]
     assert not src.read(1.0).complete  # one replica silent: the sums would undercount, so hold
     with pytest.raises(SourceError, match="cannot resolve"):
         DirectSource([], dns="kvgate-metrics.invalid:9101").read(0.0)
+
+
+def test_direct_source_reads_each_pool_apart(replica: tuple[Gateway, int]) -> None:
+    gw, port = replica
+    src = DirectSource([f"http://127.0.0.1:{port}/metrics"], window_s=60)
+    reject(gw, "a", pool="big")  # before the scaler's first read: a lifetime, not the window
+    assert not src.read_pools(0.0).complete
+    admit(gw, "a", pool="small")
+    admit(gw, "b", pool="big")
+    reject(gw, "b", pool="big")
+    reject(gw, "b", 429, pool="big")
+    gw.stats.decision(Decision("a", "standard", None, Rejection(404, "model-not-found", "invalid", "")), "none")
+    s = src.read_pools(5.0)
+    assert s.complete and {"small", "big"} <= set(s) and "none" not in s
+    assert s["small"].admitted == {"a": 1} and s["small"].capacity_total == 0 and s["small"].reject_rate == 0
+    assert s["big"].admitted == {"b": 1} and s["big"].capacity_rejected == {"a": 0, "b": 1}
+    assert s["big"].policy_rejected == {"b": 1} and s["big"].reject_rate == pytest.approx(1 / 2)
+    fleet = s.fleet()  # what read() gives: every pool's sum
+    assert fleet.admitted == {"a": 1, "b": 1} and fleet.reject_rate == pytest.approx(1 / 3)
+    # a pool kvgate does not report, on a complete read: zero demand, not missing data
+    assert not s.reported("idle") and s.of("idle") == Signals(5.0) and s.of("idle").complete
+    assert s.of("big") is s["big"] and s.reported("big")
+
+
+def test_pool_signals_without_pools_in_kvgate_are_every_scaler_pools() -> None:
+    fleet = Signals(1.0, {"a": 8}, {"a": 2}, {}, 1.0, 3, True, kv_usage=0.5)
+    one = PoolSignals.single(fleet)  # a kvgate without pools (or older than pools) reports only "default"
+    assert one.shared and one.of("vllm") is fleet and one.of("default") is fleet and one.reported("vllm")
+    two = PoolSignals(1.0, {"default": fleet, "big": Signals(1.0, {"b": 1}, {}, {}, 0.0, 1, True, kv_usage=1.0)})
+    assert not two.shared and not two.reported("vllm") and two.of("vllm").demand == 0  # named pools: by name
+    assert two.of("default") is fleet
+    f = two.fleet()
+    assert (f.admitted, f.replicas, f.held, f.demand) == ({"a": 8, "b": 1}, 4, 1.0, 11)
+    assert f.kv_usage == pytest.approx((0.5 * 3 + 1.0) / 4)  # averaged over the replicas, not the pools
+    partial = PoolSignals(1.0, {"big": two["big"]}, complete=False)
+    assert not partial.of("small").complete  # a replica did not answer: missing data, never zero demand
 
 
 class Fixed:

@@ -127,10 +127,18 @@ def test_signals_from_a_real_kvgate_exposition() -> None:
 
     gw = Gateway(parse_config({"tenants": [{"name": "a"}, {"name": "b"}]}))
     assert parse_kvgate(generate_latest(gw.stats.registry).decode()).nodes is None  # Envoy picks: unknown
-    gw.stats.decision(Decision("a", "standard", None, Rejection(503, "queue-timeout", "capacity", "")))
-    gw.stats.decision(Decision("b", "standard", None, Rejection(429, "tenant-tokens", "policy", "")))
+    gw.stats.decision(Decision("a", "standard", None, Rejection(503, "queue-timeout", "capacity", "")), "default")
+    gw.stats.decision(Decision("b", "standard", None, Rejection(429, "tenant-tokens", "policy", "")), "default")
     r = parse_kvgate(generate_latest(gw.stats.registry).decode())
     assert r.totals == {("capacity", "a"): 1, ("policy", "b"): 1, ("budget", "b"): 1}  # b: over its own budget
+    assert r.pools["default"].totals == r.totals
+    # kvgate's pool label as it exports it: another pool's 503 is that pool's; a request refused before
+    # routing (pool "none": a model no pool serves) is no pool's, nor the fleet's
+    gw.stats.decision(Decision("a", "standard", None, Rejection(503, "queue-timeout", "capacity", "")), "big")
+    gw.stats.decision(Decision("a", "standard", None, Rejection(503, "queue-timeout", "capacity", "")), "none")
+    r = parse_kvgate(generate_latest(gw.stats.registry).decode())
+    assert r.pools["big"].totals == {("capacity", "a"): 1} and "none" not in r.pools
+    assert r.totals[("capacity", "a")] == 2
     with_nodes = Gateway(parse_config({"nodes": {"static": [{"address": "10.0.0.1:8000", "probe": "http://p"}]}}))
     export = getattr(with_nodes, "export_nodes", None)  # node gauges pushed (before ext_proc/core.py) or
     if export is not None:  # computed at scrape time (after it)
@@ -399,6 +407,50 @@ kvgate_predicted_slo_misses_total{tenant="a",tier="interactive"} 1
     assert no_nodes.kv_usage is None
 
 
+def test_signals_are_grouped_by_pool_and_requests_refused_before_routing_count_nowhere() -> None:
+    from scaler.signals import parse_kvgate
+
+    # an older kvgate's series (no pool label) and a "default" one are the same pool; pool="none" (refused
+    # before routing) is nobody's demand: not even a capacity-class sample there may reach a pool or the sum
+    text = """# TYPE kvgate_requests_total counter
+kvgate_requests_total{tenant="a",tier="standard",decision="admit",reason="ok",class="none"} 5
+kvgate_requests_total{tenant="a",tier="standard",decision="admit",reason="ok",class="none",pool="default"} 2
+kvgate_requests_total{tenant="a",tier="standard",decision="admit",reason="ok",class="none",pool="small"} 10
+kvgate_requests_total{tenant="b",tier="batch",decision="reject",reason="fleet-kv",class="capacity",pool="big"} 7
+kvgate_requests_total{tenant="b",tier="batch",decision="reject",reason="tenant-tokens",class="policy",pool="big"} 3
+kvgate_requests_total{tenant="a",tier="standard",decision="reject",reason="model-not-found",class="invalid",\
+pool="none"} 50
+kvgate_requests_total{tenant="a",tier="standard",decision="reject",reason="queue-full",class="capacity",pool="none"} 9
+# TYPE kvgate_queue_depth_requests gauge
+kvgate_queue_depth_requests{tier="batch",pool="big"} 4
+kvgate_queue_depth_requests{tier="standard",pool="small"} 0
+# TYPE kvgate_nodes_total gauge
+kvgate_nodes_total{discovery="static",pool="small"} 2
+kvgate_nodes_total{discovery="dns",pool="big"} 3
+# TYPE kvgate_node_kv_usage_ratio gauge
+kvgate_node_kv_usage_ratio{node="s1:8000",pool="small"} 0.2
+kvgate_node_kv_usage_ratio{node="s2:8000",pool="small"} 0.4
+kvgate_node_kv_usage_ratio{node="b1:8000",pool="big"} 0.9
+# TYPE kvgate_fleet_inflight_requests gauge
+kvgate_fleet_inflight_requests{pool="idle"} 0
+"""
+    r = parse_kvgate(text)
+    assert set(r.pools) == {"default", "small", "big", "idle"}
+    assert r.pools["default"].totals == {("admitted", "a"): 7}
+    assert r.pools["small"].totals == {("admitted", "a"): 10}
+    assert (r.pools["small"].nodes, r.pools["small"].held) == (2, 0) and r.pools["small"].kv_usage == pytest.approx(0.3)
+    assert r.pools["big"].totals == {("capacity", "b"): 7, ("policy", "b"): 3, ("budget", "b"): 3}
+    assert (r.pools["big"].nodes, r.pools["big"].held, r.pools["big"].kv_usage) == (3, 4, 0.9)
+    assert r.pools["idle"] == type(r)({}, 0.0, None, None)  # reported, with nothing in it
+    # the replica's sums: every pool's, none of "none"
+    assert r.totals == {("admitted", "a"): 17, ("capacity", "b"): 7, ("policy", "b"): 3, ("budget", "b"): 3}
+    assert (r.nodes, r.held) == (5, 4) and r.kv_usage == pytest.approx(1.5 / 3)
+    only_none = "# TYPE kvgate_requests_total counter\n" + "\n".join(
+        line for line in text.splitlines() if 'pool="none"' in line) + "\n"
+    r = parse_kvgate(only_none)  # still a kvgate page, with no pool in it
+    assert r.pools == {} and r.totals == {}
+
+
 def test_kvgate_counts_fleet_caused_rejections_and_predicted_misses() -> None:
     from types import SimpleNamespace
     from typing import cast
@@ -417,11 +469,13 @@ def test_kvgate_counts_fleet_caused_rejections_and_predicted_misses() -> None:
     fine = cast(Lease, SimpleNamespace(reserved_tokens=10, slo_miss=False))
     for d in (Decision("a", "standard", None, fleet), Decision("a", "standard", None, own),
               Decision("b", "interactive", late, None), Decision("b", "interactive", fine, None)):
-        gw.stats.decision(d)
+        gw.stats.decision(d, "default")
     text = generate_latest(gw.stats.registry).decode()
     reg = gw.stats.registry
-    assert reg.get_sample_value("kvgate_fleet_caused_rejections_total", {"tenant": "a", "tier": "standard"}) == 1
-    assert reg.get_sample_value("kvgate_predicted_slo_misses_total", {"tenant": "b", "tier": "interactive"}) == 1
+    assert reg.get_sample_value("kvgate_fleet_caused_rejections_total",
+                                {"tenant": "a", "tier": "standard", "pool": "default"}) == 1
+    assert reg.get_sample_value("kvgate_predicted_slo_misses_total",
+                                {"tenant": "b", "tier": "interactive", "pool": "default"}) == 1
     r = parse_kvgate(text)
     assert (r.totals[("policy", "a")], r.totals[("fleet", "a")], r.totals[("slo_miss", "b")]) == (2, 1, 1)
 
@@ -431,7 +485,7 @@ def test_kvgate_counts_fleet_caused_rejections_and_predicted_misses() -> None:
 
     src = Once(["http://k/metrics"])
     src.read(0.0)
-    gw.stats.decision(Decision("a", "standard", None, fleet))
+    gw.stats.decision(Decision("a", "standard", None, fleet), "default")
     text = generate_latest(gw.stats.registry).decode()
     sig = src.read(5.0)  # the window's deltas, split as the law reads them
     nonzero = [{k: v for k, v in d.items() if v} for d in (sig.policy_rejected, sig.fleet_caused, sig.slo_missed)]

@@ -13,7 +13,7 @@ from scaler import externalscaler_pb2 as pb
 from scaler.config import ScalerConfig
 from scaler.law import Signals
 from scaler.server import METRIC_PREFIX, ExternalScalerServicer, Scaler
-from scaler.signals import SourceError
+from scaler.signals import PoolSignals, SourceError
 
 REF = pb.ScaledObjectRef(name="vllm", namespace="llm", scalerMetadata={"pool": "gpu"})
 
@@ -170,3 +170,56 @@ def test_the_pools_law_settings_come_from_the_config() -> None:
     with pytest.raises(ValidationError, match="scale_down_kv_usage: must be below warm_pool_kv_usage"):
         ScalerConfig.model_validate({"source": {"prometheus": "http://p"},
                                      "pools": {"gpu": {"scale_down_kv_usage": 0.7, "warm_pool_kv_usage": 0.7}}})
+
+
+class Pools:
+    """A source that reads every pool at once (as DirectSource and PrometheusSource do)."""
+
+    def __init__(self, pools: dict[str, Signals]) -> None:
+        self.pools = pools
+
+    def read_pools(self, now: float) -> PoolSignals:
+        return PoolSignals(now, {p: Signals(**{**sig.__dict__, "at": now}) for p, sig in self.pools.items()})
+
+
+def ref(pool: str) -> pb.ScaledObjectRef:
+    return pb.ScaledObjectRef(name=pool, namespace="llm", scalerMetadata={"pool": pool})
+
+
+async def test_each_pool_acts_on_its_own_signals() -> None:
+    cfg = ScalerConfig.model_validate({"source": {"prometheus": "http://p"},
+                                       "pools": {"small": {}, "big": {}, "typo": {}}})
+    # big: 40% of its demand refused 503; small: all served; kvgate has no pool "typo"
+    src = Pools({"small": Signals(0.0, {"a": 100}, {}, {}, 0.0, 2, True),
+                 "big": Signals(0.0, {"b": 60}, {"b": 40}, {}, 0.0, 2, True)})
+    s = Scaler(cfg, src)
+    svc = ExternalScalerServicer(s)
+    with capture_logs() as logs:
+        s.evaluate(0.0)
+        s.evaluate(5.0)
+    desired = {p: (await svc.GetMetrics(pb.GetMetricsRequest(scaledObjectRef=ref(p)), Context())).metricValues[0]
+               .metricValue for p in cfg.pools}
+    active = {p: (await svc.IsActive(ref(p), Context())).result for p in cfg.pools}
+    # big scales by its shortfall (2 up served 60%: 4 needed); small holds; typo reads zero demand: its
+    # minimum, inactive, and answered (a complete read that saw none of its requests is not missing data)
+    assert desired == {"small": 2, "big": 4, "typo": 1}
+    assert active == {"small": True, "big": True, "typo": False}
+
+    def g(name: str, pool: str, **labels: str) -> float | None:
+        return s.registry.get_sample_value(name, {"pool": pool, **labels})
+
+    assert (g("kvgate_scaler_unmet_demand_ratio", "big", cause="capacity"),
+            g("kvgate_scaler_unmet_demand_ratio", "small", cause="capacity")) == (0.4, 0.0)
+    assert [g("kvgate_scaler_pool_reported", p) for p in ("small", "big", "typo")] == [1, 1, 0]
+    assert s.registry.get_sample_value("kvgate_scaler_capacity_reject_ratio") == 40 / 200  # the fleet's
+    (warning,) = [e for e in logs if e["event"] == "pool_not_reported"]  # once, not at every evaluation
+    assert warning["pool"] == "typo" and warning["kvgate_pools"] == ["big", "small"]
+
+    # kvgate restarted without pools: one pool, "default" — every scaler pool reads its signal again
+    src.pools = {"default": Signals(0.0, {"a": 10}, {}, {}, 0.0, 3, True)}
+    with capture_logs() as logs:
+        s.evaluate(10.0)
+    assert [g("kvgate_scaler_pool_reported", p) for p in ("small", "big", "typo")] == [1, 1, 1]
+    assert s.pools["typo"].active and s.pools["typo"].law.observed == 3
+    assert [e["event"] for e in logs if e["event"] in ("one_fleet_signal", "pool_not_reported")] == [
+        "one_fleet_signal"]

@@ -65,7 +65,11 @@ class Replica:
     async def ask(self, rid: str) -> Answer | Held:
         out = self.core.decide(Request("/v1/chat/completions", rid, f"Bearer {KEY}", BODY))
         if isinstance(out, Borrow):
-            await self.store.borrow(out.tenant, float(out.request.estimate.total if out.request.estimate else 0))
+            tokens = float(out.request.estimate.total if out.request.estimate else 0)
+            if out.also is None:  # as the server does
+                await self.store.borrow(out.tenant, tokens)
+            else:
+                await asyncio.gather(self.store.borrow(out.tenant, tokens), self.store.borrow(out.also, tokens))
             out = self.core.decide(out.request, borrowed=True)
         assert not isinstance(out, Borrow)
         if isinstance(out, Answer) and out.decision.admitted and out.ticket:
@@ -149,6 +153,96 @@ def test_token_budget_holds_across_replicas(server: RedisServer) -> None:
         reservation = 55
         assert 600 - 3 * reservation <= spent <= 600 + 1, f"spent {spent} of a 600-token bucket"
         await close_all(reps)
+
+    asyncio.run(run())
+
+
+def test_a_per_model_budget_is_exact_across_replicas_like_a_tenants(server: RedisServer) -> None:
+    """``model_budgets`` share the tenants' path through the store (leased slices, borrows): a model's
+    concurrency cap holds fleet-wide, below the tenant's own."""
+    async def run() -> None:
+        cfg = config(server.url, max_concurrent=10, model_budgets={"m": {"max_concurrent": 2}})
+        reps = [Replica(cfg) for _ in range(3)]
+        await sync_all(reps, 2)
+        answers = [await reps[i % 3].ask(f"r{i}") for i in range(12)]
+        admitted = [a for a in answers if isinstance(a, Answer) and a.decision.admitted]
+        assert len(admitted) == 2, "the model's cap, reached though spread over three replicas"
+        refused = [a for a in answers if isinstance(a, Answer) and a.decision.rejection is not None]
+        assert refused and all("on model m" in a.decision.rejection.message for a in refused)
+        budgets = [r.core.admission.tenant_state("a/m") for r in reps]
+        assert sum(b.inflight for b in budgets if b is not None) == 2
+        assert sum(b.slots or 0 for b in budgets if b is not None) <= 2
+        # both end; the slices go back through the syncs and another replica can use them
+        for r in reps:
+            for t in r.admitted:
+                assert r.core.ended(Ended(t, "x", 200, None, upstream_answered=True)) is not None
+        owners = {i for i, r in enumerate(reps) if r.admitted}
+        await sync_all(reps, 4)
+        other = next(r for i, r in enumerate(reps) if i not in owners)
+        again = [await other.ask(f"s{i}") for i in range(3)]
+        assert sum(1 for a in again if isinstance(a, Answer) and a.decision.admitted) >= 1
+        assert sum(b.inflight for b in budgets if b is not None) <= 2
+        await close_all(reps)
+
+    asyncio.run(run())
+
+
+def test_a_tenant_and_its_model_budget_both_short_here_borrow_together(server: RedisServer) -> None:
+    """A request whose tenant slice and per-model budget slice are both empty on this replica borrows
+    both in one go: deciding again after borrowing only one would refuse it (a false 429)."""
+    async def run() -> None:
+        cfg = config(server.url, max_concurrent=4, model_budgets={"m": {"max_concurrent": 4}})
+        reps = [Replica(cfg) for _ in range(2)]
+        await sync_all(reps, 2)
+        got = [await reps[0].ask(f"r{i}") for i in range(4)]
+        assert all(isinstance(a, Answer) and a.decision.admitted for a in got), \
+            [a.decision.rejection for a in got if isinstance(a, Answer)]
+        refused = await reps[1].ask("x")  # the fleet's 4 are all held now
+        assert isinstance(refused, Answer) and refused.reply is not None
+        await close_all(reps)
+
+    asyncio.run(run())
+
+
+def test_a_clean_stop_gives_back_a_model_budgets_slots_too(server: RedisServer) -> None:
+    async def run() -> None:
+        cfg = config(server.url, model_budgets={"m": {"max_concurrent": 2}})
+        a, b = Replica(cfg), Replica(cfg)
+        await sync_all([a, b], 2)
+        for i in range(2):
+            assert (await a.ask(f"a{i}")).decision.admitted  # type: ignore[union-attr]
+        for t in a.admitted:
+            assert a.core.ended(Ended(t, "x", 200, None, upstream_answered=True)) is not None
+        await sync_all([a, b])
+        await a.store.close()
+        a.alive = False
+        await sync_all([b], 3)
+        got = [await b.ask(f"b{i}") for i in range(2)]
+        assert all(isinstance(x, Answer) and x.decision.admitted for x in got), "the stopped replica's slice came back"
+        await b.store.close()
+
+    asyncio.run(run())
+
+
+def test_a_dead_replicas_budget_slots_come_back_with_their_completions(server: RedisServer) -> None:
+    async def run() -> None:
+        cfg = config(server.url, model_budgets={"m": {"max_concurrent": 2}})
+        a, b = Replica(cfg), Replica(cfg)
+        await sync_all([a, b], 2)
+        answers = [await a.ask(str(i)) for i in range(2)]
+        assert all(isinstance(x, Answer) and x.decision.admitted for x in answers)
+        assert answers[0].metadata.get("budget") == "a/m"  # type: ignore[union-attr]
+        await sync_all([a, b])
+        a.alive = False  # killed -9
+        await asyncio.sleep(1.2)
+        await sync_all([b])
+        refused = await b.ask("x")
+        assert isinstance(refused, Answer) and refused.reply is not None, "the dead replica's requests still run"
+        # one ends: its access log reaches b, with the tenant and the budget from Envoy's metadata
+        b.store.forward(Ended(a.admitted[0], "0", 200, None, upstream_answered=True), "a", "a/m")
+        await sync_all([b], 2)
+        assert (await b.ask("y")).decision.admitted  # type: ignore[union-attr]
+        await b.store.close()
 
     asyncio.run(run())
 

@@ -14,6 +14,15 @@ Simplifications, all documented in the README: a probe reads its node every ``PR
 (the default ``kvgate probe --interval``) with no network delay; TTFT/queue observations enter the
 probe's histograms when a request finishes (vLLM observes TTFT at the first token); clients do not
 retry a rejection; a node being removed first drains its requests.
+
+Model pools: when the kvgate config has ``pools``, each pool is its own set of simulated nodes (its
+profile: the pool's ``nodes.performance.profile``), its own size (``Policy.pools``) and, for the
+autoscaling policies, its own autoscaler — one ScaledObject per pool in the chart, so one
+``ControlLaw`` per pool here, fed only the decisions kvgate routed to that pool (``Answer.pool``), as
+the scaler reads only that pool's series. A trace request's ``model`` goes into the estimate, and
+kvgate's own router (``ext_proc.pools``) picks the pool; the baselines without kvgate route by model
+with the same router, then pick within the pool, as a per-model Envoy route to each Deployment would.
+A config without pools is the one pool ``default``: the run is what it was before pools existed.
 """
 
 from __future__ import annotations
@@ -25,12 +34,13 @@ from collections import deque
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
-from ext_proc.admission import Decision, Usage
-from ext_proc.config import Config, parse_config
+from ext_proc.admission import Usage
+from ext_proc.config import Config, Nodes, parse_config
 from ext_proc.core import Answer, Core, Ended, Held, null_logger
 from ext_proc.core import Request as GatewayRequest
 from ext_proc.estimate import Estimate
 from ext_proc.identity import hash_key
+from ext_proc.pools import NO_POOL, PoolSpec, Router
 from ext_proc.prefix import segment_chain
 from gpu_probe.parse import EngineReading
 from gpu_probe.snapshot import Deriver
@@ -38,7 +48,7 @@ from scaler.law import ControlLaw, LawSettings, Signals
 from scaler.signals import BUDGET_REASONS, KINDS
 from sim.engine import Engine, EngineOptions
 from sim.prefix_cache import Prompt
-from sim.profiles import Profile
+from sim.profiles import Profile, get_profile
 from sim.scheduler import Request
 
 from .trace import TraceRequest
@@ -58,6 +68,18 @@ Autoscale = Literal["none", "queue", "scaler"]
 
 
 @dataclass(frozen=True)
+class PoolSize:
+    """One model pool's simulated nodes under a policy (a kvgate config with ``pools``): where it starts
+    and its autoscaler's bounds. Each pool is a Deployment of its own with a ScaledObject of its own, so
+    each has its own size and its own min/max replicas."""
+
+    pool: str
+    nodes: int
+    min_nodes: int = 1
+    max_nodes: int = 16
+
+
+@dataclass(frozen=True)
 class Policy:
     """What stands in front of the nodes."""
 
@@ -71,20 +93,43 @@ class Policy:
     """A scenario's ideal reference (``workloads.Ideal``), not a policy to compare as one."""
     prefix: bool = True
     """kvgate's prefix-cache awareness (``nodes.prefix.enabled``); False: the ``kvgate-noprefix`` policy."""
+    pools: tuple[PoolSize, ...] = ()
+    """Per model pool (a config with ``pools``): its nodes and autoscaling bounds. A pool not listed gets
+    ``nodes``, ``min_nodes`` and ``max_nodes``."""
+    reference: str = ""
+    """A scenario's reference run of this policy (``workloads.Reference``): what its trace was run without
+    (``no flood``), in the label; '' for the scenario's own run."""
+
+    def size(self, pool: str) -> PoolSize:
+        """The nodes and bounds of ``pool`` under this policy."""
+        return next((p for p in self.pools if p.pool == pool),
+                    PoolSize(pool, self.nodes, self.min_nodes, self.max_nodes))
 
     @property
     def label(self) -> str:
-        return f"{self.name} ({self.nodes}{'+' if self.autoscale != 'none' else ''} nodes)"
+        plus = "+" if self.autoscale != "none" else ""
+        fleet = ", ".join(f"{p.pool}: {p.nodes}{plus}" for p in self.pools) if self.pools else f"{self.nodes}{plus}"
+        label = f"{self.name} ({fleet} nodes)"
+        return f"{label} [{self.reference}]" if self.reference else label
 
     def configure(self, base: Config, profile: str | None = None) -> Config:
         """The kvgate config this policy runs with; every tenant gets the run's API key. ``profile``: the
         simulated nodes' step-time profile, the prior of kvgate's performance model unless the config
-        names one (what an operator sets in ``nodes.performance`` for the model and GPU the pool runs)."""
+        names one (what an operator sets in ``nodes.performance`` for the model and GPU the pool runs);
+        with ``pools``, the same for each pool's ``nodes`` (a pool that names its profile runs nodes of it)."""
         doc = kv_shed_config(base) if self.admission == "kv-shed" else base.model_dump(mode="json")
-        if profile is not None and base.nodes is not None and "performance" not in base.nodes.model_fields_set:
-            doc.setdefault("nodes", {})["performance"] = {"profile": profile}
-        if not self.prefix and doc.get("nodes") is not None:
-            doc["nodes"]["prefix"] = {**(doc["nodes"].get("prefix") or {}), "enabled": False}
+        sections: list[tuple[Nodes | None, dict[str, Any]]]
+        if base.pools:
+            sections = [(p.nodes, d["nodes"]) for p, d in zip(base.pools, doc["pools"], strict=True)]
+        elif base.nodes is not None:
+            sections = [(base.nodes, doc.setdefault("nodes", {}))]
+        else:
+            sections = [(None, doc["nodes"])] if doc.get("nodes") is not None else []
+        for given, section in sections:
+            if profile is not None and given is not None and "performance" not in given.model_fields_set:
+                section["performance"] = {"profile": profile}
+            if not self.prefix:
+                section["prefix"] = {**(section.get("prefix") or {}), "enabled": False}
         for t in doc.get("tenants", []):
             t["api_key_sha256"] = [hash_key(run_key(t["name"]))]
         return parse_config(doc)
@@ -151,6 +196,8 @@ class Outcome:
     e2e: float | None = None
     node: int | None = None
     decided_at: float | None = None
+    pool: str = ""
+    """The model pool it was routed to (``Answer.pool``; ``none``: refused before routing); '' undecided."""
 
 
 @dataclass
@@ -160,6 +207,11 @@ class SimNode:
     engine: Engine
     provisioned_at: float
     ready_at: float
+    pool: str = "default"
+    """The model pool it belongs to (``ext_proc.pools.DEFAULT_POOL`` without ``pools``)."""
+    served: dict[str, int] = field(default_factory=dict)
+    """Requests this node was sent, by their ``model`` ('' for none): proof that a model reaches only its
+    pool's nodes, counted where the requests land rather than where they were routed."""
     state: Literal["loading", "ready", "draining", "gone"] = "loading"
     stopped_at: float | None = None
     busy: bool = False
@@ -199,6 +251,22 @@ class SimNode:
 
 
 @dataclass
+class PoolResult:
+    """One model pool's nodes over a run."""
+
+    name: str
+    profile: str
+    nodes: int
+    """Its nodes at the start."""
+    gpus_per_node: int
+    gpu_seconds: float
+    node_timeline: list[tuple[float, int]]
+    """(time, nodes provisioned in this pool) at every change."""
+    served: dict[str, int]
+    """Requests its nodes were sent, by ``model`` ('' for a request naming none)."""
+
+
+@dataclass
 class RunResult:
     policy: Policy
     outcomes: list[Outcome]
@@ -214,6 +282,10 @@ class RunResult:
     """``breaker_opens`` split by cause (latency | kv | trial), as kvgate's core classifies them."""
     prefill_tokens_computed: int = 0
     """Prompt tokens the nodes actually prefilled: what they were asked for less their prefix-cache hits."""
+    pools: dict[str, PoolResult] = field(default_factory=dict)
+    """Each model pool's nodes (the one pool ``default`` without ``pools`` in the config)."""
+    pooled: bool = False
+    """Whether kvgate's config had ``pools`` (the report shows per-pool figures only then)."""
 
 
 def _content(i: int, r: TraceRequest) -> Prompt | None:
@@ -232,12 +304,51 @@ def _slowed(p: Profile, factor: float) -> Profile:
 
 def kv_shed_config(base: Config) -> dict[str, Any]:
     """The Gateway API Inference Extension's approach on kvgate's core: KV/queue-threshold shedding and
-    KV-aware picking, no tenants (every tenant unlimited and alike), no gateway queue, no breakers."""
-    nodes = base.nodes.model_dump(mode="json") if base.nodes is not None else {}
-    nodes["breaker"] = {"kv_threshold": 1.0, "close_kv": 0.99, "latency_multiplier": 1e9,
-                        "close_latency_multiplier": 1e9 - 1}
-    nodes["prefix"] = {**(nodes.get("prefix") or {}), "enabled": False}  # KV-aware picking only
-    return {"tenants": [{"name": t.name} for t in base.tenants], "queue": {"enabled": False}, "nodes": nodes}
+    KV-aware picking, no tenants (every tenant unlimited and alike), no gateway queue, no breakers. With
+    ``pools``, the same in each pool (the extension's InferencePool is per model too): a request still
+    goes only to its model's nodes, and sheds on their KV alone."""
+    def shed(nodes: dict[str, Any]) -> dict[str, Any]:
+        nodes["breaker"] = {"kv_threshold": 1.0, "close_kv": 0.99, "latency_multiplier": 1e9,
+                            "close_latency_multiplier": 1e9 - 1}
+        nodes["prefix"] = {**(nodes.get("prefix") or {}), "enabled": False}  # KV-aware picking only
+        return nodes
+
+    doc: dict[str, Any] = {"tenants": [{"name": t.name} for t in base.tenants], "queue": {"enabled": False}}
+    if base.pools:
+        pools = [p.model_dump(mode="json") for p in base.pools]
+        for p in pools:
+            shed(p["nodes"])
+        return {**doc, "pools": pools}
+    return {**doc, "nodes": shed(base.nodes.model_dump(mode="json") if base.nodes is not None else {})}
+
+
+@dataclass
+class SimPool:
+    """One model pool in the run: its simulated nodes, and what its autoscaler keeps."""
+
+    spec: PoolSpec
+    profile: Profile
+    size: PoolSize
+    cold_start_s: float
+    law: ControlLaw | None = None
+    nodes: list[SimNode] = field(default_factory=list)
+    timeline: list[tuple[float, int]] = field(default_factory=list)
+    decisions: deque[tuple[float, str, str]] = field(default_factory=deque)
+    """(time, kind, tenant) for this pool's scaler window: admitted | capacity | policy, and besides those
+    budget (a policy 429 for the tenant's own budget), fleet (a 429 the fleet caused), slo_miss (admitted,
+    predicted to miss its TTFT target) — only of the requests routed to this pool."""
+    desired_history: deque[tuple[float, int]] = field(default_factory=deque)
+    next_poll: float = 0.0
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+    @property
+    def gpus(self) -> int:
+        """GPUs per node, from the profile's name (``70b-h100x4``: 4)."""
+        name = self.profile.name
+        return int(name.rsplit("x", 1)[1]) if "x" in name.rsplit("-", 1)[-1] else 1
 
 
 class Run:
@@ -262,6 +373,7 @@ class Run:
         self.outages = tuple(outages)
         self.base_config = config
         self.config = config = policy.configure(config, profile.name)
+        self.pooled = bool(config.pools)
         priority = policy.admission == "kvgate" and config.queue.inject_priority
         self.engine_options = replace(engine or EngineOptions(), policy="priority" if priority else "fcfs")
         base = self.base_config  # tiers for the report: the same for every policy
@@ -270,6 +382,7 @@ class Run:
         self._events: list[tuple[float, int, str, Any]] = []
         self._seq = 0
         self.nodes: list[SimNode] = []
+        """Every pool's nodes, in the order they were provisioned (``Degrade.node``/``Outage.node`` index it)."""
         self._by_address: dict[str, SimNode] = {}
         self.node_timeline: list[tuple[float, int]] = []
         self.breaker_opens = 0
@@ -278,79 +391,98 @@ class Run:
         """Engine request → (outcome index, kvgate ticket)."""
         self._held: dict[str, int] = {}
         """Request id of a queued request → outcome index."""
-        self._decisions: deque[tuple[float, str, str]] = deque()
-        """(time, kind, tenant) for the scaler's window: admitted | capacity | policy, and besides those
-        budget (a policy 429 for the tenant's own budget), fleet (a 429 the fleet caused), slo_miss (admitted,
-        predicted to miss its TTFT target)."""
-        self._desired_history: deque[tuple[float, int]] = deque()
-        self._next_poll = 0.0
+        self.router = Router(config, random.Random(seed))
+        """kvgate's own model → pool routing (``ext_proc.pools``), for the baselines that run without its
+        core and for the prefix settings of a request's pool; kvgate's core routes with its own."""
+        self.pools: dict[str, SimPool] = {}
+        for spec in self.router.pools:
+            size = policy.size(spec.name)
+            prof = profile
+            if self.pooled and spec.nodes is not None and spec.nodes.performance.profile != profile.name:
+                prof = get_profile(spec.nodes.performance.profile)
+            cold = prof.cold_start_s if cold_start_s is None else cold_start_s
+            law = None
+            if policy.autoscale == "scaler":
+                law = ControlLaw(replace(self.auto.law, min_replicas=size.min_nodes, max_replicas=size.max_nodes,
+                                         cold_start_s=cold, window_s=self.auto.window_s))
+            self.pools[spec.name] = SimPool(spec, prof, size, cold, law)
         self.core: Core | None = None
-        self.law: ControlLaw | None = None
         if policy.admission != "none":
-            if config.nodes is None:
+            if config.nodes is None and not config.pools:
                 raise ValueError("the scenario's kvgate config needs a nodes section")
             self.core = Core(config, lambda: self.now, rng=random.Random(seed), log=null_logger(),
                              on_transition=self._transition)
-        if policy.autoscale == "scaler":
-            self.law = ControlLaw(replace(self.auto.law, min_replicas=policy.min_nodes,
-                                          max_replicas=policy.max_nodes, cold_start_s=self.cold_start_s,
-                                          window_s=self.auto.window_s))
-        for _ in range(policy.nodes):
-            self._provision(ready=True)
-        self.node_timeline = [(trace[0].t if trace else 0.0, policy.nodes)]
+        start = trace[0].t if trace else 0.0
+        for pool in self.pools.values():
+            for _ in range(pool.size.nodes):
+                self._provision(pool, ready=True)
+            pool.timeline = [(start, pool.size.nodes)]
+        self.node_timeline = [(start, sum(p.size.nodes for p in self.pools.values()))]
+
+    @property
+    def law(self) -> ControlLaw | None:
+        """The first pool's control law (the only one without ``pools``)."""
+        return next(iter(self.pools.values())).law
 
     # -- nodes -------------------------------------------------------------------------------------
 
-    def _provision(self, ready: bool = False) -> SimNode:
+    def _provision(self, pool: SimPool, ready: bool = False) -> SimNode:
         i = len(self.nodes)
         opts = replace(self.engine_options, seed=self.seed * 1000 + i)
-        n = SimNode(i, f"node-{i}:8000", Engine(self.profile, opts), self.now,
-                    self.now if ready else self.now + self.cold_start_s)
+        address = f"{pool.name}-{i}:8000" if self.pooled else f"node-{i}:8000"
+        n = SimNode(i, address, Engine(pool.profile, opts), self.now,
+                    self.now if ready else self.now + pool.cold_start_s, pool=pool.name)
         n.engine.every_token = False
         self.nodes.append(n)
+        pool.nodes.append(n)
         self._by_address[n.address] = n
         if ready:
             self._ready(n)
         else:
             self._push(n.ready_at, "ready", n)
-        self._timeline()
+        self._timeline(pool)
         return n
 
     def _ready(self, n: SimNode) -> None:
         if n.state != "loading":
             return
         n.state = "ready"
-        self._sync_fleet()
+        self._sync_fleet(self.pools[n.pool])
         if self.core is not None:  # the probe's first reading arrives with the node
             self._probe(n)
 
-    def _retire(self, count: int) -> None:
-        """Remove ``count`` nodes: loading ones first (cancelled), then the least loaded ready ones,
-        which drain before they stop."""
-        for n in sorted((n for n in self.nodes if n.state in ("loading", "ready")),
+    def _retire(self, pool: SimPool, count: int) -> None:
+        """Remove ``count`` of the pool's nodes: loading ones first (cancelled), then the least loaded
+        ready ones, which drain before they stop."""
+        for n in sorted((n for n in pool.nodes if n.state in ("loading", "ready")),
                         key=lambda n: (n.state != "loading", n.load))[:count]:
             if n.state == "loading":
                 n.state, n.stopped_at = "gone", self.now
             else:
                 n.state = "draining"
                 self._maybe_gone(n)
-        self._sync_fleet()
-        self._timeline()
+        self._sync_fleet(pool)
+        self._timeline(pool)
 
     def _maybe_gone(self, n: SimNode) -> None:
         if n.state == "draining" and not n.engine.scheduler.has_work() and not n.busy:
             n.state, n.stopped_at = "gone", self.now
-            self._timeline()
+            self._timeline(self.pools[n.pool])
 
-    def _sync_fleet(self) -> None:
+    def _sync_fleet(self, pool: SimPool) -> None:
+        """The pool's ready nodes, as its discovery would tell kvgate (``Core.set_nodes`` per pool)."""
         if self.core is not None:
-            self.core.set_nodes([(n.address, f"http://{n.address}", None) for n in self.nodes if n.state == "ready"])
+            self.core.set_nodes([(n.address, f"http://{n.address}", None) for n in pool.nodes if n.state == "ready"],
+                                pool.name)
             self._answers()
 
-    def _timeline(self) -> None:
+    def _timeline(self, pool: SimPool) -> None:
         count = sum(1 for n in self.nodes if n.state != "gone")
         if not self.node_timeline or self.node_timeline[-1][1] != count:
             self.node_timeline.append((self.now, count))
+        mine = sum(1 for n in pool.nodes if n.state != "gone")
+        if not pool.timeline or pool.timeline[-1][1] != mine:
+            pool.timeline.append((self.now, mine))
 
     def _transition(self, node: str, old: Any, new: Any, why: str) -> None:
         self.transitions.append((self.now, node, old.value, new.value, why))
@@ -393,30 +525,43 @@ class Run:
             prio = tier.vllm_priority if tier.vllm_priority is not None else tier.priority
         sreq = Request(f"r{i}", r.prompt_tokens, r.output_tokens, self.now, priority=prio, content=_content(i, r))
         n.engine.add(sreq)
+        model = r.model or ""
+        n.served[model] = n.served.get(model, 0) + 1
         self._inflight[sreq] = (i, ticket)
         o.status, o.node, o.decided_at = 200, n.index, self.now
         self._kick(n)
 
-    def _reject(self, i: int, status: int, reason: str, klass: str) -> None:
+    def _reject(self, i: int, status: int, reason: str, klass: str, pool: SimPool | None) -> None:
+        """Refuse request ``i``; a refusal that wanted ``pool``'s capacity goes into its scaler window."""
         o = self.outcomes[i]
         o.status, o.reason, o.klass, o.decided_at = status, reason, klass, self.now
+        if pool is None:
+            return
         if klass in ("capacity", "policy"):
-            self._decisions.append((self.now, klass, o.req.tenant))
+            pool.decisions.append((self.now, klass, o.req.tenant))
         if klass == "policy" and reason in BUDGET_REASONS:
-            self._decisions.append((self.now, "budget", o.req.tenant))
+            pool.decisions.append((self.now, "budget", o.req.tenant))
 
     def _arrive(self, i: int) -> None:
-        r = self.outcomes[i].req
+        o = self.outcomes[i]
+        r = o.req
         if self.core is None:
-            ready = [n for n in self.nodes if n.state == "ready" and not self._out(n)]
+            spec = self.router.route(r.model)
+            if spec is None:  # nobody serves the model: what kvgate answers too, a 404 that is no capacity
+                o.pool = NO_POOL
+                self._reject(i, 404, "model-not-found", "invalid", None)
+                return
+            pool = self.pools[spec.name]
+            o.pool = pool.name
+            ready = [n for n in pool.nodes if n.state == "ready" and not self._out(n)]
             if not ready:
-                self._reject(i, 503, "no-node", "capacity")
+                self._reject(i, 503, "no-node", "capacity", pool)
                 return
             self._send(i, min(ready, key=lambda n: n.load), None)  # plain Envoy's least-request
-            self._decisions.append((self.now, "admitted", r.tenant))
+            pool.decisions.append((self.now, "admitted", r.tenant))
             return
         est = Estimate(r.prompt_tokens, r.reserved_output, parsed=True, stream=r.stream,
-                       prefix=self._prefix_chain(r))
+                       prefix=self._prefix_chain(r), model=r.model)
         req = GatewayRequest("/v1/chat/completions", f"r{i}", f"Bearer {run_key(r.tenant)}",
                       estimate=est, body_bytes=r.prompt_tokens * CHARS_PER_TOKEN + 200)
         out = self.core.decide(req)
@@ -424,13 +569,17 @@ class Run:
             self._held[out.request_id] = i
         else:
             assert isinstance(out, Answer), "one process, no store: nothing to borrow"
-            self._decided(i, out.decision)
+            self._decided(i, out)
         self._answers()
 
     def _prefix_chain(self, r: TraceRequest) -> tuple[int, ...]:
-        """kvgate's view of a trace request's prefix (no text in virtual time: its segments)."""
-        nodes = self.config.nodes
-        if not r.segments or nodes is None or not nodes.prefix.enabled:
+        """kvgate's view of a trace request's prefix (no text in virtual time: its segments), with the
+        prefix settings of the pool that serves its model."""
+        if not r.segments:
+            return ()
+        specs = self.router.pools[:1] if self.router.single else self.router.candidates(r.model or "")
+        nodes: Nodes | None = specs[0].nodes if specs else None
+        if nodes is None or not nodes.prefix.enabled:
             return ()
         return segment_chain(r.segments, nodes.prefix.max_blocks_per_request, nodes.prefix.block_tokens)
 
@@ -445,21 +594,29 @@ class Run:
         for a in self.core.answers():
             i = self._held.pop(a.request_id, None)
             if i is not None:
-                self._decided(i, a.decision)
+                self._decided(i, a)
 
-    def _decided(self, i: int, d: Decision) -> None:
-        """kvgate's answer for request ``i``, at once or out of its queue: send it or refuse it."""
+    def _decided(self, i: int, a: Answer) -> None:
+        """kvgate's answer for request ``i``, at once or out of its queue: send it or refuse it. What it
+        means for capacity goes into the scaler window of the pool kvgate routed it to, and only that
+        pool's (``Answer.pool``; ``none``, refused before routing, is no pool's demand)."""
+        d = a.decision
+        o = self.outcomes[i]
+        o.pool = a.pool
+        pool = self.pools.get(a.pool)
+        tenant = o.req.tenant
         if d.admitted:
             assert d.lease is not None and d.lease.node is not None
             self._send(i, self._by_address[d.lease.node], d.lease.ticket)
-            self._decisions.append((self.now, "admitted", self.outcomes[i].req.tenant))
-            if d.lease.slo_miss:
-                self._decisions.append((self.now, "slo_miss", self.outcomes[i].req.tenant))
+            if pool is not None:
+                pool.decisions.append((self.now, "admitted", tenant))
+                if d.lease.slo_miss:
+                    pool.decisions.append((self.now, "slo_miss", tenant))
         else:
             assert d.rejection is not None
-            self._reject(i, d.rejection.status, d.rejection.reason, d.rejection.klass)
-            if d.rejection.fleet_caused:
-                self._decisions.append((self.now, "fleet", self.outcomes[i].req.tenant))
+            self._reject(i, d.rejection.status, d.rejection.reason, d.rejection.klass, pool)
+            if d.rejection.fleet_caused and pool is not None:
+                pool.decisions.append((self.now, "fleet", tenant))
 
     def _step_end(self, n: SimNode) -> None:
         n.busy = False
@@ -491,47 +648,50 @@ class Run:
 
     def _tick(self) -> None:
         if self.core is not None:
-            poll = self.config.nodes.poll_interval_seconds if self.config.nodes else 0.25
-            if self._next_poll <= self.now + 1e-9:
-                for n in self.nodes:
-                    if n.state == "ready":
-                        self._probe(n)
-                self._next_poll = self.now + poll
+            for pool in self.pools.values():  # each pool's probes at its own nodes.poll_interval_seconds
+                if pool.next_poll <= self.now + 1e-9:
+                    for n in pool.nodes:
+                        if n.state == "ready":
+                            self._probe(n)
+                    cfg = pool.spec.nodes
+                    pool.next_poll = self.now + (cfg.poll_interval_seconds if cfg is not None else 0.25)
             self.core.tick()
             self._answers()
 
-    def _scale(self) -> None:
-        ready = [n for n in self.nodes if n.state == "ready"]
-        provisioned = sum(1 for n in self.nodes if n.state in ("loading", "ready"))
-        p = self.policy
-        if p.autoscale == "queue":
+    def _scale(self, pool: SimPool) -> None:
+        """One autoscaler evaluation of one pool, on that pool's own signals."""
+        ready = [n for n in pool.nodes if n.state == "ready"]
+        provisioned = sum(1 for n in pool.nodes if n.state in ("loading", "ready"))
+        size = pool.size
+        if self.policy.autoscale == "queue":
             waiting = sum(n.engine.scheduler.num_waiting for n in ready)
-            want = max(p.min_nodes, min(p.max_nodes, math.ceil(waiting / self.auto.waiting_per_node)))
-            self._desired_history.append((self.now, want))
-            while self._desired_history and self._desired_history[0][0] < self.now - self.auto.scale_down_window_s:
-                self._desired_history.popleft()
+            want = max(size.min_nodes, min(size.max_nodes, math.ceil(waiting / self.auto.waiting_per_node)))
+            pool.desired_history.append((self.now, want))
+            while pool.desired_history and pool.desired_history[0][0] < self.now - self.auto.scale_down_window_s:
+                pool.desired_history.popleft()
             if want > provisioned:  # the HPA's default scale-up limit: 4 pods or 100% per period
                 target = min(want, provisioned + max(4, provisioned))
             else:  # scale down only to the highest recommendation of the stabilisation window
-                target = max(w for _, w in self._desired_history)
+                target = max(w for _, w in pool.desired_history)
         else:
-            assert self.law is not None and self.core is not None
+            assert pool.law is not None and self.core is not None
             horizon = self.now - self.auto.window_s
-            while self._decisions and self._decisions[0][0] < horizon:
-                self._decisions.popleft()
+            while pool.decisions and pool.decisions[0][0] < horizon:
+                pool.decisions.popleft()
             by: dict[str, dict[str, float]] = {k: {} for k in KINDS}
-            for _, kind, tenant in self._decisions:
+            for _, kind, tenant in pool.decisions:
                 by[kind][tenant] = by[kind].get(tenant, 0.0) + 1
             kv = [n.engine.scheduler.kv_usage for n in ready]  # what kvgate_node_kv_usage_ratio reports
-            sig = Signals(self.now, by["admitted"], by["capacity"], by["policy"], float(self.core.queued),
+            held = float(len(self.core.admission.queue_of(pool.name)))  # kvgate_queue_depth_requests{pool}
+            sig = Signals(self.now, by["admitted"], by["capacity"], by["policy"], held,
                           len(ready), True, fleet_caused=by["fleet"], budget_rejected=by["budget"],
                           slo_missed=by["slo_miss"], kv_usage=sum(kv) / len(kv) if kv else None)
-            target = self.law.decide(sig, self.now).desired
+            target = pool.law.decide(sig, self.now).desired
         if target > provisioned:
             for _ in range(target - provisioned):
-                self._provision()
+                self._provision(pool)
         elif target < provisioned:
-            self._retire(provisioned - target)
+            self._retire(pool, provisioned - target)
 
     # -- the run -----------------------------------------------------------------------------------
 
@@ -540,7 +700,8 @@ class Run:
         k = 0
         start = arrivals[0].t if arrivals else 0.0
         self.now = start
-        self._next_poll = start
+        for pool in self.pools.values():
+            pool.next_poll = start
         self._push(start, "tick")
         if self.policy.autoscale != "none":
             self._push(start + self.auto.interval_s, "scale")
@@ -559,13 +720,15 @@ class Run:
                     if self._busy() or k < len(arrivals):
                         self._push(t + PUMP_INTERVAL_S, "tick")
                 elif kind == "scale":
-                    self._scale()
+                    for pool in self.pools.values():  # KEDA polls every pool's ScaledObject
+                        self._scale(pool)
                     if t < end_of_trace or self._busy():
                         self._push(t + self.auto.interval_s, "scale")
                 elif kind == "ready":
                     self._ready(arg)
                 elif kind == "degrade" and arg.node < len(self.nodes):
-                    self.nodes[arg.node].engine.profile = _slowed(self.profile, arg.factor)
+                    n = self.nodes[arg.node]
+                    n.engine.profile = _slowed(self.pools[n.pool].profile, arg.factor)
                 continue
             if nxt == math.inf:
                 break
@@ -577,20 +740,25 @@ class Run:
         for n in self.nodes:  # what is still up is billed until the run's end, not a later autoscaler tick
             if n.state != "gone":
                 n.stopped_at = last
-        gpus = self._gpus()
-        gpu_s = sum(min(n.stopped_at or last, last) - n.provisioned_at for n in self.nodes)
+        pools: dict[str, PoolResult] = {}
+        for pool in self.pools.values():
+            node_s = sum(min(n.stopped_at or last, last) - n.provisioned_at for n in pool.nodes)
+            served: dict[str, int] = {}
+            for n in pool.nodes:
+                for model, count in n.served.items():
+                    served[model] = served.get(model, 0) + count
+            pools[pool.name] = PoolResult(pool.name, pool.profile.name, pool.size.nodes, pool.gpus,
+                                          node_s * pool.gpus, list(pool.timeline), served)
+        gpu_s = sum(p.gpu_seconds for p in pools.values())
         lost = sum(1 for o in self.outcomes if o.status == 0 or (o.status == 200 and o.e2e is None))
         computed = sum(n.engine.scheduler.prefix_queries + n.engine.scheduler.preempted_prefix_queries
                        - n.engine.scheduler.prefix_hits - n.engine.scheduler.preempted_prefix_hits for n in self.nodes)
-        return RunResult(self.policy, self.outcomes, last - start, gpu_s * gpus, gpus, self.node_timeline,
-                         self.breaker_opens, lost, dict(self.breaker_opens_by_cause), computed)
+        first = next(iter(self.pools.values()))
+        return RunResult(self.policy, self.outcomes, last - start, gpu_s, first.gpus, self.node_timeline,
+                         self.breaker_opens, lost, dict(self.breaker_opens_by_cause), computed, pools, self.pooled)
 
     def _busy(self) -> bool:
         return bool(self._inflight or self._held)
-
-    def _gpus(self) -> int:
-        name = self.profile.name
-        return int(name.rsplit("x", 1)[1]) if "x" in name.rsplit("-", 1)[-1] else 1
 
 
 def simulate(config: Config, policy: Policy, profile: Profile, trace: list[TraceRequest], seed: int = 0,

@@ -23,19 +23,25 @@ Definitions (also in the README):
   interactive tier), SLO attainment, latency and Jain are over the kept tenants alone, and a removed
   tenant has no row at all (not a 0%-served one); every ratio is guarded, so an ideal offered nothing
   reports ``-``/None, never a division by zero.
+* Per pool (a kvgate config with ``pools``; ``"pools"`` in JSON, absent otherwise): the same figures over
+  the requests routed to each pool (its models' tenants), the pool's nodes over time (start, most,
+  time-weighted average, every change) and the requests its nodes were sent, by model — counted at the
+  nodes, so a request reaching another pool's node would show there.
+* Reference rows (``Scenario.reference``; ``"references"`` in JSON, beside ``"policies"``): each policy
+  again over the trace without the left-out streams, labelled ``policy (...) [label]``.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from ext_proc.config import Config
 
-from .driver import BREAKER_CAUSES, Outcome, RunResult
+from .driver import BREAKER_CAUSES, Outcome, PoolResult, RunResult
 
 
 def percentile(xs: Sequence[float], p: float) -> float | None:
@@ -111,6 +117,51 @@ def _in_slo(o: Outcome, target: float | None) -> bool:
 
 
 @dataclass(frozen=True)
+class PoolSummary:
+    """One model pool's figures in a run: its requests (those routed to it) and its nodes."""
+
+    pool: PoolResult
+    all: Group
+    tenants: dict[str, Group]
+    avg_nodes: float
+    """Nodes provisioned, time-weighted over the run (GPU-seconds / GPUs per node / run time)."""
+
+    @property
+    def nodes_max(self) -> int:
+        return max(c for _, c in self.pool.node_timeline) if self.pool.node_timeline else self.pool.nodes
+
+    @property
+    def nodes_end(self) -> int:
+        return self.pool.node_timeline[-1][1] if self.pool.node_timeline else self.pool.nodes
+
+    def to_json(self) -> dict[str, Any]:
+        a, p = self.all, self.pool
+        return {"profile": p.profile, "offered": a.offered, "admitted": a.admitted,
+                "rejected_429": a.rejected_policy, "rejected_503": a.rejected_capacity,
+                "ttft_p50_p95_p99": a.ttft, "e2e_p50_p95_p99": a.e2e, "slo_attainment": a.slo,
+                "nodes_start": p.nodes, "nodes_max": self.nodes_max, "nodes_end": self.nodes_end,
+                "avg_nodes": round(self.avg_nodes, 3), "gpu_hours": round(p.gpu_seconds / 3600.0, 4),
+                "node_timeline": [[round(t, 3), c] for t, c in p.node_timeline],
+                "requests_at_nodes_by_model": dict(sorted(p.served.items())),
+                "tenants": {t: {"offered": g.offered, "admitted": g.admitted, "rejected_429": g.rejected_policy,
+                                "rejected_503": g.rejected_capacity, "ttft_p50_p95_p99": g.ttft,
+                                "slo_attainment": g.slo} for t, g in self.tenants.items()}}
+
+
+def summarize_pools(r: RunResult, targets: dict[str, float | None]) -> dict[str, PoolSummary]:
+    """Each pool's figures: over the requests routed to it (``Outcome.pool``) and its own nodes."""
+    out = {}
+    dur = max(r.duration_s, 1e-9)
+    for name, p in r.pools.items():
+        mine = [o for o in r.outcomes if o.pool == name]
+        tenants = sorted({o.req.tenant for o in mine})
+        out[name] = PoolSummary(p, group(mine, targets),
+                                {t: group((o for o in mine if o.req.tenant == t), targets) for t in tenants},
+                                p.gpu_seconds / p.gpus_per_node / dur)
+    return out
+
+
+@dataclass(frozen=True)
 class Summary:
     label: str
     result: RunResult
@@ -129,6 +180,8 @@ class Summary:
     (``jain_windows``), averaged over the windows; None: no window with two active tenants."""
     jain_60s_min: float | None = None
     """The same index in the worst 60 s window."""
+    pools: dict[str, PoolSummary] = field(default_factory=dict)
+    """Per model pool, when kvgate's config has ``pools`` (empty otherwise)."""
 
     @property
     def ideal(self) -> bool:
@@ -157,7 +210,10 @@ class Summary:
                           "admitted": g.admitted} for t, g in self.tiers.items()},
             "tenants": {t: {"offered": g.offered, "admitted": g.admitted, "rejected_429": g.rejected_policy,
                             "rejected_503": g.rejected_capacity} for t, g in self.tenants.items()},
-            "reasons": self.reasons}
+            "reasons": self.reasons,
+            # additive, and only where they apply: a single-pool scenario's JSON is what it always was
+            **({"pools": {n: p.to_json() for n, p in self.pools.items()}} if self.pools else {}),
+            **({"reference": self.result.policy.reference} if self.result.policy.reference else {})}
 
 
 def summarize(r: RunResult, config: Config) -> Summary:
@@ -186,7 +242,8 @@ def summarize(r: RunResult, config: Config) -> Summary:
     return Summary(r.policy.label, r, a, {t: group((o for o in r.outcomes if o.tier == t), targets) for t in tiers},
                    {t: group((o for o in r.outcomes if o.req.tenant == t), targets) for t in tenants}, reasons,
                    r.gpu_seconds / 3600.0, avg_gpus, goodput, goodput / avg_gpus if avg_gpus else 0.0, fairness,
-                   served, **_windowed(r.outcomes, weight, w_out))
+                   served, **_windowed(r.outcomes, weight, w_out),
+                   pools=summarize_pools(r, targets) if r.pooled else {})
 
 
 JAIN_WINDOW_S = 60.0
@@ -293,6 +350,64 @@ def by_tenant(sums: list[Summary]) -> str:
                          str(g.rejected_capacity), fmt_s(g.ttft[2]), _pct(s.served_tokens[tenant] / total)])
     return table(["policy", "tenant", "offered", "admitted", "429", "503", "TTFT p99", "share of tokens served"],
                   rows)
+
+
+def timeline_text(timeline: Sequence[tuple[float, int]]) -> str:
+    """A node-count timeline in words: ``1 -> 3 at 75 s -> 1 at 900 s`` (changes at one instant merged)."""
+    merged: list[tuple[float, int]] = []
+    for t, c in timeline:
+        if merged and abs(merged[-1][0] - t) < 1e-9:
+            merged[-1] = (t, c)
+        else:
+            merged.append((t, c))
+    if not merged:
+        return "-"
+    return " -> ".join([str(merged[0][1])] + [f"{c} at {t:.0f} s" for t, c in merged[1:]])
+
+
+def by_pool(sums: list[Summary]) -> str:
+    """Per model pool: its requests' figures, its nodes (start, most, average) and what its nodes were
+    sent by model."""
+    rows = []
+    for s in sums:
+        for name, p in s.pools.items():
+            a = p.all
+            rows.append([s.label, name, p.pool.profile, f"{p.pool.nodes} / {p.nodes_max} / {p.avg_nodes:.1f}",
+                         str(a.offered), str(a.admitted), str(a.rejected_policy), str(a.rejected_capacity),
+                         f"{fmt_s(a.ttft[0])} / {fmt_s(a.ttft[2])}", _pct(a.slo),
+                         ", ".join(f"{m or '(none)'} {n}" for m, n in sorted(p.pool.served.items())) or "-"])
+    if not rows:
+        return "(no pools)"
+    return table(["policy", "pool", "profile", "nodes start / max / avg", "offered", "admitted", "429", "503",
+                  "TTFT p50 / p99", "SLO met", "sent to its nodes, by model"], rows)
+
+
+def pool_timelines(sums: list[Summary]) -> str:
+    rows = [[s.label, name, timeline_text(p.pool.node_timeline)] for s in sums for name, p in s.pools.items()]
+    return table(["policy", "pool", "nodes over time"], rows) if rows else "(no pools)"
+
+
+def against_reference(sums: list[Summary], refs: list[Summary], label: str) -> str:
+    """Each policy's pools beside the same policy's reference run (the trace without the disturbance):
+    SLO attainment, TTFT p50 / p99, 503s and the most nodes, ``with / without``."""
+    by_name = {r.result.policy.name: r for r in refs}
+    rows = []
+    for s in sums:
+        ref = by_name.get(s.result.policy.name)
+        if ref is None:
+            continue
+        for name, p in s.pools.items():
+            q = ref.pools.get(name)
+            if q is None:
+                continue
+            a, b = p.all, q.all
+            rows.append([s.result.policy.name, name, f"{_pct(a.slo)} / {_pct(b.slo)}",
+                         f"{fmt_s(a.ttft[0])} / {fmt_s(b.ttft[0])}", f"{fmt_s(a.ttft[2])} / {fmt_s(b.ttft[2])}",
+                         f"{a.rejected_capacity} / {b.rejected_capacity}", f"{p.nodes_max} / {q.nodes_max}"])
+    if not rows:
+        return "(no reference runs)"
+    return table(["policy", "pool", f"SLO met (as run / {label})", f"TTFT p50 (as run / {label})",
+                  f"TTFT p99 (as run / {label})", f"503 (as run / {label})", f"most nodes (as run / {label})"], rows)
 
 
 def reasons(sums: list[Summary]) -> str:
@@ -413,16 +528,27 @@ def plots(name: str, sums: list[Summary], out: Path, config: Config | None = Non
         fig.text(0.5, 0.005, f"no 429 or 503 at all: {', '.join(quiet)}", ha="center", va="bottom", fontsize=9)
     paths.append(save(fig, "rejections over time", "rejections"))
 
-    # fleet size
-    fig, ax = plt.subplots(figsize=(13, 3.2))
-    for i, s in enumerate(sums):
-        tl = s.result.node_timeline or [(0.0, s.result.policy.nodes)]
-        ax.step([t for t, _ in tl] + [s.result.duration_s], [c for _, c in tl] + [tl[-1][1]], where="post",
-                color=colors[i % len(colors)], label=s.label, linewidth=2 - 0.25 * i)
-    ax.set_xlabel("time (s)")
-    ax.set_ylabel("nodes provisioned")
-    ax.set_ylim(bottom=0)
-    ax.grid(True, alpha=0.3)
-    ax.legend(fontsize=8, loc="upper left")
-    paths.append(save(fig, "fleet size", "nodes"))
+    # fleet size: the whole fleet, or each model pool's own (each pool scales on its own)
+    pools: list[str | None] = list(dict.fromkeys(n for s in sums for n in s.pools)) or [None]
+    fig, axes = plt.subplots(len(pools), 1, figsize=(13, 3.2 * len(pools)), squeeze=False,
+                             sharex=True)
+    for ax, pool in zip((row[0] for row in axes), pools, strict=True):
+        for i, s in enumerate(sums):
+            if pool is None:
+                tl = s.result.node_timeline or [(0.0, s.result.policy.nodes)]
+            elif pool in s.pools:
+                tl = s.pools[pool].pool.node_timeline or [(0.0, s.pools[pool].pool.nodes)]
+            else:
+                continue
+            ax.step([t for t, _ in tl] + [s.result.duration_s], [c for _, c in tl] + [tl[-1][1]], where="post",
+                    color=colors[i % len(colors)], label=s.label, linewidth=2 - 0.25 * i)
+        ax.set_ylabel("nodes provisioned" if pool is None else f"pool {pool}: nodes")
+        ax.set_ylim(bottom=0)
+        ax.grid(True, alpha=0.3)
+        if pool is None:
+            ax.legend(fontsize=8, loc="upper left")
+        elif pool == pools[0]:  # one legend for every pool's panel, where the lines are not
+            ax.legend(fontsize=8, loc="lower right")
+    axes[-1][0].set_xlabel("time (s)")
+    paths.append(save(fig, "fleet size" if pools == [None] else "nodes per pool", "nodes"))
     return paths

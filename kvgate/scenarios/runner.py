@@ -8,13 +8,21 @@ bench config naming the node profile, the fleet size, kvgate's config and (optio
     kvgate: {tenants: [...]}  # kvgate's config (a nodes section is added if missing)
     policies: [none, kv-shed, kvgate, autoscale-only, kvgate+scaler]
     max_nodes: 16             # for the autoscaling policies
+
+With ``pools`` in kvgate's config, each pool runs its own simulated nodes (of the pool's
+``nodes.performance.profile``, else ``profile``) and the trace's ``model`` picks the pool; ``pools:``
+here sizes each (default: ``nodes``, ``min_nodes``, ``max_nodes``)::
+
+    kvgate: {pools: [{name: small, models: [llama-8b], nodes: {static: [...], performance: {profile: 8b-h100}}},
+                     {name: large, models: [llama-70b], nodes: {...}}], tenants: [...]}
+    pools: {small: {nodes: 2}, large: {nodes: 1, max_nodes: 4}}
 """
 
 from __future__ import annotations
 
 import json
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -25,7 +33,7 @@ from scaler.law import LawSettings
 from sim.profiles import PROFILES, get_profile
 
 from . import report
-from .driver import Autoscaling, Policy, simulate
+from .driver import Autoscaling, Policy, PoolSize, simulate
 from .trace import TraceRequest, read_trace
 from .workloads import PLACEHOLDER_NODES, Scenario, get_scenario
 
@@ -64,6 +72,16 @@ class ScalerSettings(BaseModel):
         return self
 
 
+class PoolBench(BaseModel):
+    """One model pool's fleet in a bench config (``pools.NAME``); unset: the top-level figure."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    nodes: Annotated[int, Field(ge=1, le=64)] | None = None
+    min_nodes: Annotated[int, Field(ge=1, le=64)] | None = None
+    max_nodes: Annotated[int, Field(ge=1, le=256)] | None = None
+
+
 class BenchConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -76,15 +94,29 @@ class BenchConfig(BaseModel):
     policies: list[PolicyName] = Field(default_factory=lambda: list(DEFAULT_POLICIES))
     scaler: ScalerSettings = ScalerSettings()
     seed: int = 1
+    pools: dict[str, PoolBench] = Field(default_factory=dict)
+    """Each model pool's fleet (kvgate's config with ``pools``), by pool name."""
+
+    def pool_sizes(self) -> tuple[PoolSize, ...]:
+        """Every pool of kvgate's config, sized by ``pools`` or the top-level figures."""
+        out = []
+        for p in self.kvgate.get("pools") or []:
+            b = self.pools.get(p["name"], PoolBench())
+            n = b.nodes if b.nodes is not None else self.nodes
+            top = max(b.max_nodes if b.max_nodes is not None else self.max_nodes, n)
+            out.append(PoolSize(p["name"], n, min(b.min_nodes if b.min_nodes is not None else self.min_nodes, n), top))
+        return tuple(out)
 
     def policy_list(self) -> tuple[Policy, ...]:
         n, top = self.nodes, max(self.max_nodes, self.nodes)
         low = min(self.min_nodes, n)
-        known = {"none": Policy("none", n), "kv-shed": Policy("kv-shed", n, "kv-shed"),
-                 "kvgate": Policy("kvgate", n, "kvgate"),
-                 "autoscale-only": Policy("autoscale-only", n, autoscale="queue", min_nodes=low, max_nodes=top),
+        pools = self.pool_sizes()
+        known = {"none": Policy("none", n, pools=pools), "kv-shed": Policy("kv-shed", n, "kv-shed", pools=pools),
+                 "kvgate": Policy("kvgate", n, "kvgate", pools=pools),
+                 "autoscale-only": Policy("autoscale-only", n, autoscale="queue", min_nodes=low, max_nodes=top,
+                                          pools=pools),
                  "kvgate+scaler": Policy("kvgate+scaler", n, "kvgate", autoscale="scaler", min_nodes=low,
-                                         max_nodes=top)}
+                                         max_nodes=top, pools=pools)}
         return tuple(known[p] for p in self.policies)
 
     def autoscaling(self) -> Autoscaling:
@@ -112,11 +144,17 @@ def load_bench_config(path: str | Path) -> BenchConfig:
         raise ConfigError(f"{p}: invalid bench configuration\n  profile: unknown profile {cfg.profile!r}; "
                           f"known: {', '.join(PROFILES)}")
     kv = dict(cfg.kvgate)
-    kv.setdefault("nodes", PLACEHOLDER_NODES)
+    if not kv.get("pools"):  # with pools each pool lists its own nodes (a top-level nodes is an error)
+        kv.setdefault("nodes", PLACEHOLDER_NODES)
     try:
-        parse_config(kv)
+        parsed = parse_config(kv)
     except ConfigError as e:
         raise ConfigError(f"{p}: kvgate: {e}") from None
+    unknown = sorted(set(cfg.pools) - {pool.name for pool in parsed.pools})
+    if unknown:
+        known = ", ".join(pool.name for pool in parsed.pools)
+        raise ConfigError(f"{p}: invalid bench configuration\n  pools: {', '.join(unknown)}: no such pool in "
+                          + (f"kvgate.pools (known: {known})" if known else "kvgate's config (it has no pools)"))
     return cfg.model_copy(update={"kvgate": kv})
 
 
@@ -145,6 +183,10 @@ class ScenarioResult:
     """What the ideal row (if any) was offered, in words."""
     ideal_scope: dict[str, Any] | None = None
     """The same for ``--json``: the ideal entry's ``ideal_scope``."""
+    references: list[report.Summary] = field(default_factory=list)
+    """The scenario's reference runs (``Scenario.reference``): each policy over the trace without the
+    left-out streams; kept apart from ``summaries``, which are all over the one trace."""
+    reference_requests: int = 0
 
     def markdown(self) -> str:
         sc = self.scenario
@@ -155,21 +197,42 @@ class ScenarioResult:
                   report.overview(self.summaries), ""]
         if sc.ideal is not None:
             parts += [self.ideal_note, ""]
+        pooled = any(s.pools for s in self.summaries)
+        if pooled:
+            parts += ["Per model pool (the requests routed to it; its nodes at the start / at most / on average; "
+                      "what its nodes were sent, counted at the nodes):", "", report.by_pool(self.summaries), "",
+                      "Nodes per pool over time:", "", report.pool_timelines(self.summaries), ""]
+        ref = sc.reference
+        if ref is not None and self.references:
+            parts += [ref.describe(sc), "",
+                      f"{self.reference_requests} requests [{ref.label}]:", "", report.overview(self.references), ""]
+            if pooled:
+                parts += [f"Per pool, as run / [{ref.label}]:", "",
+                          report.against_reference(self.summaries, self.references, ref.label), "",
+                          f"Nodes per pool over time [{ref.label}]:", "", report.pool_timelines(self.references), ""]
         parts += ["Per SLA tier:", "", report.by_tier(self.summaries), "",
                   "Per tenant:", "", report.by_tenant(self.summaries), "", "Rejections by reason:", "",
                   report.reasons(self.summaries), ""]
         return "\n".join(parts)
 
     def to_json(self) -> dict[str, Any]:
-        return {"scenario": self.scenario.name, "requests": self.requests, "seed": self.scenario.seed,
-                "policies": [{**s.to_json(), **({"ideal_scope": self.ideal_scope} if s.ideal else {})}
-                             for s in self.summaries]}
+        doc = {"scenario": self.scenario.name, "requests": self.requests, "seed": self.scenario.seed,
+               "policies": [{**s.to_json(), **({"ideal_scope": self.ideal_scope} if s.ideal else {})}
+                            for s in self.summaries]}
+        ref = self.scenario.reference
+        if ref is not None and self.references:  # additive: only a scenario with reference runs has these
+            doc["references"] = [s.to_json() for s in self.references]
+            doc["reference_scope"] = {"label": ref.label, "requests": self.reference_requests,
+                                      "without": [{"tenant": self.scenario.streams[i].tenant,
+                                                   "model": self.scenario.streams[i].model} for i in ref.without]}
+        return doc
 
 
 def run(sc: Scenario, trace: list[TraceRequest] | None = None, scale: float = 1.0) -> ScenarioResult:
     """Every policy of the scenario over one trace."""
     t0 = time.perf_counter()
     config = parse_config(sc.config)
+    given = trace is not None
     trace = trace if trace is not None else sc.trace(scale)
     profile = get_profile(sc.profile)
     degrade = tuple(replace(d, at=d.at * scale) for d in sc.degrade)
@@ -189,7 +252,16 @@ def run(sc: Scenario, trace: list[TraceRequest] | None = None, scale: float = 1.
         note = ideal.describe(config, trace, scale)
         scope = {"nodes": ideal.nodes, "tenants": kept, "not_offered": removed,
                  "out": [{"node": o.node, "start": o.start, "end": o.end} for o in outages]}
-    return ScenarioResult(sc, config, len(trace), sums, time.perf_counter() - t0, note, scope)
+    refs: list[report.Summary] = []
+    offered = 0
+    if sc.reference is not None and not given:  # the scenario's own trace, less the left-out streams
+        calm = sc.reference_trace(scale)
+        offered = len(calm)
+        for p in sc.policies:
+            r = simulate(config, replace(p, reference=sc.reference.label), profile, calm, sc.seed,
+                         autoscaling=sc.autoscaling, degrade=degrade, cold_start_s=sc.cold_start_s)
+            refs.append(report.summarize(r, config))
+    return ScenarioResult(sc, config, len(trace), sums, time.perf_counter() - t0, note, scope, refs, offered)
 
 
 def write_report(results: list[ScenarioResult], out: Path, plots: bool = True) -> Path:

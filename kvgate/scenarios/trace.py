@@ -16,7 +16,9 @@ A line is a JSON object::
   a list of shared pieces (a system prompt, a RAG document, a chat's history so far) by id and token
   length (ids are strings; the same id is the same tokens wherever it appears); their tokens add up to
   at most ``prompt_tokens``, the rest is the request's own. Without it a prompt shares nothing;
-* ``session`` — optional, the conversation a request belongs to (a string; informational).
+* ``session`` — optional, the conversation a request belongs to (a string; informational);
+* ``model`` — optional, the body's ``model``: with a kvgate config of several ``pools`` it picks the pool
+  (and so the nodes) the request goes to; without pools it is not needed (one pool serves every model).
 
 Blank lines and lines starting with ``#`` are skipped. Every bad line is reported with its number.
 """
@@ -43,6 +45,8 @@ class TraceRequest:
     segments: tuple[tuple[str, int], ...] | None = None
     """Shared pieces the prompt starts with (id, tokens); the rest of the prompt is its own."""
     session: str | None = None
+    model: str | None = None
+    """The body's ``model`` (kvgate routes it to the pool that serves it); None: the request names none."""
 
     @property
     def reserved_output(self) -> int:
@@ -57,6 +61,8 @@ class TraceRequest:
             doc["segments"] = [[i, n] for i, n in self.segments]
         if self.session is not None:
             doc["session"] = self.session
+        if self.model is not None:
+            doc["model"] = self.model
         return doc
 
 
@@ -81,7 +87,7 @@ def parse_line(text: str) -> TraceRequest:
     if not isinstance(doc, dict):
         raise ValueError("must be a JSON object")
     unknown = set(doc) - {"t", "tenant", "prompt_tokens", "output_tokens", "stream", "max_tokens", "segments",
-                          "session"}
+                          "session", "model"}
     if unknown:
         raise ValueError(f"unknown field(s): {', '.join(sorted(unknown))}")
     t = doc.get("t")
@@ -102,7 +108,10 @@ def parse_line(text: str) -> TraceRequest:
     session = doc.get("session")
     if session is not None and (not isinstance(session, str) or not session):
         raise ValueError(f"session: must be a non-empty string, got {session!r}")
-    return TraceRequest(float(t), tenant, prompt, output, stream, max_tokens, segments, session)
+    model = doc.get("model")
+    if model is not None and (not isinstance(model, str) or not model):
+        raise ValueError(f"model: must be a non-empty string, got {model!r}")
+    return TraceRequest(float(t), tenant, prompt, output, stream, max_tokens, segments, session, model)
 
 
 def _segments(v: Any, prompt: int) -> tuple[tuple[str, int], ...]:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import math
 import random
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -14,7 +14,7 @@ from ext_proc.config import Config
 from scaler.law import LawSettings
 from sim.profiles import Profile
 
-from .driver import Autoscaling, Degrade, Outage, Policy
+from .driver import Autoscaling, Degrade, Outage, Policy, PoolSize
 from .trace import TraceRequest
 
 Rate = Callable[[float], float]
@@ -54,13 +54,19 @@ class Stream:
     max_tokens: int | None = None
     """What the client asks for (the reservation); default: the real output."""
     stream_share: float = 0.5
+    model: str | None = None
+    """The ``model`` its requests name (with kvgate ``pools``, the pool they go to); None: none."""
 
 
-def poisson(streams: list[Stream], duration_s: float, seed: int) -> list[TraceRequest]:
+def poisson(streams: Sequence[Stream], duration_s: float, seed: int, without: Collection[int] = ()
+            ) -> list[TraceRequest]:
     """Non-homogeneous Poisson arrivals by thinning, one RNG per stream (adding a stream does not
-    change the others' requests)."""
+    change the others' requests). ``without``: indices of streams that send nothing this time — the
+    others' requests are exactly what they are with them (a ``Reference``'s trace)."""
+    gone = {id(streams[i]) for i in without}
     return thinned(streams, duration_s, seed,
-                   lambda s: max(s.rate(t) for t in [duration_s * i / 200 for i in range(201)]) or 1e-9)
+                   lambda s: 0.0 if id(s) in gone else
+                   max(s.rate(t) for t in [duration_s * i / 200 for i in range(201)]) or 1e-9)
 
 
 def thinned(streams: Sequence[Stream], end: float, seed: int, peak_of: Callable[[Stream], float]
@@ -82,7 +88,7 @@ def thinned(streams: Sequence[Stream], end: float, seed: int, peak_of: Callable[
                 continue
             prompt, output = s.shape.draw(rng)
             out.append(TraceRequest(round(t, 6), s.tenant, prompt, output, rng.random() < s.stream_share,
-                                    max(output, s.max_tokens) if s.max_tokens else None))
+                                    max(output, s.max_tokens) if s.max_tokens else None, model=s.model))
     out.sort(key=lambda r: r.t)
     return out
 
@@ -145,6 +151,25 @@ class Ideal:
 
 
 @dataclass(frozen=True)
+class Reference:
+    """A scenario's reference runs: each of its policies again, side by side with its own runs, over its
+    trace without the streams ``without`` (indices into ``Scenario.streams``: two-pools drops the flood).
+    The requests of the other streams are exactly the scenario's (one RNG per stream), so a tenant the
+    disturbance should not touch can be read against itself: the same deployment, the same requests,
+    the disturbance never happened. Where ``Ideal`` is a bar no deployment reaches, this is what each
+    policy gives when nothing goes wrong. Labelled ``policy (...) [label]``."""
+
+    label: str
+    without: tuple[int, ...]
+
+    def describe(self, sc: Scenario) -> str:
+        gone = [sc.streams[i] for i in self.without]
+        what = ", ".join(f"{s.tenant}'s stream" + (f" on {s.model}" if s.model else "") for s in gone)
+        return (f"*[{self.label}]*: each policy again over the same trace without {what}: every other request "
+                "is the same one, so the rows side by side show what the disturbance cost whom.")
+
+
+@dataclass(frozen=True)
 class Scenario:
     name: str
     title: str
@@ -163,10 +188,17 @@ class Scenario:
     """What the field guide reports for this case."""
     ideal: Ideal | None = None
     """The reference row (policy none without the disturbance); None: the scenario has no disturbance."""
+    reference: Reference | None = None
+    """Every policy again over the trace without some streams (``Reference``); None: no such rows."""
 
     def trace(self, scale: float = 1.0) -> list[TraceRequest]:
         """The scenario's requests; ``scale`` < 1 shortens the run (tests)."""
         return poisson(list(self.streams), self.duration_s * scale, self.seed)
+
+    def reference_trace(self, scale: float = 1.0) -> list[TraceRequest]:
+        """The trace of the ``reference`` rows: the scenario's, less the requests of its left-out streams."""
+        without = self.reference.without if self.reference is not None else ()
+        return poisson(list(self.streams), self.duration_s * scale, self.seed, without)
 
 
 PLACEHOLDER_NODES = {"static": [{"address": "node-0:8000", "probe": "http://node-0:9102"}]}
@@ -490,11 +522,70 @@ def _shared_prefix() -> Scenario:
     )
 
 
+SMALL_MODEL = "llama-3.1-8b"
+LARGE_MODEL = "llama-3.1-70b"
+
+
+def _pool(name: str, model: str, profile: str) -> dict[str, Any]:
+    """A pool of the two-pools config: one model on nodes of one profile (the driver replaces the
+    placeholder node with the policy's simulated ones)."""
+    return {"name": name, "models": [model],
+            "nodes": {"static": [{"address": f"{name}-placeholder:8000", "probe": f"http://{name}-placeholder:9102"}],
+                      "performance": {"profile": profile}}}
+
+
+def _two_pools() -> Scenario:
+    # An 8B pool (2 x 8b-h100) and a 70B pool (1 x 70b-h100x4, its ScaledObject allowing 4) behind one
+    # kvgate. The 8B tenants run at about a third of their pool's capacity (node_capacity_rps: ~26 req/s a
+    # node for this mix) the whole time; on the 70B, an assistant and a RAG pipeline at about a fifth of
+    # one node, then the RAG pipeline floods for three minutes at 8 long req/s, 2.5x what one 70B node
+    # serves (~3.2 long req/s). No quota stops the flood (it is real demand, within the tenant's budget),
+    # so it is capacity the 70B pool lacks: what the scaler must add, to that pool alone. Each pool's
+    # autoscaler starts at and never goes below the static size (minReplicaCount). The reference rows run
+    # the same trace without the flood stream (the last): the 8B tenants' requests are the same ones.
+    flood_start, flood_end, flood_rps = 60.0, 240.0, 8.0
+    streams = (
+        Stream("chat-a", SHORT, const(8.0), model=SMALL_MODEL),
+        Stream("chat-b", SHORT, const(8.0), model=SMALL_MODEL),
+        Stream("docs", LONG, const(3.0), max_tokens=1024, model=SMALL_MODEL),
+        Stream("assistant", SHORT, const(2.0), model=LARGE_MODEL),
+        Stream("rag", LONG, const(0.5), max_tokens=1024, model=LARGE_MODEL),
+        Stream("rag", LONG, lambda t: flood_rps if flood_start <= t < flood_end else 0.0, max_tokens=1024,
+               model=LARGE_MODEL),
+    )
+    config = {
+        "tenants": [
+            {"name": "chat-a", "tier": "interactive", "models": [SMALL_MODEL]},
+            {"name": "chat-b", "tier": "interactive", "models": [SMALL_MODEL]},
+            {"name": "docs", "tier": "standard", "models": [SMALL_MODEL]},
+            {"name": "assistant", "tier": "interactive", "models": [LARGE_MODEL]},
+            {"name": "rag", "tier": "standard", "models": [LARGE_MODEL]},
+        ],
+        "queue": {"inject_priority": True},
+        "pools": [_pool("8b", SMALL_MODEL, "8b-h100"), _pool("70b", LARGE_MODEL, "70b-h100x4")],
+    }
+    sizes = (PoolSize("8b", 2, min_nodes=2, max_nodes=8), PoolSize("70b", 1, min_nodes=1, max_nodes=4))
+    return Scenario(
+        "two-pools", "Two model pools: the 70B flooded, the 8B healthy",
+        f"Two pools behind one kvgate: {SMALL_MODEL} on 2 x 8b-h100 (chat-a and chat-b interactive, 8 short req/s "
+        f"each; docs standard, 3 long req/s) and {LARGE_MODEL} on 1 x 70b-h100x4 (assistant interactive, 2 short "
+        f"req/s; rag standard, 0.5 long req/s), {360:g} s. From {flood_start:g} s to {flood_end:g} s rag floods the "
+        f"70B with {flood_rps:g} more long req/s, 2.5x what its node serves. Each pool has its own nodes, gateway "
+        "queue and autoscaler (8B: 2-8 nodes, 70B: 1-4); every policy routes a request to its model's pool.",
+        "8b-h100", 360.0, config,
+        (Policy("none", 3, pools=sizes), Policy("kv-shed", 3, "kv-shed", pools=sizes),
+         Policy("kvgate", 3, "kvgate", pools=sizes), Policy("autoscale-only", 3, autoscale="queue", pools=sizes),
+         Policy("kvgate+scaler", 3, "kvgate", autoscale="scaler", pools=sizes)),
+        streams, reference=Reference("no flood", (len(streams) - 1,)),
+    )
+
+
 SCENARIOS: dict[str, Callable[[], Scenario]] = {
     "noisy-neighbour": _noisy_neighbour,
     "overload": _overload,
     "diurnal": _diurnal,
     "shared-prefix": _shared_prefix,
+    "two-pools": _two_pools,
 }
 
 

@@ -91,17 +91,56 @@ source:
 {{- else }}
   kvgate_dns: "{{ include "kvgate.fullname" . }}-metrics.{{ .Release.Namespace }}.svc.cluster.local:{{ .Values.ports.metrics }}"
 {{- end }}
-pools:
-{{- range .Values.pools }}
-  {{ .name }}:
-    min_replicas: {{ .minReplicas }}
-    max_replicas: {{ .maxReplicas }}
-    step: {{ .step }}
-    scale_up_threshold: {{ .scaleUpThreshold }}
-    scale_down_threshold: {{ .scaleDownThreshold }}
-    cooldown_seconds: {{ .cooldownSeconds }}
-    warm_pool: {{ .warmPool }}
-{{- end }}
+{{ include "kvgate.scalerPools" . }}
+{{- end -}}
+
+{{- /* pools[] entries with poolDefaults under them, checked: a list under "pools" (YAML). Keys are
+overlaid one by one (hasKey, not `default` or `merge`, which take 0 and false for unset). */ -}}
+{{- define "kvgate.pools" -}}
+{{- $defaults := default (dict) .Values.poolDefaults -}}
+{{- $kvgate := list -}}
+{{- range (default (list) .Values.config.pools) -}}
+{{- $kvgate = append $kvgate .name -}}
+{{- end -}}
+{{- $seen := dict -}}
+{{- $out := list -}}
+{{- range $i, $entry := .Values.pools -}}
+{{- if hasKey $seen $entry.name -}}
+{{- fail (printf "pools[%d].name: %q is listed twice (one ScaledObject and one scaler pool per kvgate pool)" $i $entry.name) -}}
+{{- end -}}
+{{- $_ := set $seen $entry.name true -}}
+{{- if and $kvgate (not (has $entry.name $kvgate)) -}}
+{{- fail (printf "pools[%d].name: %q is not a pool of config.pools (%s): its ScaledObject would scale on no signal; name each entry after the kvgate pool its Deployment serves" $i $entry.name (join ", " $kvgate)) -}}
+{{- end -}}
+{{- $p := deepCopy $defaults -}}
+{{- range $k, $v := $entry -}}
+{{- $_ := set $p $k $v -}}
+{{- end -}}
+{{- range $key := list "minReplicas" "maxReplicas" "step" "cooldownSeconds" -}}
+{{- if not (hasKey $p $key) -}}
+{{- fail (printf "pools[%d].%s: required (in the entry or in poolDefaults)" $i $key) -}}
+{{- end -}}
+{{- end -}}
+{{- $out = append $out $p -}}
+{{- end -}}
+{{- toYaml (dict "pools" $out) -}}
+{{- end -}}
+
+{{- /* the scaler's pools.<name>: each entry's law settings, those set only */ -}}
+{{- define "kvgate.scalerPools" -}}
+{{- $pools := dict -}}
+{{- $names := dict "minReplicas" "min_replicas" "maxReplicas" "max_replicas" "step" "step" "scaleUpThreshold" "scale_up_threshold" "scaleDownThreshold" "scale_down_threshold" "cooldownSeconds" "cooldown_seconds" "warmPool" "warm_pool" "concentration" "concentration" "coldStartSeconds" "cold_start_seconds" "trendWindowSeconds" "trend_window_seconds" "spreadShare" "spread_share" "spreadTenants" "spread_tenants" "scaleDownKvUsage" "scale_down_kv_usage" "warmPoolKvUsage" "warm_pool_kv_usage" -}}
+{{- range (fromYaml (include "kvgate.pools" .)).pools -}}
+{{- $law := dict -}}
+{{- $p := . -}}
+{{- range $key, $name := $names -}}
+{{- if hasKey $p $key -}}
+{{- $_ := set $law $name (get $p $key) -}}
+{{- end -}}
+{{- end -}}
+{{- $_ := set $pools .name $law -}}
+{{- end -}}
+{{- toYaml (dict "pools" $pools) -}}
 {{- end -}}
 
 {{- /* the probe container, for the DaemonSet and as the sidecar recipe */ -}}

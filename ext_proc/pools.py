@@ -1,0 +1,155 @@
+"""Model pools: which set of nodes serves a request's ``model``, and which models a tenant may use.
+
+A config without ``pools`` is one pool named ``default`` that serves every model on the nodes of
+``nodes`` (or on Envoy's own cluster when there are none): every request routes there, whatever its
+``model`` says, as before pools existed. With ``pools``, the body's ``model`` picks the pool: an exact
+name (or LoRA adapter) first, then the first pool in file order whose pattern matches; a model several
+pools serve with weights goes to one of them at random in proportion to the weights.
+
+Pure, like the rest of the core: the RNG is injected. Resolutions are cached (model names come from
+clients: the cache is bounded, and a name nobody serves is not cached).
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from fnmatch import fnmatchcase
+from typing import Any
+
+from .config import Config, Nodes, Tenant, is_pattern
+
+DEFAULT_POOL = "default"
+"""The pool of a config without ``pools``."""
+NO_POOL = "none"
+"""The ``pool`` label of a request refused before it was routed (no key, a bad body, an unknown model)."""
+_CACHE_MAX = 4096
+
+
+@dataclass(frozen=True, slots=True)
+class PoolSpec:
+    """One pool as the core uses it."""
+
+    name: str
+    nodes: Nodes | None
+    queue_max_size: int
+    exact: tuple[str, ...]
+    """The model and adapter names it serves exactly."""
+    patterns: tuple[str, ...]
+    weight: float | None
+    models: tuple[str, ...] = ()
+    """The exact model names (not adapters), for GET /v1/models."""
+    adapters: tuple[str, ...] = ()
+
+
+def pools_of(config: Config) -> list[PoolSpec]:
+    """The pools a config defines: its ``pools``, or the one default pool."""
+    if not config.pools:
+        return [PoolSpec(DEFAULT_POOL, config.nodes, config.queue.max_size, (), ("*",), None)]
+    out = []
+    for p in config.pools:
+        exact = tuple(m for m in p.models if not is_pattern(m))
+        out.append(PoolSpec(p.name, p.nodes, p.queue.max_size or config.queue.max_size, exact + tuple(p.adapters),
+                            tuple(m for m in p.models if is_pattern(m)), p.weight, exact, tuple(p.adapters)))
+    return out
+
+
+class Router:
+    """``model`` → pool; entitlements and per-model budget keys of tenants."""
+
+    def __init__(self, config: Config, rng: random.Random | None = None) -> None:
+        self.rng = rng or random.Random()
+        self.pools = pools_of(config)
+        self.by_name = {p.name: p for p in self.pools}
+        self.single = not config.pools
+        """No ``pools`` in the config: every request goes to the default pool, whatever its model."""
+        self._exact: dict[str, list[PoolSpec]] = {}
+        for p in self.pools:
+            for m in p.exact:
+                self._exact.setdefault(m, []).append(p)
+        self._cache: dict[str, tuple[PoolSpec, ...]] = {}
+        self._allowed: dict[tuple[str, str], bool] = {}
+
+    def candidates(self, model: str) -> tuple[PoolSpec, ...]:
+        """The pools that serve ``model`` (several only when weighted); empty: none does."""
+        hit = self._cache.get(model)
+        if hit is not None:
+            return hit
+        found = self._exact.get(model)
+        if found is None:
+            matching = [p for p in self.pools if any(fnmatchcase(model, pat) for pat in p.patterns)]
+            weighted = [p for p in matching if p.weight is not None]
+            found = weighted if len(weighted) > 1 else matching[:1]
+        out = tuple(found)
+        if out and len(self._cache) < _CACHE_MAX:
+            self._cache[model] = out
+        return out
+
+    def route(self, model: str | None) -> PoolSpec | None:
+        """The pool a request for ``model`` goes to; None when no pool serves it (or, with several pools,
+        when the request names no model)."""
+        if self.single:
+            return self.pools[0]
+        if model is None:
+            return None
+        c = self.candidates(model)
+        if len(c) <= 1:
+            return c[0] if c else None
+        weights = [p.weight or 0.0 for p in c]
+        return self.rng.choices(c, weights)[0]
+
+    def allowed(self, tenant: Tenant | None, model: str | None) -> bool:
+        """Whether ``tenant`` may use ``model`` (its ``models`` list, names or patterns)."""
+        if tenant is None or tenant.models is None or model is None:
+            return True
+        key = (tenant.name, model)
+        ok = self._allowed.get(key)
+        if ok is None:
+            ok = any(m == model or (is_pattern(m) and fnmatchcase(model, m)) for m in tenant.models)
+            if len(self._allowed) < _CACHE_MAX:
+                self._allowed[key] = ok
+        return ok
+
+    @staticmethod
+    def budget_key(tenant: Tenant, model: str | None) -> str | None:
+        """The key of the tenant's ``model_budgets`` entry that applies to ``model``: an exact key, else
+        the first pattern that matches; None: no per-model budget."""
+        if not tenant.model_budgets or model is None:
+            return None
+        if model in tenant.model_budgets:
+            return model
+        for key in tenant.model_budgets:
+            if is_pattern(key) and fnmatchcase(model, key):
+                return key
+        return None
+
+    def model_entry(self, tenant: Tenant | None, model: str) -> dict[str, Any] | None:
+        """GET /v1/models/{model}: its entry when a pool serves it and ``tenant`` may use it."""
+        for m in self.listing(tenant)["data"]:
+            if m["id"] == model:
+                return dict(m)
+        if model and self.route(model) is not None and self.allowed(tenant, model) and not self.single:
+            return {"id": model, "object": "model", "created": 0, "owned_by": "kvgate", "root": model, "parent": None}
+        return None
+
+    def listing(self, tenant: Tenant | None) -> dict[str, Any]:
+        """GET /v1/models: the models (exact names and adapters) ``tenant`` may use, OpenAI's shape.
+        Patterns are not listed: they name no model in particular."""
+        data: list[dict[str, Any]] = []
+        seen: set[str] = set()
+        if self.single:  # no pools: what the tenant's own list names exactly (its patterns name no model)
+            for m in (tenant.models or []) if tenant is not None else []:
+                if not is_pattern(m) and m not in seen:
+                    seen.add(m)
+                    data.append({"id": m, "object": "model", "created": 0, "owned_by": "kvgate", "root": m,
+                                 "parent": None})
+            return {"object": "list", "data": data}
+        for p in self.pools:
+            parent = p.models[0] if p.models else None
+            for name, root in [(m, None) for m in p.models] + [(a, parent) for a in p.adapters]:
+                if name in seen or not self.allowed(tenant, name):
+                    continue
+                seen.add(name)
+                data.append({"id": name, "object": "model", "created": 0, "owned_by": "kvgate",
+                             "root": root or name, "parent": root})
+        return {"object": "list", "data": data}

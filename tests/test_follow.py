@@ -1,0 +1,462 @@
+"""kvgate following the probes (``ext_proc/follow.py``): over each probe's stream, real probe processes
+in front of simulated vLLM nodes; a probe killed, paused or too old for the stream; the stream's deltas."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+from collections import Counter
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import aiohttp
+import orjson
+import pytest
+from aiohttp import web
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from ext_proc.config import parse_config
+from ext_proc.follow import STREAMS_BEFORE_A_POLL, Follower
+from ext_proc.nodes import Fleet, Node
+from ext_proc.server import Gateway
+from gpu_probe.server import NDJSON, STREAM_PATH
+from gpu_probe.snapshot import _FIELDS, Snapshot, StreamDecoder, changes
+from kvgate.stack import free_port, wait_port
+
+ADDR = "10.0.0.1:8000"
+
+
+async def until(pred: Callable[[], bool], what: str, timeout: float = 30.0) -> None:
+    """Wait for ``pred`` (the timeout only keeps a broken build from hanging: no test times anything)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while not pred():
+        if loop.time() > deadline:
+            raise AssertionError(f"gave up waiting for {what}")
+        await asyncio.sleep(0.02)
+
+
+def gateway(probe_url: str, **nodes: Any) -> Gateway:
+    return Gateway(parse_config({"nodes": {"static": [{"address": ADDR, "probe": probe_url}],
+                                           "poll_interval_seconds": 0.1, "stale_after_seconds": 0.5,
+                                           "dead_after_seconds": 1.5, **nodes}}))
+
+
+def node(gw: Gateway) -> Node:
+    fleet: Fleet | None = gw.fleet
+    assert fleet is not None
+    return fleet.nodes[ADDR]
+
+
+def status(gw: Gateway) -> str:
+    fleet: Fleet | None = gw.fleet
+    assert fleet is not None
+    return fleet.status(node(gw), gw.core.now())
+
+
+def snap(gw: Gateway) -> Snapshot:
+    """The node's last reading (the test has waited for one)."""
+    s = node(gw).snapshot
+    assert s is not None
+    return s
+
+
+def watch(seen: list[str], gw: Gateway, until_status: str) -> Callable[[], bool]:
+    """A condition that records every status it sees on the way to ``until_status``."""
+    def check() -> bool:
+        seen.append(status(gw))
+        return seen[-1] == until_status
+    return check
+
+
+@contextlib.asynccontextmanager
+async def following(gw: Gateway) -> AsyncIterator[Follower]:
+    f = Follower(gw.core, gw.flush)
+    task = asyncio.create_task(f.run())
+    try:
+        yield f
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+
+def _spawn(*args: str) -> subprocess.Popen[bytes]:
+    return subprocess.Popen([sys.executable, "-m", "kvgate.cli", *args],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+class RealProbe:
+    """``kvgate sim`` (a simulated vLLM) and ``kvgate probe`` in front of it, as two processes."""
+
+    def __init__(self) -> None:
+        self.sim_port, self.port = free_port(), free_port()
+        self.sim = _spawn("sim", "--port", str(self.sim_port), "--num-gpu-blocks", "100")
+        self.probe: subprocess.Popen[bytes] | None = None
+        wait_port(self.sim_port, proc=self.sim)
+        self.start_probe()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start_probe(self) -> None:
+        self.probe = _spawn("probe", "--vllm", f"http://127.0.0.1:{self.sim_port}", "--port", str(self.port),
+                            "--interval", "0.1")
+        wait_port(self.port, proc=self.probe)
+
+    def signal(self, sig: int) -> None:
+        assert self.probe is not None
+        os.kill(self.probe.pid, sig)
+        if sig == signal.SIGKILL:
+            self.probe.wait(10)
+
+    def stop(self) -> None:
+        for p in (self.probe, self.sim):
+            if p is not None and p.poll() is None:
+                p.kill()
+                p.wait(10)
+
+
+@pytest.fixture
+def real_probe() -> Any:
+    rp = RealProbe()
+    try:
+        yield rp
+    finally:
+        rp.stop()
+
+
+async def test_kvgate_follows_a_real_probe_over_its_stream_and_sees_changes(real_probe: RealProbe) -> None:
+    gw = gateway(real_probe.url)
+    async with following(gw) as f, aiohttp.ClientSession() as s:
+        await until(lambda: node(gw).snapshot is not None and snap(gw).ok, "a first reading")
+        assert f.modes[ADDR] == "stream"
+        first = snap(gw)
+        assert first.blocks_total == 100 and first.running == 0 and status(gw) == "fresh"
+        # a request straight to the simulated node: the probe reads it running, kvgate sees it
+        body = {"prompt": "x" * 400, "max_tokens": 200, "ignore_eos": True}
+        req = asyncio.ensure_future(s.post(f"http://127.0.0.1:{real_probe.sim_port}/v1/completions", json=body))
+        await until(lambda: (snap(gw).running or 0) >= 1, "the request seen running")
+        assert (snap(gw).kv_usage or 0) > 0
+        resp = await req
+        await resp.read()
+        await until(lambda: snap(gw).running == 0, "the request seen finished")
+        assert f.modes[ADDR] == "stream"  # all of it over the one stream
+
+
+async def test_a_probe_killed_mid_stream_goes_stale_then_dead_then_is_followed_again(real_probe: RealProbe) -> None:
+    gw = gateway(real_probe.url)
+    seen: list[str] = []
+    async with following(gw) as f:
+        await until(lambda: f.modes.get(ADDR) == "stream" and status(gw) == "fresh", "streaming")
+        real_probe.signal(signal.SIGKILL)
+        await until(watch(seen, gw, "dead"), "the node dead")
+        assert "unknown" in seen and seen.index("unknown") < seen.index("dead")  # stale first, as with polling
+        assert f.modes[ADDR] == "connecting"
+        real_probe.start_probe()  # back (a restart): followed again, over a stream
+        await until(lambda: status(gw) == "fresh", "the node fresh again")
+        assert f.modes[ADDR] == "stream"
+
+
+async def test_a_stream_open_but_silent_is_no_reading(real_probe: RealProbe) -> None:
+    """A paused probe (or a peer gone without closing) keeps the connection open and says nothing: the
+    node ages as if its probe were gone; when it speaks again it is fresh again."""
+    gw = gateway(real_probe.url)
+    seen: list[str] = []
+    async with following(gw) as f:
+        await until(lambda: f.modes.get(ADDR) == "stream" and status(gw) == "fresh", "streaming")
+        real_probe.signal(signal.SIGSTOP)
+        try:
+            await until(watch(seen, gw, "dead"), "the node dead")
+            assert "unknown" in seen
+        finally:
+            real_probe.signal(signal.SIGCONT)
+        await until(lambda: status(gw) == "fresh", "the node fresh again")
+
+
+class OlderProbe:
+    """A probe from before the stream: ``GET /snapshot`` only, its reading set by the test."""
+
+    def __init__(self, stream_answer: str = "404") -> None:
+        self.hits: Counter[str] = Counter()
+        self.doc = Snapshot(node="old", at=0.0, ok=True, kv_usage=0.2).to_json()
+        self.stream_answer = stream_answer
+        self.runner: web.AppRunner | None = None
+        self.port = free_port()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def set(self, **fields: Any) -> None:
+        import time
+
+        self.doc = {**self.doc, "at": time.time(), **fields}
+
+    async def handle(self, request: web.Request) -> web.StreamResponse:
+        self.hits[request.path] += 1
+        if request.path == "/snapshot":
+            return web.json_response(self.doc)
+        if self.stream_answer == "json":  # answers every path alike (like a stub or a proxy's error page)
+            return web.json_response(self.doc)
+        if self.stream_answer == "garbage":  # a stream that does not start with a whole snapshot
+            resp = web.StreamResponse(headers={"Content-Type": NDJSON})
+            await resp.prepare(request)
+            await resp.write(b'{"at": 1.0}\n')
+            return resp
+        if self.stream_answer == "mute":  # the whole snapshot, then nothing ever (not even a heartbeat)
+            resp = web.StreamResponse(headers={"Content-Type": NDJSON})
+            await resp.prepare(request)
+            self.set()
+            await resp.write(orjson.dumps(self.doc) + b"\n")
+            await asyncio.Event().wait()
+        raise web.HTTPNotFound()
+
+    async def __aenter__(self) -> OlderProbe:
+        app = web.Application()
+        app.router.add_get("/{tail:.*}", self.handle)
+        self.runner = web.AppRunner(app, access_log=None, shutdown_timeout=0.5)
+        await self.runner.setup()
+        await web.TCPSite(self.runner, "127.0.0.1", self.port).start()
+        self.set()
+        return self
+
+    async def __aexit__(self, *_: object) -> None:
+        assert self.runner is not None
+        await self.runner.cleanup()
+
+
+@pytest.mark.parametrize("answer", ["404", "json"])
+async def test_a_probe_without_the_stream_is_polled(answer: str) -> None:
+    async with OlderProbe(answer) as old:
+        gw = gateway(old.url)
+        async with following(gw) as f:
+            await until(lambda: node(gw).snapshot is not None, "a first reading")
+            assert f.modes[ADDR] == "poll"
+            old.set(kv_usage=0.6)
+            await until(lambda: snap(gw).kv_usage == 0.6, "the new reading polled")
+            await until(lambda: old.hits["/snapshot"] >= 5, "polls")
+            assert old.hits[STREAM_PATH] == 1  # asked once (again only after STREAM_RETRY_S)
+            assert status(gw) == "fresh"
+
+
+async def test_a_stream_that_makes_no_sense_is_dropped_then_the_probe_polled() -> None:
+    """Nothing of a broken stream reaches the core; after a few, a poll is tried, and it reads."""
+    async with OlderProbe("garbage") as bad:
+        gw = gateway(bad.url)
+        async with following(gw) as f:
+            await until(lambda: bad.hits[STREAM_PATH] >= 1, "a stream")
+            assert node(gw).snapshot is None
+            await until(lambda: f.modes.get(ADDR) == "poll", "polled")
+            assert bad.hits[STREAM_PATH] == STREAMS_BEFORE_A_POLL  # (each dropped, connected again with backoff)
+            bad.set(kv_usage=0.4)
+            await until(lambda: node(gw).snapshot is not None and snap(gw).kv_usage == 0.4, "polled readings")
+
+
+async def test_a_dead_probe_costs_streams_with_backoff_not_polls() -> None:
+    port = free_port()  # nothing listens: refused
+    gw = gateway(f"http://127.0.0.1:{port}")
+    async with following(gw) as f:
+        await until(lambda: f.modes.get(ADDR) == "connecting", "trying")
+        await asyncio.sleep(1.0)
+        assert f.modes[ADDR] == "connecting" and node(gw).snapshot is None and status(gw) == "dead"
+
+
+async def test_a_stream_that_goes_mute_is_dropped_and_connected_again() -> None:
+    """A peer gone without closing (a node powered off, a partition) leaves a connection that never
+    says anything again: past its heartbeats kvgate gives up on it and connects again."""
+    async with OlderProbe("mute") as mute:
+        gw = gateway(mute.url)
+        seen: list[str] = []
+        async with following(gw) as f:
+            await until(lambda: node(gw).snapshot is not None, "the first reading")
+            assert f.modes[ADDR] == "stream"
+            aging = watch(seen, gw, "never")
+            await until(lambda: aging() or mute.hits[STREAM_PATH] >= 2, "a new connection")
+            assert "unknown" in seen and "dead" in seen  # meanwhile: no reading, the node aged
+
+
+async def test_every_probe_of_a_large_fleet_is_followed_at_once() -> None:
+    """aiohttp's default pool holds 100 connections: the 101st stream would wait forever."""
+    from gpu_probe.server import Probe
+
+    class Driven(Probe):
+        async def _run(self) -> None:
+            await asyncio.Event().wait()
+
+    probe = Driven("http://vllm.invalid")
+    import time
+
+    probe.publish(Snapshot(node="n", at=time.time(), ok=True, kv_usage=0.3))
+    runner = web.AppRunner(probe.app(), access_log=None, shutdown_timeout=0.5)
+    await runner.setup()
+    port = free_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    addrs = [f"10.0.1.{i}:8000" for i in range(1, 111)]
+    gw = Gateway(parse_config({"nodes": {"static": [{"address": a, "probe": f"http://127.0.0.1:{port}"}
+                                                    for a in addrs]}}))
+    fleet = gw.fleet
+    assert fleet is not None
+    try:
+        async with following(gw) as f:
+            await until(lambda: all(fleet.nodes[a].snapshot is not None for a in addrs), "every node read")
+            assert set(f.modes.values()) == {"stream"}
+    finally:
+        await runner.cleanup()
+
+
+async def test_nodes_come_and_go_with_the_node_list() -> None:
+    async with OlderProbe() as a, OlderProbe() as b:
+        gw = gateway(a.url)
+        async with following(gw) as f:
+            await until(lambda: f.modes.get(ADDR) == "poll", "node a followed")
+            gw.core.set_nodes([("10.0.0.2:8000", b.url, None)])  # discovery: a gone, b new
+            fleet = gw.fleet
+            assert fleet is not None
+            await until(lambda: fleet.nodes["10.0.0.2:8000"].snapshot is not None, "node b followed")
+            assert ADDR not in f.modes
+            polls = a.hits["/snapshot"]
+            await until(lambda: b.hits["/snapshot"] >= 5, "b polled a while")
+            assert a.hits["/snapshot"] <= polls + 1  # a no longer (at most one poll was on its way)
+
+
+# -- the deltas ------------------------------------------------------------------------------------
+
+
+def _value(kind: type) -> st.SearchStrategy[Any]:
+    few: st.SearchStrategy[Any]
+    if kind is float:
+        few = st.sampled_from([0.0, 0.5, 1.0]) | st.floats(0, 1e9, allow_nan=False, allow_infinity=False)
+    elif kind is int:
+        few = st.sampled_from([0, 16]) | st.integers(0, 2**53)
+    elif kind is bool:
+        few = st.booleans()
+    elif kind is str:
+        few = st.sampled_from(["a", "b"]) | st.text(max_size=5)
+    else:
+        few = st.lists(st.dictionaries(st.sampled_from(["model", "kv_usage"]),
+                                       st.sampled_from(["m", 0.5, 1, None])), max_size=2)
+    return st.none() | few
+
+
+_required = {"node": st.sampled_from(["n", "m"]), "at": st.floats(0, 1e10, allow_nan=False), "ok": st.booleans()}
+snapshots = st.builds(Snapshot, **{k: _required[k] if k in _required else _value(kind) for k, kind in _FIELDS.items()})
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(snapshots, min_size=1, max_size=8), st.data())
+def test_applying_the_stream_in_order_reproduces_each_snapshot(snaps: list[Snapshot], data: st.DataObject) -> None:
+    """What the probe sends (the whole first, then ``changes`` from what it sent last — readings may be
+    skipped, heartbeats come between) read back by kvgate gives exactly what a poll of each would."""
+    # (a real probe's readings each have their own `at`; here one may repeat, which must read as no reading)
+    docs = [s.to_json() for s in snaps]
+    decoder = StreamDecoder()
+    sent: dict[str, Any] = {}
+    for doc in docs:
+        skipped: bool = data.draw(st.booleans(), "skipped by a slow reader")
+        if sent and skipped:
+            continue
+        if data.draw(st.booleans(), "a heartbeat first"):
+            assert decoder.feed(orjson.loads(b"{}")) is None
+        wire = orjson.loads(orjson.dumps(changes(sent, doc)))
+        got = decoder.feed(wire)
+        if not wire:  # the same reading again (its `at` too): nothing new, read as a heartbeat
+            assert got is None
+        else:
+            assert got == Snapshot.from_json(doc)
+        assert decoder.last == Snapshot.from_json(doc)
+        sent = doc
+
+
+def test_a_stream_must_start_whole_and_carry_valid_values() -> None:
+    with pytest.raises(ValueError, match="'node' is missing"):
+        StreamDecoder().feed({"at": 1.0, "ok": True})
+    d = StreamDecoder()
+    d.feed(Snapshot(node="n", at=1.0, ok=True, kv_usage=0.5).to_json())
+    for bad, field in (({"kv_usage": -1}, "kv_usage"), ({"at": None}, "at"), ({"blocks_total": True}, "blocks_total"),
+                       ({"running": float("inf")}, "running"), ({"node": 3}, "node")):
+        with pytest.raises(ValueError, match=field):
+            d.feed(bad)
+    with pytest.raises(ValueError, match="JSON object"):
+        d.feed([1])
+    snap = d.feed({"at": 2, "blocks_total": 10, "a_newer_field": "x"})  # ints for floats, as from_json reads them
+    assert snap == Snapshot(node="n", at=2.0, ok=True, kv_usage=0.5, blocks_total=10)
+    assert isinstance(snap.at, float)
+
+
+async def test_a_reading_that_makes_room_answers_the_requests_waiting_for_it() -> None:
+    """The follower hands the core's answers over itself (no tick runs here): a request queued while the
+    node was full is admitted by the reading that shows room."""
+    import time
+
+    from ext_proc.core import Held, Request
+    from ext_proc.identity import hash_key
+    from gpu_probe.server import Probe
+
+    class Driven(Probe):
+        async def _run(self) -> None:
+            await asyncio.Event().wait()
+
+    probe = Driven("http://vllm.invalid")
+    probe.publish(Snapshot(node="n", at=time.time(), ok=True, kv_usage=0.99, blocks_total=1000, block_size=16))
+    runner = web.AppRunner(probe.app(), access_log=None, shutdown_timeout=0.5)
+    await runner.setup()
+    port = free_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    gw = Gateway(parse_config({
+        "tenants": [{"name": "t", "api_key_sha256": [hash_key("sk-follow")]}],
+        "nodes": {"static": [{"address": ADDR, "probe": f"http://127.0.0.1:{port}"}], "kv_admit_threshold": 0.5,
+                  "breaker": {"kv_threshold": 1.0}}}))
+    try:
+        async with following(gw):
+            await until(lambda: node(gw).snapshot is not None and snap(gw).kv_usage == 0.99, "full")
+            held = gw.core.decide(Request(path="/v1/completions", request_id="r1", authorization="Bearer sk-follow",
+                                          body=b'{"model": "m", "prompt": "hi", "max_tokens": 5}'))
+            assert isinstance(held, Held)
+            answer = gw.wait_for(held)
+            probe.publish(Snapshot(node="n", at=time.time(), ok=True, kv_usage=0.1, blocks_total=1000, block_size=16))
+            await until(answer.done, "the answer")
+            assert answer.result().decision.admitted
+    finally:
+        await runner.cleanup()
+
+
+async def test_a_follower_whose_cancellation_was_swallowed_still_stops() -> None:
+    """Should a library turn the cancellation of a node's follower into an error (and the follower go
+    round its loop again), the node being dropped, or kvgate stopping, still ends it."""
+
+    class Swallowing(Follower):
+        swallow = 1  # (then no more: a broken build fails the test instead of hanging it)
+
+        async def _stream(self, session: aiohttp.ClientSession, address: str, base: str, interval: float
+                          ) -> bool | None:
+            try:
+                await asyncio.sleep(3600)
+            except asyncio.CancelledError:
+                if not self.swallow:
+                    raise
+                self.swallow -= 1  # what no code of ours does: the test plays the library that did
+            return False
+
+    gw = gateway("http://127.0.0.1:9")
+    f = Swallowing(gw.core, gw.flush)
+    run = asyncio.create_task(f.run())
+
+    def followers() -> list[asyncio.Task[Any]]:
+        return [t for t in asyncio.all_tasks() if t.get_name().startswith("follow ") and not t.done()]
+
+    await until(lambda: len(followers()) == 1, "following")
+    gw.core.set_nodes([])  # the node gone
+    await until(lambda: not followers(), "the dropped node's follower ended")
+    gw.core.set_nodes([(ADDR, "http://127.0.0.1:9", None)])
+    await until(lambda: len(followers()) == 1, "following again")
+    run.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await run  # (returns: the follower it waits for ends)
+    assert not followers() and f.swallow == 0
