@@ -243,7 +243,7 @@ class Admission:
         self.queues: dict[str, FairQueue] = {}
         """The gateway queue of each pool: a flooded pool's backlog never holds another pool's requests."""
         self._pools: dict[str, PoolSpec] = {}
-        self._budgets: dict[str, TenantState] = {}
+        self._model_budgets: dict[str, TenantState] = {}
         """Per-model budgets, by ``tenant/key`` (``model_budgets``): checked and charged besides the tenant's."""
         self.config = config
         self.reconfigure(config)
@@ -253,7 +253,7 @@ class Admission:
     def reconfigure(self, config: Config, pools: Sequence[PoolSpec] | None = None) -> None:
         """Swap in a new config, keeping in-flight leases and what each tenant has already spent."""
         now = self._clock()
-        old = {**self._tenants, **self._budgets}
+        old = {**self._tenants, **self._model_budgets}
         tenants: dict[str, TenantState] = {}
         budgets: dict[str, TenantState] = {}
         wanted: list[tuple[Tenant, str | None, Mode]] = [(t, None, t.mode or config.mode) for t in config.tenants]
@@ -290,7 +290,7 @@ class Admission:
         unknown.config = Tenant(name=UNKNOWN_TENANT, tier=config.lowest_tier)
         tenants[_UNKNOWN_SLOT] = unknown
         self._tenants = tenants
-        self._budgets = budgets
+        self._model_budgets = budgets
         self.config = config
         if self.local_split and self._split is not None:
             self.share_local(*self._split)  # new limits, split the same way
@@ -322,11 +322,11 @@ class Admission:
 
     def tenant_state(self, name: str) -> TenantState | None:
         """A tenant's state, or a per-model budget's (``tenant/key``)."""
-        return self._tenants.get(name) or self._budgets.get(name)
+        return self._tenants.get(name) or self._model_budgets.get(name)
 
     def states(self) -> list[TenantState]:
         """Tenants and per-model budgets: what the store shares among replicas."""
-        return [*self._tenants.values(), *self._budgets.values()]
+        return [*self._tenants.values(), *self._model_budgets.values()]
 
     # -- the decision ----------------------------------------------------------------------------
 
@@ -346,7 +346,7 @@ class Admission:
             # shadow mode admits anyway: a round trip would only change what its counters say
             may_borrow = self.shared and not borrowed and state.mode == "enforce"
             rejection = refused or self._check(state, estimate, body_bytes, now, may_borrow)
-            budget = self._budget_of(state, estimate.model) if self._budgets and refused is None else None
+            budget = self._budget_of(state, estimate.model) if self._model_budgets and refused is None else None
             if budget is not None and (rejection is None or rejection is BORROW):
                 budget.last_seen = now
                 short = self._check(budget, estimate, body_bytes, now, may_borrow)
@@ -384,7 +384,7 @@ class Admission:
         if not s.config.model_budgets:
             return None
         key = Router.budget_key(s.config, model)
-        return None if key is None else self._budgets.get(f"{s.name}/{key}")
+        return None if key is None else self._model_budgets.get(f"{s.name}/{key}")
 
     def _predicted(self, lease: Lease, placed: Placed, waited: float) -> None:
         """Note the node's prediction on the lease, and whether it says the tier's target is missed
@@ -707,7 +707,7 @@ class Admission:
         lease = Lease(ticket, s, request_id, est.total, est.prompt_tokens, now, charged, s.config.tier, node,
                       queued_at=now if queued else None, pool=est.pool or DEFAULT_POOL)
         if charged:
-            lease.budget = self._budget_of(s, est.model) if self._budgets else None
+            lease.budget = self._budget_of(s, est.model) if self._model_budgets else None
             for b in (s, lease.budget):
                 if b is not None:
                     self._take(b, est.total, now)

@@ -125,31 +125,34 @@ class Router:
 
     def model_entry(self, tenant: Tenant | None, model: str) -> dict[str, Any] | None:
         """GET /v1/models/{model}: its entry when a pool serves it and ``tenant`` may use it."""
-        for m in self.listing(tenant)["data"]:
+        entries: list[dict[str, Any]] = self.listing(tenant)["data"]
+        for m in entries:
             if m["id"] == model:
-                return dict(m)
-        if model and self.route(model) is not None and self.allowed(tenant, model) and not self.single:
-            return {"id": model, "object": "model", "created": 0, "owned_by": "kvgate", "root": model, "parent": None}
+                return m
+        if model and not self.single and self.candidates(model) and self.allowed(tenant, model):
+            return _entry(model)  # a name a pool serves by pattern
         return None
 
     def listing(self, tenant: Tenant | None) -> dict[str, Any]:
         """GET /v1/models: the models (exact names and adapters) ``tenant`` may use, OpenAI's shape.
         Patterns are not listed: they name no model in particular."""
+        named: list[tuple[str, str | None]]
+        if self.single:  # no pools: what the tenant's own list names exactly (its patterns name no model)
+            named = [(m, None) for m in (tenant.models or [] if tenant is not None else []) if not is_pattern(m)]
+        else:
+            named = [(n, parent) for p in self.pools
+                     for n, parent in [(m, None) for m in p.models] + [(a, p.models[0] if p.models else None)
+                                                                       for a in p.adapters]]
         data: list[dict[str, Any]] = []
         seen: set[str] = set()
-        if self.single:  # no pools: what the tenant's own list names exactly (its patterns name no model)
-            for m in (tenant.models or []) if tenant is not None else []:
-                if not is_pattern(m) and m not in seen:
-                    seen.add(m)
-                    data.append({"id": m, "object": "model", "created": 0, "owned_by": "kvgate", "root": m,
-                                 "parent": None})
-            return {"object": "list", "data": data}
-        for p in self.pools:
-            parent = p.models[0] if p.models else None
-            for name, root in [(m, None) for m in p.models] + [(a, parent) for a in p.adapters]:
-                if name in seen or not self.allowed(tenant, name):
-                    continue
+        for name, parent in named:
+            if name not in seen and (self.single or self.allowed(tenant, name)):
                 seen.add(name)
-                data.append({"id": name, "object": "model", "created": 0, "owned_by": "kvgate",
-                             "root": root or name, "parent": root})
+                data.append(_entry(name, parent))
         return {"object": "list", "data": data}
+
+
+def _entry(name: str, parent: str | None = None) -> dict[str, Any]:
+    """One model (or adapter, with its base model as ``parent``) as OpenAI's ``/v1/models`` lists it."""
+    return {"id": name, "object": "model", "created": 0, "owned_by": "kvgate", "root": parent or name,
+            "parent": parent}

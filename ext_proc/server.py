@@ -78,14 +78,6 @@ def trusted_attr(header: str) -> str:
     return f"request.headers['{header}']"
 
 
-def _attr(msg: Any, name: str) -> str:
-    attrs = msg.attributes.get(ATTR_NS)
-    if attrs is None:
-        return ""
-    v = attrs.fields.get(name)
-    return v.string_value if v is not None else ""
-
-
 _NO_FIELDS: dict[str, Any] = {}
 
 

@@ -44,9 +44,6 @@ class Counts:
         else:
             self.values[key] = v + amount
 
-    def get(self, *key: str) -> float:
-        return self.values.get(key, 0.0)
-
     def family(self) -> Metric:
         fam = CounterMetricFamily(self.name.removesuffix("_total"), self.documentation, labels=self.labels)
         for key, v in list(self.values.items()):

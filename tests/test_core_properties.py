@@ -212,7 +212,7 @@ class CoreMachine(RuleBasedStateMachine):
         for t in a.tenants():
             mine = sum(1 for lease in leases if lease.tenant is t and lease.charged)
             assert t.inflight == mine, (t.name, t.inflight, mine)
-        for b in a._budgets.values():  # a per-model budget counts what it holds, like its tenant
+        for b in a._model_budgets.values():  # a per-model budget counts what it holds, like its tenant
             mine = sum(1 for lease in leases if lease.budget is b and lease.charged)
             assert b.inflight == mine, (b.name, b.inflight, mine)
         assert a.inflight == sum(1 for lease in a.leases() if lease.charged)
