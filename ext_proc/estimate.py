@@ -249,7 +249,16 @@ class Estimator:
             want = "a list of messages" if chat else "a string or a list of input items"
             raise Invalid("invalid-body", f"'{param}' must be {want}, not {_kind(value)}.", param)
         total = 0
+        per_message = self._per_message
+        ratio = self._ratio if self._encode is None else None
         for i, m in enumerate(value):
+            if ratio is not None and type(m) is dict and len(m) == 2:
+                # the usual message, {"role": "...", "content": "..."}: what the general path below
+                # counts for it, without its walk (most of an estimate's cost)
+                role, content = m.get("role"), m.get("content")
+                if type(role) is str and type(content) is str:
+                    total += per_message + math.ceil(len(content) / ratio)
+                    continue
             where = f"{param}[{i}]"
             if not isinstance(m, dict):
                 raise Invalid("invalid-body", f"'{where}' must be an object, not {_kind(m)}.", where)

@@ -171,6 +171,34 @@ class PrefixIndex:
             hi = lo - 1
         return out
 
+    def deepest(self, chain: Sequence[int], now: float, limit: int) -> list[str]:
+        """Up to ``limit`` nodes holding the longest run of ``chain`` that any node holds (none when no
+        node holds its first block): where a large fleet looks first. A bisection over the blocks, each
+        step asking only whether *some* node holds that block, and no walk over every holder of a block
+        the whole fleet was sent (a common system prompt)."""
+        horizon = now - self.ttl
+
+        def held(h: int) -> bool:
+            holders = self._holders.get(h)
+            return holders is not None and any(at >= horizon for at in holders.values())
+
+        if not chain or limit <= 0 or not held(chain[0]):
+            return []
+        lo, hi = 1, len(chain)  # chain[lo - 1] is held by some node
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if held(chain[mid - 1]):
+                lo = mid
+            else:
+                hi = mid - 1
+        out: list[str] = []
+        for n, at in self._holders[chain[lo - 1]].items():
+            if at >= horizon:
+                out.append(n)
+                if len(out) >= limit:
+                    break
+        return out
+
     def record(self, node: str, chain: Sequence[int], now: float) -> None:
         """The blocks of a prompt sent to ``node``: it will hold them (until it evicts them). The whole
         chain, tail first, so that under the per-node limit and the TTL a chain loses its tail before its

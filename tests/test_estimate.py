@@ -3,6 +3,8 @@ from pathlib import Path
 
 import orjson
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from ext_proc.config import Estimation
 from ext_proc.estimate import IMAGE_PART_TOKENS, Estimator
@@ -96,3 +98,18 @@ def test_local_tokenizer_json_counts_real_tokens(tmp_path: Path) -> None:
     r = e.estimate(json.dumps({"input": "hello world hello world hello"}).encode(), path="/v1/embeddings",
                    default_max_tokens=1)
     assert r.prompt_tokens == 5  # five words, where the char ratio would say 8
+
+
+class _Message(dict):  # type: ignore[type-arg]
+    """A message the estimator's shortcut for plain ``{"role", "content"}`` dicts does not take."""
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.text(max_size=12), st.text(max_size=300)), max_size=6),
+       st.sampled_from([1.0, 3.3, 4.0]), st.integers(0, 8), st.booleans())
+def test_plain_messages_count_as_the_general_walk_counts_them(
+        messages: list[tuple[str, str]], ratio: float, per_message: int, chat: bool) -> None:
+    e = Estimator(Estimation(chars_per_token=ratio, per_message_tokens=per_message))
+    plain = [{"role": r, "content": c} for r, c in messages]
+    walked = [_Message(role=r, content=c) for r, c in messages]
+    assert e._messages(plain, "messages", chat=chat) == e._messages(walked, "messages", chat=chat)

@@ -224,6 +224,12 @@ def test_a_saturated_pool_answers_503_while_the_other_admits(stack: Stack) -> No
         assert refused and all(h.status == 503 for h in refused), [h.status for h in flood]
         assert all(h.reason is not None and REASONS[h.reason].klass == "capacity" for h in refused)
         wait_for(lambda: metric(big_node, "sim_open_requests") == len(held), 10, "the admitted streams at the node")
+        # and kvgate reading their prompts in the node's KV cache: a reading taken after kvgate sent a
+        # request but before it reached the node shows neither its KV nor it waiting, and until the next
+        # reading a third would fit beside what kvgate then counts
+        node = address(st.pool_nodes[BIG.name][0])
+        wait_for(lambda: metric(st.metrics_url, "kvgate_node_kv_usage_ratio", node=node, pool=BIG.name)
+                 >= 0.29 * len(held), 20, "kvgate reading the held prompts' KV")
         # meanwhile: the 34B pool still has no room, the 8B pool admits
         for _ in range(3):
             code, h, raw = post(st.url + COMPLETIONS, body(BIG.model, 48_000, 2_000), FULL)

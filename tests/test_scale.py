@@ -100,3 +100,67 @@ def test_the_kept_breaker_count_and_largest_cache_are_what_counting_gives(
                                          and not_closed + 1 <= f.cfg.breaker.max_open_fraction * total)
         caps = [c for n in f.nodes.values() if (c := n.capacity_tokens()) is not None]
         assert f.max_capacity_tokens() == (max(caps) if caps else None)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(NODES), chains, st.floats(0, 20)), max_size=40), chains,
+       st.floats(0, 25), st.integers(1, 8))
+def test_the_deepest_holders_are_the_nodes_whose_match_is_longest(
+        records: list[tuple[str, tuple[int, ...], float]], chain: tuple[int, ...], now: float, limit: int) -> None:
+    """``deepest`` bisects on "does any node hold this block" instead of matching every holder: it names
+    the nodes ``match`` gives the longest run (as many as ``limit`` allows), none when nobody holds the
+    first block."""
+    idx = PrefixIndex(max_blocks_per_node=8, ttl_s=10.0)
+    for node, c, at in sorted(records, key=lambda r: r[2]):
+        idx.record(node, c, at)
+    whole = idx.match(chain, now)
+    longest = max(whole.values(), default=0)
+    best = {n for n, k in whole.items() if k == longest and k > 0}
+    got = idx.deepest(chain, now, limit)
+    assert len(got) == len(set(got)) == min(limit, len(best))
+    assert set(got) <= best
+
+
+def _loaded(n: int, seed: int, kv: float = 0.1, room: str | None = None) -> Fleet:
+    """Every node read at ``kv`` occupancy, but ``room`` at 0.1."""
+    f = _fleet(n, seed)
+    for addr in f.nodes:
+        f.on_snapshot(addr, Snapshot(addr, 0.0, True, kv_usage=0.1 if addr == room else kv, blocks_total=2000,
+                                     block_size=16), 0.0)
+    return f
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(0, 2**32 - 1), st.integers(SCAN_LIMIT + 1, 300))
+def test_a_large_fleet_finds_the_one_node_with_room_however_far_down_its_scan(seed: int, n: int) -> None:
+    """A large fleet filters only until enough nodes pass, but when nearly every node is full it looks
+    at the whole fleet before answering 503: the one node with room is found, wherever the scan starts."""
+    room = f"10.0.0.{random.Random(seed).randrange(n)}:8000"
+    f = _loaded(n, seed, kv=0.99, room=room)
+    for i in range(5):
+        c = f.place(600, 500, f"t{i}", 0.01 * i, priority=1)
+        assert c.node is not None and c.node.address == room, c.reason
+    for addr in f.nodes:
+        f.on_snapshot(addr, Snapshot(addr, 0.1, True, kv_usage=0.99, blocks_total=2000, block_size=16), 0.1)
+    assert f.place(600, 500, "full", 0.1, priority=1).reason == "fleet-kv"
+
+
+def test_a_large_fleet_sends_a_prompt_back_to_the_node_holding_its_prefix() -> None:
+    """At 1,000 nodes the random part of a scan rarely reaches a given node: the holders of the
+    prompt's longest held prefix are looked at first, so an idle fleet keeps each document on its node."""
+    f = _loaded(1000, 7)
+    rng = random.Random(7)
+    homes: dict[int, str] = {}
+    docs = [tuple(rng.getrandbits(60) for _ in range(12)) for _ in range(20)]
+    for i in range(200):
+        now = 0.001 * i
+        k = i % len(docs)
+        chain = docs[k] + (rng.getrandbits(60),)  # the document, then a question of its own
+        c = f.place(1800, 1700, f"t{i}", now, prefix=chain)
+        assert c.node is not None
+        if k in homes:
+            assert c.node.address == homes[k] and c.hit > 0, i
+        else:
+            homes[k] = c.node.address
+        f.completed(c.node.address, f"t{i}", 1800, True, now)
+    assert len(set(homes.values())) > 1, "documents spread over the fleet, not all on one node"
