@@ -70,7 +70,7 @@ class Node(threading.Thread):
                     time.sleep(30)
                 elif path == "/v1/completions":
                     conn.sendall(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
-                                 b"transfer-encoding: chunked\r\n\r\n")
+                                 b"transfer-encoding: chunked\r\nconnection: close\r\n\r\n")
                     for i in range(5):
                         time.sleep(0.3)
                         ev = f"data: {i}\n\n".encode()
@@ -78,7 +78,10 @@ class Node(threading.Thread):
                     conn.sendall(b"0\r\n\r\n")
                 else:
                     out = f"node:{path}".encode()
-                    conn.sendall(b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n%s" % (len(out), out))
+                    # one request per connection, said so: Envoy must not reuse a connection this
+                    # closes (a request it sent there as the close lands would come back as a 503)
+                    conn.sendall(b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\nconnection: close\r\n\r\n%s"
+                                 % (len(out), out))
             except OSError:
                 pass
 
