@@ -84,7 +84,8 @@ class Follower:
         self._files: int | None = None
         self.modes: dict[str, str] = {}
         """Node address → how it is followed now: ``stream``, ``poll`` (a probe without the stream) or
-        ``connecting`` (its stream is down or not up yet)."""
+        ``connecting`` (its stream is down or not up yet). Reported as ``kvgate_probe_follow_nodes``."""
+        core.stats.follow_modes = self.modes
 
     async def run(self) -> None:
         self._files = raise_file_limit()

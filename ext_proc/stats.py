@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 import time
 from bisect import bisect_left
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
@@ -24,6 +24,8 @@ from .config import Config
 from .nodes import Fleet
 
 OTHER = "other"
+FOLLOW_MODES = ("stream", "poll", "connecting")
+"""How kvgate follows a node's probe (``follow.Follower.modes``): every one is reported, zeros included."""
 
 
 class Counts:
@@ -138,6 +140,9 @@ class Stats:
         self._allowed: frozenset[str] = frozenset()
         self._max = max_tenant_labels
         self._state: _State | None = None
+        self.follow_modes: Mapping[str, str] | None = None
+        """Node address → how its probe is followed (``follow.Follower.modes``); None while nothing
+        follows the probes (Envoy picks the node, or a core driven in virtual time)."""
         r.register(_CountsCollector([self.requests, self.tokens, self.completions, self.service, self.fleet_caused,
                                      self.slo_misses], [self.decision_seconds, self.request_seconds]))
         r.register(_StateCollector(self))
@@ -243,6 +248,10 @@ class _StateCollector(Collector):
         hit = GaugeMetricFamily("kvgate_node_prefix_cache_hit_ratio", "Each node's prefix-cache hits over its "
                                 "queried prompt tokens in its probe's last interval (vLLM's own counters)",
                                 labels=["node", "pool"])
+        follow = GaugeMetricFamily("kvgate_probe_follow_nodes", "Nodes by how kvgate follows their probe: stream "
+                                   "(one long-lived GET /snapshot/stream), poll (a probe without the stream) or "
+                                   "connecting (its stream is down or not up yet)", labels=["mode", "pool"])
+        modes = self._stats.follow_modes
         if st is not None:
             a = st.admission
             labels_ = {self._stats.label(t.name) for t in a.tenants()}
@@ -279,4 +288,11 @@ class _StateCollector(Collector):
                     rate = n.snapshot.prefix_hit_rate if n.snapshot is not None else None
                     if rate is not None:
                         hit.add_metric(labels, rate)
-        yield from (inflight, fleet, depth, total, kv, projected, node_inflight, age, breaker, hit)
+                if modes is not None:
+                    by = dict.fromkeys(FOLLOW_MODES, 0)
+                    for address in f.nodes:
+                        mode = modes.get(address, "connecting")  # (a node added since the follower last looked)
+                        by[mode] = by.get(mode, 0) + 1
+                    for mode, count in by.items():
+                        follow.add_metric([mode, pool], count)
+        yield from (inflight, fleet, depth, total, kv, projected, node_inflight, age, breaker, hit, follow)

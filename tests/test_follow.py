@@ -282,8 +282,12 @@ async def test_a_stream_that_goes_mute_is_dropped_and_connected_again() -> None:
             assert "unknown" in seen and "dead" in seen  # meanwhile: no reading, the node aged
 
 
-async def test_every_probe_of_a_large_fleet_is_followed_at_once() -> None:
-    """aiohttp's default pool holds 100 connections: the 101st stream would wait forever."""
+@contextlib.asynccontextmanager
+async def stream_probe() -> AsyncIterator[str]:
+    """The real probe's HTTP side (``gpu_probe.server.Probe``), in process, holding one reading and
+    reading nothing more: its URL."""
+    import time
+
     from gpu_probe.server import Probe
 
     class Driven(Probe):
@@ -291,24 +295,52 @@ async def test_every_probe_of_a_large_fleet_is_followed_at_once() -> None:
             await asyncio.Event().wait()
 
     probe = Driven("http://vllm.invalid")
-    import time
-
     probe.publish(Snapshot(node="n", at=time.time(), ok=True, kv_usage=0.3))
     runner = web.AppRunner(probe.app(), access_log=None, shutdown_timeout=0.5)
     await runner.setup()
     port = free_port()
     await web.TCPSite(runner, "127.0.0.1", port).start()
-    addrs = [f"10.0.1.{i}:8000" for i in range(1, 111)]
-    gw = Gateway(parse_config({"nodes": {"static": [{"address": a, "probe": f"http://127.0.0.1:{port}"}
-                                                    for a in addrs]}}))
-    fleet = gw.fleet
-    assert fleet is not None
     try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        await runner.cleanup()
+
+
+async def test_every_probe_of_a_large_fleet_is_followed_at_once() -> None:
+    """aiohttp's default pool holds 100 connections: the 101st stream would wait forever."""
+    async with stream_probe() as url:
+        addrs = [f"10.0.1.{i}:8000" for i in range(1, 111)]
+        gw = Gateway(parse_config({"nodes": {"static": [{"address": a, "probe": url} for a in addrs]}}))
+        fleet = gw.fleet
+        assert fleet is not None
         async with following(gw) as f:
             await until(lambda: all(fleet.nodes[a].snapshot is not None for a in addrs), "every node read")
             assert set(f.modes.values()) == {"stream"}
-    finally:
-        await runner.cleanup()
+
+
+async def test_how_each_probe_is_followed_is_a_metric_per_pool() -> None:
+    """``kvgate_probe_follow_nodes{mode,pool}``: an operator sees probes that fell back to polling (an
+    older probe, a proxy that buffers) or cannot be reached without reading kvgate's logs."""
+    def followed(gw: Gateway, pool: str) -> dict[str, float | None]:
+        return {m: gw.stats.registry.get_sample_value("kvgate_probe_follow_nodes", {"mode": m, "pool": pool})
+                for m in ("stream", "poll", "connecting")}
+
+    refused = f"http://127.0.0.1:{free_port()}"  # nothing listens
+    async with stream_probe() as streams, OlderProbe() as old:
+        gw = Gateway(parse_config({
+            "pools": [{"name": "small", "models": ["s"], "nodes": {"static": [
+                {"address": "10.0.2.1:8000", "probe": streams}, {"address": "10.0.2.2:8000", "probe": streams},
+                {"address": "10.0.2.3:8000", "probe": old.url}]}},
+                {"name": "big", "models": ["b"], "nodes": {"static": [
+                    {"address": "10.0.3.1:8000", "probe": refused}]}}]}))
+        assert followed(gw, "small") == {"stream": None, "poll": None, "connecting": None}  # nothing follows yet
+        async with following(gw) as f:
+            await until(lambda: len(f.modes) == 4 and followed(gw, "small") == {"stream": 2, "poll": 1,
+                                                                             "connecting": 0}, "modes settled")
+            assert followed(gw, "big") == {"stream": 0, "poll": 0, "connecting": 1}
+            gw.core.set_nodes([("10.0.2.4:8000", streams, None)], "big")  # discovery: a node not yet looked at
+            assert followed(gw, "big") == {"stream": 0, "poll": 0, "connecting": 1}
+            await until(lambda: followed(gw, "big")["stream"] == 1, "the new node streaming")
 
 
 async def test_nodes_come_and_go_with_the_node_list() -> None:
