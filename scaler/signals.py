@@ -312,6 +312,7 @@ QUERIES = {
     "pools": "count by (pool) (kvgate_fleet_inflight_requests)",
     "replicas_up": 'count(up{job="%s"} == 1)',
     "replicas_all": 'count(up{job="%s"})',
+    "scraped": 'min(timestamp(up{job="%s"}))',  # (PrometheusSource.instant)
 }
 
 _CAPACITY = 'kvgate_requests_total{%sdecision="reject",class="capacity"}'
@@ -356,13 +357,24 @@ class PrometheusSource:
     window_s: float = 60.0
     timeout_s: float = 2.0
 
-    def query(self, q: str) -> list[tuple[dict[str, str], float]]:
-        u = self.url.rstrip("/") + "/api/v1/query?" + urllib.parse.urlencode({"query": q})
+    def query(self, q: str, at: float | None = None) -> list[tuple[dict[str, str], float]]:
+        """An instant query's vector; ``at``: the evaluation time (Unix seconds), Prometheus's now if None."""
+        params = {"query": q} if at is None else {"query": q, "time": f"{at:.3f}"}
+        u = self.url.rstrip("/") + "/api/v1/query?" + urllib.parse.urlencode(params)
         with urllib.request.urlopen(u, timeout=self.timeout_s) as r:
             doc = json.loads(r.read())
         if doc.get("status") != "success":
             raise ValueError(f"prometheus: {doc.get('error', doc)}")
         return [(x.get("metric", {}), float(x["value"][1])) for x in doc["data"]["result"]]
+
+    def instant(self) -> float | None:
+        """The moment one reading asks every query at: the oldest of the kvgate targets' last scrapes
+        (None: no target). Asked each at its own now, a ratio's two ``increase()`` could straddle a scrape
+        that Prometheus was still writing — one query with its samples, the next without, extrapolated
+        differently: a 40% reject ratio read as 35% in 2 of 49 readings. A scrape is written whole, and
+        no target's next scrape is older than its last, so at this moment every sample is in."""
+        rows = self.query(QUERIES["scraped"] % self.job)
+        return rows[0][1] if rows else None
 
     def read(self, now: float) -> Signals:
         """Every pool's signals summed (``read_pools(now).fleet()``)."""
@@ -373,13 +385,14 @@ class PrometheusSource:
         seen: set[str] = set()
 
         def rows(q: str) -> Iterator[tuple[str, dict[str, str], float]]:
-            for labels, v in self.query(q):
+            for labels, v in self.query(q, at):
                 pool = pool_of(labels)
                 if pool is not None:
                     seen.add(pool)
                     yield pool, labels, v
 
         try:
+            at = self.instant()
             delta: dict[str, Totals] = {}
             for kind in KINDS:
                 for pool, labels, v in rows(QUERIES[kind] % w):
@@ -403,8 +416,8 @@ class PrometheusSource:
                 kv_count[pool] = kv_count.get(pool, 0.0) + v
             for _ in rows(QUERIES["pools"]):
                 pass
-            up = sum(v for _, v in self.query(QUERIES["replicas_up"] % self.job))
-            total = sum(v for _, v in self.query(QUERIES["replicas_all"] % self.job))
+            up = sum(v for _, v in self.query(QUERIES["replicas_up"] % self.job, at))
+            total = sum(v for _, v in self.query(QUERIES["replicas_all"] % self.job, at))
         except (OSError, ValueError, KeyError) as e:
             raise SourceError(f"prometheus at {self.url}: {e}") from e
         if total == 0:

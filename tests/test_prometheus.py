@@ -119,6 +119,28 @@ def test_the_scalers_prometheus_source_reads_kvgates_signals(scraped: tuple[Stac
     assert pools.of("vllm").capacity_rejected.get("app", 0) > 0  # every scaler pool reads it
 
 
+def test_one_reading_asks_every_query_at_the_last_whole_scrape(scraped: tuple[Stack, str]) -> None:
+    """A ratio's two increase() asked each at its own now could straddle a scrape Prometheus was still
+    writing (a 40% ratio read as 35%): one reading asks them all at the targets' last scrape."""
+    _, url = scraped
+    asked: list[tuple[str, float | None]] = []
+
+    class Seen(PrometheusSource):
+        def query(self, q: str, at: float | None = None) -> list[tuple[dict[str, str], float]]:
+            asked.append((q, at))
+            return super().query(q, at)
+
+    Seen(url).read_pools(time.monotonic())
+    (first_q, first_at), rest = asked[0], asked[1:]
+    assert first_q == 'min(timestamp(up{job="kvgate"}))' and first_at is None
+    instants = {at for _, at in rest}
+    assert len(rest) >= 8 and len(instants) == 1 and None not in instants, asked
+    (at,) = instants
+    src = PrometheusSource(url)
+    assert [v for _, v in src.query('timestamp(up{job="kvgate"})', at)] == [at]  # its one target's last scrape
+    assert src.query("vector(time())", at - 30) == [({}, pytest.approx(at - 30, abs=1e-3))]  # honoured
+
+
 def test_the_trigger_query_and_the_recorded_series_give_the_same_ratio(scraped: tuple[Stack, str]) -> None:
     _, url = scraped
     src = PrometheusSource(url)
