@@ -186,7 +186,12 @@ def start_turn1(st: Stack, c: Conversation) -> Turn1:
 
 
 def wait_idle(st: Stack) -> None:
-    """Both nodes idle, kvgate has nothing in flight, and it read both nodes idle since."""
+    """Both nodes idle, kvgate has nothing in flight, and it read both nodes idle since (a first reading
+    of each included: with ``unknown: fallback`` a node not read yet takes nothing while the other is
+    fresh, and the first turns below would not be spread for the reason under test)."""
+    wait_for(lambda: metric(st.metrics_url, "kvgate_probe_follow_nodes", mode="stream") == 2
+             and all(age(st, i) < STALE_S for i in (0, 1)), WAIT_S, "kvgate reading both nodes' probes")
+
     def idle() -> bool:
         return all(sim(st, i, "vllm:num_requests_running") == 0 and sim(st, i, "vllm:num_requests_waiting") == 0
                    and sim(st, i, "sim_open_requests") == 0 for i in (0, 1)) \
@@ -204,6 +209,7 @@ def test_a_second_turn_goes_home_unless_home_is_overloaded(stack: Stack) -> None
     st = stack
 
     # -- not overloaded: every second turn on its first turn's node, and a real hit there ------------
+    wait_idle(st)
     convs = [Conversation(i) for i in range(CONVERSATIONS)]
     threads = [start_turn1(st, c) for c in convs]  # each while the ones before it still decode
     for t in threads:
