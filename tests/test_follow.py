@@ -24,6 +24,7 @@ from ext_proc.config import parse_config
 from ext_proc.follow import STREAMS_BEFORE_A_POLL, Follower
 from ext_proc.nodes import Fleet, Node
 from ext_proc.server import Gateway
+from ext_proc.stats import FOLLOW_MODES
 from gpu_probe.server import NDJSON, STREAM_PATH
 from gpu_probe.snapshot import _FIELDS, Snapshot, StreamDecoder, changes
 from kvgate.stack import free_port, wait_port
@@ -323,7 +324,7 @@ async def test_how_each_probe_is_followed_is_a_metric_per_pool() -> None:
     older probe, a proxy that buffers) or cannot be reached without reading kvgate's logs."""
     def followed(gw: Gateway, pool: str) -> dict[str, float | None]:
         return {m: gw.stats.registry.get_sample_value("kvgate_probe_follow_nodes", {"mode": m, "pool": pool})
-                for m in ("stream", "poll", "connecting")}
+                for m in FOLLOW_MODES}
 
     refused = f"http://127.0.0.1:{free_port()}"  # nothing listens
     async with stream_probe() as streams, OlderProbe() as old:

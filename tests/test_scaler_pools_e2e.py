@@ -25,6 +25,7 @@ import pytest
 import yaml
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
+from ext_proc.stats import FOLLOW_MODES
 from kvgate.stack import free_port, wait_port
 from scaler import externalscaler_pb2 as pb
 from scaler import externalscaler_pb2_grpc as pb_grpc
@@ -63,7 +64,7 @@ class Page:
         self.fleet.labels(name).set(0)
         self.depth.labels("standard", name).set(0)
         self.nodes.labels("static", name).set(nodes)
-        for mode in ("stream", "poll", "connecting"):
+        for mode in FOLLOW_MODES:
             self.follow.labels(mode, name).set(nodes if mode == "stream" else 0)
         for i in range(nodes):
             node = f"{name}-{i}:8000"
@@ -101,7 +102,7 @@ def two_pools() -> Page:
     # that does not (Prometheus's increase()), and the ratio would not be the page's 40%. As many as the
     # admits: increase() extrapolates a counter back at most to where it would have been zero, which for a
     # small start (10 of 50) is further back than the half scrape interval the others get, while Prometheus
-    # has only seconds of samples (40% then read 41.6%, about every other run on a busy machine)
+    # has only seconds of samples (40% then read 41.6%: 16 of 47 readings in the seconds after the flood)
     page.reject("big", "rag", 100)
     page.reject("big", "rag", 5, "tenant-tokens", "policy")
     page.reject("none", "chat", 20, "model-not-found", "invalid")
