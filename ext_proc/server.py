@@ -47,6 +47,7 @@ from .admission import Usage
 from .config import Config, ConfigError, load_config
 from .core import Answer, Borrow, Core, Ended, Held, Request
 from .reasons import reject
+from .sizes import grpc_receive_bytes
 from .stats import Stats
 
 if TYPE_CHECKING:
@@ -236,6 +237,8 @@ class Gateway:
         self._seen = _stat(config_path)
         self._pending_stat: tuple[float, int] | None = None
         self.open_streams = 0
+        self.receive_limit = grpc_receive_bytes(config.limits.max_body_bytes)
+        """The gRPC server's receive limit, fixed when it starts (``serve``)."""
         self._trusted_attr: str | None = None
         self.task_restarts = Counter("kvgate_task_restarts_total", "Background tasks restarted after a failure",
                                      ["task"], registry=self.stats.registry)
@@ -301,6 +304,11 @@ class Gateway:
             return False
         if new.server != self.config.server:
             log.warning("config_server_changed", note="server.* settings take effect on restart only")
+        if grpc_receive_bytes(new.limits.max_body_bytes) > self.receive_limit:
+            # the gRPC server (and Envoy's buffer, rendered from the config) keep the size they started with
+            log.warning("config_body_limit_raised", max_body_bytes=new.limits.max_body_bytes,
+                        note="a body cap above the one kvgate started with takes effect on restart only "
+                        "(kvgate's gRPC receive limit; regenerate Envoy's config too)")
         if new.store != self.config.store:
             log.warning("config_store_changed", note="store.* settings take effect on restart only")
             new = new.model_copy(update={"store": self.config.store})
@@ -615,7 +623,9 @@ class Supervisor:
 async def serve(config: Config, config_path: Path | None, ready: asyncio.Event | None = None,
                 overrides: dict[str, Any] | None = None) -> None:
     gw = Gateway(config, config_path, overrides)
-    server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+    # the largest message Envoy can send for this body cap (ext_proc/sizes.py); gRPC's default is 4 MiB
+    server = grpc.aio.server(options=[("grpc.so_reuseport", 0),
+                                      ("grpc.max_receive_message_length", gw.receive_limit)])
     server.add_generic_rpc_handlers((_process_handler(gw),))
     als_pb2_grpc.add_AccessLogServiceServicer_to_server(AccessLogServicer(gw), server)
     health_servicer = health.aio.HealthServicer()

@@ -43,6 +43,7 @@ from typing import TYPE_CHECKING, Any
 import yaml
 
 from ext_proc.reasons import REASONS
+from ext_proc.sizes import ENVOY_MIN_BODY_BUFFER_BYTES, MAX_REQUEST_HEADERS_KB, envoy_body_buffer_bytes
 
 if TYPE_CHECKING:
     from ext_proc.config import Config
@@ -83,7 +84,7 @@ class EnvoyParams:
     max_message_timeout_ms: int = 60_000
     """Ceiling of the per-request ``override_message_timeout`` kvgate sends for a queued request (its
     tier's max_queue_wait_ms + a margin); must be at least that."""
-    max_body_bytes: int = 4 * 1024 * 1024
+    max_body_bytes: int = ENVOY_MIN_BODY_BUFFER_BYTES
     trusted_header: str | None = None
     strip_trusted_header: bool = True
     """Remove the client's copy of ``trusted_header`` first in the filter chain (the operator's authn
@@ -137,7 +138,7 @@ def params_for(cfg: Config, base: EnvoyParams | None = None) -> EnvoyParams:
         max_requests=max_requests,
         max_message_timeout_ms=max_message,
         request_timeout_ms=max(base.request_timeout_ms, max_message + 10_000),
-        max_body_bytes=max(base.max_body_bytes, cfg.limits.max_body_bytes),
+        max_body_bytes=max(base.max_body_bytes, envoy_body_buffer_bytes(cfg.limits.max_body_bytes)),
         trusted_header=cfg.identity.trusted_header or base.trusted_header,
     )
 
@@ -477,6 +478,8 @@ def hcm_settings(p: EnvoyParams) -> dict[str, Any]:
         "request_headers_timeout": _dur(p.request_headers_timeout_ms),
         "request_timeout": _dur(p.request_timeout_ms),
         "stream_idle_timeout": "300s",
+        # kvgate's gRPC receive limit counts on it (ext_proc/sizes.py): raise both together
+        "max_request_headers_kb": MAX_REQUEST_HEADERS_KB,
     }
 
 
