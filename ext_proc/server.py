@@ -9,8 +9,9 @@ gateway queue keeps its stream until its answer.
 
 Completion comes through Envoy's gRPC access log: a Lua filter copies the response's final usage into
 dynamic metadata and the log entry delivers it when the stream ends (normally, on an upstream error,
-by a client disconnect). Each lease remembers which Envoy connection asked for it (the gRPC peer); when
-an Envoy's access-log connection ends and does not come back, its leases are released (``core.py``).
+by a client disconnect). Each lease remembers which Envoy asked for it (the gRPC peer's address without
+its port, which survives a reconnect); when an Envoy's access-log connections all end and none comes
+back, its leases are released (``core.py``).
 
 Everything that is not transport lives in the core; this module turns protobuf into core events and
 core answers into protobuf, and runs the supervised background tasks (probe polling, discovery, the
@@ -42,7 +43,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from prometheus_client import Counter, Gauge, start_http_server
 
 from . import cpuparts, logs
-from .addresses import join_hostport, split_hostport
+from .addresses import join_hostport, peer_host, split_hostport
 from .admission import Usage
 from .config import Config, ConfigError, load_config
 from .core import Answer, Borrow, Core, Ended, Held, Request
@@ -483,7 +484,7 @@ class ExtProcServicer:
                     return
                 kind = msg.WhichOneof("request")
                 if kind == "request_body":
-                    out = gw.on_body(msg, context.peer(), first)
+                    out = gw.on_body(msg, peer_host(context.peer()), first)
                     if isinstance(out, Borrow):
                         out = await gw.borrow(out)
                     if isinstance(out, tuple):  # queued: tell Envoy to wait longer, then wait
@@ -543,7 +544,7 @@ class AccessLogServicer(als_pb2_grpc.AccessLogServiceServicer):  # type: ignore[
     async def StreamAccessLogs(
         self, request_iterator: AsyncIterator[als_pb2.StreamAccessLogsMessage], context: grpc.aio.ServicerContext
     ) -> als_pb2.StreamAccessLogsResponse:
-        peer = context.peer()
+        peer = peer_host(context.peer())  # the Envoy, not this connection: a reset one comes back
         core = self.gw.core
         core.envoy_up(peer)
         try:
