@@ -36,7 +36,7 @@ from tests.helpers import FakeClock
 from tests.perf_harness import Bench, capacity
 from tests.perf_harness import poisson as arrivals
 
-REFERENCE = Path(__file__).resolve().parents[2] / "shared" / "reference" / "vllm-metrics-sample.txt"
+REFERENCE = Path(__file__).resolve().parent / "fixtures" / "vllm-metrics-sample.txt"
 
 MIX = [(0.8, (100, 600), (40, 200)), (0.2, (2000, 6000), (100, 400))]
 """80% chat-sized requests, 20% RAG-sized ones (prompt and output ranges)."""
@@ -317,7 +317,6 @@ def test_step_figures_come_from_the_simulated_nodes_exposition() -> None:
     assert idle.step_fresh is False and idle.step_tokens is None  # no step since
 
 
-@pytest.mark.skipif(not REFERENCE.exists(), reason="needs ../shared/reference")
 def test_step_figures_from_the_real_vllm_exposition() -> None:
     text = REFERENCE.read_text()
     d = Deriver("n")

@@ -19,7 +19,7 @@ from gpu_probe.server import STREAM_PATH, Probe
 from gpu_probe.snapshot import Deriver, Snapshot, changes
 from kvgate.stack import free_port, wait_port
 
-REFERENCE = Path(__file__).resolve().parents[2] / "shared" / "reference" / "vllm-metrics-sample.txt"
+REFERENCE = Path(__file__).resolve().parent / "fixtures" / "vllm-metrics-sample.txt"
 M = 'model_name="m",engine="0"'
 
 
@@ -38,7 +38,6 @@ def exposition(kv: float = 0.5, name: str = KV_NEW, prefill: tuple[float, float]
             f'vllm:cache_config_info{{block_size="16",engine="{engine}",num_gpu_blocks="1000"}} 1\n')
 
 
-@pytest.mark.skipif(not REFERENCE.exists(), reason="needs ../shared/reference")
 def test_reads_the_real_vllm_exposition() -> None:
     [r] = parse(REFERENCE.read_text()).values()
     assert (r.model, r.engine) == ("meta-llama/Llama-3.1-8B-Instruct", "0")
@@ -155,7 +154,6 @@ def prefix(queries: float, hits: float, old: bool = False, lab: str = M) -> str:
             f"# TYPE {h} counter\n{h}_total{{{lab}}} {hits}\n")
 
 
-@pytest.mark.skipif(not REFERENCE.exists(), reason="needs ../shared/reference")
 def test_reads_the_prefix_cache_counters_of_the_real_exposition() -> None:
     [r] = parse(REFERENCE.read_text()).values()
     assert (r.counters["prefix_queries"], r.counters["prefix_hits"]) == (20480, 8192)

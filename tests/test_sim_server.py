@@ -16,7 +16,7 @@ from kvgate.stack import free_port, wait_port
 from sim.profiles import PROFILES
 from tests.helpers import get, metric, post, wait_for
 
-REFERENCE = Path(__file__).resolve().parents[2] / "shared" / "reference" / "vllm-metrics-sample.txt"
+REFERENCE = Path(__file__).resolve().parent / "fixtures" / "vllm-metrics-sample.txt"
 MODEL = PROFILES["8b-h100"].model_name
 
 
@@ -170,7 +170,6 @@ def _families(text: str) -> dict[str, tuple[str, frozenset[str], tuple[float, ..
     return out
 
 
-@pytest.mark.skipif(not REFERENCE.exists(), reason="needs ../shared/reference")
 def test_metrics_match_the_real_vllm_exposition(sim: Sim) -> None:
     completion(sim.url, max_tokens=3, ignore_eos=True)
     ours = _families(get(sim.url + "/metrics")[2].decode())
