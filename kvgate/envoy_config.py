@@ -400,7 +400,29 @@ def local_reply_config() -> dict[str, Any]:
                 "headers_to_add": [_add("x-kvgate-reject-reason", "body-too-large")],
                 "body_format_override": _json_error("body-too-large"),
             },
+            # Envoy's own protocol errors, plain text by default: every refusal a client can get is
+            # OpenAI-shaped JSON (kvgate never answers 431 or 426 itself)
+            *(_envoys_own(name, flt) for name, flt in (
+                ("headers-too-large", _status(431)),
+                ("http-version", _status(426)),
+                # a 400 for a request whose headers Envoy never finished reading (a codec error):
+                # kvgate's and the Lua helper's own 400s all come after a complete request
+                ("invalid-http", {"and_filter": {"filters": [
+                    _status(400),
+                    {"header_filter": {"header": {"name": ":path", "present_match": True, "invert_match": True}}},
+                ]}}),
+            )),
         ]
+    }
+
+
+def _envoys_own(name: str, flt: dict[str, Any]) -> dict[str, Any]:
+    """A local-reply mapper giving one of Envoy's own refusals kvgate's body and reason header."""
+    return {
+        "filter": flt,
+        "status_code": REASONS[name].status,
+        "headers_to_add": [_add("x-kvgate-reject-reason", name)],
+        "body_format_override": _json_error(name),
     }
 
 

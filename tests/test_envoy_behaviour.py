@@ -313,3 +313,34 @@ def test_the_access_log_reports_local_5xx_on_inference_routes(tmp_path: Path, no
     finally:
         proc.kill()
         proc.wait()
+
+
+def _raw(port: int, data: bytes) -> bytes:
+    s = socket.create_connection(("127.0.0.1", port), timeout=10)
+    try:
+        s.sendall(data)
+        out = b""
+        while got := s.recv(65536):
+            out += got
+        return out
+    finally:
+        s.close()
+
+
+@pytest.mark.parametrize(("data", "status", "reason"), [
+    (b"GET /v1/models HTTP/1.1\r\nhost: x\r\nx-bad: a\x00b\r\n\r\n", 400, "invalid-http"),
+    (b"GARBAGE\r\n\r\n", 400, "invalid-http"),
+    (b"GET /v1/models HTTP/1.1\r\nhost: x\r\nx-big: " + b"a" * 100_000 + b"\r\n\r\n", 431, "headers-too-large"),
+    (b"GET /v1/models HTTP/1.0\r\nhost: x\r\n\r\n", 426, "http-version"),
+], ids=["nul-in-header", "not-http", "huge-header", "http-1.0"])
+def test_envoys_own_protocol_errors_are_openai_json(envoy: EnvoyParams, data: bytes, status: int, reason: str) -> None:
+    """Envoy answers these itself (plain text by default): a client's SDK must get the same JSON shape
+    as from any other refusal, with the reason header."""
+    head, _, body = _raw(envoy.listen_port, data).partition(b"\r\n\r\n")
+    lines = head.decode().split("\r\n")
+    assert lines[0].split(" ")[1] == str(status), lines[0]
+    headers = {k.lower(): v.strip() for k, _, v in (line.partition(":") for line in lines[1:])}
+    assert headers["x-kvgate-reject-reason"] == reason
+    assert headers["content-type"] == "application/json"
+    err = json.loads(body)["error"]
+    assert err["type"] == "invalid_request_error" and err["message"] and err["code"]

@@ -87,6 +87,7 @@ def test_post_without_body_never_reaches_upstream(stack: Stack) -> None:
     code, headers, body = post(stack.url + CHAT, None, KEYS["open"], raw=b"")
     assert code == 400 and headers["x-kvgate-reject-reason"] == "missing-body"
     assert json.loads(body)["error"]["type"] == "invalid_request_error"
+    assert json.loads(body)["error"]["code"] == "missing_body"  # not rewritten by Envoy's invalid-http mapper
     assert len(upstream_requests(stack)) == n
 
 
