@@ -426,7 +426,7 @@ def parser() -> argparse.ArgumentParser:
                                ("demo", _demo, "run the local stack under a multi-tenant load")):
         s = sub.add_parser(name, help=helptext)
         s.add_argument("--config", type=Path, default=None, help="kvgate config (default: the demo tenants)")
-        s.add_argument("--port", type=int, default=10000, help="Envoy's listen port")
+        s.add_argument("--port", type=int, default=None, help="Envoy's listen port (default: a free port, printed)")
         s.add_argument("--nodes", type=int, default=None, help="simulated vLLM nodes to start (default 2)")
         s.add_argument("--profile", default=None, help="profile of the simulated vLLM nodes (default 8b-h100)")
         s.add_argument("--pool", action=_PoolAction, type=_pool_spec, default=[], metavar=POOL_FORM_TEXT,

@@ -28,7 +28,6 @@ from ext_proc.config import DEFAULT_TIERS, load_config, load_yaml
 from ext_proc.identity import hash_key
 
 from . import loadgen, top
-from .envoy_config import EnvoyParams
 from .loadgen import Result, Traffic
 from .stack import RedisMissing, SimPool, Stack, redis_binary
 
@@ -79,8 +78,10 @@ def demo_config(mode: str = "enforce") -> dict[str, Any]:
 
 
 def _stack(a: argparse.Namespace, cfg: dict[str, Any] | None = None, workdir: Path | None = None) -> Stack:
-    if a.config:
-        load_config(a.config)  # fail early, naming the field
+    if a.config and not getattr(a, "pool", None):
+        # fail early, naming the field (with --pool the stack checks the config with its pools added:
+        # a tenant entitled to a --pool model is valid only then)
+        load_config(a.config)
     if cfg is None:
         cfg = load_yaml(a.config.read_text(), str(a.config)) if a.config else demo_config()
         if a.standin and not a.config:  # the stand-in upstream is no node kvgate picks: no nodes section
@@ -97,7 +98,7 @@ def _stack(a: argparse.Namespace, cfg: dict[str, Any] | None = None, workdir: Pa
         ["--num-gpu-blocks", str(a.kv_blocks)] if a.kv_blocks else []), *(
         ["--scheduling-policy", "priority"] if priority else [])]
     return Stack((workdir or a.workdir).resolve(), cfg, upstreams=DEFAULT_NODES if a.nodes is None else a.nodes,
-                 token_ms=a.token_ms, envoy=EnvoyParams(listen_port=a.port), sim_args=sim_args,
+                 token_ms=a.token_ms, listen_port=a.port, sim_args=sim_args,
                  nodes=not a.standin, vllm_urls=a.vllm or None, replicas=getattr(a, "replicas", 1), pools=pools)
 
 

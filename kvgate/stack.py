@@ -263,6 +263,9 @@ class Stack:
     """Run the transport floor (``kvgate.bare``: decides nothing) where kvgate would run."""
     extproc_env: dict[str, str] = field(default_factory=dict)
     """Extra environment of the kvgate processes (e.g. ``KVGATE_CPU_PARTS=1``)."""
+    listen_port: int | None = None
+    """Envoy's listen port as asked for (``kvgate up --port``); None: ``envoy.listen_port`` unless that is
+    EnvoyParams' default, then a free port (tests run many stacks side by side)."""
     pool_nodes: dict[str, list[str]] = field(default_factory=dict)
     """After start: each started pool's nodes (base URLs), by pool name."""
     probe_ports: list[int] = field(default_factory=list)
@@ -395,7 +398,8 @@ class Stack:
             self.envoy,
             trusted_header=trusted or self.envoy.trusted_header,
             listen_address="127.0.0.1",
-            listen_port=self.envoy.listen_port if self.envoy.listen_port != 10000 else free_port(),
+            listen_port=self.listen_port if self.listen_port is not None else (
+                self.envoy.listen_port if self.envoy.listen_port != EnvoyParams.listen_port else free_port()),
             admin_port=free_port(),
             extproc_port=free_port(),
             extproc_ports=(),

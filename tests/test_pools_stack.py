@@ -235,3 +235,36 @@ def test_added_pools_never_share_a_mapping() -> None:
     a, b = (p["nodes"] for p in out["pools"])
     assert a["breaker"] == b["breaker"] and a["breaker"] is not b["breaker"]
     assert "&id" not in yaml.safe_dump(out)
+
+
+def test_a_config_whose_tenant_uses_a_pool_model_is_taken_with_that_pool(tmp_path: Path) -> None:
+    """``kvgate up --config c --pool llama-8b=...`` with a config of its own pools and a tenant entitled
+    to llama-8b: the config was checked before the --pool pools were added ("no pool serves")."""
+    conf = tmp_path / "kvgate.yaml"
+    conf.write_text(yaml.safe_dump({
+        "pools": [{"name": "gpu-box", "models": ["mistral-7b"],
+                   "nodes": {"static": [{"address": "10.0.0.5:8000", "probe": "http://10.0.0.5:9102"}]}}],
+        "tenants": [{"name": "t", "api_key_sha256": [hash_key("sk-t")], "models": ["mistral-7b", "llama-8b"]}]}))
+    a = cli.parser().parse_args(["up", "--config", str(conf), "--pool", "llama-8b=8b-h100:1",
+                                 "--workdir", str(tmp_path / "run")])
+    st = _stack(a)
+    st.check_pools()
+    cfg = parse_config(st.pooled_config(addresses(1)))
+    assert [p.name for p in cfg.pools] == ["gpu-box", "llama-8b"]
+    assert cfg.tenant("t") is not None
+
+
+def test_kvgate_up_listens_on_the_port_asked_for_even_10000(tmp_path: Path) -> None:
+    for port in (10000, 12345):
+        a = cli.parser().parse_args(["up", "--port", str(port), "--workdir", str(tmp_path / "run")])
+        assert _stack(a).listen_port == port
+    a = cli.parser().parse_args(["up", "--workdir", str(tmp_path / "run")])
+    assert _stack(a).listen_port is None  # a free port, printed in the banner
+
+
+def test_a_stack_given_a_port_listens_there(tmp_path: Path) -> None:
+    from kvgate.stack import free_port
+
+    port = free_port()
+    with Stack(tmp_path, {"tenants": []}, listen_port=port) as st:
+        assert st.url == f"http://127.0.0.1:{port}"
