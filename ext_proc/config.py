@@ -223,6 +223,12 @@ class Metrics(_Strict):
     max_tenant_labels: PositiveInt = 100
 
 
+class Logs(_Strict):
+    reject_interval_seconds: Annotated[float, Field(ge=0)] = Field(
+        default=1.0, description="at most one 'reject' line per tenant, reason and pool in this interval; the "
+        "ones between are counted into the next line ('folded') or a 'reject_folded' line; 0: every refusal")
+
+
 class Limits(_Strict):
     """What any request may ask for, whoever sends it; beyond these it is a 400 naming the parameter."""
 
@@ -466,6 +472,7 @@ class Config(_Strict):
     retry: Retry = Retry()
     limits: Limits = Limits()
     metrics: Metrics = Metrics()
+    logs: Logs = Logs()
     nodes: Nodes | None = None
     tiers: dict[Annotated[str, Field(pattern=_NAME)], Tier] = Field(default_factory=lambda: dict(DEFAULT_TIERS))
     queue: Queue = Queue()

@@ -169,6 +169,8 @@ class Core:
         """Request ids more than one open lease carried (ids chosen by clients): never released by id."""
         self._tombstones: dict[str, float] = {}
         """Request ids whose end arrived before any lease: Envoy gave up on them."""
+        self._reject_log = logs.Sampler(config.logs.reject_interval_seconds)
+        """Repeated refusals folded into one log line per interval (the metrics count each)."""
         self.breaker_opens: dict[str, int] = {}
         """Breaker opens by cause (kv | latency | trial): what the benchmarks report."""
         self.stats.bind(self)
@@ -179,6 +181,7 @@ class Core:
     def reconfigure(self, config: Config) -> None:
         """Swap in a new config; leases, spent budgets, queued requests and node readings stay."""
         self.config = config
+        self._reject_log.interval_s = config.logs.reject_interval_seconds
         self.identifier = Identifier(config)
         self.estimator = Estimator(config.estimation, config.limits)
         self.router = Router(config, self.router.rng)
@@ -325,10 +328,14 @@ class Core:
         self.stats.decision(d, pool)
         r = d.rejection
         if r is not None:
-            self.log.info("shadow_reject" if d.admitted else "reject", request_id=request_id, tenant=d.tenant,
-                          tier=d.tier, status=r.status, reason=r.reason, cls=r.klass, pool=pool,
-                          retry_after_s=None if r.retry_after is None else round(r.retry_after, 3),
-                          estimated_tokens=est.total if est is not None else None)
+            event = "shadow_reject" if d.admitted else "reject"
+            folded = self._reject_log.take((event, d.tenant, r.reason, pool), self._clock())
+            if folded is not None:
+                self.log.info(event, request_id=request_id, tenant=d.tenant, tier=d.tier, status=r.status,
+                              reason=r.reason, cls=r.klass, pool=pool,
+                              retry_after_s=None if r.retry_after is None else round(r.retry_after, 3),
+                              estimated_tokens=est.total if est is not None else None,
+                              **({"folded": folded} if folded else {}))
         lease = d.lease
         if lease is None:
             assert r is not None
@@ -654,6 +661,9 @@ class Core:
         self._pump()
         if self._gone:
             self._release_gone_envoys(now)
+        for (event, tenant, reason, pool), n in self._reject_log.due(now):
+            self.log.info(f"{event}_folded", tenant=tenant, reason=reason, pool=pool, folded=n,
+                          note=f"{n} more like the last '{event}' line, not logged one by one")
         if now >= self._next_reclaim:
             self._next_reclaim = now + RECLAIM_EVERY_S
             self._tombstones = {r: t for r, t in self._tombstones.items() if now - t < TOMBSTONE_S}
