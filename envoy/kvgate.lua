@@ -126,10 +126,15 @@ function envoy_on_response(h)
       local n = body:length()
       local from = 0
       if n > 8192 then
-        from = n - 8192 -- usage sits at the end of an OpenAI response object
+        from = n - 8192 -- usage is near the end of an OpenAI response object: look there first
       end
       local s = body:getBytes(from, n - from)
       local a = last_usage(s)
+      if a == nil and from > 0 then
+        -- a large field after it (vLLM's prompt_logprobs, kv_transfer_params): the whole body, once
+        s = body:getBytes(0, n)
+        a = last_usage(s)
+      end
       if a ~= nil then
         record(h, string.sub(s, a))
       end

@@ -210,6 +210,15 @@ def test_chat_json_usage_and_no_ticket_no_work() -> None:
     assert on_response(body=body, sse=False, ticket=False).usage is None
 
 
+def test_json_usage_before_a_large_trailing_field_is_found() -> None:
+    """vLLM puts prompt_logprobs (and kv_transfer_params) after usage: the last 8 KiB held no usage and
+    the whole reservation was charged instead of the real usage."""
+    body = json.dumps({"choices": [{"message": {"content": "x"}}], "usage": USAGE,
+                       "prompt_logprobs": [{"1": {"logprob": -0.5, "rank": 1, "decoded_token": "a"}}] * 1000})
+    assert len(body) > 3 * 8192
+    assert on_response(body=body, sse=False).usage == {"prompt_tokens": 11, "completion_tokens": 7}
+
+
 def test_a_request_kvgate_never_saw_gets_the_missing_body_400() -> None:
     r = on_request({":method": "POST", ":path": "/v1/chat/completions"}, None)
     assert r.respond is not None
