@@ -12,8 +12,11 @@ import base64
 import json
 import re
 import subprocess
+import threading
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import jsonschema
 import kubernetes_validate
@@ -336,6 +339,92 @@ def redis_password(docs: list[dict[str, Any]]) -> tuple[str, str]:
     (env,) = [e for e in c["env"] if e["name"] == "REDIS_PASSWORD"]
     ref = env["valueFrom"]["secretKeyRef"]
     return ref["name"], ref["key"]
+
+
+class FakeKubeApi(BaseHTTPRequestHandler):
+    """The least of a Kubernetes API that ``helm template --dry-run=server`` needs: discovery for the kinds the
+    chart renders, and GET of the Secrets in ``secrets`` (what an installed release left). Read-only."""
+
+    secrets: ClassVar[dict[str, dict[str, Any]]] = {}
+    GROUPS: ClassVar[dict[str, list[tuple[str, str]]]] = {
+        "": [("secrets", "Secret"), ("configmaps", "ConfigMap"), ("services", "Service")],
+        "apps": [("deployments", "Deployment"), ("daemonsets", "DaemonSet")],
+        "networking.k8s.io": [("networkpolicies", "NetworkPolicy")],
+        "policy": [("poddisruptionbudgets", "PodDisruptionBudget")]}
+
+    def do_GET(self) -> None:
+        path = self.path.split("?")[0]
+        groups = [g for g in self.GROUPS if g]
+        answers: dict[str, Any] = {
+            "/version": {"major": "1", "minor": "33", "gitVersion": "v1.33.0"},
+            "/api": {"kind": "APIVersions", "versions": ["v1"], "serverAddressByClientCIDRs": []},
+            "/apis": {"kind": "APIGroupList", "apiVersion": "v1", "groups": [
+                {"name": g, "versions": [{"groupVersion": f"{g}/v1", "version": "v1"}],
+                 "preferredVersion": {"groupVersion": f"{g}/v1", "version": "v1"}} for g in groups]}}
+        for g, kinds in self.GROUPS.items():
+            gv = f"{g}/v1" if g else "v1"
+            answers["/apis/" + gv if g else "/api/v1"] = {
+                "kind": "APIResourceList", "apiVersion": "v1", "groupVersion": gv,
+                "resources": [{"name": n, "singularName": n[:-1], "namespaced": True, "kind": k, "verbs": ["get"]}
+                              for n, k in kinds]}
+        for name, secret in self.secrets.items():
+            answers[f"/api/v1/namespaces/llm/secrets/{name}"] = secret
+        body = answers.get(path) or {"kind": "Status", "apiVersion": "v1", "status": "Failure", "reason": "NotFound",
+                                     "code": 404}
+        data = json.dumps(body).encode()
+        self.send_response(200 if path in answers else 404)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def log_message(self, format: str, *args: Any) -> None:
+        pass
+
+
+@pytest.fixture
+def kube_api(tmp_path: Path) -> Iterator[tuple[Path, dict[str, dict[str, Any]]]]:
+    """A kubeconfig pointing at a FakeKubeApi, and the dict of its Secrets (by name) to fill."""
+    secrets: dict[str, dict[str, Any]] = {}
+    handler = type("Api", (FakeKubeApi,), {"secrets": secrets})
+    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    kubeconfig = tmp_path / "kubeconfig"
+    kubeconfig.write_text(yaml.safe_dump({
+        "apiVersion": "v1", "kind": "Config", "current-context": "fake",
+        "clusters": [{"name": "fake", "cluster": {"server": f"http://127.0.0.1:{server.server_address[1]}"}}],
+        "users": [{"name": "fake", "user": {}}],
+        "contexts": [{"name": "fake", "context": {"cluster": "fake", "user": "fake", "namespace": "llm"}}]}))
+    try:
+        yield kubeconfig, secrets
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join()
+
+
+def test_an_upgrade_keeps_the_generated_redis_password(tmp_path: Path,
+                                                       kube_api: tuple[Path, dict[str, dict[str, Any]]]) -> None:
+    # what `helm upgrade` renders against a cluster: `lookup` finds the Secret of the installed release
+    kubeconfig, secrets = kube_api
+
+    def password() -> str:
+        out = helm("template", "demo", str(CHART), "--namespace", "llm", "--dry-run=server",
+                   "--disable-openapi-validation", "--kubeconfig", str(kubeconfig),
+                   values={**VALUES, **CHART_REDIS}, tmp=tmp_path).stdout
+        (secret,) = of([d for d in yaml.safe_load_all(out) if d], "Secret")
+        return base64.b64decode(secret["data"]["password"]).decode()
+
+    first = password()  # nothing installed yet: a new one
+    assert re.fullmatch(r"[A-Za-z0-9]{32}", first)
+    secrets["demo-kvgate-redis"] = {
+        "apiVersion": "v1", "kind": "Secret", "type": "Opaque",
+        "data": {"password": base64.b64encode(b"kept").decode()},
+        "metadata": {"name": "demo-kvgate-redis", "namespace": "llm",
+                     "labels": {"app.kubernetes.io/managed-by": "Helm"},
+                     "annotations": {"meta.helm.sh/release-name": "demo", "meta.helm.sh/release-namespace": "llm"}}}
+    assert password() == "kept"  # installed: the same again, so the Redis and kvgate keep agreeing
 
 
 def test_the_charts_own_redis_has_a_generated_password_by_default(tmp_path: Path) -> None:
