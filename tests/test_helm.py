@@ -8,11 +8,15 @@ shape is checked.
 
 from __future__ import annotations
 
+import base64
 import json
 import re
 import subprocess
+import threading
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import jsonschema
 import kubernetes_validate
@@ -108,7 +112,10 @@ def test_every_rendered_core_manifest_is_valid_kubernetes(tmp_path: Path, kube: 
     checked += [named(several, "Deployment", "demo-kvgate"), *of(several, "PodDisruptionBudget")]
     own = core(render(tmp_path, kube, **CHART_REDIS, store={"redis": {"existingSecret": "redis-auth"}}))
     checked += [d for d in own if d["metadata"]["name"] == "demo-kvgate-redis"]
-    assert {d["kind"] for d in checked} >= {"PodDisruptionBudget"} and len(checked) - len(core(docs)) == 5
+    generated = core(render(tmp_path, kube, **CHART_REDIS))  # the generated password's Secret, and its mount
+    checked += [*of(generated, "Secret"), named(generated, "Deployment", "demo-kvgate")]
+    assert {d["kind"] for d in checked} >= {"PodDisruptionBudget", "Secret"} and len(checked) - len(core(docs)) == 7
+    assert "topologySpreadConstraints" in named(docs, "Deployment", "demo-kvgate")["spec"]["template"]["spec"]
     for d in checked:
         kubernetes_validate.validate(d, kube, strict=True)
 
@@ -294,15 +301,15 @@ def test_the_charts_own_redis_admits_only_kvgate(tmp_path: Path) -> None:
     assert svc["spec"]["type"] == "ClusterIP" and svc["spec"]["ports"][0]["port"] == 6379
     cfg = kvgate_config(docs)
     assert cfg["store"]["redis"] == {"url": "redis://demo-kvgate-redis.llm.svc.cluster.local:6379/0",
-                                     "key_prefix": "demo", "expected_replicas": 3}
-    parse_config(cfg)
+                                     "key_prefix": "demo", "expected_replicas": 3,
+                                     "password_file": "/etc/kvgate-redis/password/password"}
     dep = named(docs, "Deployment", "demo-kvgate-redis")
     assert dep["spec"]["replicas"] == 1
     pod = dep["spec"]["template"]["spec"]
     (c,) = pod["containers"]
     assert c["image"].startswith("redis:7.2.") and c["image"].endswith("-alpine")
     assert c["args"][:5] == ["redis-server", "--save", "", "--appendonly", "no"]
-    assert c["resources"]["requests"] and "env" not in c  # no password unless store.redis.existingSecret
+    assert c["resources"]["requests"]
     assert c["securityContext"]["readOnlyRootFilesystem"] is True and pod["securityContext"]["runAsNonRoot"] is True
     (data,) = [v for v in pod["volumes"] if v["name"] == "data"]
     assert "emptyDir" in data and {"name": "data", "mountPath": "/data"} in c["volumeMounts"]
@@ -322,6 +329,136 @@ def test_the_charts_own_redis_admits_only_kvgate(tmp_path: Path) -> None:
     raw = kvgate_config(secured)["store"]["redis"]
     assert mounted_secret(named(secured, "Deployment", "demo-kvgate"), raw["password_file"]) == \
         ("redis-auth", "password")
+    assert not of(secured, "Secret")  # existingSecret wins: nothing generated
+
+
+def redis_password(docs: list[dict[str, Any]]) -> tuple[str, str]:
+    """The (Secret, key) the chart's Redis requires as its password (``--requirepass``)."""
+    (c,) = named(docs, "Deployment", "demo-kvgate-redis")["spec"]["template"]["spec"]["containers"]
+    assert c["args"][c["args"].index("--requirepass") + 1] == "$(REDIS_PASSWORD)"
+    (env,) = [e for e in c["env"] if e["name"] == "REDIS_PASSWORD"]
+    ref = env["valueFrom"]["secretKeyRef"]
+    return ref["name"], ref["key"]
+
+
+class FakeKubeApi(BaseHTTPRequestHandler):
+    """The least of a Kubernetes API that ``helm template --dry-run=server`` needs: discovery for the kinds the
+    chart renders, and GET of the Secrets in ``secrets`` (what an installed release left). Read-only."""
+
+    secrets: ClassVar[dict[str, dict[str, Any]]] = {}
+    GROUPS: ClassVar[dict[str, list[tuple[str, str]]]] = {
+        "": [("secrets", "Secret"), ("configmaps", "ConfigMap"), ("services", "Service")],
+        "apps": [("deployments", "Deployment"), ("daemonsets", "DaemonSet")],
+        "networking.k8s.io": [("networkpolicies", "NetworkPolicy")],
+        "policy": [("poddisruptionbudgets", "PodDisruptionBudget")]}
+
+    def do_GET(self) -> None:
+        path = self.path.split("?")[0]
+        groups = [g for g in self.GROUPS if g]
+        answers: dict[str, Any] = {
+            "/version": {"major": "1", "minor": "33", "gitVersion": "v1.33.0"},
+            "/api": {"kind": "APIVersions", "versions": ["v1"], "serverAddressByClientCIDRs": []},
+            "/apis": {"kind": "APIGroupList", "apiVersion": "v1", "groups": [
+                {"name": g, "versions": [{"groupVersion": f"{g}/v1", "version": "v1"}],
+                 "preferredVersion": {"groupVersion": f"{g}/v1", "version": "v1"}} for g in groups]}}
+        for g, kinds in self.GROUPS.items():
+            gv = f"{g}/v1" if g else "v1"
+            answers["/apis/" + gv if g else "/api/v1"] = {
+                "kind": "APIResourceList", "apiVersion": "v1", "groupVersion": gv,
+                "resources": [{"name": n, "singularName": n[:-1], "namespaced": True, "kind": k, "verbs": ["get"]}
+                              for n, k in kinds]}
+        for name, secret in self.secrets.items():
+            answers[f"/api/v1/namespaces/llm/secrets/{name}"] = secret
+        body = answers.get(path) or {"kind": "Status", "apiVersion": "v1", "status": "Failure", "reason": "NotFound",
+                                     "code": 404}
+        data = json.dumps(body).encode()
+        self.send_response(200 if path in answers else 404)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def log_message(self, format: str, *args: Any) -> None:
+        pass
+
+
+@pytest.fixture
+def kube_api(tmp_path: Path) -> Iterator[tuple[Path, dict[str, dict[str, Any]]]]:
+    """A kubeconfig pointing at a FakeKubeApi, and the dict of its Secrets (by name) to fill."""
+    secrets: dict[str, dict[str, Any]] = {}
+    handler = type("Api", (FakeKubeApi,), {"secrets": secrets})
+    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    kubeconfig = tmp_path / "kubeconfig"
+    kubeconfig.write_text(yaml.safe_dump({
+        "apiVersion": "v1", "kind": "Config", "current-context": "fake",
+        "clusters": [{"name": "fake", "cluster": {"server": f"http://127.0.0.1:{server.server_address[1]}"}}],
+        "users": [{"name": "fake", "user": {}}],
+        "contexts": [{"name": "fake", "context": {"cluster": "fake", "user": "fake", "namespace": "llm"}}]}))
+    try:
+        yield kubeconfig, secrets
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join()
+
+
+def test_an_upgrade_keeps_the_generated_redis_password(tmp_path: Path,
+                                                       kube_api: tuple[Path, dict[str, dict[str, Any]]]) -> None:
+    # what `helm upgrade` renders against a cluster: `lookup` finds the Secret of the installed release
+    kubeconfig, secrets = kube_api
+
+    def password() -> str:
+        out = helm("template", "demo", str(CHART), "--namespace", "llm", "--dry-run=server",
+                   "--disable-openapi-validation", "--kubeconfig", str(kubeconfig),
+                   values={**VALUES, **CHART_REDIS}, tmp=tmp_path).stdout
+        (secret,) = of([d for d in yaml.safe_load_all(out) if d], "Secret")
+        return base64.b64decode(secret["data"]["password"]).decode()
+
+    first = password()  # nothing installed yet: a new one
+    assert re.fullmatch(r"[A-Za-z0-9]{32}", first)
+    secrets["demo-kvgate-redis"] = {
+        "apiVersion": "v1", "kind": "Secret", "type": "Opaque",
+        "data": {"password": base64.b64encode(b"kept").decode()},
+        "metadata": {"name": "demo-kvgate-redis", "namespace": "llm",
+                     "labels": {"app.kubernetes.io/managed-by": "Helm"},
+                     "annotations": {"meta.helm.sh/release-name": "demo", "meta.helm.sh/release-namespace": "llm"}}}
+    assert password() == "kept"  # installed: the same again, so the Redis and kvgate keep agreeing
+
+
+def test_the_charts_own_redis_has_a_generated_password_by_default(tmp_path: Path) -> None:
+    # issue 29: without existingSecret the Redis ran with --protected-mode no and no password at all
+    docs = render(tmp_path, **CHART_REDIS)
+    (secret,) = of(docs, "Secret")
+    assert secret["metadata"]["name"] == "demo-kvgate-redis" and secret["type"] == "Opaque"
+    password = base64.b64decode(secret["data"]["password"]).decode()
+    assert re.fullmatch(r"[A-Za-z0-9]{32}", password)
+    assert redis_password(docs) == ("demo-kvgate-redis", "password")  # the Redis requires it ...
+    (c,) = named(docs, "Deployment", "demo-kvgate-redis")["spec"]["template"]["spec"]["containers"]
+    assert "--protected-mode" not in c["args"]  # ... so protected mode stays at its default (yes)
+    raw = kvgate_config(docs)["store"]["redis"]  # ... and kvgate reads it, as it would an existingSecret
+    assert mounted_secret(named(docs, "Deployment", "demo-kvgate"), raw["password_file"]) == \
+        ("demo-kvgate-redis", "password")
+    f = tmp_path / "password"
+    f.write_text(password)
+    store = parse_config({**kvgate_config(docs), "store": {"redis": {**raw, "password_file": str(f)}}}).store.redis
+    assert store is not None and store.password_file == f
+    # with no cluster to look the installed Secret up in, each render makes a new one
+    assert base64.b64decode(of(render(tmp_path, **CHART_REDIS), "Secret")[0]["data"]["password"]).decode() != \
+        password
+    # the chart's Redis beside your own store.redis.url: the Redis still has its password; kvgate, talking
+    # to yours, does not get it
+    beside = render(tmp_path, **CHART_REDIS, store={"redis": {"url": "redis://mine:6379/0"}})
+    assert redis_password(beside) == ("demo-kvgate-redis", "password")
+    assert "password_file" not in kvgate_config(beside)["store"]["redis"]
+    assert [v["name"] for v in named(beside, "Deployment", "demo-kvgate")["spec"]["template"]["spec"]["volumes"]] \
+        == ["config"]
+    # an existingSecret with its own key wins for both
+    mine = render(tmp_path, **CHART_REDIS, store={"redis": {"existingSecret": "auth", "passwordKey": "pw"}})
+    assert redis_password(mine) == ("auth", "pw") and not of(mine, "Secret")
+    raw = kvgate_config(mine)["store"]["redis"]
+    assert mounted_secret(named(mine, "Deployment", "demo-kvgate"), raw["password_file"]) == ("auth", "pw")
 
 
 def test_a_config_change_rolls_the_pods(tmp_path: Path) -> None:
@@ -374,15 +511,21 @@ def test_bad_values_get_a_clear_error(tmp_path: Path, values: dict[str, Any], er
     {"replicaCount": 2, "store": {"redis": {"url": ""}}, "redis": {"enabled": False}},
 ])
 def test_more_than_one_replica_needs_a_store(tmp_path: Path, values: dict[str, Any]) -> None:
-    r = helm("template", "demo", str(CHART), values={**VALUES, **values}, tmp=tmp_path, check=False)
-    # the ways out: one replica, store.redis.url, or redis.enabled
-    assert r.returncode != 0, r.stdout
-    for way in ("at '/replicaCount': maximum: got", "at '/store/redis/url'", "at '/redis/enabled': value must be true"):
-        assert way in r.stderr, r.stderr
-    # the same rule in the templates, in words, for those who skip the schema
-    r = helm("template", "demo", str(CHART), "--skip-schema-validation", values={**VALUES, **values}, tmp=tmp_path,
-             check=False)
-    assert r.returncode != 0 and "replicaCount > 1 needs a shared store: set store.redis.url" in r.stderr, r.stderr
+    # issue 29: the schema refused it first, with three JSON-schema lines to decode (`at '/replicaCount':
+    # maximum: got 3, want 1`, ...); now the template says, in words, what to set
+    for skip in ([], ["--skip-schema-validation"]):
+        r = helm("template", "demo", str(CHART), *skip, values={**VALUES, **values}, tmp=tmp_path, check=False)
+        assert r.returncode != 0, r.stdout
+        assert "maximum: got" not in r.stderr and "value must be true" not in r.stderr, r.stderr
+        count = values["replicaCount"]
+        assert f"replicaCount: {count} needs a shared store (without one each replica would enforce its own copy " \
+               "of every quota). Set one of: redis.enabled: true (the chart's own single-pod Redis, with a generated " \
+               "password); store.redis.url: redis://HOST:6379/0 (your Redis/Valkey; its password in " \
+               "store.redis.existingSecret); or replicaCount: 1" in r.stderr, r.stderr
+    # each way out renders
+    for way in ({"redis": {"enabled": True}}, {"store": {"redis": {"url": "redis://HOST:6379/0"}}},
+                {"replicaCount": 1}):
+        helm("template", "demo", str(CHART), values={**VALUES, **values, **way}, tmp=tmp_path)
 
 
 def notes(tmp: Path, **extra: Any) -> str:
@@ -455,6 +598,58 @@ def test_one_replica_by_default_and_no_pdb_below_two(tmp_path: Path) -> None:
     assert named(two, "Deployment", "demo-kvgate")["spec"]["replicas"] == 2
     (pdb,) = of(render(tmp_path, **CHART_REDIS), "PodDisruptionBudget")  # kvgate's, not the Redis's
     assert pdb["spec"]["selector"]["matchLabels"]["app.kubernetes.io/component"] == "extproc"
+
+
+def pod_spec(docs: list[dict[str, Any]]) -> dict[str, Any]:
+    spec: dict[str, Any] = named(docs, "Deployment", "demo-kvgate")["spec"]["template"]["spec"]
+    return spec
+
+
+def test_the_replicas_spread_over_zones_and_nodes(tmp_path: Path) -> None:
+    # issue 29: three replicas could all land on one node (or zone) and go down with it
+    docs = render(tmp_path, **CHART_REDIS)
+    spread = pod_spec(docs)["topologySpreadConstraints"]
+    assert [(c["topologyKey"], c["maxSkew"], c["whenUnsatisfiable"]) for c in spread] == [
+        ("topology.kubernetes.io/zone", 1, "ScheduleAnyway"), ("kubernetes.io/hostname", 1, "ScheduleAnyway")]
+    pods = {d["metadata"]["name"]: d["spec"]["template"]["metadata"]["labels"]
+            for d in docs if d["kind"] in ("Deployment", "DaemonSet")}
+    for c in spread:  # each counts kvgate's own pods: not the scaler's, the probes' or the Redis's
+        assert [n for n, lab in pods.items() if selects(c["labelSelector"]["matchLabels"], lab)] == ["demo-kvgate"]
+    assert "affinity" not in pod_spec(docs)
+    # off, or your own: a labelSelector given is kept, one left out is kvgate's pods
+    assert "topologySpreadConstraints" not in pod_spec(render(tmp_path, topologySpreadConstraints=[]))
+    own = [{"maxSkew": 2, "topologyKey": "zone", "whenUnsatisfiable": "DoNotSchedule",
+            "labelSelector": {"matchLabels": {"team": "llm"}}},
+           {"maxSkew": 1, "topologyKey": "rack", "whenUnsatisfiable": "ScheduleAnyway"}]
+    spread = pod_spec(render(tmp_path, topologySpreadConstraints=own))["topologySpreadConstraints"]
+    assert spread[0] == own[0]
+    assert spread[1]["labelSelector"] == named(docs, "Deployment", "demo-kvgate")["spec"]["selector"]
+    # your own anti-affinity instead
+    anti = {"podAntiAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": [
+        {"topologyKey": "kubernetes.io/hostname",
+         "labelSelector": {"matchLabels": {"app.kubernetes.io/name": "kvgate"}}}]}}
+    spec = pod_spec(render(tmp_path, affinity=anti, topologySpreadConstraints=[]))
+    assert spec["affinity"] == anti and "topologySpreadConstraints" not in spec
+    r = helm("template", "demo", str(CHART), values={**VALUES, "topologySpreadConstraints": [{"maxSkew": 1}]},
+             tmp=tmp_path, check=False)
+    assert r.returncode != 0 and "/topologySpreadConstraints/0" in r.stderr, r.stderr
+
+
+def test_the_notes_say_that_no_tenants_means_every_request_gets_401(tmp_path: Path) -> None:
+    # issue 29: the chart's own default values (config.tenants: []) install a gateway that refuses everything
+    warning = "WARNING: config.tenants is empty: kvgate knows no API key, so every request gets 401 (unknown-key)."
+    out = helm("install", "demo", str(CHART), "--dry-run=client", "--namespace", "llm").stdout
+    text = out.split("\nNOTES:\n", 1)[1]
+    assert warning in text
+    assert "`kvgate hash-key <key>`" in text and "api_key_sha256" in text  # how to add one
+    # the example in the notes, filled in, is a tenant kvgate loads
+    example = yaml.safe_load(text[text.index("  config:\n"):text.index("\n", text.index("api_key_sha256"))])
+    example["config"]["tenants"][0]["api_key_sha256"] = ["b" * 64]
+    assert [t.name for t in parse_config(example["config"]).tenants] == ["my-app"]
+    assert warning not in notes(tmp_path)  # VALUES has a tenant
+    assert "config.tenants" not in notes(tmp_path)
+    shadow = notes(tmp_path, config={"mode": "shadow", "tenants": []})
+    assert "config.tenants is empty" in shadow and "In shadow mode every request passes" in shadow
 
 
 @pytest.mark.parametrize(("mode", "namespace", "pods"), [

@@ -29,6 +29,25 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{- end -}}
 {{- end -}}
 
+{{- /* The Secret holding the chart's own Redis's password (redis.enabled): store.redis.existingSecret, else
+the one the chart generates (redis.yaml), so that the Redis never runs without a password. */ -}}
+{{- define "kvgate.chartRedisSecret" -}}
+{{- .Values.store.redis.existingSecret | default (printf "%s-redis" (include "kvgate.fullname" .)) -}}
+{{- end -}}
+
+{{- /* its key: store.redis.passwordKey in yours, "password" in the generated one */ -}}
+{{- define "kvgate.redisPasswordKey" -}}
+{{- if .Values.store.redis.existingSecret -}}{{ .Values.store.redis.passwordKey }}{{- else -}}password{{- end -}}
+{{- end -}}
+
+{{- /* The Secret mounted as kvgate's password_file: store.redis.existingSecret, else the generated one when
+the store is the chart's own Redis, else "" (your Redis without a password, or no store). */ -}}
+{{- define "kvgate.redisPasswordSecret" -}}
+{{- if .Values.store.redis.existingSecret -}}{{ .Values.store.redis.existingSecret }}
+{{- else if and .Values.redis.enabled (not .Values.store.redis.url) -}}{{ include "kvgate.chartRedisSecret" . }}
+{{- end -}}
+{{- end -}}
+
 {{- /* where the store's Secrets are mounted in kvgate's pods */ -}}
 {{- define "kvgate.redisPasswordDir" -}}/etc/kvgate-redis/password{{- end -}}
 {{- define "kvgate.redisCaDir" -}}/etc/kvgate-redis/ca{{- end -}}
@@ -38,7 +57,7 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{- $url := include "kvgate.redisUrl" . -}}
 {{- $r := .Values.store.redis -}}
 {{- if and (gt (int .Values.replicaCount) 1) (not $url) -}}
-{{- fail "replicaCount > 1 needs a shared store: set store.redis.url (your Redis/Valkey) or redis.enabled: true (without one each replica would enforce its own copy of every quota)" -}}
+{{- fail (printf "replicaCount: %d needs a shared store (without one each replica would enforce its own copy of every quota). Set one of: redis.enabled: true (the chart's own single-pod Redis, with a generated password); store.redis.url: redis://HOST:6379/0 (your Redis/Valkey; its password in store.redis.existingSecret); or replicaCount: 1" (int .Values.replicaCount)) -}}
 {{- end -}}
 {{- if $url -}}
 {{- if and $r.tls.enabled (not (hasPrefix "rediss://" $url)) -}}
@@ -49,7 +68,7 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{- fail (printf "store.redis.keyPrefix %q must match ^[A-Za-z0-9_.:-]{1,64}$ (set it when the release name does not)" $prefix) -}}
 {{- end -}}
 {{- $s := dict "url" $url "key_prefix" $prefix "expected_replicas" (int .Values.replicaCount) -}}
-{{- if $r.existingSecret -}}
+{{- if include "kvgate.redisPasswordSecret" . -}}
 {{- $_ := set $s "password_file" (printf "%s/password" (include "kvgate.redisPasswordDir" .)) -}}
 {{- end -}}
 {{- if and $r.tls.enabled $r.tls.caSecret -}}
