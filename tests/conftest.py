@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 
 from ext_proc.identity import hash_key
-from kvgate.stack import Stack
+from kvgate.dev.stack import Stack
 
 KEYS = {name: f"sk-test-{name}" for name in ("open", "tight", "tokens", "shadowed", "cap")}
 

@@ -11,8 +11,8 @@ import yaml
 
 from ext_proc.config import parse_config
 from ext_proc.reasons import REASONS
+from kvgate.dev.stack import envoy_binary
 from kvgate.envoy_config import ENVOY_DIR, EnvoyParams, bootstrap, dump, params_for, shipped, snippet
-from kvgate.stack import envoy_binary
 
 
 def validate(path: Path) -> None:

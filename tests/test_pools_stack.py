@@ -15,8 +15,8 @@ import yaml
 from ext_proc.config import ConfigError, load_config, parse_config
 from ext_proc.identity import hash_key
 from kvgate import cli
-from kvgate.demo import CLIENTS, _stack, demo_config, demo_traffic
-from kvgate.stack import SimPool, Stack, pool_name, with_pools
+from kvgate.dev.demo import CLIENTS, _stack, demo_config, demo_traffic
+from kvgate.dev.stack import SimPool, Stack, pool_name, with_pools
 
 SMALL, BIG = SimPool.parse("llama-8b=8b-h100:2"), SimPool.parse("Meta/Llama-3.1-70B=70b-h100x4:1")
 
