@@ -77,7 +77,12 @@ SLOW: dict[str, str] = {
 node id without parameters (``tests/test_x.py::test_y``, or ``::Class``), or by a fixture of that file
 (``tests/test_x.py::fixture``) for every test that uses it."""
 
-_OWN_MODULES = ("tests.", "tests")
+
+
+def _of_tests(obj: object) -> bool:
+    """Whether ``obj`` is defined in ``tests/`` (whose code :func:`signs` follows)."""
+    module = str(getattr(obj, "__module__", ""))
+    return module == "tests" or module.startswith("tests.")
 
 
 def _code_signs(code: types.CodeType) -> Iterator[tuple[str, bool]]:
@@ -125,7 +130,7 @@ def signs(roots: Iterable[object]) -> tuple[set[str], set[str]]:
                 continue
             names.add(sign)
             g = unwrap(f.__globals__.get(sign))
-            if str(getattr(g, "__module__", "")).startswith(_OWN_MODULES):
+            if _of_tests(g):
                 todo.extend(_functions_of(g))
     return names, strings
 
@@ -152,9 +157,9 @@ def _slow_ids(item: pytest.Item) -> set[str]:
     ``file::fixture`` for each fixture it uses."""
     base = item.nodeid.split("[", 1)[0]
     ids = {base, base.rsplit("::", 1)[0]} if base.count("::") > 1 else {base}
-    for f in _fixture_functions(item):
-        module = str(getattr(unwrap(f), "__module__", ""))
-        ids |= {f"{module.replace('.', '/')}.py::{getattr(unwrap(f), '__name__', '')}"}
+    for f in map(unwrap, _fixture_functions(item)):
+        module = str(getattr(f, "__module__", ""))
+        ids.add(f"{module.replace('.', '/')}.py::{getattr(f, '__name__', '')}")
     return ids
 
 
