@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint typecheck unit bench envoy-config proto clean
+.PHONY: demo test test-unit lint typecheck unit bench envoy-config proto clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -27,6 +27,10 @@ test: $(STAMP) lint typecheck
 	$(BIN)/kvgate envoy-config --check
 	$(BIN)/python -m scaler.codegen --check
 	$(BIN)/python -m pytest -q -p no:cacheprovider
+
+# the in-process tier only (tests/tiers.py): no Envoy, no child process; about a minute on 2 cores
+test-unit: $(STAMP)
+	$(BIN)/python -m pytest -q -p no:cacheprovider -m unit
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

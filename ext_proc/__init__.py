@@ -8,4 +8,7 @@ Where things are decided:
 * ``admission`` — the decision itself: 400/413 size caps, 429 policy, 503 capacity, admit;
 * ``wire``      — how a decision looks on the wire (status, headers, OpenAI-style body);
 * ``server``    — the grpc.aio ExternalProcessor + access-log shell around the core.
+
+Its performance priors, ``profiles`` (step-time coefficients and limits per model/GPU, the starting
+point of ``nodes.performance``), are also what the simulated nodes in ``sim/`` run on.
 """

@@ -15,6 +15,8 @@ from typing import Annotated, Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from .profiles import PROFILES
+
 Mode = Literal["enforce", "shadow"]
 _NAME = r"^[a-z0-9][a-z0-9_.-]{0,62}$"
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
@@ -297,8 +299,6 @@ class Performance(_Strict):
     @field_validator("profile")
     @classmethod
     def _known(cls, v: str) -> str:
-        from sim.profiles import PROFILES
-
         if v not in PROFILES:
             raise ValueError(f"unknown profile {v!r}; known: {', '.join(PROFILES)}")
         return v

@@ -6,7 +6,7 @@ reload (``reconfigure``), an Envoy appearing or going away (``envoy_up`` / ``env
 — an :class:`Answer` per decided request (right away, or later through :meth:`answers` for requests
 that waited in the queue), metrics in :class:`Stats`, structured log lines, and breaker transitions
 through an observer. The core never blocks, never reads a clock of its own and never does I/O:
-``ext_proc/server.py`` (grpc.aio) and ``kvgate/scenarios/driver.py`` (virtual time) are thin shells
+``ext_proc/server.py`` (grpc.aio) and ``kvgate/bench/scenarios/driver.py`` (virtual time) are thin shells
 around it, so the benchmarks exercise exactly the glue production runs.
 
 Every request ends exactly once. The ways a lease (a request holding its tenant's quota and a node

@@ -23,6 +23,7 @@ import math
 from dataclasses import dataclass
 
 from .config import Performance
+from .profiles import get_profile
 
 MIN_FACTOR, MAX_FACTOR = 0.1, 50.0
 FACTOR_ALPHA = 0.3
@@ -108,8 +109,6 @@ def _batch(step_tokens: float | None, step_decode: float | None, running: float 
 
 def from_config(p: Performance) -> StepModel:
     """The prior of ``nodes.performance``: its profile's figures, each overridden where given."""
-    from sim.profiles import get_profile
-
     prof = get_profile(p.profile)
 
     def pick(v: float | None, default: float) -> float:

@@ -84,15 +84,15 @@ def _envoy_config(a: argparse.Namespace) -> int:
 
 
 def _upstream(a: argparse.Namespace) -> int:
-    from .upstream import run
+    from .dev.upstream import run
 
     run(a.host, a.port, a.token_ms)
     return 0
 
 
 def _sim(a: argparse.Namespace) -> int:
+    from ext_proc.profiles import get_profile
     from sim.engine import EngineOptions
-    from sim.profiles import get_profile
     from sim.server import SimOptions, run
 
     try:
@@ -127,12 +127,12 @@ POOL_FORM_TEXT = "NAME=PROFILE:N"
 
 
 class _PoolAction(argparse.Action):
-    """``--pool NAME=PROFILE:N``, repeatable: each value parsed into a :class:`kvgate.stack.SimPool` (its
+    """``--pool NAME=PROFILE:N``, repeatable: each value parsed into a :class:`kvgate.dev.stack.SimPool` (its
     ``type``), a pool name given twice refused here, so every --pool mistake reads as argparse's own."""
 
     def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: object,
                  option_string: str | None = None) -> None:
-        from .stack import SimPool
+        from .dev.stack import SimPool
 
         assert isinstance(values, SimPool)
         pools: list[SimPool] = list(getattr(namespace, self.dest) or [])
@@ -145,7 +145,7 @@ class _PoolAction(argparse.Action):
 
 
 def _pool_spec(spec: str) -> object:
-    from .stack import SimPool
+    from .dev.stack import SimPool
 
     try:
         return SimPool.parse(spec)
@@ -174,13 +174,13 @@ def _check_pool_args(a: argparse.Namespace) -> None:
 
 
 def _up(a: argparse.Namespace) -> int:
-    from .demo import up
+    from .dev.demo import up
 
     return up(a)
 
 
 def _demo(a: argparse.Namespace) -> int:
-    from .demo import demo
+    from .dev.demo import demo
 
     return demo(a)
 
@@ -192,13 +192,13 @@ def _top(a: argparse.Namespace) -> int:
 
 
 def _bench(a: argparse.Namespace) -> int:
-    from .bench import overhead
+    from .bench.overhead import overhead
 
     if a.replicas < 1:
         print("kvgate: --replicas must be at least 1", file=sys.stderr)
         return 2
     if a.replicas > 1:
-        from .stack import RedisMissing, redis_binary
+        from .dev.stack import RedisMissing, redis_binary
 
         try:
             redis_binary()
@@ -211,35 +211,35 @@ def _bench(a: argparse.Namespace) -> int:
 
 
 def _bench_sim(a: argparse.Namespace) -> int:
-    from .bench import sim_speed
+    from .bench.overhead import sim_speed
 
     result = sim_speed(a.seconds, a.nodes, a.rate, a.profile, quiet=a.json)
     return _emit(a, result)
 
 
 def _bench_nodes(a: argparse.Namespace) -> int:
-    from .bench import node_choice
+    from .bench.overhead import node_choice
 
     rows = node_choice(tuple(a.sizes), a.ops, quiet=a.json)
     return _emit(a, rows)
 
 
 def _bench_prefix(a: argparse.Namespace) -> int:
-    from .bench import prefix_index
+    from .bench.overhead import prefix_index
 
     result = prefix_index(a.entries, a.nodes, a.ops, quiet=a.json)
     return _emit(a, result)
 
 
 def _bench_queue(a: argparse.Namespace) -> int:
-    from .bench import queue_scaling
+    from .bench.overhead import queue_scaling
 
     rows = queue_scaling(tuple(a.sizes), a.ops, quiet=a.json)
     return _emit(a, rows)
 
 
 def _bench_scale(a: argparse.Namespace) -> int:
-    from .bench_scale import scale
+    from .bench.scale import scale
 
     result = scale(tuple(a.nodes), tuple(a.tenants), a.ops, tuple(a.follow_nodes), a.period, a.seconds,
                    tuple(a.modes), quiet=a.json)
@@ -247,9 +247,9 @@ def _bench_scale(a: argparse.Namespace) -> int:
 
 
 def _bench_scenarios(a: argparse.Namespace) -> int:
-    from .scenarios.runner import from_trace, load_bench_config, run, scenario_names, write_report
-    from .scenarios.trace import TraceError, TraceRequest
-    from .scenarios.workloads import Scenario
+    from .bench.scenarios.runner import from_trace, load_bench_config, run, scenario_names, write_report
+    from .bench.scenarios.trace import TraceError, TraceRequest
+    from .bench.scenarios.workloads import Scenario
 
     try:
         if a.trace is not None:
@@ -271,7 +271,7 @@ def _bench_scenarios(a: argparse.Namespace) -> int:
         if not a.json:
             print(r.markdown(), flush=True)
     if a.out is not None:
-        from .scenarios.report import PLOTS_HINT, plots_available
+        from .bench.scenarios.report import PLOTS_HINT, plots_available
 
         md = write_report(results, a.out, plots=not a.no_plots)
         if not a.no_plots and not plots_available():
@@ -287,7 +287,7 @@ def _bench_scenarios(a: argparse.Namespace) -> int:
 def _bench_families(a: argparse.Namespace) -> int:
     import time
 
-    from .scenarios.families import FAMILIES, POLICIES, SeedRun, heading, run_family, to_json
+    from .bench.scenarios.families import FAMILIES, POLICIES, SeedRun, heading, run_family, to_json
 
     if a.seeds < 1 or not a.scale > 0:
         print("kvgate: --seeds must be at least 1 and --scale above 0", file=sys.stderr)
@@ -319,8 +319,8 @@ def _bench_families(a: argparse.Namespace) -> int:
 
 
 def _bench_trace(a: argparse.Namespace) -> int:
-    from .scenarios.trace import write_trace
-    from .scenarios.workloads import get_scenario
+    from .bench.scenarios.trace import write_trace
+    from .bench.scenarios.workloads import get_scenario
 
     try:
         sc = get_scenario(a.scenario)
@@ -333,7 +333,7 @@ def _bench_trace(a: argparse.Namespace) -> int:
 
 
 def _bench_live(a: argparse.Namespace) -> int:
-    from .scenarios.live import live
+    from .bench.scenarios.live import live
 
     return live(a)
 
@@ -388,7 +388,7 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--token-ms", type=float, default=2.0)
     s.set_defaults(fn=_upstream)
 
-    from sim.profiles import PROFILES
+    from ext_proc.profiles import PROFILES
 
     s = sub.add_parser("sim", help="a simulated vLLM node (same API and metrics)")
     s.add_argument("--profile", default="8b-h100", help=f"one of: {', '.join(PROFILES)}")
@@ -513,7 +513,7 @@ def parser() -> argparse.ArgumentParser:
                    help="poll: probes without the stream (kvgate polls GET /snapshot); stream: GET /snapshot/stream")
     b.add_argument("--json", action="store_true")
     b.set_defaults(fn=_bench_scale)
-    from .scenarios.workloads import SCENARIOS
+    from .bench.scenarios.workloads import SCENARIOS
 
     b = bsub.add_parser("scenarios", help="the field guide's scenarios in virtual time, policies side by side")
     b.add_argument("--scenario", action="append", choices=list(SCENARIOS), help="default: all of them")
@@ -525,7 +525,7 @@ def parser() -> argparse.ArgumentParser:
     b.add_argument("--no-plots", action="store_true")
     b.add_argument("--json", action="store_true")
     b.set_defaults(fn=_bench_scenarios)
-    from .scenarios.families import FAMILIES, POLICIES
+    from .bench.scenarios.families import FAMILIES, POLICIES
 
     b = bsub.add_parser("families", help="generated workload families (bursty, diurnal, shifting mixes, shared "
                         "prefixes) over several seeds: median and worst seed per policy")

@@ -24,7 +24,7 @@ from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from .stack import http_get
+from .dev.stack import http_get
 
 BREAKER = {0: "closed", 1: "half-open", 2: "open"}
 

@@ -11,7 +11,8 @@ import random
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
-from .profiles import Profile
+from ext_proc.profiles import Profile
+
 from .scheduler import Plan, Policy, Request, Scheduler, SchedulerConfig, TokenEvent
 
 

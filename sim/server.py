@@ -31,10 +31,11 @@ import orjson
 from aiohttp import web
 from prometheus_client import generate_latest
 
+from ext_proc.profiles import Profile
+
 from .engine import Engine, EngineOptions
 from .metrics import NodeMetrics
 from .prefix_cache import Prompt
-from .profiles import Profile
 from .scheduler import QueueFull, Request, Status, TokenEvent
 
 WORDS = ("the", " model", " says", " hello", " to", " you", " and", " then", " some", " more", ".")

@@ -7,7 +7,23 @@ from typing import Any
 import pytest
 
 from ext_proc.identity import hash_key
-from kvgate.stack import Stack
+from kvgate.dev.stack import Stack
+from tests import tiers
+
+
+@pytest.hookimpl(tryfirst=True)  # before -m deselects: it selects on these markers
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Every test gets its tier (unit, slow, e2e) and what it needs (envoy, redis, prometheus, helm):
+    see tests/tiers.py."""
+    tiers.mark(items)
+
+
+@pytest.fixture(autouse=True)
+def _unit_tests_start_no_process(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A test classified unit that starts a process fails, naming the marker it needs."""
+    if request.node.get_closest_marker("unit") is not None:
+        tiers.refuse_processes(request.node.nodeid, monkeypatch)
+
 
 KEYS = {name: f"sk-test-{name}" for name in ("open", "tight", "tokens", "shadowed", "cap")}
 

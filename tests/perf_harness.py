@@ -1,7 +1,7 @@
 """kvgate's node choice (``Fleet``) in front of simulated vLLM engines, in virtual time: what the
 performance model predicts against what the engine then does.
 
-The probe path is the production one: each node's readings (as ``kvgate/scenarios/driver.py``'s
+The probe path is the production one: each node's readings (as ``kvgate/bench/scenarios/driver.py``'s
 ``SimNode.reading`` makes them) go through ``gpu_probe.snapshot.Deriver`` into ``Fleet.on_snapshot``
 every ``PROBE_S``. Requests are placed with ``Fleet.place`` and run on the chosen node's engine; the
 prediction kvgate made at dispatch is kept beside the request, whose realised first token the engine
@@ -16,10 +16,10 @@ from dataclasses import dataclass, field, replace
 
 from ext_proc.config import parse_config
 from ext_proc.nodes import Fleet
+from ext_proc.profiles import Profile, get_profile
 from gpu_probe.parse import EngineReading
 from gpu_probe.snapshot import Deriver, Snapshot
 from sim.engine import Engine, EngineOptions
-from sim.profiles import Profile, get_profile
 from sim.scheduler import Request
 
 PROBE_S = 0.5
@@ -189,7 +189,7 @@ def poisson(rate: float, duration: float, seed: int, mix: list[tuple[float, tupl
 
 def capacity(profile: str, mix: list[tuple[float, tuple[int, int], tuple[int, int]]]) -> float:
     """Requests/s one node of ``profile`` serves of ``mix`` at saturation, from the profile's step-time
-    model (as ``kvgate.scenarios.families.node_capacity_rps`` reckons it): every request costs its
+    model (as ``kvgate.bench.scenarios.families.node_capacity_rps`` reckons it): every request costs its
     prefill, its decode slots and the context it attends while decoding; the fixed cost of a step is
     shared by as large a batch as the KV cache holds."""
     p = get_profile(profile)

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from kvgate.stack import free_port
+from kvgate.dev.stack import free_port
 
 
 class RedisServer:

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from kvgate import top
-from kvgate.demo import CLIENTS
-from kvgate.stack import Stack
+from kvgate.dev.demo import CLIENTS
+from kvgate.dev.stack import Stack
 
 from .conftest import KEYS
 from .helpers import chat, post
@@ -128,8 +128,8 @@ def test_top_says_how_the_replicas_share_their_store() -> None:
 
 def test_the_report_writes_its_plots(tmp_path: Path) -> None:
     pytest.importorskip("matplotlib")
-    from kvgate.scenarios.runner import run, write_report
-    from kvgate.scenarios.workloads import get_scenario
+    from kvgate.bench.scenarios.runner import run, write_report
+    from kvgate.bench.scenarios.workloads import get_scenario
 
     md = write_report([run(get_scenario("overload"), scale=0.05)], tmp_path)
     text = md.read_text()

@@ -19,8 +19,8 @@ from pathlib import Path
 
 import pytest
 
+from kvgate.dev.stack import envoy_binary, free_port, http_get, wait_port
 from kvgate.envoy_config import EnvoyParams, bootstrap, dump
-from kvgate.stack import envoy_binary, free_port, http_get, wait_port
 
 
 class Node(threading.Thread):

@@ -11,8 +11,9 @@ import yaml
 
 from ext_proc.config import parse_config
 from ext_proc.reasons import REASONS
+from ext_proc.sizes import ENVOY_MIN_BODY_BUFFER_BYTES, MAX_REQUEST_HEADERS_KB, grpc_receive_bytes
+from kvgate.dev.stack import envoy_binary
 from kvgate.envoy_config import ENVOY_DIR, EnvoyParams, bootstrap, dump, params_for, shipped, snippet
-from kvgate.stack import envoy_binary
 
 
 def validate(path: Path) -> None:
@@ -166,3 +167,15 @@ def test_several_replicas_get_an_endpoint_each_failover_and_one_port_renders_as_
     assert "retry_policy" not in hcm["access_log"][0]["typed_config"]["common_config"]["grpc_service"]
     (single,) = [c for c in one["static_resources"]["clusters"] if c["name"] == "kvgate_ext_proc"]
     assert "outlier_detection" not in single and "no_traffic_interval" not in single["health_checks"][0]
+
+
+def test_the_grpc_limit_covers_envoys_buffer_and_headers() -> None:
+    for cap in (1, 200_000, ENVOY_MIN_BODY_BUFFER_BYTES, 16 * 1024 * 1024):
+        cfg = parse_config({"limits": {"max_body_bytes": cap}})
+        p = params_for(cfg, EnvoyParams())
+        listener = bootstrap(p)["static_resources"]["listeners"][0]
+        buffered = listener["per_connection_buffer_limit_bytes"]
+        hcm = listener["filter_chains"][0]["filters"][0]["typed_config"]
+        assert buffered >= cap
+        assert hcm["max_request_headers_kb"] == MAX_REQUEST_HEADERS_KB
+        assert grpc_receive_bytes(cap) > buffered + MAX_REQUEST_HEADERS_KB * 1024

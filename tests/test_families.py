@@ -17,10 +17,10 @@ from typing import Any
 import pytest
 
 from ext_proc.config import parse_config
-from kvgate.cli import main
-from kvgate.scenarios import report
-from kvgate.scenarios.driver import Outcome, Policy, RunResult
-from kvgate.scenarios.families import (
+from ext_proc.profiles import get_profile
+from kvgate.bench.scenarios import report
+from kvgate.bench.scenarios.driver import Outcome, Policy, RunResult
+from kvgate.bench.scenarios.families import (
     EXTRA_METRICS,
     FAMILIES,
     FAMILY_PROFILES,
@@ -31,8 +31,8 @@ from kvgate.scenarios.families import (
     family,
     node_capacity_rps,
 )
-from kvgate.scenarios.trace import TraceRequest
-from kvgate.scenarios.workloads import (
+from kvgate.bench.scenarios.trace import TraceRequest
+from kvgate.bench.scenarios.workloads import (
     SHORT,
     SharedPrefixes,
     SharedPrefixScenario,
@@ -41,7 +41,7 @@ from kvgate.scenarios.workloads import (
     offered_load,
     poisson,
 )
-from sim.profiles import get_profile
+from kvgate.cli import main
 
 SEEDS = (1, 2, 3)
 STREAM_FAMILIES = [n for n in FAMILIES if n != "shared-prefix"]

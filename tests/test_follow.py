@@ -27,7 +27,7 @@ from ext_proc.server import Gateway
 from ext_proc.stats import FOLLOW_MODES
 from gpu_probe.server import NDJSON, STREAM_PATH
 from gpu_probe.snapshot import _FIELDS, Snapshot, StreamDecoder, changes
-from kvgate.stack import free_port, wait_port
+from kvgate.dev.stack import free_port, wait_port
 
 ADDR = "10.0.0.1:8000"
 

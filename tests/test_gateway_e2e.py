@@ -12,7 +12,7 @@ from typing import Any
 import orjson
 import pytest
 
-from kvgate.stack import Stack
+from kvgate.dev.stack import Stack
 from tests.conftest import KEYS
 from tests.helpers import chat, get, metric, post, wait_for
 

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from ext_proc.identity import hash_key
-from kvgate.stack import Stack
-from sim.profiles import PROFILES
+from ext_proc.profiles import PROFILES
+from kvgate.dev.stack import Stack
 from tests.helpers import metric, post, wait_for
 
 MODEL = PROFILES["8b-h100"].model_name

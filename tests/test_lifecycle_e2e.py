@@ -8,8 +8,8 @@ import time
 from pathlib import Path
 
 from ext_proc.identity import hash_key
+from kvgate.dev.stack import Stack
 from kvgate.envoy_config import EnvoyParams
-from kvgate.stack import Stack
 from tests.conftest import KEYS, tenants
 from tests.helpers import chat, metric, post, wait_for
 

@@ -22,9 +22,9 @@ from collections import Counter
 from pathlib import Path
 
 from ext_proc.identity import hash_key
-from kvgate import loadgen
-from kvgate.loadgen import Result, Traffic
-from kvgate.stack import Stack
+from kvgate.dev import loadgen
+from kvgate.dev.loadgen import Result, Traffic
+from kvgate.dev.stack import Stack
 from tests.helpers import metric, wait_for
 
 CONTROL_SECONDS = 8.0

@@ -24,13 +24,13 @@ from ext_proc.estimate import Estimate
 from ext_proc.identity import hash_key
 from ext_proc.nodes import Fleet
 from ext_proc.perf import MAX_FACTOR, MIN_FACTOR, Speed, StepModel, from_config, step_ratio
+from ext_proc.profiles import get_profile
 from gpu_probe.parse import parse
 from gpu_probe.snapshot import Deriver, Snapshot
-from kvgate.scenarios.driver import Degrade, Policy, Run, simulate
-from kvgate.scenarios.workloads import LONG, SHORT, Stream, const, poisson
+from kvgate.bench.scenarios.driver import Degrade, Policy, Run, simulate
+from kvgate.bench.scenarios.workloads import LONG, SHORT, Stream, const, poisson
 from sim.engine import Engine, EngineOptions
 from sim.metrics import NodeMetrics
-from sim.profiles import get_profile
 from sim.scheduler import Request as SimRequest
 from tests.helpers import FakeClock
 from tests.perf_harness import Bench, capacity

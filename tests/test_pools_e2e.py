@@ -23,7 +23,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from ext_proc.identity import hash_key
 from ext_proc.reasons import REASONS
-from kvgate.stack import SimPool, Stack, free_port, http_get
+from kvgate.dev.stack import SimPool, Stack, free_port, http_get
 from tests.helpers import get, metric, post, wait_for
 
 SMALL = SimPool("llama-8b", "8b-h100", 2)

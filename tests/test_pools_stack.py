@@ -15,8 +15,8 @@ import yaml
 from ext_proc.config import ConfigError, load_config, parse_config
 from ext_proc.identity import hash_key
 from kvgate import cli
-from kvgate.demo import CLIENTS, _stack, demo_config, demo_traffic
-from kvgate.stack import SimPool, Stack, pool_name, with_pools
+from kvgate.dev.demo import CLIENTS, _stack, demo_config, demo_traffic
+from kvgate.dev.stack import SimPool, Stack, pool_name, with_pools
 
 SMALL, BIG = SimPool.parse("llama-8b=8b-h100:2"), SimPool.parse("Meta/Llama-3.1-70B=70b-h100x4:1")
 
@@ -263,7 +263,7 @@ def test_kvgate_up_listens_on_the_port_asked_for_even_10000(tmp_path: Path) -> N
 
 
 def test_a_stack_given_a_port_listens_there(tmp_path: Path) -> None:
-    from kvgate.stack import free_port
+    from kvgate.dev.stack import free_port
 
     port = free_port()
     with Stack(tmp_path, {"tenants": []}, listen_port=port) as st:

@@ -48,7 +48,7 @@ from typing import Any
 import pytest
 
 from ext_proc.identity import hash_key
-from kvgate.stack import Stack
+from kvgate.dev.stack import Stack
 from tests.helpers import metric, post, wait_for
 
 KEY, LOAD_KEY = "sk-chat", "sk-load"

@@ -17,7 +17,7 @@ from gpu_probe.nvml import Nvml
 from gpu_probe.parse import KV_NEW, KV_OLD, ParseError, parse
 from gpu_probe.server import STREAM_PATH, Probe
 from gpu_probe.snapshot import Deriver, Snapshot, changes
-from kvgate.stack import free_port, wait_port
+from kvgate.dev.stack import free_port, wait_port
 
 REFERENCE = Path(__file__).resolve().parent / "fixtures" / "vllm-metrics-sample.txt"
 M = 'model_name="m",engine="0"'

@@ -19,7 +19,7 @@ import pytest
 import yaml
 
 from ext_proc.identity import hash_key
-from kvgate.stack import Stack, free_port, wait_port
+from kvgate.dev.stack import Stack, free_port, wait_port
 from scaler.signals import TRIGGER_QUERY, TRIGGER_QUERY_BY_POOL, PrometheusSource
 from tests.helpers import chat, post, wait_for
 

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from ext_proc.identity import hash_key
-from kvgate.stack import Stack
+from kvgate.dev.stack import Stack
 from tests.helpers import chat, metric, post, wait_for
 
 CHAT = "/v1/chat/completions"

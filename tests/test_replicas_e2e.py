@@ -14,8 +14,8 @@ from typing import Any
 import pytest
 
 from ext_proc.identity import hash_key
-from kvgate.stack import Stack
-from sim.profiles import PROFILES
+from ext_proc.profiles import PROFILES
+from kvgate.dev.stack import Stack
 from tests.helpers import metric, post, wait_for
 
 from .redis_server import RedisServer

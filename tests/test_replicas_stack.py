@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from kvgate.stack import Stack, free_port
+from kvgate.dev.stack import Stack, free_port
 
 from .conftest import KEYS, tenants
 from .helpers import chat, metric, post, wait_for

@@ -13,7 +13,7 @@ from prometheus_client import start_http_server
 from ext_proc.admission import Decision, Rejection
 from ext_proc.config import ConfigError, parse_config
 from ext_proc.server import Gateway
-from kvgate.stack import free_port
+from kvgate.dev.stack import free_port
 from scaler.config import ScalerConfig, load_scaler_config
 from scaler.law import Signals
 from scaler.server import Scaler

@@ -17,7 +17,7 @@ import pytest
 import yaml
 
 from ext_proc.identity import hash_key
-from kvgate.stack import Stack, free_port, wait_port
+from kvgate.dev.stack import Stack, free_port, wait_port
 from scaler import externalscaler_pb2 as pb
 from scaler import externalscaler_pb2_grpc as pb_grpc
 from tests.helpers import chat, post, wait_for

@@ -26,7 +26,7 @@ import yaml
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
 from ext_proc.stats import FOLLOW_MODES
-from kvgate.stack import free_port, wait_port
+from kvgate.dev.stack import free_port, wait_port
 from scaler import externalscaler_pb2 as pb
 from scaler import externalscaler_pb2_grpc as pb_grpc
 from scaler.signals import TRIGGER_QUERY, PrometheusSource, trigger_query

@@ -13,12 +13,12 @@ import pytest
 import yaml
 
 from ext_proc.config import ConfigError, parse_config
-from kvgate.scenarios import report
-from kvgate.scenarios.driver import Policy, Run, simulate
-from kvgate.scenarios.runner import ScenarioResult, run
-from kvgate.scenarios.trace import TraceError, TraceRequest, read_trace, write_trace
-from kvgate.scenarios.workloads import SCENARIOS, get_scenario
-from sim.profiles import get_profile
+from ext_proc.profiles import get_profile
+from kvgate.bench.scenarios import report
+from kvgate.bench.scenarios.driver import Policy, Run, simulate
+from kvgate.bench.scenarios.runner import ScenarioResult, run
+from kvgate.bench.scenarios.trace import TraceError, TraceRequest, read_trace, write_trace
+from kvgate.bench.scenarios.workloads import SCENARIOS, get_scenario
 
 NODES = {"static": [{"address": "node-0:8000", "probe": "http://node-0:9102"}]}
 
@@ -188,7 +188,7 @@ def test_the_json_of_a_single_scenario_run_carries_the_ideal_row() -> None:
 
 
 def test_outages_are_for_plain_least_request_only() -> None:
-    from kvgate.scenarios.driver import Outage
+    from kvgate.bench.scenarios.driver import Outage
 
     cfg = parse_config({"tenants": [{"name": "a"}], "nodes": NODES})
     with pytest.raises(ValueError, match="least-request"):
@@ -219,7 +219,7 @@ def test_the_noisy_neighbour_ideal_offers_only_the_interactive_tenants(at_tenth:
 
 
 def test_an_ideal_offered_nothing_reports_no_figures_and_divides_by_nothing() -> None:
-    from kvgate.scenarios.workloads import SHORT, Ideal, Scenario, Stream, const
+    from kvgate.bench.scenarios.workloads import SHORT, Ideal, Scenario, Stream, const
 
     sc = Scenario("quiet", "quiet", "", "8b-h100", 20.0,
                   {"tenants": [{"name": "app", "tier": "standard"}], "nodes": NODES},
@@ -306,8 +306,8 @@ def test_bad_inputs_to_the_commands(tmp_path: Path) -> None:
 def test_live_and_virtual_time_agree_on_the_decisions(tmp_path: Path) -> None:
     """A few seconds through the real stack (Envoy, kvgate, probes, two sim nodes) and the same trace in
     virtual time: the same requests are admitted and refused, and both see every first token."""
-    from kvgate.scenarios.live import run_live
-    from kvgate.scenarios.workloads import SHORT, Scenario, Stream, const
+    from kvgate.bench.scenarios.live import run_live
+    from kvgate.bench.scenarios.workloads import SHORT, Scenario, Stream, const
 
     sc = Scenario("tiny", "tiny", "", "8b-h100", 20.0,
                   {"tenants": [{"name": "app", "tier": "interactive"},
@@ -325,7 +325,7 @@ def test_live_and_virtual_time_agree_on_the_decisions(tmp_path: Path) -> None:
 def test_a_trace_with_epoch_timestamps_replays_from_its_first_request(tmp_path: Path) -> None:
     """Absolute timestamps (seconds since 1970) once made the rejections plot allocate a bin per second
     since the epoch; times now count from the first request."""
-    from kvgate.scenarios.runner import BenchConfig, from_trace
+    from kvgate.bench.scenarios.runner import BenchConfig, from_trace
 
     trace = tmp_path / "epoch.jsonl"
     t0 = 1_764_000_000.0
@@ -338,7 +338,7 @@ def test_a_trace_with_epoch_timestamps_replays_from_its_first_request(tmp_path: 
 
 
 def test_a_bench_config_sets_the_autoscalers_start_size_and_the_scaler_law(tmp_path: Path) -> None:
-    from kvgate.scenarios.runner import load_bench_config
+    from kvgate.bench.scenarios.runner import load_bench_config
 
     cfg = tmp_path / "bench.yaml"
     cfg.write_text(yaml.safe_dump({

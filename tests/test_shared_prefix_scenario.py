@@ -13,16 +13,16 @@ from pathlib import Path
 import pytest
 
 from ext_proc.config import parse_config
-from kvgate.cli import main
-from kvgate.scenarios.driver import simulate
-from kvgate.scenarios.trace import TraceRequest, read_trace
-from kvgate.scenarios.workloads import (
+from ext_proc.profiles import get_profile
+from kvgate.bench.scenarios.driver import simulate
+from kvgate.bench.scenarios.trace import TraceRequest, read_trace
+from kvgate.bench.scenarios.workloads import (
     SharedPrefixScenario,
     get_scenario,
     offered_load,
     working_set,
 )
-from sim.profiles import get_profile
+from kvgate.cli import main
 
 NODES = 4
 MINUTES = 10

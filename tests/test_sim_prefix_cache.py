@@ -10,11 +10,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from ext_proc.profiles import PROFILES
 from gpu_probe.parse import parse
-from kvgate.stack import free_port, wait_port
+from kvgate.dev.stack import free_port, wait_port
 from sim.engine import Engine, EngineOptions, simulate
 from sim.prefix_cache import BlankRun, Block, Prompt
-from sim.profiles import PROFILES
 from sim.scheduler import Plan, Request, Scheduler, SchedulerConfig, Status
 from tests.helpers import get, post
 

@@ -6,8 +6,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from ext_proc.profiles import PROFILES, Profile
 from sim.engine import Engine, EngineOptions, simulate
-from sim.profiles import PROFILES, Profile
 from sim.scheduler import QueueFull, Request, Scheduler, SchedulerConfig, Status
 
 
@@ -215,7 +215,7 @@ def test_every_request_ends_exactly_once_and_blocks_never_overflow(
 
 
 def test_fleet_simulation_is_deterministic_and_loses_nothing() -> None:
-    from kvgate.bench import sim_speed
+    from kvgate.bench.overhead import sim_speed
 
     a = sim_speed(seconds=20, nodes=2, rate=20, quiet=True)
     b = sim_speed(seconds=20, nodes=2, rate=20, quiet=True)

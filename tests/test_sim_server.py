@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvgate.stack import free_port, wait_port
-from sim.profiles import PROFILES
+from ext_proc.profiles import PROFILES
+from kvgate.dev.stack import free_port, wait_port
 from tests.helpers import get, metric, post, wait_for
 
 REFERENCE = Path(__file__).resolve().parent / "fixtures" / "vllm-metrics-sample.txt"

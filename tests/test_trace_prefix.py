@@ -7,9 +7,9 @@ import json
 import pytest
 
 from ext_proc.config import parse_config
-from kvgate.scenarios.driver import Policy, simulate
-from kvgate.scenarios.trace import TraceRequest, parse_line
-from sim.profiles import PROFILES
+from ext_proc.profiles import PROFILES
+from kvgate.bench.scenarios.driver import Policy, simulate
+from kvgate.bench.scenarios.trace import TraceRequest, parse_line
 
 
 def test_segments_and_session_round_trip_and_bad_ones_say_what_is_wrong() -> None:

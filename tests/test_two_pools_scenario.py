@@ -15,13 +15,13 @@ import pytest
 import yaml
 
 from ext_proc.config import ConfigError, parse_config
-from kvgate.scenarios.driver import Autoscaling, Policy, RunResult, simulate
-from kvgate.scenarios.report import Summary
-from kvgate.scenarios.runner import ScenarioResult, run
-from kvgate.scenarios.trace import TraceRequest, parse_line
-from kvgate.scenarios.workloads import LARGE_MODEL, SMALL_MODEL, Scenario, get_scenario
+from ext_proc.profiles import get_profile
+from kvgate.bench.scenarios.driver import Autoscaling, Policy, RunResult, simulate
+from kvgate.bench.scenarios.report import Summary
+from kvgate.bench.scenarios.runner import ScenarioResult, run
+from kvgate.bench.scenarios.trace import TraceRequest, parse_line
+from kvgate.bench.scenarios.workloads import LARGE_MODEL, SMALL_MODEL, Scenario, get_scenario
 from scaler.law import LawSettings
-from sim.profiles import get_profile
 
 MODEL_OF = {"8b": SMALL_MODEL, "70b": LARGE_MODEL}
 FLOOD = (60.0, 240.0)
@@ -166,8 +166,8 @@ def test_the_trace_format_carries_the_model() -> None:
 
 
 def test_a_bench_config_with_pools_replays_a_trace_with_models(tmp_path: Path) -> None:
-    from kvgate.scenarios.runner import from_trace, load_bench_config
-    from kvgate.scenarios.trace import write_trace
+    from kvgate.bench.scenarios.runner import from_trace, load_bench_config
+    from kvgate.bench.scenarios.trace import write_trace
 
     trace = tmp_path / "t.jsonl"
     write_trace(trace, get_scenario("two-pools").trace(0.1))

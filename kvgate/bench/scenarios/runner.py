@@ -3,7 +3,7 @@
 A user's own traffic runs the same way: ``--trace FILE`` (see ``trace.py``) with ``--config FILE``, a
 bench config naming the node profile, the fleet size, kvgate's config and (optionally) the policies::
 
-    profile: 8b-h100          # one of sim.profiles (kvgate sim --profile)
+    profile: 8b-h100          # one of ext_proc.profiles (kvgate sim --profile)
     nodes: 2                  # the fleet each static policy gets
     kvgate: {tenants: [...]}  # kvgate's config (a nodes section is added if missing)
     policies: [none, kv-shed, kvgate, autoscale-only, kvgate+scaler]
@@ -29,8 +29,8 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from ext_proc.config import Config, ConfigError, config_error, load_yaml, parse_config
+from ext_proc.profiles import PROFILES, get_profile
 from scaler.law import LawSettings
-from sim.profiles import PROFILES, get_profile
 
 from . import report
 from .driver import Autoscaling, Policy, PoolSize, simulate

@@ -11,8 +11,8 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from ext_proc.config import Config
+from ext_proc.profiles import Profile
 from scaler.law import LawSettings
-from sim.profiles import Profile
 
 from .driver import Autoscaling, Degrade, Outage, Policy, PoolSize
 from .trace import TraceRequest

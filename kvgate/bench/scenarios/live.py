@@ -22,9 +22,9 @@ import aiohttp
 
 from ext_proc.config import parse_config
 from ext_proc.identity import hash_key
-from sim.profiles import get_profile
+from ext_proc.profiles import get_profile
 
-from ..stack import Stack
+from ...dev.stack import Stack
 from . import report
 from .driver import Outcome, RunResult, simulate
 from .workloads import Scenario, get_scenario

@@ -26,7 +26,7 @@ import yaml
 
 from ext_proc.config import ConfigError, is_pattern, parse_config
 
-from .envoy_config import EXTPROC_CLUSTER, EnvoyParams, bootstrap, dump, params_for
+from ..envoy_config import EXTPROC_CLUSTER, EnvoyParams, bootstrap, dump, params_for
 
 
 def envoy_binary() -> str:
@@ -149,7 +149,7 @@ class SimPool:
     """The pool's name; derived from ``model`` by :func:`pool_name` (the default)."""
 
     def __post_init__(self) -> None:
-        from sim.profiles import PROFILES
+        from ext_proc.profiles import PROFILES
 
         if not _MODEL_NAME.match(self.model):
             raise ValueError(f"model name {self.model!r}: 1 to 256 printable characters, no spaces")
@@ -260,7 +260,7 @@ class Stack:
     ``--profile`` and ``--served-model-name``, which each pool sets). A config with ``pools`` of its own
     and no ``pools`` here starts no node: its pools list theirs."""
     bare: bool = False
-    """Run the transport floor (``kvgate.bare``: decides nothing) where kvgate would run."""
+    """Run the transport floor (``kvgate.bench.bare``: decides nothing) where kvgate would run."""
     extproc_env: dict[str, str] = field(default_factory=dict)
     """Extra environment of the kvgate processes (e.g. ``KVGATE_CPU_PARTS=1``)."""
     listen_port: int | None = None
@@ -490,7 +490,7 @@ class Stack:
         self._wait_replica(i)
 
     def _spawn_replica(self, i: int) -> None:
-        cmd = [sys.executable, "-m", "kvgate.bare" if self.bare else "kvgate.cli"]
+        cmd = [sys.executable, "-m", "kvgate.bench.bare" if self.bare else "kvgate.cli"]
         cmd += ["--config", str(self.config_path)] if self.bare else ["extproc", "--config", str(self.config_path)]
         if self.replicas > 1:  # one config file, its own addresses
             cmd += ["--grpc-address", f"127.0.0.1:{self.extproc_ports[i]}",

@@ -31,8 +31,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from ext_proc.cpuparts import ENV, PARTS
 from ext_proc.identity import hash_key
 
-from .envoy_config import EnvoyParams
-from .stack import Stack, http_get
+from ..dev.stack import Stack, http_get
+from ..envoy_config import EnvoyParams
 
 KEY = "sk-bench"
 BODY = '{"model":"standin-8b","messages":[{"role":"user","content":"Say hello in five words."}],"max_tokens":8%s}'
@@ -135,7 +135,7 @@ def overhead(seconds: float = 10.0, connections: int = 16, stream: bool = False,
              replicas: int = 1, breakdown: bool = True, access_log_batch: int = 0) -> dict[str, Any]:
     """Plain Envoy against Envoy + kvgate on the full request path (decision on the body, usage
     extraction, completion accounting), at the most each can do; with ``breakdown`` also, side by side
-    in the same run: the transport floor (``kvgate.bare``, a server that decides nothing), where
+    in the same run: the transport floor (``kvgate.bench.bare``, a server that decides nothing), where
     kvgate's CPU goes (``KVGATE_CPU_PARTS``: core, metrics, logging, protobuf, shell; the transport is
     the rest), and the latency kvgate adds at half its maximum rate."""
     body = BODY % (',"stream":true' if stream else "")
@@ -271,9 +271,9 @@ def sim_speed(seconds: float = 600.0, nodes: int = 8, rate: float = 200.0, profi
     """
     import random
 
+    from ext_proc.profiles import get_profile
     from sim.engine import Engine
     from sim.fleet import simulate_fleet
-    from sim.profiles import get_profile
     from sim.scheduler import Request
 
     rng = random.Random(seed)

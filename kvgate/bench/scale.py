@@ -317,7 +317,7 @@ def follow_cpu(sizes: tuple[int, ...] = (10, 100, 1_000), period: float = 0.25, 
     rows: list[dict[str, Any]] = []
     for n in sizes:
         sim = subprocess.Popen(
-            [sys.executable, "-m", "kvgate.bench_scale", "--serve-probes", str(n), "--interval", str(period),
+            [sys.executable, "-m", "kvgate.bench.scale", "--serve-probes", str(n), "--interval", str(period),
              *([] if stream else ["--no-stream"])],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE)
         try:
@@ -390,7 +390,7 @@ def scale(nodes: tuple[int, ...] = (10, 100, 1_000), tenants: tuple[int, ...] = 
 
 def _main(argv: list[str] | None = None) -> int:
     """The simulated probes' process (``kvgate bench scale`` starts it)."""
-    p = argparse.ArgumentParser(prog="python -m kvgate.bench_scale")
+    p = argparse.ArgumentParser(prog="python -m kvgate.bench.scale")
     p.add_argument("--serve-probes", type=int, required=True)
     p.add_argument("--interval", type=float, default=0.25)
     p.add_argument("--no-stream", action="store_true")

@@ -72,7 +72,7 @@ from dataclasses import dataclass, field, replace
 from functools import cache
 from typing import Any
 
-from sim.profiles import Profile, get_profile
+from ext_proc.profiles import Profile, get_profile
 
 from . import report
 from .runner import BenchConfig, PolicyName, ScalerSettings, ScenarioResult, run

@@ -6,7 +6,7 @@ body with one prebuilt CONTINUE reply carrying a fixed metadata map, and looks a
 Its CPU per request is what the transport costs before kvgate does anything: the floor against which
 kvgate's own share is measured (``bench.overhead``'s ``cpu_breakdown``).
 
-``python -m kvgate.bare --config FILE`` listens on the config's ``server.grpc_address`` and serves an
+``python -m kvgate.bench.bare --config FILE`` listens on the config's ``server.grpc_address`` and serves an
 empty ``/metrics`` on ``server.metrics_address`` (so the local stack waits for it as for kvgate).
 """
 
@@ -85,7 +85,7 @@ async def serve(config_path: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m kvgate.bare", description=__doc__.split("\n", 1)[0])
+    p = argparse.ArgumentParser(prog="python -m kvgate.bench.bare", description=__doc__.split("\n", 1)[0])
     p.add_argument("--config", required=True)
     a = p.parse_args(argv)
     try:

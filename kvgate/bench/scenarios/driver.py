@@ -42,13 +42,13 @@ from ext_proc.estimate import Estimate
 from ext_proc.identity import hash_key
 from ext_proc.pools import NO_POOL, PoolSpec, Router
 from ext_proc.prefix import segment_chain
+from ext_proc.profiles import Profile, get_profile
 from gpu_probe.parse import EngineReading
 from gpu_probe.snapshot import Deriver
 from scaler.law import ControlLaw, LawSettings, Signals
 from scaler.signals import BUDGET_REASONS, KINDS
 from sim.engine import Engine, EngineOptions
 from sim.prefix_cache import Prompt
-from sim.profiles import Profile, get_profile
 from sim.scheduler import Request
 
 from .trace import TraceRequest

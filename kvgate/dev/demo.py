@@ -27,7 +27,8 @@ from typing import Any, TextIO
 from ext_proc.config import DEFAULT_TIERS, load_config, load_yaml
 from ext_proc.identity import hash_key
 
-from . import loadgen, top
+from .. import top
+from . import loadgen
 from .loadgen import Result, Traffic
 from .stack import RedisMissing, SimPool, Stack, redis_binary
 

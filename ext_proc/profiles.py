@@ -1,4 +1,5 @@
-"""Model/GPU profiles for the simulated node.
+"""Model/GPU profiles: kvgate's performance priors (``nodes.performance.profile``), and what the
+simulated node in ``sim/`` runs on.
 
 Step time follows the model published simulators fit to real vLLM runs (BLIS; Vidur reports <9%
 error with profiled kernels): ``step_ms = a + b·prefill_tokens + c·decode_seqs + d·context_tokens``.
