@@ -37,6 +37,7 @@ from __future__ import annotations
 import asyncio
 import secrets
 import time
+from pathlib import Path
 from typing import Any
 
 import orjson
@@ -59,239 +60,22 @@ MAX_ENDS = 20_000
 """Completions waiting to be forwarded while Redis is away; beyond it the oldest are dropped (their
 slots come back by reclaim)."""
 ENDS_PER_BATCH = 2_000
-FAIR = """
-local function fair(demand, spare, cap)
-  cap = math.max(0, cap)
-  local names = {}
-  for r, _ in pairs(demand) do names[#names + 1] = r end
-  table.sort(names, function(a, b)
-    if demand[a] ~= demand[b] then return demand[a] < demand[b] end
-    return a < b
-  end)
-  local left, share = cap, {}
-  for i, r in ipairs(names) do
-    local give = math.min(math.max(0, demand[r]), left / (#names - i + 1))
-    share[r] = give
-    left = left - give
-  end
-  local out, sum = {}, 0
-  for _, r in ipairs(names) do out[r] = math.floor(share[r]); sum = sum + out[r] end
-  left = cap - sum
-  local byfrac = {}
-  for _, r in ipairs(names) do byfrac[#byfrac + 1] = r end
-  table.sort(byfrac, function(a, b)
-    local fa, fb = share[a] - out[a], share[b] - out[b]
-    if fa ~= fb then return fa > fb end
-    return a < b
-  end)
-  for _, r in ipairs(byfrac) do
-    if left <= 0 then break end
-    if out[r] < demand[r] then out[r] = out[r] + 1; left = left - 1 end
-  end
-  local sp = {}
-  for _, r in ipairs(names) do if spare[r] then sp[#sp + 1] = r end end
-  table.sort(sp, function(a, b)
-    if out[a] ~= out[b] then return out[a] < out[b] end
-    return a < b
-  end)
-  for _, r in ipairs(sp) do
-    if left <= 0 then break end
-    out[r] = out[r] + 1; left = left - 1
-  end
-  return out
-end
-"""
 
-# KEYS: replicas (zset replica -> expiry ms), epoch, learning, over (the tenants held unevenly).
-# ARGV: replica, ttl ms, new epoch, known epoch, prefix of the slots hashes, rejoining 0|1.
-# Returns {epoch, learning 0|1, {live replica ids}, {tenant, {field, value, ...}, ...}}: the holdings of
-# the tenants held unevenly are what a fallback split corrects for (the others need no correction).
-HELLO = """
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-local ttl = tonumber(ARGV[2])
-redis.call('ZADD', KEYS[1], now + ttl, ARGV[1])
-redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
-local e = redis.call('GET', KEYS[2])
-if not e then
-  e = ARGV[3]
-  redis.call('SET', KEYS[2], e)
-  if ARGV[4] ~= '' then redis.call('SET', KEYS[3], '1', 'PX', ttl) end
-elseif ARGV[4] ~= '' and ARGV[4] ~= e then
-  redis.call('SET', KEYS[3], '1', 'PX', ttl, 'NX')
-end
-if ARGV[6] == '1' then
-  -- a replica back from its local split: what it holds is not on record yet
-  redis.call('SET', KEYS[3], '1', 'PX', ttl)
-end
-local uneven = {}
-for _, tenant in ipairs(redis.call('SRANDMEMBER', KEYS[4], 256)) do
-  uneven[#uneven + 1] = tenant
-  uneven[#uneven + 1] = redis.call('HGETALL', ARGV[5] .. tenant)
-end
-return {e, redis.call('EXISTS', KEYS[3]), redis.call('ZRANGEBYSCORE', KEYS[1], now, '+inf'), uneven}
-"""
+LUA = Path(__file__).with_name("lua")
+"""The Redis scripts, one ``.lua`` file each (packaged with ext_proc; ``tests/test_store_lua.py`` runs them
+on a real ``redis-server``)."""
 
-# KEYS: replicas, the tenant's slots hash (per replica h: held, w: demand, x: spare, i: in flight; per dead
-# replica o: its orphaned slots, e: their expiry), learning, over, epoch, version counter.
-# ARGV: 1 replica, 2 cap, 3 slots it enforces now, 4 in flight, 5 demand, 6 spare 0|1, 7 ttl ms,
-#       8 borrow 0|1, 9 tenant, 10 known epoch, 11 orphan ttl ms.
-# Returns {-1} for a call made for another epoch, else {slots, free, version, orphaned slots, slots of its
-# own given back while it was taken for dead, replica, record, replica, record, ...}.
-SLOTS = FAIR + """
-if redis.call('GET', KEYS[5]) ~= ARGV[10] then return {-1} end
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-local me, cap = ARGV[1], tonumber(ARGV[2])
-local enforced, inflight = tonumber(ARGV[3]), tonumber(ARGV[4])
-local live, n = {}, 0
-for _, r in ipairs(redis.call('ZRANGEBYSCORE', KEYS[1], now, '+inf')) do live[r] = true; n = n + 1 end
-if not live[me] then live[me] = true; n = n + 1 end
-local raw = redis.call('HGETALL', KEYS[2])
-local fields = {}
-for i = 1, #raw, 2 do fields[raw[i]] = raw[i + 1] end
-local held, demand, spare, orphans, given = {}, {}, {}, 0, 0
--- first the orphans of replicas that died earlier: expired ones go; this replica's own (it was taken for
--- dead while it lived: a lapsed heartbeat) go too — less the slots END gave back for requests of its
--- that ended meanwhile (c: what was orphaned, o: what is left), which it no longer holds
-for f, v in pairs(fields) do
-  local kind, r = string.sub(f, 1, 2), string.sub(f, 3)
-  if kind == 'o:' then
-    if r == me then
-      given = math.max(0, tonumber(fields['c:' .. r] or v) - tonumber(v))
-      redis.call('HDEL', KEYS[2], f, 'e:' .. r, 'c:' .. r)
-    elseif tonumber(fields['e:' .. r] or 0) < now or tonumber(v) <= 0 then
-      redis.call('HDEL', KEYS[2], f, 'e:' .. r, 'c:' .. r)
-    else
-      orphans = orphans + tonumber(v)
-    end
-  end
-end
-enforced = math.max(0, enforced - given)
-inflight = math.max(0, inflight - given)
--- then the replicas that died since: the requests they admitted still run; all they held stays taken
--- until completions come in for them (END) or the lease timeout passes
-for f, v in pairs(fields) do
-  local kind, r = string.sub(f, 1, 2), string.sub(f, 3)
-  if kind == 'h:' or kind == 'w:' or kind == 'x:' or kind == 'i:' then
-    if not live[r] then
-      if kind == 'h:' and tonumber(v) > 0 then
-        redis.call('HINCRBY', KEYS[2], 'o:' .. r, tonumber(v))
-        redis.call('HINCRBY', KEYS[2], 'c:' .. r, tonumber(v))
-        redis.call('HSET', KEYS[2], 'e:' .. r, now + tonumber(ARGV[11]))
-        orphans = orphans + tonumber(v)
-      end
-      redis.call('HDEL', KEYS[2], f)
-    elseif kind == 'h:' then
-      held[r] = tonumber(v)
-    elseif kind == 'w:' then
-      demand[r] = tonumber(v)
-    elseif kind == 'x:' then
-      spare[r] = (v == '1')
-    end
-  end
-end
--- no record: first call, or the store restarted empty: rebuilt from what the replica enforces
-local mine = held[me] or enforced
-if mine < inflight then mine = inflight end
-held[me] = nil
-local others = orphans
-for _, h in pairs(held) do others = others + h end
-demand[me] = tonumber(ARGV[5])
-spare[me] = (ARGV[6] == '1')
-local free = cap - others - mine
-local target
-if ARGV[8] == '1' then
-  -- a borrow adds to what the replica enforces, not to a record still above it (a share it was told to
-  -- give back); only slots nobody holds
-  local base = math.max(enforced, inflight)
-  target = base + math.max(0, math.min(demand[me] - base, free))
-else
-  target = fair(demand, spare, cap - orphans)[me]
-  if target > mine then
-    target = mine + math.max(0, math.min(target - mine, free))
-  else
-    target = math.max(inflight, target)
-  end
-end
-if redis.call('EXISTS', KEYS[3]) == 1 and target > mine then target = mine end
--- never below what the replica admits on until it says it lowered it
-local record = math.max(target, enforced, inflight)
-redis.call('HSET', KEYS[2], 'h:' .. me, record, 'w:' .. me, demand[me], 'x:' .. me, ARGV[6], 'i:' .. me, inflight)
-redis.call('PEXPIRE', KEYS[2], math.max(tonumber(ARGV[7]) * 20, tonumber(ARGV[11]) + 60000))
-local version = redis.call('INCR', KEYS[6])
-local even = math.floor(cap / n)
-local uneven = record > even or orphans > 0
-for _, h in pairs(held) do if h > even then uneven = true end end
-if uneven then redis.call('SADD', KEYS[4], ARGV[9]) else redis.call('SREM', KEYS[4], ARGV[9]) end
-local out = {target, cap - others - record, version, orphans, given, me, record}
-for r, h in pairs(held) do out[#out + 1] = r; out[#out + 1] = h end
-return out
-"""
 
-# KEYS: replicas, events, the tenant's slots hash, the tickets already ended for dead replicas.
-# ARGV: the owner, its ticket, the completion (JSON), orphan ttl ms. A completion that reached another
-# replica than its owner's: for a live owner, an event it reads; for a dead one, one of its slots back
-# (once per ticket) — decided here, on the store's own view of who is alive.
-END = """
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-local score = tonumber(redis.call('ZSCORE', KEYS[1], ARGV[1]) or 0)
-if score >= now then
-  redis.call('XADD', KEYS[2], 'MINID', '~', tostring(now - 30000), '*', 'b', ARGV[3])
-  return 1
-end
-if redis.call('SADD', KEYS[4], ARGV[2]) == 0 then return 0 end
-redis.call('PEXPIRE', KEYS[4], tonumber(ARGV[4]))
--- the owner may only have been taken for dead: if it comes back it ends the lease (and its next slots
--- call takes the slot given back here off what it holds)
-redis.call('XADD', KEYS[2], 'MINID', '~', tostring(now - 30000), '*', 'b', ARGV[3])
--- the tenant's slots (KEYS[3]) and, for a request under a per-model budget, the budget's (KEYS[5])
-local out = 3
-for k = 3, #KEYS do
-  if k ~= 4 then
-    for _, kind in ipairs({'o:', 'h:'}) do
-      local n = tonumber(redis.call('HGET', KEYS[k], kind .. ARGV[1]) or 0)
-      if n > 0 then
-        redis.call('HINCRBY', KEYS[k], kind .. ARGV[1], -1)
-        out = 2
-        break
-      end
-    end
-  end
-end
-return out
-"""
+def _script(name: str) -> str:
+    return (LUA / f"{name}.lua").read_text()
 
-# KEYS: the bucket (hash l = level, t = when), learning, epoch. ARGV: rate per s, capacity, amount
-# (+ lease, - give back), partial 0|1, known epoch. Returns {granted, level} as strings (Lua numbers
-# would be truncated to integers), or {'epoch'} for a call made for another epoch.
-BUCKET = """
-if redis.call('GET', KEYS[3]) ~= ARGV[5] then return {'epoch'} end
-local t = redis.call('TIME')
-local now = tonumber(t[1]) + tonumber(t[2]) / 1e6
-local rate, cap, amount = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
-local s = redis.call('HMGET', KEYS[1], 'l', 't')
-local level, at = tonumber(s[1]), tonumber(s[2])
-if level == nil then
-  -- a new bucket starts full, except while the store relearns after losing its state: empty
-  if redis.call('EXISTS', KEYS[2]) == 1 then level = 0 else level = cap end
-  at = now
-end
-if now > at then level = math.min(cap, level + (now - at) * rate) end
-local granted = 0
-if amount > 0 then
-  if ARGV[4] == '1' then granted = math.max(0, math.min(amount, level))
-  elseif level >= amount then granted = amount end
-  level = level - granted
-else
-  level = math.min(cap, level - amount)
-end
-redis.call('HSET', KEYS[1], 'l', level, 't', now)
-local full_ms = math.max(0, cap - level) / math.max(rate, 1e-9) * 1000
-redis.call('PEXPIRE', KEYS[1], math.floor(math.min(full_ms, 86400000)) + 60000)
-return {tostring(granted), tostring(level)}
-"""
+
+FAIR = _script("fair")
+HELLO = _script("hello")
+SLOTS = FAIR + _script("slots")
+"""``fair`` is a function slots.lua calls: prepended, as Redis scripts cannot import."""
+END = _script("end")
+BUCKET = _script("bucket")
 
 SCRIPTS = {"hello": HELLO, "slots": SLOTS, "end": END, "bucket": BUCKET}
 
@@ -764,8 +548,8 @@ class SharedStore:
                                  True, borrow=True)
                 calls.append("slots")
             for dim, b, need in (("requests", s.requests, 1.0), ("tokens", s.tokens, tokens)):
-                if isinstance(b, Credit) and b.level < need:
-                    self._bucket_call(pipe, tenant, dim, b.rate, b.capacity, need - b.level, partial=False)
+                if isinstance(b, Credit) and b.lacks(need) > 0:
+                    self._bucket_call(pipe, tenant, dim, b.rate, b.capacity, b.lacks(need), partial=False)
                     calls.append(dim)
             if not calls:
                 await pipe.reset()
