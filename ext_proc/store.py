@@ -50,7 +50,7 @@ from .admission import ShareReport, Usage
 from .config import RedisStore
 from .core import Core, Ended
 from .limits import Credit
-from .share import ORPHANED
+from .share import ORPHANED, with_expected
 
 log = logs.get("kvgate.store")
 
@@ -466,8 +466,7 @@ class SharedStore:
         self.up_gauge.set(0)
         self._drop_ends()
         if not adm.local_split and now - self._failing_since >= self.cfg.fallback_after_seconds:
-            live = list(self.live)
-            live += [f"~expected-{i}" for i in range(max(0, self.cfg.expected_replicas - len(live)))]
+            live = with_expected(self.live, self.cfg.expected_replicas)
             adm.share_local(live, self.me, self.holdings)
             self.fallback_gauge.set(1)
             log.error("store_down_local_split", replicas=len(live),
