@@ -46,10 +46,10 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from redis.exceptions import NoScriptError, RedisError
 
 from . import logs
-from .admission import ShareReport, Usage
+from .admission import Usage
 from .config import RedisStore
 from .core import Core, Ended
-from .limits import Credit
+from .quota import ShareReport
 from .share import ORPHANED, with_expected
 
 log = logs.get("kvgate.store")
@@ -233,9 +233,7 @@ class SharedStore:
             for r in reports:
                 if r.cap is not None and r.demand is not None and self._claim(r.tenant):
                     claimed.append(r.tenant)
-                    s = adm.tenant_state(r.tenant)
-                    self._slots_call(pipe, r.tenant, r.cap, (s.slots or 0) if s is not None else r.slots,
-                                     r.inflight, r.demand, r.spare, borrow=False)
+                    self._slots_call(pipe, r.tenant, r.cap, r.slots, r.inflight, r.demand, r.spare, borrow=False)
                     calls.append(("slots", r.tenant, ""))
                 for dim, op in (("requests", r.requests), ("tokens", r.tokens)):
                     if op is not None and op[2] != 0:
@@ -449,6 +447,7 @@ class SharedStore:
         if not self.ok:
             log.info("store_up", replicas=len(self.live), epoch=self.epoch)
         self.ok = True
+        self.core.admission.leased.down = False
         self._failing_since = None
         self.up_gauge.set(1)
 
@@ -463,6 +462,7 @@ class SharedStore:
             self._failing_since = self._sync_started
             log.warning("store_unreachable", error=f"{type(e).__name__}: {e}", url=_safe(self.cfg.url))
         self.ok = False
+        adm.leased.down = True  # its last word may be stale: a refusal now says nothing about the tenant
         self.up_gauge.set(0)
         self._drop_ends()
         if not adm.local_split and now - self._failing_since >= self.cfg.fallback_after_seconds:
@@ -479,8 +479,7 @@ class SharedStore:
         adm = self.core.admission
         if not adm.local_split:
             return
-        adm.share_rejoin()
-        spent, adm.fallback_spent = adm.fallback_spent, {}
+        spent = adm.share_rejoin()
         self.fallback_gauge.set(0)
         log.info("store_rejoined", note="budgets are leased from the store again")
         if spent:
@@ -493,13 +492,8 @@ class SharedStore:
         if not self._sha:
             return
         pipe = self.client.pipeline(transaction=False)
-        for tenant, (requests, tokens) in spent.items():
-            s = adm.tenant_state(tenant)
-            if s is None:
-                continue
-            for dim, amount, b in (("requests", requests, s.requests), ("tokens", tokens, s.tokens)):
-                if isinstance(b, Credit) and amount > 0:
-                    self._bucket_call(pipe, tenant, dim, b.rate, b.capacity, amount, partial=True)
+        for tenant, dim, rate, capacity, amount in adm.leased.debits(spent):
+            self._bucket_call(pipe, tenant, dim, rate, capacity, amount, partial=True)
         try:
             await asyncio.wait_for(pipe.execute(raise_on_error=False), timeout=2 * self.cfg.timeout_ms / 1000.0)
         except (TimeoutError, RedisError, OSError):
@@ -511,69 +505,78 @@ class SharedStore:
 
     async def borrow(self, tenant: str, tokens: float) -> bool:
         """Before refusing: lease what this request lacks — a slot, a request, ``tokens`` — in one
-        round trip. Granted all or nothing per budget. False when the store could not be asked in time
-        (``timeout_ms`` all told, waiting for a slots call before it included): the request is then
-        refused as over its quota, with its Retry-After, never left to Envoy's timeout."""
+        round trip. Granted all or nothing per budget. False when refused or when the store could not
+        be asked in time (``timeout_ms`` all told, waiting for a slots call before it included); in the
+        second case the tenant is marked *unreached* (``LeasedQuota.unreached``), so that the request is
+        refused with 503 ``quota-unavailable`` and its Retry-After — not a 429 claiming the tenant is
+        over a quota nobody could check — and never left to Envoy's timeout."""
+        unreached = self.core.admission.leased.unreached
         try:
             async with asyncio.timeout(self.cfg.timeout_ms / 1000.0):
-                return await self._borrow(tenant, tokens)
+                granted, answered = await self._borrow(tenant, tokens)
         except (TimeoutError, RedisError, OSError):
             self.errors.labels("borrow").inc()
             self.borrows.labels("error").inc()
+            unreached.add(tenant)
             return False
+        if answered:
+            unreached.discard(tenant)
+        else:
+            unreached.add(tenant)
+        return granted
 
-    async def _borrow(self, tenant: str, tokens: float) -> bool:
+    async def _borrow(self, tenant: str, tokens: float) -> tuple[bool, bool]:
+        """(granted, whether the store answered every call)."""
         adm = self.core.admission
         s = adm.tenant_state(tenant)
         if s is None:
-            return False
-        q = s.config
-        if q.max_concurrent is not None and s.inflight >= (s.slots or 0):
+            return False, True
+        if adm.leased.needs(s, tokens).slot is not None:
             while (ev := self._busy.get(tenant)) is not None:
                 await ev.wait()  # one slots call for a tenant at a time
         if adm.local_split or not self.ok or not self._sha:
             self.borrows.labels("refused").inc()
-            return False
-        held = s.slots or 0
-        slot = q.max_concurrent is not None and s.inflight >= held
-        if slot and not self._claim(tenant):
-            return False
+            return False, False
+        need = adm.leased.needs(s, tokens)
+        if need.slot is not None and not self._claim(tenant):
+            return False, False
+        answered = True
         try:
             pipe = self.client.pipeline(transaction=False)
             calls: list[str] = []
-            if slot:
-                assert q.max_concurrent is not None
-                self._slots_call(pipe, tenant, q.max_concurrent, held, s.inflight, max(held, s.inflight) + 1,
-                                 True, borrow=True)
+            if need.slot is not None:
+                cap, held, inflight = need.slot
+                self._slots_call(pipe, tenant, cap, held, inflight, max(held, inflight) + 1, True, borrow=True)
                 calls.append("slots")
-            for dim, b, need in (("requests", s.requests, 1.0), ("tokens", s.tokens, tokens)):
-                if isinstance(b, Credit) and b.lacks(need) > 0:
-                    self._bucket_call(pipe, tenant, dim, b.rate, b.capacity, b.lacks(need), partial=False)
-                    calls.append(dim)
+            for dim, rate, capacity, amount in need.credit:
+                self._bucket_call(pipe, tenant, dim, rate, capacity, amount, partial=False)
+                calls.append(dim)
             if not calls:
                 await pipe.reset()
-                return True
+                return True, True
             try:
                 results = await pipe.execute(raise_on_error=False)
             finally:
                 await pipe.reset()
             granted = True
             for kind, res in zip(calls, results, strict=True):
-                if isinstance(res, BaseException) or (kind != "slots" and len(res) != 2):
+                if isinstance(res, BaseException) or (kind != "slots" and len(res) != 2) or (
+                        kind == "slots" and int(res[0]) < 0):
+                    # not answered: an error, or a call made for another epoch (Redis restarted empty)
                     if isinstance(res, NoScriptError):
                         self._sha.clear()
-                    granted = False
+                    granted = answered = False
                     continue
                 if kind == "slots":
-                    granted &= self._slots_result(tenant, res) and int(res[0]) > held
+                    granted &= self._slots_result(tenant, res) and need.slot is not None and int(res[0]) > need.slot[1]
                 else:
                     granted &= float(res[0]) > 0
                     adm.share_credit(tenant, kind, float(res[0]), float(res[1]))
         finally:
-            if slot:
+            if need.slot is not None:
                 self._done([tenant])
         self.borrows.labels("granted" if granted else "refused").inc()
-        return granted
+        return granted, answered
 
     def forward(self, e: Ended, tenant: str = "", budget: str = "") -> None:
         """A completion for a ticket another replica owns (the END script, at the next sync, hands it
@@ -594,9 +597,10 @@ class SharedStore:
         but those of requests still running."""
         try:
             pipe = self.client.pipeline(transaction=False)
-            for s in self.core.admission.states():  # per-model budgets' slices too
-                if s.slots:  # what still runs stays taken (orphaned) until it ends; the rest goes back now
-                    pipe.hset(self._k_slots(s.name), mapping={f"h:{self.me}": s.inflight, f"i:{self.me}": s.inflight})
+            # per-model budgets' slices too: what still runs stays taken (orphaned) until it ends; the rest
+            # goes back now
+            for name, inflight in self.core.admission.leased.held():
+                pipe.hset(self._k_slots(name), mapping={f"h:{self.me}": inflight, f"i:{self.me}": inflight})
             pipe.zrem(self.k_replicas, self.me)
             await asyncio.wait_for(pipe.execute(raise_on_error=False), timeout=self.cfg.timeout_ms / 1000.0)
         except (TimeoutError, RedisError, OSError):
