@@ -64,6 +64,9 @@ class TenantState:
     """With several replicas: this replica's slice of ``max_concurrent`` (``share.py``); None: all of it."""
     fleet_free: int = 0
     """Slots nobody held fleet-wide at the last sync: whether borrowing one is worth a round trip."""
+    fleet_running: int | None = None
+    """Requests in flight fleet-wide as the store last answered (each replica's last report; None: not
+    known): fewer than the cap while every slot is held means a slot idles at another replica."""
     record: int = 0
     """What the store has on record as this replica's slots (at least ``slots``): until it is 0 the
     replica keeps reporting, so that what it no longer uses goes back."""
@@ -824,11 +827,12 @@ class Admission:
         """What this replica asks the store for, tenant by tenant (``LeasedQuota.report``)."""
         return self.leased.report(replicas, interval, self._clock())
 
-    def share_slots(self, tenant: str, slots: int, free: int, record: int | None = None) -> None:
+    def share_slots(self, tenant: str, slots: int, free: int, record: int | None = None,
+                    running: int | None = None) -> None:
         """The store's answer for one tenant's concurrency (``LeasedQuota.slots``); ignored on a split."""
         s = self.tenant_state(tenant)
         if s is not None and not self.local_split:
-            self.leased.slots(s, slots, free, record)
+            self.leased.slots(s, slots, free, record, running)
 
     def share_credit(self, tenant: str, budget: str, granted: float, fleet_level: float) -> None:
         """The store's answer for one budget (``LeasedQuota.credit``); ignored on a split."""

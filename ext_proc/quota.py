@@ -161,9 +161,14 @@ class LeasedQuota:
         cap = s.config.max_concurrent
         if limit == "slots":
             if s.slots is not None and cap is not None and s.slots < cap:
-                # this replica's slice is full: the fleet may have a slot nobody holds
+                # this replica's slice is full: the fleet may have a slot nobody holds, or one held idle
+                # at another replica (the borrow then waits for it to move: ``store.borrow``)
                 if may_borrow and s.fleet_free > 0:
                     s.fleet_free -= 1  # a burst here does not send more borrows than slots are free
+                    return "borrow"
+                if may_borrow and self.idle_elsewhere(s):
+                    assert s.fleet_running is not None
+                    s.fleet_running += 1  # nor more than slots are idle
                     return "borrow"
                 s.refused += 1
         else:
@@ -238,11 +243,26 @@ class LeasedQuota:
         return out
 
     @staticmethod
-    def slots(s: TenantState, slots: int, free: int, record: int | None = None) -> None:
+    def slots(s: TenantState, slots: int, free: int, record: int | None = None, running: int | None = None) -> None:
         """The store's answer for one tenant's concurrency: the slots this replica may now admit on, how
-        many nobody holds, and what the store has on record for this replica."""
+        many nobody holds, what the store has on record for this replica, and the requests in flight
+        fleet-wide as the replicas last reported them."""
         s.slots, s.fleet_free = slots, free
         s.record = slots if record is None else record
+        s.fleet_running = running
+
+    @staticmethod
+    def idle_elsewhere(s: TenantState) -> bool:
+        """Every slot of the tenant is held, and the store's last answer says fewer requests than its
+        cap are running fleet-wide: a slot sits idle at another replica (a spare), not over the cap."""
+        cap = s.config.max_concurrent
+        return (cap is not None and s.fleet_free <= 0 and s.fleet_running is not None
+                and s.fleet_running < cap and s.inflight < cap)
+
+    @staticmethod
+    def wants_slot(s: TenantState) -> None:
+        """A request here waits for a slot: count it as demand this replica reports at its next sync."""
+        s.refused += 1
 
     def credit(self, s: TenantState, budget: str, granted: float, fleet_level: float, now: float) -> None:
         """The store's answer for one budget (``requests`` | ``tokens``): credit granted, and the level

@@ -146,7 +146,9 @@ class SharedStore:
                                       buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1),
                                       registry=r)
         self.borrows = Counter("kvgate_store_borrows_total", "Round trips to the store to borrow before "
-                               "refusing a request, by result: granted | refused | error", ["result"], registry=r)
+                               "refusing a request, by result: granted | refused | error | waited (a slot borrow "
+                               "that found every slot held but not all in use, and waited a sync for one to move)",
+                               ["result"], registry=r)
         self.errors = Counter("kvgate_store_errors_total", "Failed calls to the shared store", ["op"], registry=r)
         self.forwarded = Counter("kvgate_store_forwarded_completions_total", "Completions for tickets another "
                                  "replica owns: sent (forwarded to it) | received (from another) | orphan (its "
@@ -378,19 +380,19 @@ class SharedStore:
         s = self.core.admission.tenant_state(tenant)
         if s is None or s.config.max_concurrent != self._sent_cap.get(tenant):
             return False  # asked for another cap (a reload came in between): the next sync asks again
-        held, free, version, orphans, given = (int(x) for x in res[:5])
+        held, free, version, orphans, given, running = (int(x) for x in res[:6])
         if version <= self._versions.get(tenant, 0):
             return False
         self._versions[tenant] = version
         if given:
             log.warning("store_taken_for_dead", tenant=tenant, slots_given_back=given,
                         note="this replica's heartbeat lapsed; completions of its requests freed their slots")
-        rest = res[5:]
+        rest = res[6:]
         holdings = {_str(rest[i]): int(rest[i + 1]) for i in range(0, len(rest) - 1, 2)}
         if orphans:
             holdings[ORPHANED] = orphans
         self.holdings[tenant] = holdings
-        self.core.admission.share_slots(tenant, held, max(0, free), holdings.get(self.me, held))
+        self.core.admission.share_slots(tenant, held, max(0, free), holdings.get(self.me, held), running)
         return True
 
     def _events(self, res: Any) -> list[Remote]:
@@ -510,10 +512,25 @@ class SharedStore:
         second case the tenant is marked *unreached* (``LeasedQuota.unreached``), so that the request is
         refused with 503 ``quota-unavailable`` and its Retry-After — not a 429 claiming the tenant is
         over a quota nobody could check — and never left to Envoy's timeout."""
-        unreached = self.core.admission.leased.unreached
+        adm = self.core.admission
+        unreached = adm.leased.unreached
+        interval = self.cfg.sync_interval_ms / 1000.0
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.cfg.timeout_ms / 1000.0
         try:
             async with asyncio.timeout(self.cfg.timeout_ms / 1000.0):
-                granted, answered = await self._borrow(tenant, tokens)
+                while True:
+                    granted, answered = await self._borrow(tenant, tokens)
+                    s = adm.tenant_state(tenant)
+                    if granted or not answered or s is None or not adm.leased.idle_elsewhere(s):
+                        break
+                    if loop.time() + interval > deadline - self.cfg.timeout_ms / 4000.0:
+                        break  # no time left to wait for a sync: refused (its 429 says slots idle elsewhere)
+                    # every slot is held but not every slot is in use: an idle one moves to where the
+                    # requests are within a sync or two (this replica's demand is reported meanwhile)
+                    adm.leased.wants_slot(s)
+                    self.borrows.labels("waited").inc()
+                    await asyncio.sleep(interval)
         except (TimeoutError, RedisError, OSError):
             self.errors.labels("borrow").inc()
             self.borrows.labels("error").inc()

@@ -135,3 +135,18 @@ def test_a_split_never_claims_a_tenant_over_its_token_budget(level: float, need:
     assert d.rejection is None or d.rejection.reason in ("quota-unavailable", "exceeds-token-budget")
     if d.rejection is not None and d.rejection.reason == "exceeds-token-budget":
         assert need > 300
+
+
+def test_a_slot_idle_at_another_replica_is_borrowed_for_but_no_more_than_are_idle() -> None:
+    """Every slot held, fewer requests running than the cap fleet-wide: the slice short here borrows
+    (the store's borrow then waits for the idle slot to move), as many times as slots are idle."""
+    a, _, c = make({"max_concurrent": 2})
+    t = c.tenant("t")
+    a.share_slots("t", 0, 0, 0, running=0)  # both slots held elsewhere, neither in use
+    assert a.decide(t, "r1", E(), 10).borrow
+    assert a.decide(t, "r2", E(), 10).borrow
+    d = a.decide(t, "r3", E(), 10)
+    assert d.rejection is not None and d.rejection.reason == "tenant-concurrency"
+    a.share_slots("t", 0, 0, 0, running=2)  # both in use: over the cap, no borrow
+    d = a.decide(t, "r4", E(), 10)
+    assert d.rejection is not None and d.rejection.reason == "tenant-concurrency"

@@ -4,7 +4,8 @@
 -- ARGV: 1 replica, 2 cap, 3 slots it enforces now, 4 in flight, 5 demand, 6 spare 0|1, 7 ttl ms,
 --       8 borrow 0|1, 9 tenant, 10 known epoch, 11 orphan ttl ms.
 -- Returns {-1} for a call made for another epoch, else {slots, free, version, orphaned slots, slots of its
--- own given back while it was taken for dead, replica, record, replica, record, ...}.
+-- own given back while it was taken for dead, requests in flight fleet-wide (every live replica's last
+-- report, this one's now, and the orphans), replica, record, replica, record, ...}.
 if redis.call('GET', KEYS[5]) ~= ARGV[10] then return {-1} end
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
@@ -16,7 +17,7 @@ if not live[me] then live[me] = true; n = n + 1 end
 local raw = redis.call('HGETALL', KEYS[2])
 local fields = {}
 for i = 1, #raw, 2 do fields[raw[i]] = raw[i + 1] end
-local held, demand, spare, orphans, given = {}, {}, {}, 0, 0
+local held, demand, spare, busy, orphans, given = {}, {}, {}, {}, 0, 0
 -- first the orphans of replicas that died earlier: expired ones go; this replica's own (it was taken for
 -- dead while it lived: a lapsed heartbeat) go too — less the slots END gave back for requests of its
 -- that ended meanwhile (c: what was orphaned, o: what is left), which it no longer holds
@@ -54,6 +55,8 @@ for f, v in pairs(fields) do
       demand[r] = tonumber(v)
     elseif kind == 'x:' then
       spare[r] = (v == '1')
+    elseif kind == 'i:' and r ~= me then
+      busy[r] = tonumber(v)
     end
   end
 end
@@ -90,6 +93,8 @@ local even = math.floor(cap / n)
 local uneven = record > even or orphans > 0
 for _, h in pairs(held) do if h > even then uneven = true end end
 if uneven then redis.call('SADD', KEYS[4], ARGV[9]) else redis.call('SREM', KEYS[4], ARGV[9]) end
-local out = {target, cap - others - record, version, orphans, given, me, record}
+local running = orphans + inflight
+for _, i in pairs(busy) do running = running + i end
+local out = {target, cap - others - record, version, orphans, given, running, me, record}
 for r, h in pairs(held) do out[#out + 1] = r; out[#out + 1] = h end
 return out
