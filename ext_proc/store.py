@@ -517,6 +517,7 @@ class SharedStore:
         interval = self.cfg.sync_interval_ms / 1000.0
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.cfg.timeout_ms / 1000.0
+        answered = False
         try:
             async with asyncio.timeout(self.cfg.timeout_ms / 1000.0):
                 while True:
@@ -532,6 +533,10 @@ class SharedStore:
                     self.borrows.labels("waited").inc()
                     await asyncio.sleep(interval)
         except (TimeoutError, RedisError, OSError):
+            if answered:  # out of time while waiting for an idle slot to move: the store's answer stands
+                self.borrows.labels("refused").inc()
+                unreached.discard(tenant)
+                return False
             self.errors.labels("borrow").inc()
             self.borrows.labels("error").inc()
             unreached.add(tenant)
