@@ -146,9 +146,10 @@ class SharedStore:
                                       buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1),
                                       registry=r)
         self.borrows = Counter("kvgate_store_borrows_total", "Round trips to the store to borrow before "
-                               "refusing a request, by result: granted | refused | error | waited (a slot borrow "
-                               "that found every slot held but not all in use, and waited a sync for one to move)",
-                               ["result"], registry=r)
+                               "refusing a request, by result: granted | refused | error", ["result"], registry=r)
+        self.borrow_waits = Counter("kvgate_store_borrow_waits_total", "Syncs a slot borrow waited because every "
+                                    "slot of the tenant was held but fewer requests than its cap ran fleet-wide "
+                                    "(an idle slot moving to this replica)", registry=r)
         self.errors = Counter("kvgate_store_errors_total", "Failed calls to the shared store", ["op"], registry=r)
         self.forwarded = Counter("kvgate_store_forwarded_completions_total", "Completions for tickets another "
                                  "replica owns: sent (forwarded to it) | received (from another) | orphan (its "
@@ -530,7 +531,7 @@ class SharedStore:
                     # every slot is held but not every slot is in use: an idle one moves to where the
                     # requests are within a sync or two (this replica's demand is reported meanwhile)
                     adm.leased.wants_slot(s)
-                    self.borrows.labels("waited").inc()
+                    self.borrow_waits.inc()
                     await asyncio.sleep(interval)
         except (TimeoutError, RedisError, OSError):
             if answered:  # out of time while waiting for an idle slot to move: the store's answer stands
