@@ -450,7 +450,10 @@ class SharedStore:
         if not self.ok:
             log.info("store_up", replicas=len(self.live), epoch=self.epoch)
         self.ok = True
+        # the store answers: its word is fresh again for every tenant (a borrow that failed before
+        # must not turn a true 429 into a 503 for as long as the tenant does not borrow again)
         self.core.admission.leased.down = False
+        self.core.admission.leased.unreached.clear()
         self._failing_since = None
         self.up_gauge.set(1)
 

@@ -651,6 +651,9 @@ def test_a_borrow_the_store_cannot_answer_is_503_quota_unavailable_not_429(tmp_p
         assert isinstance(out, Answer) and out.decision.rejection is not None
         r = out.decision.rejection
         assert (r.status, r.reason, r.klass) == (503, "quota-unavailable", "gateway") and r.retry_after
+        assert "a" in b.core.admission.leased.unreached
+        await b.store.sync()
+        assert "a" not in b.core.admission.leased.unreached, "a sync that went through: the store's word again"
         out = await b.ask("b1")  # the store answers again: the fleet's 4 slots are in use, a true 429
         assert isinstance(out, Answer) and out.decision.rejection is not None
         assert (out.decision.rejection.status, out.decision.rejection.reason) == (429, "tenant-concurrency")
