@@ -30,11 +30,11 @@ from typing import NamedTuple
 
 from .config import Config, Mode, ModelBudget, Tenant
 from .estimate import Estimate
-from .limits import Credit, TokenBucket, default_burst
+from .limits import Credit, default_burst
 from .pools import DEFAULT_POOL, PoolSpec, Router, pools_of
 from .queue import Entry, FairQueue, TierSpec
+from .quota import Bucket, LeasedQuota, Limit, LocalQuota, Quota, ShareReport, SplitQuota, whole_tokens
 from .reasons import UNKNOWN_KEY, RateLimitView, Rejection, reject
-from .share import IDLE_S, ORPHANED, credit_target, fallback_slots, slot_demand
 
 __all__ = ["UNKNOWN_KEY", "RateLimitView", "Rejection"]
 
@@ -43,9 +43,6 @@ _UNKNOWN_SLOT = "\x00unknown"
 """Where callers without a known key are accounted: not a name a tenant can have, so a configured
 tenant called ``unknown`` keeps its own quota."""
 EWMA_ALPHA = 0.2
-SPEND_ALPHA = 0.3
-LARGEST_DECAY = 0.95
-"""Per sync: the largest recent request, which a replica keeps credit for, is forgotten over ~20 syncs."""
 MIN_HOLD_S = 0.05
 """The least a request is held in the gateway queue for room (about a pump of the queue)."""
 NORM_ALPHA = 0.02
@@ -53,10 +50,6 @@ NORM_ALPHA = 0.02
 recent mean's last 5 — a fleet that slowed down shows as the recent mean pulling away from the norm."""
 SLOWED = 1.5
 """Recent mean over norm at which a tenant's concurrency-cap 429s count as the fleet's doing."""
-
-
-Bucket = TokenBucket | Credit
-"""A budget: the whole bucket (one replica) or this replica's credit leased from the shared one."""
 
 
 @dataclass(slots=True, eq=False)
@@ -71,6 +64,9 @@ class TenantState:
     """With several replicas: this replica's slice of ``max_concurrent`` (``share.py``); None: all of it."""
     fleet_free: int = 0
     """Slots nobody held fleet-wide at the last sync: whether borrowing one is worth a round trip."""
+    fleet_running: int | None = None
+    """Requests in flight fleet-wide as the store last answered (each replica's last report; None: not
+    known): fewer than the cap while every slot is held means a slot idles at another replica."""
     record: int = 0
     """What the store has on record as this replica's slots (at least ``slots``): until it is 0 the
     replica keeps reporting, so that what it no longer uses goes back."""
@@ -199,14 +195,6 @@ class Completion:
     """Weighted tokens the tenant finally received (its fair-share counters count this)."""
 
 
-def _bucket(per_minute: float | None, burst: int | None, now: float, credit: bool = False) -> Bucket | None:
-    if per_minute is None:
-        return None
-    if credit:
-        return Credit(per_minute, default_burst(per_minute, burst), now)
-    return TokenBucket(per_minute, default_burst(per_minute, burst), now)
-
-
 class Admission:
     def __init__(
         self, config: Config, clock: Callable[[], float], rng: random.Random | None = None,
@@ -229,12 +217,11 @@ class Admission:
         self._mean_seconds: float | None = None
         self.shared = config.store.redis is not None
         """Several replicas share the tenants' limits through a store: budgets are leased credit."""
-        self.local_split = 0
-        """While the store is out of reach: the replicas last seen alive, each enforcing an even split
-        of every budget (0: the store is reachable, or there is none)."""
-        self._split: tuple[list[str], str, Mapping[str, Mapping[str, int]]] | None = None
-        self.fallback_spent: dict[str, tuple[float, float]] = {}
-        """(requests, tokens) each tenant spent from its local split: debited from the store's buckets on rejoining."""
+        self.leased = LeasedQuota(self.states)
+        """How quotas are shared while the store answers (what ``store.py`` talks to)."""
+        self.quota: Quota = self.leased if self.shared else LocalQuota()
+        """How quotas are enforced now: one replica's own | leased from the store | a local split while
+        the store is out of reach (``quota.py``). Every quota question of the decision goes here."""
         self.service_out: dict[str, float] = {}
         """Fair-share service given here since the last sync, by tenant: the other replicas add it to theirs."""
         self.dispatch_out: list[tuple[str, int, int, str]] = []
@@ -261,13 +248,13 @@ class Admission:
                    for t in config.tenants for key, b in t.model_budgets.items()]
         for t, model, mode in wanted:
             state = old.get(t.name)
-            credit = self.shared and not self.local_split
+            quota = self.quota
             if state is None:
                 state = TenantState(
                     t,
                     mode,
-                    _bucket(t.requests_per_minute, t.request_burst, now, credit),
-                    _bucket(t.tokens_per_minute, t.token_burst, now, credit),
+                    quota.bucket(t.requests_per_minute, t.request_burst, now),
+                    quota.bucket(t.tokens_per_minute, t.token_burst, now),
                     slots=0 if self.shared else None,
                     fleet_free=t.max_concurrent or 0,
                 )
@@ -279,8 +266,8 @@ class Admission:
                     # a lower cap: this replica's slice shrinks in proportion until the store answers
                     state.slots = state.slots * t.max_concurrent // old_cap
                 state.config, state.mode = t, mode
-                state.requests = _retuned(state.requests, t.requests_per_minute, t.request_burst, now, credit)
-                state.tokens = _retuned(state.tokens, t.tokens_per_minute, t.token_burst, now, credit)
+                state.requests = _retuned(quota, state.requests, t.requests_per_minute, t.request_burst, now)
+                state.tokens = _retuned(quota, state.tokens, t.tokens_per_minute, t.token_burst, now)
             state.model = model
             (tenants if model is None else budgets)[t.name] = state
         unknown = old.get(_UNKNOWN_SLOT)
@@ -292,8 +279,8 @@ class Admission:
         self._tenants = tenants
         self._model_budgets = budgets
         self.config = config
-        if self.local_split and self._split is not None:
-            self.share_local(*self._split)  # new limits, split the same way
+        if isinstance(self.quota, SplitQuota):
+            self.quota.split(now)  # new limits, split the same way
         self._pools = {p.name: p for p in (pools if pools is not None else pools_of(config))}
         tiers = [TierSpec(n, t.priority, t.max_queue_wait_ms / 1000.0) for n, t in config.tiers.items()]
         for p in self._pools.values():
@@ -542,9 +529,7 @@ class Admission:
         for s in (lease.tenant, lease.budget):
             if s is None:
                 continue
-            if self.local_split and s.name in self.fallback_spent:
-                r, t = self.fallback_spent[s.name]  # never sent: nothing to debit on rejoining
-                self.fallback_spent[s.name] = (r - 1, t - lease.reserved_tokens)
+            self.quota.refunded(s, lease.reserved_tokens)
             s.inflight -= 1
             if s.requests is not None:
                 s.requests.give(1, now)
@@ -598,48 +583,58 @@ class Admission:
                 f"{q.max_context_tokens} tokens. Lower max_tokens or shorten the prompt.",
             )
         on = f" on model {s.model}" if s.model is not None else ""
-        if s.tokens is not None and est.total > s.tokens.capacity:
+        whole = whole_tokens(q)
+        if whole is not None and est.total > whole:
             return reject(
                 "exceeds-token-budget",
                 f"This request would cost about {est.total} tokens, more than this tenant's whole "
-                f"token budget{on} of {int(s.tokens.capacity)}; it can never be admitted as it is.",
+                f"token budget{on} of {int(whole)}; it can never be admitted as it is.",
             )
-        if q.max_concurrent is not None and s.inflight >= (
-                q.max_concurrent if s.slots is None else min(s.slots, q.max_concurrent)):
-            if s.slots is not None and s.slots < q.max_concurrent:
-                # this replica's slice is full: the fleet may have a slot nobody holds
-                if may_borrow and s.fleet_free > 0:
-                    s.fleet_free -= 1  # a burst on this replica does not send more borrows than slots are free
-                    return BORROW
-                s.refused += 1
+        cap = q.max_concurrent
+        if cap is not None and s.inflight >= (cap if s.slots is None else min(s.slots, cap)):
+            short = self.quota.short(s, "slots", 1.0, now, may_borrow)
+            if short == "borrow":
+                return BORROW
             wait = self._slot_free(s, now)
-            r = self._policy(
-                s, "tenant-concurrency",
-                f"Too many concurrent requests for this tenant{on} (limit {q.max_concurrent}).", wait, est, now,
-            )
+            if short == "unknown":
+                return self._unknown(s, "slots", wait)
+            message = f"Too many concurrent requests for this tenant{on} (limit {cap})."
+            if s.inflight < cap:
+                # the store granted every slot, but not all are in use here: say so (never a false claim)
+                message = (f"All {cap} concurrent slots of this tenant{on} are held by kvgate replicas, "
+                           f"{s.inflight} of them in use here; a slot idle at another replica moves to where "
+                           f"the requests are within about a sync of the shared store.")
+            r = self._policy(s, "tenant-concurrency", message, wait, est, now)
             return replace(r, fleet_caused=True) if self._fleet_caused(s, est, now) else r
-        if s.requests is not None:
-            wait = s.requests.seconds_until(1, now)
-            if wait > 0:
-                if may_borrow and s.requests.borrowable(1, now):
-                    s.requests.borrowing(1, now)
-                    return BORROW
-                return self._policy(
-                    s, "tenant-requests",
-                    f"Rate limit reached for requests{on} (limit {int(s.requests.rate * 60)}/min).", wait, est, now,
-                )
-        if s.tokens is not None:
-            wait = s.tokens.seconds_until(est.total, now)
-            if wait > 0:
-                if may_borrow and s.tokens.borrowable(est.total, now):
-                    s.tokens.borrowing(est.total, now)
-                    return BORROW
-                return self._policy(
-                    s, "tenant-tokens",
-                    f"Rate limit reached for tokens{on} (limit {int(s.tokens.rate * 60)}/min; this request "
-                    f"reserves about {est.total}).", wait, est, now,
-                )
+        budgets: tuple[tuple[Limit, Bucket | None, float], ...] = (
+            ("requests", s.requests, 1.0), ("tokens", s.tokens, float(est.total)))
+        for limit, b, need in budgets:
+            wait = b.seconds_until(need, now) if b is not None else 0.0
+            if b is None or wait <= 0:
+                continue
+            short = self.quota.short(s, limit, need, now, may_borrow)
+            if short == "borrow":
+                return BORROW
+            if short == "unknown":
+                return self._unknown(s, limit, wait)
+            if limit == "requests":
+                message = f"Rate limit reached for requests{on} (limit {int(b.rate * 60)}/min)."
+            else:
+                message = (f"Rate limit reached for tokens{on} (limit {int(b.rate * 60)}/min; this request "
+                           f"reserves about {est.total}).")
+            return self._policy(s, f"tenant-{limit}", message, wait, est, now)
         return None
+
+    def _unknown(self, s: TenantState, limit: Limit, wait: float) -> Rejection:
+        """503 ``quota-unavailable``: this replica's share of a limit cannot pay and the shared store
+        could not be asked whether the fleet's can — not a claim that the tenant is over its quota."""
+        what = {"slots": "concurrent requests", "requests": "requests per minute", "tokens": "tokens per minute"}
+        why = ("the shared quota store cannot be reached: this replica enforces only its split of the "
+               "tenant's limits" if isinstance(self.quota, SplitQuota) else
+               "the shared quota store could not be asked in time")
+        return reject("quota-unavailable", f"This gateway replica's share of the tenant's {what[limit]} is in "
+                      f"use and {why}; the tenant may be within its quota. Retry after the indicated time.",
+                      self.jittered(wait if math.isfinite(wait) else self.config.retry.default_request_seconds))
 
     @staticmethod
     def _fleet_caused(s: TenantState, est: Estimate, now: float) -> bool:
@@ -722,14 +717,7 @@ class Admission:
             s.requests.take(1, now)
         if s.tokens is not None:
             s.tokens.take(tokens, now)
-        if self.shared:
-            s.peak = max(s.peak, s.inflight)
-            s.spent_requests += 1
-            s.spent_tokens += tokens
-            s.largest = max(s.largest, tokens)
-            if self.local_split:
-                r, t = self.fallback_spent.get(s.name, (0.0, 0.0))
-                self.fallback_spent[s.name] = (r + 1, t + tokens)
+        self.quota.took(s, tokens)
 
     def _dispatch(self, lease: Lease, est: Estimate, now: float) -> None:
         """The request leaves kvgate for a node: it holds a fleet slot and counts as service received."""
@@ -776,9 +764,7 @@ class Admission:
                 b.leases.pop(ticket, None)
                 if b.tokens is not None:
                     b.tokens.give(lease.reserved_tokens - charged_tokens, now)
-                if self.local_split and b.name in self.fallback_spent:
-                    r, t = self.fallback_spent[b.name]  # what the store is debited on rejoining: real usage
-                    self.fallback_spent[b.name] = (r, t - (lease.reserved_tokens - charged_tokens))
+                self.quota.settled(b, lease.reserved_tokens - charged_tokens)
         seconds = now - lease.started
         if responded:
             s.mean_seconds = _ewma(s.mean_seconds, seconds)
@@ -838,106 +824,41 @@ class Admission:
     # -- several replicas (``share.py`` for the arithmetic, ``store.py`` for the I/O) ------------
 
     def share_report(self, replicas: int, interval: float) -> list[ShareReport]:
-        """What this replica asks the store for, tenant by tenant: the slots it wants and the credit to
-        lease (positive) or give back (negative; taken off the local credit now, so a lost reply loses
-        credit rather than spends it twice). Resets the demand seen since the last report."""
-        now = self._clock()
-        out = []
-        for s in self.states():
-            q = s.config
-            idle = s.inflight == 0 and now - s.last_seen > IDLE_S
-            buckets = (s.requests, s.tokens)
-            if q.max_concurrent is None and all(b is None for b in buckets):
-                continue
-            if idle and not s.slots and not s.record and all(not isinstance(b, Credit) or b.level == 0
-                                                             for b in buckets):
-                # nothing held, nothing asked: what the fleet has free is no longer known, so the next
-                # request borrows (one round trip) rather than trusting a stale "none"
-                s.fleet_free = q.max_concurrent or 0
-                continue
-            demand, spare = None, False
-            if q.max_concurrent is not None:
-                demand, spare = slot_demand(s.inflight, s.peak, s.refused, idle)
-                demand = min(q.max_concurrent, demand)
-            amounts: list[tuple[float, float, float] | None] = []
-            dt = max(interval, 1e-3)
-            s.rate_requests += SPEND_ALPHA * (s.spent_requests / dt - s.rate_requests)
-            s.rate_tokens += SPEND_ALPHA * (s.spent_tokens / dt - s.rate_tokens)
-            for b, rate, largest in ((s.requests, s.rate_requests, 1.0), (s.tokens, s.rate_tokens, s.largest)):
-                if not isinstance(b, Credit):
-                    amounts.append(None)
-                    continue
-                if idle:
-                    amount = -max(0.0, b.level)
-                else:
-                    target = credit_target(rate, largest, b.capacity, replicas)
-                    if b.level < target / 2 or b.level > 2 * target:
-                        amount = target - b.level
-                    else:
-                        amount = 0.0
-                if amount < 0:
-                    b.level += amount
-                amounts.append((b.rate * 60.0, b.capacity, amount))
-            out.append(ShareReport(s.name, q.max_concurrent, s.slots or 0, s.inflight, demand, spare,
-                                   amounts[0], amounts[1]))
-            s.peak, s.refused = s.inflight, 0
-            s.spent_requests = s.spent_tokens = 0.0
-            s.largest = 0.0 if idle else s.largest * LARGEST_DECAY
-        return out
+        """What this replica asks the store for, tenant by tenant (``LeasedQuota.report``)."""
+        return self.leased.report(replicas, interval, self._clock())
 
-    def share_slots(self, tenant: str, slots: int, free: int, record: int | None = None) -> None:
-        """The store's answer for one tenant's concurrency: the slots this replica may now admit on, how
-        many nobody holds, and what the store has on record for this replica."""
+    def share_slots(self, tenant: str, slots: int, free: int, record: int | None = None,
+                    running: int | None = None) -> None:
+        """The store's answer for one tenant's concurrency (``LeasedQuota.slots``); ignored on a split."""
         s = self.tenant_state(tenant)
-        if s is None or self.local_split:
-            return
-        s.slots, s.fleet_free = slots, free
-        s.record = slots if record is None else record
+        if s is not None and not self.local_split:
+            self.leased.slots(s, slots, free, record, running)
 
     def share_credit(self, tenant: str, budget: str, granted: float, fleet_level: float) -> None:
-        """The store's answer for one budget (``requests`` | ``tokens``): credit granted, and the level
-        of the fleet's bucket after it."""
+        """The store's answer for one budget (``LeasedQuota.credit``); ignored on a split."""
         s = self.tenant_state(tenant)
-        b = getattr(s, budget) if s is not None and budget in ("requests", "tokens") else None
-        if isinstance(b, Credit) and not self.local_split:
-            b.level += granted
-            b.seen(fleet_level, self._clock())
+        if s is not None and not self.local_split:
+            self.leased.credit(s, budget, granted, fleet_level, self._clock())
 
     def share_local(self, replicas: Sequence[str], me: str, holdings: Mapping[str, Mapping[str, int]]) -> None:
         """The store is out of reach: enforce an even split of every limit among ``replicas`` (all of
         them, this one included: the live ones last seen, padded to the replicas expected to run),
-        corrected for what the others held (``share.fallback_slots``). Applied again after a reload."""
-        live = sorted(set(replicas) | {me})
-        n = len(live)
-        now = self._clock()
-        self.local_split = n
-        self._split = (live, me, holdings)
-        for s in self.states():
-            q = s.config
-            if q.max_concurrent is not None:
-                held = holdings.get(s.name, {})
-                # slots of replicas that died are still taken by what they admitted
-                cap = max(0, q.max_concurrent - held.get(ORPHANED, 0))
-                s.slots = fallback_slots(cap, held, live).get(me, 0)
-            for attr, per_minute, burst in _budgets(q):
-                b = getattr(s, attr)
-                if b is None or per_minute is None:
-                    continue
-                local = TokenBucket(per_minute / n, max(1.0, default_burst(per_minute, burst) / n), now)
-                local.level = min(b.level, local.capacity)
-                setattr(s, attr, local)
+        corrected for what the others held (``quota.SplitQuota``). Applied again after a reload."""
+        split = SplitQuota(self.states, replicas, me, holdings)
+        self.quota = split
+        split.split(self._clock())
 
-    def share_rejoin(self) -> None:
-        """The store answers again: budgets are leased credit again, keeping only debts (what was
-        spent meanwhile is in ``fallback_spent``, for the store to debit)."""
-        now = self._clock()
-        self.local_split = 0
-        for s in self.states():
-            q = s.config
-            for attr, per_minute, burst in _budgets(q):
-                b = getattr(s, attr)
-                if isinstance(b, TokenBucket) and per_minute is not None:
-                    setattr(s, attr, Credit(per_minute, default_burst(per_minute, burst), now, level=min(0.0, b.level)))
+    def share_rejoin(self) -> dict[str, tuple[float, float]]:
+        """The store answers again: budgets are leased credit again, keeping only debts. Returns the
+        (requests, tokens) each budget spent meanwhile, for the store to debit."""
+        split, self.quota = self.quota, self.leased
+        return split.rejoin(self._clock()) if isinstance(split, SplitQuota) else {}
+
+    @property
+    def local_split(self) -> int:
+        """While the store is out of reach: the replicas the split divides among (0: the store is
+        reachable, or there is none)."""
+        return self.quota.replicas if isinstance(self.quota, SplitQuota) else 0
 
 
 class Placed(NamedTuple):
@@ -957,31 +878,8 @@ A node it returns is booked for that ticket. In
 shadow mode it must return a node whenever any is alive, whatever its load."""
 
 
-@dataclass(frozen=True, slots=True)
-class ShareReport:
-    """One tenant's line in a replica's sync with the store (``share_report``)."""
-
-    tenant: str
-    cap: int | None
-    """Its ``max_concurrent`` (None: no cap)."""
-    slots: int
-    """Slots this replica admits on now: the store's record never drops below it, and adopts it when it
-    has no record (it restarted empty)."""
-    inflight: int
-    demand: int | None
-    spare: bool
-    requests: tuple[float, float, float] | None
-    """(per minute, bucket size, amount to lease (+) or give back (-)) for its request budget."""
-    tokens: tuple[float, float, float] | None
-
-
 BORROW = reject("tenant-concurrency", "borrow from the store")
 """What ``_check`` says when this replica's slice is short and the fleet's may not be (never sent)."""
-
-
-def _budgets(q: Tenant) -> tuple[tuple[str, float | None, int | None], ...]:
-    """A tenant's two budgets: (the TenantState attribute, per minute, burst)."""
-    return ("requests", q.requests_per_minute, q.request_burst), ("tokens", q.tokens_per_minute, q.token_burst)
 
 
 def _budget_tenant(t: Tenant, key: str, b: ModelBudget) -> Tenant:
@@ -1000,12 +898,14 @@ def _ewma(prev: float | None, x: float, alpha: float = EWMA_ALPHA) -> float:
     return x if prev is None else prev + alpha * (x - prev)
 
 
-def _retuned(b: Bucket | None, per_minute: float | None, burst: int | None, now: float,
-             credit: bool = False) -> Bucket | None:
+def _retuned(quota: Quota, b: Bucket | None, per_minute: float | None, burst: int | None,
+             now: float) -> Bucket | None:
+    """A budget after a reload: the same bucket retuned (what was spent stays spent), or a new one
+    when the limit is new or the mode's kind of bucket changed."""
     if per_minute is None:
         return None
-    if b is None or isinstance(b, Credit) != credit:
-        return _bucket(per_minute, burst, now, credit)
+    if b is None or isinstance(b, Credit) != (quota.mode == "leased"):
+        return quota.bucket(per_minute, burst, now)
     b.retune(per_minute, default_burst(per_minute, burst), now)
     return b
 

@@ -70,6 +70,18 @@ def default_burst(per_minute: float, burst: int | None) -> float:
     return float(burst) if burst is not None else max(1.0, per_minute)
 
 
+CREDIT_TOLERANCE = 1e-9
+"""Relative slack when credit is compared with what a request needs. Leased credit is the sum of floats
+that crossed the store (``level + (need - level)`` need not round back to ``need``): without slack a
+replica that leased exactly the missing 23 tokens could hold 22.999999999999996 and refuse the request
+it borrowed for — a 429 for a tenant inside its fleet-wide budget."""
+
+
+def covers(have: float, need: float) -> bool:
+    """``have`` pays for ``need``, up to float rounding (:data:`CREDIT_TOLERANCE`)."""
+    return have >= need - CREDIT_TOLERANCE * max(1.0, abs(need))
+
+
 class Credit:
     """A replica's slice of a budget several replicas share: units leased from the fleet's bucket in
     the store (``store.py``). It never refills by itself — the store's bucket does, and the replica
@@ -101,14 +113,18 @@ class Credit:
         should hold enough (at least a millisecond: the request is not paid for locally)."""
         if amount > self.capacity:
             return math.inf
-        if self.level >= amount:
+        if covers(self.level, amount):
             return 0.0
         deficit = amount - self.level - max(0.0, self.fleet_level(now))
         return max(1e-3, deficit / self.rate)
 
     def borrowable(self, amount: float, now: float) -> bool:
         """Leasing more from the store could pay for ``amount`` (as of the last reading)."""
-        return self.level + max(0.0, self.fleet_level(now)) >= amount
+        return covers(self.level + max(0.0, self.fleet_level(now)), amount)
+
+    def lacks(self, amount: float) -> float:
+        """What this replica's own credit lacks to pay for ``amount`` (0: it pays): what a borrow asks for."""
+        return 0.0 if covers(self.level, amount) else amount - self.level
 
     def borrowing(self, amount: float, now: float) -> None:
         """A borrow of what ``amount`` lacks is on its way: the fleet's bucket is taken as that much

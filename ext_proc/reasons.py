@@ -8,7 +8,8 @@ renders its own local replies (``gateway-unavailable``, ``route-not-found``, ...
 Classes, and why they matter: ``invalid`` (400/404/413) and ``auth`` (401/403) can never succeed by
 retrying and are never 5xx; ``policy`` (429) is the tenant over its own quota and never scales the
 fleet; ``capacity`` (503) is the fleet out of room: the autoscaling signal. ``gateway`` (503) is
-Envoy's own answer when kvgate or a node cannot be reached.
+Envoy's own answer when kvgate or a node cannot be reached, and kvgate's when its shared quota store
+cannot be asked (``quota-unavailable``: no claim about the tenant, and no autoscaling signal either).
 
 Pure: no I/O, no protobuf.
 """
@@ -98,6 +99,10 @@ _TABLE: tuple[Reason, ...] = (
     Reason("queue-full", 503, "capacity", "server_error", "queue_full", "The gateway queue is full" + _RETRY),
     Reason("queue-ahead", 503, "capacity", "server_error", "queue_ahead",
            "Requests of this tier are already waiting for capacity" + _RETRY),
+    # -- gateway: kvgate could not reach what it needs to decide (503, retry) ----------------------
+    Reason("quota-unavailable", 503, "gateway", "server_error", "quota_unavailable",
+           "This gateway could not confirm the tenant's quota with its shared store (its share here is in "
+           "use; the tenant may be within its quota)" + _RETRY),
     # -- gateway: Envoy's own answers (rendered into its local_reply_config) ------------------------
     Reason("gateway-unavailable", 503, "gateway", "server_error", "gateway_unavailable",
            "The admission service is unavailable" + _RETRY),

@@ -75,8 +75,28 @@ def fair_slots(demands: Mapping[str, int], capacity: int, spares: Collection[str
     return out
 
 
+EXPECTED = "!expected-"
+"""The names of the replicas a fallback split counts without having seen them (``expected_replicas``
+more than the store last listed). ``!`` sorts before every real replica id (hex): the remainder of an
+even split goes to these unknown replicas first (:func:`even_slots`)."""
+
+
+def with_expected(live: Collection[str], expected: int) -> list[str]:
+    """The replicas a fallback split divides among: ``live`` (the ones last seen, this one included),
+    padded with placeholders up to ``expected``.
+
+    Why placeholders come first in the split's order: a replica that never heard from the store knows
+    only itself, so each such replica would otherwise count itself as the first name and take the
+    remainder — with 3 replicas a cap of 4 became 2 + 2 + 2 and a cap of 1 became 3. A placeholder stands
+    for a replica whose view nobody knows: giving it the remainder keeps that remainder unused rather
+    than claimed by every replica at once."""
+    names = sorted(set(live))
+    return names + [f"{EXPECTED}{i}" for i in range(max(0, expected - len(names)))]
+
+
 def even_slots(capacity: int, replicas: Sequence[str]) -> dict[str, int]:
-    """``capacity`` split evenly, the remainder one each to the first replicas by name: sums to it."""
+    """``capacity`` split evenly, the remainder one each to the first replicas by name (placeholders of
+    :func:`with_expected` before every real name): sums to it."""
     live = sorted(set(replicas))
     if not live:
         return {}

@@ -37,6 +37,7 @@ from __future__ import annotations
 import asyncio
 import secrets
 import time
+from pathlib import Path
 from typing import Any
 
 import orjson
@@ -45,11 +46,11 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from redis.exceptions import NoScriptError, RedisError
 
 from . import logs
-from .admission import ShareReport, Usage
+from .admission import Usage
 from .config import RedisStore
 from .core import Core, Ended
-from .limits import Credit
-from .share import ORPHANED
+from .quota import ShareReport
+from .share import ORPHANED, with_expected
 
 log = logs.get("kvgate.store")
 
@@ -59,239 +60,22 @@ MAX_ENDS = 20_000
 """Completions waiting to be forwarded while Redis is away; beyond it the oldest are dropped (their
 slots come back by reclaim)."""
 ENDS_PER_BATCH = 2_000
-FAIR = """
-local function fair(demand, spare, cap)
-  cap = math.max(0, cap)
-  local names = {}
-  for r, _ in pairs(demand) do names[#names + 1] = r end
-  table.sort(names, function(a, b)
-    if demand[a] ~= demand[b] then return demand[a] < demand[b] end
-    return a < b
-  end)
-  local left, share = cap, {}
-  for i, r in ipairs(names) do
-    local give = math.min(math.max(0, demand[r]), left / (#names - i + 1))
-    share[r] = give
-    left = left - give
-  end
-  local out, sum = {}, 0
-  for _, r in ipairs(names) do out[r] = math.floor(share[r]); sum = sum + out[r] end
-  left = cap - sum
-  local byfrac = {}
-  for _, r in ipairs(names) do byfrac[#byfrac + 1] = r end
-  table.sort(byfrac, function(a, b)
-    local fa, fb = share[a] - out[a], share[b] - out[b]
-    if fa ~= fb then return fa > fb end
-    return a < b
-  end)
-  for _, r in ipairs(byfrac) do
-    if left <= 0 then break end
-    if out[r] < demand[r] then out[r] = out[r] + 1; left = left - 1 end
-  end
-  local sp = {}
-  for _, r in ipairs(names) do if spare[r] then sp[#sp + 1] = r end end
-  table.sort(sp, function(a, b)
-    if out[a] ~= out[b] then return out[a] < out[b] end
-    return a < b
-  end)
-  for _, r in ipairs(sp) do
-    if left <= 0 then break end
-    out[r] = out[r] + 1; left = left - 1
-  end
-  return out
-end
-"""
 
-# KEYS: replicas (zset replica -> expiry ms), epoch, learning, over (the tenants held unevenly).
-# ARGV: replica, ttl ms, new epoch, known epoch, prefix of the slots hashes, rejoining 0|1.
-# Returns {epoch, learning 0|1, {live replica ids}, {tenant, {field, value, ...}, ...}}: the holdings of
-# the tenants held unevenly are what a fallback split corrects for (the others need no correction).
-HELLO = """
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-local ttl = tonumber(ARGV[2])
-redis.call('ZADD', KEYS[1], now + ttl, ARGV[1])
-redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
-local e = redis.call('GET', KEYS[2])
-if not e then
-  e = ARGV[3]
-  redis.call('SET', KEYS[2], e)
-  if ARGV[4] ~= '' then redis.call('SET', KEYS[3], '1', 'PX', ttl) end
-elseif ARGV[4] ~= '' and ARGV[4] ~= e then
-  redis.call('SET', KEYS[3], '1', 'PX', ttl, 'NX')
-end
-if ARGV[6] == '1' then
-  -- a replica back from its local split: what it holds is not on record yet
-  redis.call('SET', KEYS[3], '1', 'PX', ttl)
-end
-local uneven = {}
-for _, tenant in ipairs(redis.call('SRANDMEMBER', KEYS[4], 256)) do
-  uneven[#uneven + 1] = tenant
-  uneven[#uneven + 1] = redis.call('HGETALL', ARGV[5] .. tenant)
-end
-return {e, redis.call('EXISTS', KEYS[3]), redis.call('ZRANGEBYSCORE', KEYS[1], now, '+inf'), uneven}
-"""
+LUA = Path(__file__).with_name("lua")
+"""The Redis scripts, one ``.lua`` file each (packaged with ext_proc; ``tests/test_store_lua.py`` runs them
+on a real ``redis-server``)."""
 
-# KEYS: replicas, the tenant's slots hash (per replica h: held, w: demand, x: spare, i: in flight; per dead
-# replica o: its orphaned slots, e: their expiry), learning, over, epoch, version counter.
-# ARGV: 1 replica, 2 cap, 3 slots it enforces now, 4 in flight, 5 demand, 6 spare 0|1, 7 ttl ms,
-#       8 borrow 0|1, 9 tenant, 10 known epoch, 11 orphan ttl ms.
-# Returns {-1} for a call made for another epoch, else {slots, free, version, orphaned slots, slots of its
-# own given back while it was taken for dead, replica, record, replica, record, ...}.
-SLOTS = FAIR + """
-if redis.call('GET', KEYS[5]) ~= ARGV[10] then return {-1} end
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-local me, cap = ARGV[1], tonumber(ARGV[2])
-local enforced, inflight = tonumber(ARGV[3]), tonumber(ARGV[4])
-local live, n = {}, 0
-for _, r in ipairs(redis.call('ZRANGEBYSCORE', KEYS[1], now, '+inf')) do live[r] = true; n = n + 1 end
-if not live[me] then live[me] = true; n = n + 1 end
-local raw = redis.call('HGETALL', KEYS[2])
-local fields = {}
-for i = 1, #raw, 2 do fields[raw[i]] = raw[i + 1] end
-local held, demand, spare, orphans, given = {}, {}, {}, 0, 0
--- first the orphans of replicas that died earlier: expired ones go; this replica's own (it was taken for
--- dead while it lived: a lapsed heartbeat) go too — less the slots END gave back for requests of its
--- that ended meanwhile (c: what was orphaned, o: what is left), which it no longer holds
-for f, v in pairs(fields) do
-  local kind, r = string.sub(f, 1, 2), string.sub(f, 3)
-  if kind == 'o:' then
-    if r == me then
-      given = math.max(0, tonumber(fields['c:' .. r] or v) - tonumber(v))
-      redis.call('HDEL', KEYS[2], f, 'e:' .. r, 'c:' .. r)
-    elseif tonumber(fields['e:' .. r] or 0) < now or tonumber(v) <= 0 then
-      redis.call('HDEL', KEYS[2], f, 'e:' .. r, 'c:' .. r)
-    else
-      orphans = orphans + tonumber(v)
-    end
-  end
-end
-enforced = math.max(0, enforced - given)
-inflight = math.max(0, inflight - given)
--- then the replicas that died since: the requests they admitted still run; all they held stays taken
--- until completions come in for them (END) or the lease timeout passes
-for f, v in pairs(fields) do
-  local kind, r = string.sub(f, 1, 2), string.sub(f, 3)
-  if kind == 'h:' or kind == 'w:' or kind == 'x:' or kind == 'i:' then
-    if not live[r] then
-      if kind == 'h:' and tonumber(v) > 0 then
-        redis.call('HINCRBY', KEYS[2], 'o:' .. r, tonumber(v))
-        redis.call('HINCRBY', KEYS[2], 'c:' .. r, tonumber(v))
-        redis.call('HSET', KEYS[2], 'e:' .. r, now + tonumber(ARGV[11]))
-        orphans = orphans + tonumber(v)
-      end
-      redis.call('HDEL', KEYS[2], f)
-    elseif kind == 'h:' then
-      held[r] = tonumber(v)
-    elseif kind == 'w:' then
-      demand[r] = tonumber(v)
-    elseif kind == 'x:' then
-      spare[r] = (v == '1')
-    end
-  end
-end
--- no record: first call, or the store restarted empty: rebuilt from what the replica enforces
-local mine = held[me] or enforced
-if mine < inflight then mine = inflight end
-held[me] = nil
-local others = orphans
-for _, h in pairs(held) do others = others + h end
-demand[me] = tonumber(ARGV[5])
-spare[me] = (ARGV[6] == '1')
-local free = cap - others - mine
-local target
-if ARGV[8] == '1' then
-  -- a borrow adds to what the replica enforces, not to a record still above it (a share it was told to
-  -- give back); only slots nobody holds
-  local base = math.max(enforced, inflight)
-  target = base + math.max(0, math.min(demand[me] - base, free))
-else
-  target = fair(demand, spare, cap - orphans)[me]
-  if target > mine then
-    target = mine + math.max(0, math.min(target - mine, free))
-  else
-    target = math.max(inflight, target)
-  end
-end
-if redis.call('EXISTS', KEYS[3]) == 1 and target > mine then target = mine end
--- never below what the replica admits on until it says it lowered it
-local record = math.max(target, enforced, inflight)
-redis.call('HSET', KEYS[2], 'h:' .. me, record, 'w:' .. me, demand[me], 'x:' .. me, ARGV[6], 'i:' .. me, inflight)
-redis.call('PEXPIRE', KEYS[2], math.max(tonumber(ARGV[7]) * 20, tonumber(ARGV[11]) + 60000))
-local version = redis.call('INCR', KEYS[6])
-local even = math.floor(cap / n)
-local uneven = record > even or orphans > 0
-for _, h in pairs(held) do if h > even then uneven = true end end
-if uneven then redis.call('SADD', KEYS[4], ARGV[9]) else redis.call('SREM', KEYS[4], ARGV[9]) end
-local out = {target, cap - others - record, version, orphans, given, me, record}
-for r, h in pairs(held) do out[#out + 1] = r; out[#out + 1] = h end
-return out
-"""
 
-# KEYS: replicas, events, the tenant's slots hash, the tickets already ended for dead replicas.
-# ARGV: the owner, its ticket, the completion (JSON), orphan ttl ms. A completion that reached another
-# replica than its owner's: for a live owner, an event it reads; for a dead one, one of its slots back
-# (once per ticket) — decided here, on the store's own view of who is alive.
-END = """
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-local score = tonumber(redis.call('ZSCORE', KEYS[1], ARGV[1]) or 0)
-if score >= now then
-  redis.call('XADD', KEYS[2], 'MINID', '~', tostring(now - 30000), '*', 'b', ARGV[3])
-  return 1
-end
-if redis.call('SADD', KEYS[4], ARGV[2]) == 0 then return 0 end
-redis.call('PEXPIRE', KEYS[4], tonumber(ARGV[4]))
--- the owner may only have been taken for dead: if it comes back it ends the lease (and its next slots
--- call takes the slot given back here off what it holds)
-redis.call('XADD', KEYS[2], 'MINID', '~', tostring(now - 30000), '*', 'b', ARGV[3])
--- the tenant's slots (KEYS[3]) and, for a request under a per-model budget, the budget's (KEYS[5])
-local out = 3
-for k = 3, #KEYS do
-  if k ~= 4 then
-    for _, kind in ipairs({'o:', 'h:'}) do
-      local n = tonumber(redis.call('HGET', KEYS[k], kind .. ARGV[1]) or 0)
-      if n > 0 then
-        redis.call('HINCRBY', KEYS[k], kind .. ARGV[1], -1)
-        out = 2
-        break
-      end
-    end
-  end
-end
-return out
-"""
+def _script(name: str) -> str:
+    return (LUA / f"{name}.lua").read_text()
 
-# KEYS: the bucket (hash l = level, t = when), learning, epoch. ARGV: rate per s, capacity, amount
-# (+ lease, - give back), partial 0|1, known epoch. Returns {granted, level} as strings (Lua numbers
-# would be truncated to integers), or {'epoch'} for a call made for another epoch.
-BUCKET = """
-if redis.call('GET', KEYS[3]) ~= ARGV[5] then return {'epoch'} end
-local t = redis.call('TIME')
-local now = tonumber(t[1]) + tonumber(t[2]) / 1e6
-local rate, cap, amount = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
-local s = redis.call('HMGET', KEYS[1], 'l', 't')
-local level, at = tonumber(s[1]), tonumber(s[2])
-if level == nil then
-  -- a new bucket starts full, except while the store relearns after losing its state: empty
-  if redis.call('EXISTS', KEYS[2]) == 1 then level = 0 else level = cap end
-  at = now
-end
-if now > at then level = math.min(cap, level + (now - at) * rate) end
-local granted = 0
-if amount > 0 then
-  if ARGV[4] == '1' then granted = math.max(0, math.min(amount, level))
-  elseif level >= amount then granted = amount end
-  level = level - granted
-else
-  level = math.min(cap, level - amount)
-end
-redis.call('HSET', KEYS[1], 'l', level, 't', now)
-local full_ms = math.max(0, cap - level) / math.max(rate, 1e-9) * 1000
-redis.call('PEXPIRE', KEYS[1], math.floor(math.min(full_ms, 86400000)) + 60000)
-return {tostring(granted), tostring(level)}
-"""
+
+FAIR = _script("fair")
+HELLO = _script("hello")
+SLOTS = FAIR + _script("slots")
+"""``fair`` is a function slots.lua calls: prepended, as Redis scripts cannot import."""
+END = _script("end")
+BUCKET = _script("bucket")
 
 SCRIPTS = {"hello": HELLO, "slots": SLOTS, "end": END, "bucket": BUCKET}
 
@@ -363,6 +147,9 @@ class SharedStore:
                                       registry=r)
         self.borrows = Counter("kvgate_store_borrows_total", "Round trips to the store to borrow before "
                                "refusing a request, by result: granted | refused | error", ["result"], registry=r)
+        self.borrow_waits = Counter("kvgate_store_borrow_waits_total", "Syncs a slot borrow waited because every "
+                                    "slot of the tenant was held but fewer requests than its cap ran fleet-wide "
+                                    "(an idle slot moving to this replica)", registry=r)
         self.errors = Counter("kvgate_store_errors_total", "Failed calls to the shared store", ["op"], registry=r)
         self.forwarded = Counter("kvgate_store_forwarded_completions_total", "Completions for tickets another "
                                  "replica owns: sent (forwarded to it) | received (from another) | orphan (its "
@@ -449,9 +236,7 @@ class SharedStore:
             for r in reports:
                 if r.cap is not None and r.demand is not None and self._claim(r.tenant):
                     claimed.append(r.tenant)
-                    s = adm.tenant_state(r.tenant)
-                    self._slots_call(pipe, r.tenant, r.cap, (s.slots or 0) if s is not None else r.slots,
-                                     r.inflight, r.demand, r.spare, borrow=False)
+                    self._slots_call(pipe, r.tenant, r.cap, r.slots, r.inflight, r.demand, r.spare, borrow=False)
                     calls.append(("slots", r.tenant, ""))
                 for dim, op in (("requests", r.requests), ("tokens", r.tokens)):
                     if op is not None and op[2] != 0:
@@ -596,19 +381,19 @@ class SharedStore:
         s = self.core.admission.tenant_state(tenant)
         if s is None or s.config.max_concurrent != self._sent_cap.get(tenant):
             return False  # asked for another cap (a reload came in between): the next sync asks again
-        held, free, version, orphans, given = (int(x) for x in res[:5])
+        held, free, version, orphans, given, running = (int(x) for x in res[:6])
         if version <= self._versions.get(tenant, 0):
             return False
         self._versions[tenant] = version
         if given:
             log.warning("store_taken_for_dead", tenant=tenant, slots_given_back=given,
                         note="this replica's heartbeat lapsed; completions of its requests freed their slots")
-        rest = res[5:]
+        rest = res[6:]
         holdings = {_str(rest[i]): int(rest[i + 1]) for i in range(0, len(rest) - 1, 2)}
         if orphans:
             holdings[ORPHANED] = orphans
         self.holdings[tenant] = holdings
-        self.core.admission.share_slots(tenant, held, max(0, free), holdings.get(self.me, held))
+        self.core.admission.share_slots(tenant, held, max(0, free), holdings.get(self.me, held), running)
         return True
 
     def _events(self, res: Any) -> list[Remote]:
@@ -665,6 +450,10 @@ class SharedStore:
         if not self.ok:
             log.info("store_up", replicas=len(self.live), epoch=self.epoch)
         self.ok = True
+        # the store answers: its word is fresh again for every tenant (a borrow that failed before
+        # must not turn a true 429 into a 503 for as long as the tenant does not borrow again)
+        self.core.admission.leased.down = False
+        self.core.admission.leased.unreached.clear()
         self._failing_since = None
         self.up_gauge.set(1)
 
@@ -679,11 +468,11 @@ class SharedStore:
             self._failing_since = self._sync_started
             log.warning("store_unreachable", error=f"{type(e).__name__}: {e}", url=_safe(self.cfg.url))
         self.ok = False
+        adm.leased.down = True  # its last word may be stale: a refusal now says nothing about the tenant
         self.up_gauge.set(0)
         self._drop_ends()
         if not adm.local_split and now - self._failing_since >= self.cfg.fallback_after_seconds:
-            live = list(self.live)
-            live += [f"~expected-{i}" for i in range(max(0, self.cfg.expected_replicas - len(live)))]
+            live = with_expected(self.live, self.cfg.expected_replicas)
             adm.share_local(live, self.me, self.holdings)
             self.fallback_gauge.set(1)
             log.error("store_down_local_split", replicas=len(live),
@@ -696,8 +485,7 @@ class SharedStore:
         adm = self.core.admission
         if not adm.local_split:
             return
-        adm.share_rejoin()
-        spent, adm.fallback_spent = adm.fallback_spent, {}
+        spent = adm.share_rejoin()
         self.fallback_gauge.set(0)
         log.info("store_rejoined", note="budgets are leased from the store again")
         if spent:
@@ -710,13 +498,8 @@ class SharedStore:
         if not self._sha:
             return
         pipe = self.client.pipeline(transaction=False)
-        for tenant, (requests, tokens) in spent.items():
-            s = adm.tenant_state(tenant)
-            if s is None:
-                continue
-            for dim, amount, b in (("requests", requests, s.requests), ("tokens", tokens, s.tokens)):
-                if isinstance(b, Credit) and amount > 0:
-                    self._bucket_call(pipe, tenant, dim, b.rate, b.capacity, amount, partial=True)
+        for tenant, dim, rate, capacity, amount in adm.leased.debits(spent):
+            self._bucket_call(pipe, tenant, dim, rate, capacity, amount, partial=True)
         try:
             await asyncio.wait_for(pipe.execute(raise_on_error=False), timeout=2 * self.cfg.timeout_ms / 1000.0)
         except (TimeoutError, RedisError, OSError):
@@ -728,69 +511,98 @@ class SharedStore:
 
     async def borrow(self, tenant: str, tokens: float) -> bool:
         """Before refusing: lease what this request lacks — a slot, a request, ``tokens`` — in one
-        round trip. Granted all or nothing per budget. False when the store could not be asked in time
-        (``timeout_ms`` all told, waiting for a slots call before it included): the request is then
-        refused as over its quota, with its Retry-After, never left to Envoy's timeout."""
+        round trip. Granted all or nothing per budget. False when refused or when the store could not
+        be asked in time (``timeout_ms`` all told, waiting for a slots call before it included); in the
+        second case the tenant is marked *unreached* (``LeasedQuota.unreached``), so that the request is
+        refused with 503 ``quota-unavailable`` and its Retry-After — not a 429 claiming the tenant is
+        over a quota nobody could check — and never left to Envoy's timeout."""
+        adm = self.core.admission
+        unreached = adm.leased.unreached
+        interval = self.cfg.sync_interval_ms / 1000.0
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.cfg.timeout_ms / 1000.0
+        answered = False
         try:
             async with asyncio.timeout(self.cfg.timeout_ms / 1000.0):
-                return await self._borrow(tenant, tokens)
+                while True:
+                    granted, answered = await self._borrow(tenant, tokens)
+                    s = adm.tenant_state(tenant)
+                    if granted or not answered or s is None or not adm.leased.idle_elsewhere(s):
+                        break
+                    if loop.time() + interval > deadline - self.cfg.timeout_ms / 4000.0:
+                        break  # no time left to wait for a sync: refused (its 429 says slots idle elsewhere)
+                    # every slot is held but not every slot is in use: an idle one moves to where the
+                    # requests are within a sync or two (this replica's demand is reported meanwhile)
+                    adm.leased.wants_slot(s)
+                    self.borrow_waits.inc()
+                    await asyncio.sleep(interval)
         except (TimeoutError, RedisError, OSError):
+            if answered:  # out of time while waiting for an idle slot to move: the store's answer stands
+                self.borrows.labels("refused").inc()
+                unreached.discard(tenant)
+                return False
             self.errors.labels("borrow").inc()
             self.borrows.labels("error").inc()
+            unreached.add(tenant)
             return False
+        if answered:
+            unreached.discard(tenant)
+        else:
+            unreached.add(tenant)
+        return granted
 
-    async def _borrow(self, tenant: str, tokens: float) -> bool:
+    async def _borrow(self, tenant: str, tokens: float) -> tuple[bool, bool]:
+        """(granted, whether the store answered every call)."""
         adm = self.core.admission
         s = adm.tenant_state(tenant)
         if s is None:
-            return False
-        q = s.config
-        if q.max_concurrent is not None and s.inflight >= (s.slots or 0):
+            return False, True
+        if adm.leased.needs(s, tokens).slot is not None:
             while (ev := self._busy.get(tenant)) is not None:
                 await ev.wait()  # one slots call for a tenant at a time
         if adm.local_split or not self.ok or not self._sha:
             self.borrows.labels("refused").inc()
-            return False
-        held = s.slots or 0
-        slot = q.max_concurrent is not None and s.inflight >= held
-        if slot and not self._claim(tenant):
-            return False
+            return False, False
+        need = adm.leased.needs(s, tokens)
+        if need.slot is not None and not self._claim(tenant):
+            return False, False
+        answered = True
         try:
             pipe = self.client.pipeline(transaction=False)
             calls: list[str] = []
-            if slot:
-                assert q.max_concurrent is not None
-                self._slots_call(pipe, tenant, q.max_concurrent, held, s.inflight, max(held, s.inflight) + 1,
-                                 True, borrow=True)
+            if need.slot is not None:
+                cap, held, inflight = need.slot
+                self._slots_call(pipe, tenant, cap, held, inflight, max(held, inflight) + 1, True, borrow=True)
                 calls.append("slots")
-            for dim, b, need in (("requests", s.requests, 1.0), ("tokens", s.tokens, tokens)):
-                if isinstance(b, Credit) and b.level < need:
-                    self._bucket_call(pipe, tenant, dim, b.rate, b.capacity, need - b.level, partial=False)
-                    calls.append(dim)
+            for dim, rate, capacity, amount in need.credit:
+                self._bucket_call(pipe, tenant, dim, rate, capacity, amount, partial=False)
+                calls.append(dim)
             if not calls:
                 await pipe.reset()
-                return True
+                return True, True
             try:
                 results = await pipe.execute(raise_on_error=False)
             finally:
                 await pipe.reset()
             granted = True
             for kind, res in zip(calls, results, strict=True):
-                if isinstance(res, BaseException) or (kind != "slots" and len(res) != 2):
+                if isinstance(res, BaseException) or (kind != "slots" and len(res) != 2) or (
+                        kind == "slots" and int(res[0]) < 0):
+                    # not answered: an error, or a call made for another epoch (Redis restarted empty)
                     if isinstance(res, NoScriptError):
                         self._sha.clear()
-                    granted = False
+                    granted = answered = False
                     continue
                 if kind == "slots":
-                    granted &= self._slots_result(tenant, res) and int(res[0]) > held
+                    granted &= self._slots_result(tenant, res) and need.slot is not None and int(res[0]) > need.slot[1]
                 else:
                     granted &= float(res[0]) > 0
                     adm.share_credit(tenant, kind, float(res[0]), float(res[1]))
         finally:
-            if slot:
+            if need.slot is not None:
                 self._done([tenant])
         self.borrows.labels("granted" if granted else "refused").inc()
-        return granted
+        return granted, answered
 
     def forward(self, e: Ended, tenant: str = "", budget: str = "") -> None:
         """A completion for a ticket another replica owns (the END script, at the next sync, hands it
@@ -811,9 +623,10 @@ class SharedStore:
         but those of requests still running."""
         try:
             pipe = self.client.pipeline(transaction=False)
-            for s in self.core.admission.states():  # per-model budgets' slices too
-                if s.slots:  # what still runs stays taken (orphaned) until it ends; the rest goes back now
-                    pipe.hset(self._k_slots(s.name), mapping={f"h:{self.me}": s.inflight, f"i:{self.me}": s.inflight})
+            # per-model budgets' slices too: what still runs stays taken (orphaned) until it ends; the rest
+            # goes back now
+            for name, inflight in self.core.admission.leased.held():
+                pipe.hset(self._k_slots(name), mapping={f"h:{self.me}": inflight, f"i:{self.me}": inflight})
             pipe.zrem(self.k_replicas, self.me)
             await asyncio.wait_for(pipe.execute(raise_on_error=False), timeout=self.cfg.timeout_ms / 1000.0)
         except (TimeoutError, RedisError, OSError):

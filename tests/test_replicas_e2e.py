@@ -157,3 +157,53 @@ def test_a_killed_replica_a_killed_redis_and_an_empty_redis_lose_no_request_and_
     assert not errors, errors[:3]
     assert set(codes) <= {200, 429, 503}, set(codes)
     assert node_metric(st, "sim_open_requests_peak") <= 4, "the cap held through every fault"
+
+
+IN_KEY, FLOOD_KEY = "sk-rep-in", "sk-rep-flood"
+
+
+def in_quota_config() -> dict[str, Any]:
+    return {
+        "tenants": [
+            {"name": "in", "api_key_sha256": [hash_key(IN_KEY)], "tokens_per_minute": 10_000_000},
+            {"name": "flood", "api_key_sha256": [hash_key(FLOOD_KEY)], "tokens_per_minute": 600,
+             "token_burst": 300},
+        ],
+        "queue": {"enabled": False},
+    }
+
+
+def in_quota_codes(st: Stack) -> list[int]:
+    """40 requests of a tenant far inside its budget (about 45 tokens each, a few per second), each
+    after three of a tenant that floods its own small budget: the in-quota tenant's status codes."""
+    codes = []
+    for i in range(40):
+        with ThreadPoolExecutor(3) as pool:
+            list(pool.map(lambda _: post(st.url + "/v1/chat/completions",
+                                         {"model": "standin-8b", "messages": [{"role": "user", "content": "f" * 200}],
+                                          "max_tokens": 60}, FLOOD_KEY), range(3)))
+        code, _, _ = post(st.url + "/v1/chat/completions",
+                          {"model": "standin-8b", "messages": [{"role": "user", "content": f"hello {i} " * 4}],
+                           "max_tokens": 20}, IN_KEY)
+        codes.append(code)
+        time.sleep(0.25)  # a few of the replicas' 100 ms syncs between two requests
+    return codes
+
+
+def test_in_quota_traffic_gets_the_same_decisions_through_one_and_three_replicas(tmp_path: Path) -> None:
+    """Issue 29 bug 1: beside a flooding tenant, 6 of 40 requests of a tenant inside its budget got
+    429 tenant-tokens through 3 replicas and none through one. A 429 means over quota fleet-wide: the
+    same traffic gets the same answers, all 200, with one replica or three."""
+    RedisServer(tmp_path)  # skips without redis-server
+    answers = {}
+    for n in (1, 3):
+        st = Stack(tmp_path / f"r{n}", in_quota_config(), replicas=n)
+        try:
+            st.start()
+            if n > 1:
+                wait_for(lambda st=st: all(metric(u, "kvgate_store_replicas") == 3 for u in st.metrics_urls), 15,
+                         "three replicas in the store")
+            answers[n] = in_quota_codes(st)
+        finally:
+            st.stop()
+    assert answers[1] == answers[3] == [200] * 40, answers

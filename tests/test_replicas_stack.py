@@ -154,3 +154,16 @@ def test_bench_overhead_with_replicas_adds_store_and_replica_figures() -> None:
     assert store["redis"]["kvgate_cpu_us_per_request"] > 0 and store["redis"]["redis_cpu_us_per_request"] >= 0
     assert store["redis"]["replicas"] == 1 and reps["one"] == store["redis"]
     assert reps["n"] == 2 and reps["many"]["replicas"] == 2 and reps["many"]["rps"] > 0 and reps["ratio_rps"] > 0
+
+
+def test_the_config_of_n_replicas_expects_n_replicas_while_redis_is_away(tmp_path: Path) -> None:
+    """Issue 29 bug 2: ``kvgate up --replicas 3`` wrote ``expected_replicas`` 1, so a replica that never
+    reached Redis enforced the whole cap (cap 4 -> 12 admitted). A config naming its own store keeps its
+    own figure."""
+    st = Stack(tmp_path / "a", {"tenants": tenants()}, replicas=3)
+    st.write_config()
+    assert yaml.safe_load(st.config_path.read_text())["store"]["redis"]["expected_replicas"] == 3
+    own = {"tenants": tenants(), "store": {"redis": {"url": "redis://127.0.0.1:1/0", "expected_replicas": 5}}}
+    st = Stack(tmp_path / "b", own, replicas=2)
+    st.write_config()
+    assert yaml.safe_load(st.config_path.read_text())["store"]["redis"]["expected_replicas"] == 5

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from ext_proc.config import parse_config
 from ext_proc.core import Core
 from ext_proc.nodes import Fleet
-from ext_proc.share import even_slots, fair_slots, fallback_slots, waterfill
+from ext_proc.share import even_slots, fair_slots, fallback_slots, waterfill, with_expected
 from gpu_probe.snapshot import Snapshot
 
 names = st.lists(st.text("abcdef", min_size=1, max_size=3), min_size=1, max_size=6, unique=True)
@@ -38,6 +38,36 @@ def test_fair_slots_are_max_min_fair_spares_last_and_never_exceed_the_capacity(
             if got[k] < demands[k]:
                 assert all(got[k] >= got[j] - 1 for j in demands)
     assert sum(waterfill(demands, cap).values()) <= cap + 1e-9
+
+
+hex_ids = st.lists(st.text("0123456789abcdef", min_size=8, max_size=8), min_size=1, max_size=5, unique=True)
+
+
+@given(fleet=hex_ids, dead=st.lists(st.text("0123456789abcdef", min_size=8, max_size=8), max_size=2),
+       more=st.integers(0, 3), cap=st.integers(0, 30), data=st.data())
+def test_a_fallback_split_never_admits_more_than_the_cap_whatever_each_replica_saw(
+        fleet: list[str], dead: list[str], more: int, cap: int, data: st.DataObject) -> None:
+    """Issue 29 bug 2. Each replica splits on its own view: the replicas the store last listed (every
+    replica read the same list, which may still name dead ones), or only itself when the store never
+    answered it; padded to ``expected_replicas`` (at least the replicas running). Whatever the mix, the
+    slots all replicas admit on add up to at most the cap: with Redis unreachable from the start, 3
+    replicas turned a cap of 4 into 6 and a cap of 1 into 3."""
+    expected = len(fleet) + more
+    listed = sorted(set(fleet) | set(dead))
+    views = data.draw(st.lists(st.booleans(), min_size=len(fleet), max_size=len(fleet)))
+    total = 0
+    for me, saw_the_store in zip(fleet, views, strict=True):
+        live = with_expected(listed if saw_the_store else [me], expected)
+        total += fallback_slots(cap, {}, live)[me]
+    assert total <= cap
+    if not any(views):  # nobody ever heard from the store: nobody takes more than an even floor
+        assert total == len(fleet) * (cap // expected)
+
+
+def test_with_redis_unreachable_from_the_start_three_replicas_keep_caps_four_and_one() -> None:
+    fleet = ["0a1b2c3d", "5e6f7a8b", "c9d0e1f2"]
+    for cap, want in ((4, 3), (1, 0), (6, 6)):
+        assert sum(fallback_slots(cap, {}, with_expected([me], 3))[me] for me in fleet) == want
 
 
 @given(replicas=names, cap=st.integers(0, 40), data=st.data())

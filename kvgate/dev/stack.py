@@ -373,6 +373,11 @@ class Stack:
         doc["server"] = server
         if self.uses_redis:
             doc["store"] = {"redis": {"url": self.redis_url, "key_prefix": "kvgate"}}
+        redis_cfg = (doc.get("store") or {}).get("redis")
+        if isinstance(redis_cfg, dict) and "expected_replicas" not in redis_cfg:
+            # the replicas this stack runs: while Redis is away each enforces 1/N of every limit (with
+            # the default of 1, --replicas 3 admitted 3 x the cap: each replica took all of it)
+            doc["store"] = {**doc["store"], "redis": {**redis_cfg, "expected_replicas": self.replicas}}
         tmp = self.config_path.with_suffix(".tmp")
         tmp.write_text(yaml.safe_dump(doc, sort_keys=False))
         tmp.replace(self.config_path)
