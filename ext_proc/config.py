@@ -228,6 +228,10 @@ class Limits(_Strict):
 
     max_body_bytes: PositiveInt = 4 * 1024 * 1024
     max_n: PositiveInt = Field(default=16, description="largest n (and best_of) a request may ask for")
+    max_model_name_chars: Annotated[int, Field(ge=16)] = Field(
+        default=256, description="longest 'model' a request may name (and GET /v1/models/{id} ask for): a "
+        "Hugging Face id is at most 96 characters after its owner; vLLM sets no limit of its own"
+    )
     max_output_tokens: PositiveInt | None = Field(
         default=None, description="largest max_tokens / max_completion_tokens / max_output_tokens; None: no cap"
     )

@@ -35,12 +35,13 @@ from gpu_probe.snapshot import Snapshot
 
 from . import logs
 from .admission import UNKNOWN_TENANT, Admission, Completion, Decision, Outcome, Placed, Usage
+from .bounds import shown
 from .breaker import State, open_cause
 from .config import Config, Tenant
 from .estimate import Estimate, Estimator
 from .identity import Identifier
 from .nodes import Fleet, Level
-from .pools import NO_POOL, Router
+from .pools import NO_POOL, Router, model_id
 from .prefix import chain_of
 from .reasons import UNKNOWN_KEY, Invalid, Rejection, reject
 from .stats import Stats
@@ -251,7 +252,7 @@ class Core:
             return self._final(self._refusal(tenant, self._unrouted(est)), req.request_id)
         refused = None
         if not self.router.allowed(tenant, est.model):
-            refused = reject("model-not-allowed", f"This API key may not use the model {est.model!r}.",
+            refused = reject("model-not-allowed", f"This API key may not use the model {shown(est.model or '')}.",
                              param="model")
         prefix = est.prefix
         if not prefix and est.document is not None and est.output_tokens and pool.nodes is not None:
@@ -287,7 +288,7 @@ class Core:
         """No pool serves the request: 404 for a model nobody serves, 400 for a request naming none
         (with several pools kvgate cannot tell where it goes). Never a 503: it can never succeed."""
         if est.model is not None:
-            return reject("model-not-found", f"The model {est.model!r} does not exist on this gateway.",
+            return reject("model-not-found", f"The model {shown(est.model)} does not exist on this gateway.",
                           param="model")
         if not est.parsed:
             return reject("invalid-body", "The request body is not JSON: this gateway serves several models "
@@ -391,7 +392,10 @@ class Core:
             # kvgate knows which models the caller may use (a node knows only its own, and all of them)
             if bare == "/v1/models":
                 return Answer("", d, json_reply(200, self.router.listing(tenant)))
-            model = self.router.model_entry(tenant, bare.removeprefix("/v1/models/"))
+            name = model_id(bare, self.config.limits.max_model_name_chars)
+            if isinstance(name, Rejection):
+                return Answer("", self._refusal(tenant, name), reject_reply(name))
+            model = self.router.model_entry(tenant, name)
             if model is None:
                 r = reject("model-not-found", "The model does not exist on this gateway.", param="model")
                 return Answer("", self._refusal(tenant, r), reject_reply(r))

@@ -1,0 +1,162 @@
+"""Bounded memory (issue 29): what clients and churn can make kvgate remember has a bound that holds
+whatever the traffic — model names, ``GET /v1/models/{id}``, the prefix index, tombstones, a silent
+node's bookings, breaker series and node indexes of pods that left."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from ext_proc.bounds import Expiring, LruCache, key_bytes, shown
+from ext_proc.config import ConfigError, parse_config
+from ext_proc.core import Answer
+from ext_proc.identity import hash_key
+from ext_proc.pools import _CACHE_BYTES, _CACHE_MAX
+from tests.test_pools import ask, core_and_clock, nodes, pools_config
+
+# -- model names (bug 5) -------------------------------------------------------------------------
+
+
+def test_a_model_name_longer_than_the_cap_is_400_and_reaches_no_cache() -> None:
+    """The README's own pattern pool (``llama-8b-*``) matched a 1 MB name: admitted, and the name kept
+    in the router's caches (200 of them took RSS 157 → 331 MiB)."""
+    core, _ = core_and_clock()
+    a = ask(core, "llama-8b-" + "x" * 1_000_000, key="k-intern")
+    assert isinstance(a, Answer) and a.reply is not None and a.reply.status == 400
+    err = orjson.loads(a.reply.body)["error"]
+    assert err["param"] == "model" and err["code"] == "invalid_value" and "256" in err["message"]
+    assert len(a.reply.body) < 500, "the refusal does not echo the name"
+    assert not list(core.router._cache) and not list(core.router._allowed)
+    ok = ask(core, "llama-8b-" + "x" * (256 - 9), key="k-intern", rid="r2")
+    assert isinstance(ok, Answer) and ok.reply is None, "a name of exactly the cap is served"
+
+
+def test_the_router_caches_are_bounded_in_bytes_as_well_as_in_entries() -> None:
+    """The router itself never holds more than its byte budget of names, however long they are (a
+    caller that reaches it without the estimator's cap: a reload raising the cap, a future caller)."""
+    core, _ = core_and_clock()
+    r = core.router
+    tenant = core.config.tenants[1]  # intern: models ["llama-8b*"]
+    for i in range(200):
+        name = f"llama-8b-{i}-" + "x" * 100_000
+        assert r.route(name) is not None and r.allowed(tenant, name)
+    for cache in (r._cache, r._allowed):
+        assert sum(key_bytes(k) for k in cache) <= _CACHE_BYTES
+        assert 0 < len(cache) <= _CACHE_MAX
+    for i in range(3 * _CACHE_MAX):
+        r.route(f"llama-8b-{i}")
+    assert len(r._cache) == _CACHE_MAX
+
+
+def test_a_404_quotes_at_most_a_short_escaped_prefix_of_the_name() -> None:
+    cfg = pools_config(limits={"max_model_name_chars": 8_000_000})
+    core, _ = core_and_clock(cfg)
+    name = "gpt-\x1b[31m" + "y" * 3_900_000
+    a = ask(core, name)
+    assert isinstance(a, Answer) and a.reply is not None and a.reply.status == 404
+    msg = orjson.loads(a.reply.body)["error"]["message"]
+    assert len(msg) < 200 and "\x1b" not in msg and "3900009 characters" in msg
+    short = ask(core, "gpt-5", rid="r2")
+    assert isinstance(short, Answer) and short.reply is not None
+    assert "'gpt-5'" in orjson.loads(short.reply.body)["error"]["message"], "a short name is quoted whole"
+
+
+def test_a_model_a_tenant_may_not_use_is_quoted_short_too() -> None:
+    cfg = pools_config(limits={"max_model_name_chars": 100_000})
+    core, _ = core_and_clock(cfg)
+    a = ask(core, "llama-70b-" + "z" * 50_000, key="k-intern")  # intern may use llama-8b* only
+    assert isinstance(a, Answer) and a.reply is not None
+    assert a.reply.status in (403, 404) and len(a.reply.body) < 500
+
+
+def test_the_name_cap_is_a_setting_whose_error_names_the_field() -> None:
+    with pytest.raises(ConfigError) as e:
+        parse_config({"limits": {"max_model_name_chars": 3}})
+    assert "limits.max_model_name_chars" in str(e.value)
+    assert parse_config({}).limits.max_model_name_chars == 256
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.text(max_size=300), st.integers(min_value=1, max_value=80))
+def test_shown_is_short_and_escaped(name: str, limit: int) -> None:
+    out = shown(name, limit)
+    assert len(out) <= 10 * limit + 40 and all(c.isprintable() for c in out)
+    if len(name) <= limit:
+        assert out == repr(name)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from("abcdefgh"), st.integers(0, 300)), max_size=200))
+def test_an_lru_cache_never_exceeds_its_bounds_and_keeps_the_most_recent(ops: list[tuple[str, int]]) -> None:
+    c: LruCache[str, int] = LruCache(4, 400)
+    for i, (k, n) in enumerate(ops):
+        key = k * n
+        c.put(key, i)
+        assert len(c) <= 4 and c.nbytes <= 400 and c.nbytes == sum(key_bytes(x) for x in c)
+        if key_bytes(key) <= 400:
+            assert c.get(key) == i, "the entry just put is kept (it is the most recent)"
+
+
+def test_an_lru_cache_evicts_the_least_recently_used() -> None:
+    c: LruCache[str, int] = LruCache(3, 10_000)
+    for k in "abc":
+        c.put(k, 0)
+    assert c.get("a") == 0
+    c.put("d", 0)
+    assert set(c) == {"a", "c", "d"}, "b was the least recently used"
+
+
+# -- GET /v1/models/{id} (bug 6) ------------------------------------------------------------------
+
+
+def _slash_pools() -> Any:
+    return pools_config(pools=[
+        {"name": "big", "models": ["meta-llama/Llama-3.1-70B"], "nodes": nodes(["10.2.0.1:8000"])},
+        {"name": "small", "models": ["llama-8b", "llama-8b-*"], "nodes": nodes(["10.1.0.1:8000", "10.1.0.2:8000"])},
+    ], tenants=[{"name": "acme", "api_key_sha256": [hash_key("k-acme")]}])
+
+
+def test_retrieving_a_model_whose_id_has_a_slash_percent_encoded() -> None:
+    """The openai SDK's ``models.retrieve("meta-llama/Llama-3.1-70B")`` sends the slash as ``%2F``."""
+    core, _ = core_and_clock(_slash_pools())
+    listed = core.headers("Bearer k-acme", path="/v1/models")
+    assert listed.reply is not None
+    ids = [m["id"] for m in orjson.loads(listed.reply.body)["data"]]
+    assert "meta-llama/Llama-3.1-70B" in ids
+    for path in ("/v1/models/meta-llama%2FLlama-3.1-70B", "/v1/models/meta-llama%2fLlama-3.1-70B",
+                 "/v1/models/meta-llama/Llama-3.1-70B"):
+        a = core.headers("Bearer k-acme", path=path)
+        assert a.reply is not None and a.reply.status == 200, path
+        assert orjson.loads(a.reply.body)["id"] == "meta-llama/Llama-3.1-70B"
+    twice = core.headers("Bearer k-acme", path="/v1/models/meta-llama%252FLlama-3.1-70B")
+    assert twice.reply is not None and twice.reply.status == 404, "decoded once: %25 is a literal %"
+    pattern = core.headers("Bearer k-acme", path="/v1/models/llama-8b-%41")
+    assert pattern.reply is not None and orjson.loads(pattern.reply.body)["id"] == "llama-8b-A"
+
+
+def test_retrieving_a_model_id_longer_than_the_cap_is_400() -> None:
+    core, _ = core_and_clock(_slash_pools())
+    for raw in ("llama-8b-" + "x" * 300, "llama-8b-" + "%78" * 300):
+        a = core.headers("Bearer k-acme", path="/v1/models/" + raw)
+        assert a.reply is not None and a.reply.status == 400
+        err = orjson.loads(a.reply.body)["error"]
+        assert err["param"] == "model" and len(a.reply.body) < 400
+    assert not list(core.router._cache)
+
+
+# -- tombstones ----------------------------------------------------------------------------------
+
+
+def test_expiring_keys_go_after_their_ttl_and_beyond_the_count_oldest_first() -> None:
+    e: Expiring[str] = Expiring(60.0, 3)
+    for i, k in enumerate("abcd"):
+        e.add(k, float(i))
+    assert "a" not in e and {"b", "c", "d"} == {k for k in "abcd" if k in e}
+    e.add("x", 61.5)
+    assert "b" not in e and "c" in e, "b (at 1) expired at 61; c (at 2) lives until 62"
+    e.sweep(1_000.0)
+    assert not e and len(e) == 0
