@@ -266,6 +266,10 @@ class PrefixAffinity(_Strict):
     max_blocks_per_node: Annotated[int, Field(ge=16)] = Field(
         default=10_000, description="blocks remembered per node (least recently used forgotten first): "
         "about the node's KV cache in index blocks (10,000 x 128 tokens)")
+    max_blocks: Annotated[int, Field(ge=16)] = Field(
+        default=300_000, description="blocks remembered across all of the pool's nodes (the least recently sent "
+        "of any node forgotten first): ~350-460 B each, so ~140 MiB at the default, which keeps the chart's 512 Mi "
+        "limit at 1,000 nodes; each pool's index has its own")
     ttl_seconds: PositiveFloat = Field(default=600.0, description="a block not sent again for this long is forgotten")
     max_blocks_per_request: Annotated[int, Field(ge=1, le=4096)] = Field(
         default=128, description="leading blocks of a prompt that are hashed (bounds the cost per request)")

@@ -199,7 +199,7 @@ class Fleet:
         self._max_cap_known = False
         """``max_capacity_tokens``, kept until a reading changes a node's capacity or the node set
         changes: every request asks for it."""
-        self.prefix = PrefixIndex(cfg.prefix.max_blocks_per_node, cfg.prefix.ttl_seconds)
+        self.prefix = PrefixIndex(cfg.prefix.max_blocks_per_node, cfg.prefix.ttl_seconds, cfg.prefix.max_blocks)
         self.set_nodes([(n.address, n.probe, n.kv_admit_threshold) for n in cfg.static])
 
     def set_levels(self, levels: list[Level]) -> None:
@@ -216,6 +216,7 @@ class Fleet:
             self.prefix.clear()
         self.cfg = cfg
         self.prefix.max_blocks, self.prefix.ttl = cfg.prefix.max_blocks_per_node, cfg.prefix.ttl_seconds
+        self.prefix.max_total = cfg.prefix.max_blocks
         model = from_config(cfg.performance)
         if model != self.model:
             # speed factors and latency baselines are relative to the prior: learned against the old one,

@@ -4,6 +4,7 @@ node's bookings, breaker series and node indexes of pods that left."""
 
 from __future__ import annotations
 
+import random
 from typing import Any
 
 import orjson
@@ -16,6 +17,8 @@ from ext_proc.config import ConfigError, parse_config
 from ext_proc.core import Answer
 from ext_proc.identity import hash_key
 from ext_proc.pools import _CACHE_BYTES, _CACHE_MAX
+from ext_proc.prefix import PrefixIndex
+from tests.test_nodes import fleet
 from tests.test_pools import ask, core_and_clock, nodes, pools_config
 
 # -- model names (bug 5) -------------------------------------------------------------------------
@@ -160,3 +163,74 @@ def test_expiring_keys_go_after_their_ttl_and_beyond_the_count_oldest_first() ->
     assert "b" not in e and "c" in e, "b (at 1) expired at 61; c (at 2) lives until 62"
     e.sweep(1_000.0)
     assert not e and len(e) == 0
+
+
+# -- the prefix index (bug 9) --------------------------------------------------------------------
+
+
+class _Unswept(PrefixIndex):
+    """The index as it was: no global cap, nothing swept (expired blocks only ignored by ``match``)."""
+
+    def trim(self, now: float, sweep: int) -> None:
+        return None
+
+
+def _pairs(idx: PrefixIndex) -> int:
+    return sum(len(h) for h in idx._holders.values())
+
+
+def test_the_prefix_index_holds_at_most_max_blocks_across_nodes_oldest_first() -> None:
+    """10,000 blocks a node by default, and nothing freed but by a match: ~150 nodes of varied traffic
+    filled the chart's 512 Mi. Now the pool's whole index is capped, the least recently sent go first."""
+    f = fleet(200, prefix={"max_blocks": 5_000})
+    idx = f.prefix
+    assert idx.max_total == 5_000
+    rng = random.Random(5)
+    now = 0.0
+    for _ in range(1_000):
+        now += 0.01
+        node = f"10.0.0.{rng.randrange(200)}:8000"
+        idx.record(node, tuple(rng.getrandbits(60) for _ in range(32)), now)
+        assert len(idx) <= 5_000 and len(idx) == _pairs(idx) == sum(len(q) for q in idx._lru.values())
+    oldest = min(at for h in idx._holders.values() for at in h.values())
+    assert oldest > 0.01 * (1_000 - 5_000 / 32 - 2), "what is kept is the most recently sent"
+    f.reconfigure(f.cfg.model_copy(update={"prefix": f.cfg.prefix.model_copy(update={"max_blocks": 100})}))
+    idx.record("10.0.0.1:8000", (1, 2, 3), now + 1)
+    assert len(idx) <= 100, "a lower cap after a reload holds from the next record"
+
+
+def test_expired_blocks_are_swept_as_new_ones_come_without_a_match() -> None:
+    idx = PrefixIndex(10_000, 600.0, 400_000)
+    for i in range(100):
+        idx.record("a", tuple(range(i * 32, i * 32 + 32)), float(i))
+    assert len(idx) == 3_200
+    for i in range(200):
+        idx.record("b", (10**9 + i,), 700.0 + i)
+    assert len(idx) == 200 and not idx._lru["a"], "a's blocks expired and were swept by b's records"
+    assert _pairs(idx) == 200
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 5), st.integers(0, 3), st.integers(1, 6), st.floats(0, 40),
+                          st.booleans()), max_size=80))
+def test_sweeping_changes_no_match_and_the_count_stays_exact(ops: list[tuple[int, int, int, float, bool]]) -> None:
+    """Sweeping expired blocks frees memory only: every match is the same as without it; with a cap
+    the index never holds more than it, and its count is the blocks it holds."""
+    swept, unswept = PrefixIndex(6, 30.0, 10_000), _Unswept(6, 30.0)
+    capped = PrefixIndex(6, 30.0, 12)
+    now = 0.0
+    for node, doc, length, dt, forget in ops:
+        now += dt
+        chain = tuple(hash((doc, i)) for i in range(length))  # (a block's key covers all before it)
+        for idx in (swept, unswept, capped):
+            if forget:
+                idx.forget(f"n{node}")
+            else:
+                idx.record(f"n{node}", chain, now)
+        assert swept.match(chain, now) == unswept.match(chain, now)
+        assert swept.match(chain, now, among=["n0", "n3"]) == unswept.match(chain, now, among=["n0", "n3"])
+        assert len(capped) <= 12 and len(capped) == _pairs(capped)
+        assert len(swept) == _pairs(swept)
+        for idx in (swept, capped):  # what a node holds of a chain is still one unbroken run from its start
+            for n, held in idx.match(chain, now).items():
+                assert all(n in idx._holders.get(h, {}) for h in chain[:held])
