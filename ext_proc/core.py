@@ -35,7 +35,7 @@ from gpu_probe.snapshot import Snapshot
 
 from . import logs
 from .admission import UNKNOWN_TENANT, Admission, Completion, Decision, Outcome, Placed, Usage
-from .bounds import shown
+from .bounds import Expiring, shown
 from .breaker import State, open_cause
 from .config import Config, Tenant
 from .estimate import Estimate, Estimator
@@ -54,6 +54,10 @@ RECLAIM_EVERY_S = 10.0
 TOMBSTONE_S = 60.0
 """How long the end of a request that was never admitted is remembered: its decision may still be on
 its way (kvgate was paused, Envoy gave up and logged the end first) and must then grant nothing."""
+MAX_TOMBSTONES = 50_000
+"""At most this many are remembered (~200 B each: ~10 MB), the oldest forgotten first: every client
+disconnect before a decision makes one, on every replica. A decision that arrives after its tombstone
+was forgotten is admitted and its lease reclaimed after ``server.lease_timeout_seconds``."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -168,7 +172,7 @@ class Core:
         self._next_reclaim = clock() + RECLAIM_EVERY_S
         self._ambiguous: set[str] = set()
         """Request ids more than one open lease carried (ids chosen by clients): never released by id."""
-        self._tombstones: dict[str, float] = {}
+        self._tombstones: Expiring[str] = Expiring(TOMBSTONE_S, MAX_TOMBSTONES)
         """Request ids whose end arrived before any lease: Envoy gave up on them."""
         self.breaker_opens: dict[str, int] = {}
         """Breaker opens by cause (kv | latency | trial): what the benchmarks report."""
@@ -180,6 +184,7 @@ class Core:
     def reconfigure(self, config: Config) -> None:
         """Swap in a new config; leases, spent budgets, queued requests and node readings stay."""
         self.config = config
+        before = self._addresses()
         self.identifier = Identifier(config)
         self.estimator = Estimator(config.estimation, config.limits)
         self.router = Router(config, self.router.rng)
@@ -203,10 +208,16 @@ class Core:
         self.fleets = fleets
         self._fleet_of: dict[str, Fleet] = {a: f for f in fleets.values() for a in f.nodes}
         """Node address → its pool's fleet (addresses are unique across pools)."""
+        for address, pool_name in before - self._addresses():
+            self.stats.forget_node(address, pool_name)
         self.admission.pick = self._pick if fleets else None
         self.admission.floor = self._floor if fleets else None
         self.stats.set_tenants([t.name for t in config.tenants], config.metrics.max_tenant_labels)
         self._pump()
+
+    def _addresses(self) -> set[tuple[str, str]]:
+        """(node address, pool) of every node known now."""
+        return {(a, p) for p, f in self.fleets.items() for a in f.nodes}
 
     @property
     def fleet(self) -> Fleet | None:
@@ -476,7 +487,7 @@ class Core:
             ticket = (self._by_request.get(e.request_id) or None) if e.request_id else None
             responded, outcome, verdict = False, "aborted", None
             if ticket is None and e.request_id:
-                self._tombstones[e.request_id] = self._clock()
+                self._tombstones.add(e.request_id, self._clock())
         if ticket is None:
             return None
         c = self._release(ticket, e.usage if e.ticket else None, responded, outcome, verdict)
@@ -605,7 +616,13 @@ class Core:
                 self.log.warning("node_in_two_pools", pool=pool, nodes=[e[0] for e in clash],
                                  note="left out: it already serves another pool")
                 entries = [e for e in entries if e[0] not in taken]
+            before = set(f.nodes)
             f.set_nodes(entries)
+            name = next(p for p, other in self.fleets.items() if other is f)
+            for gone in before - set(f.nodes):  # (pods churn: what each left behind goes with it)
+                if self._fleet_of.get(gone) is f:
+                    del self._fleet_of[gone]
+                self.stats.forget_node(gone, name)
             for a in f.nodes:
                 self._fleet_of[a] = f
             self._pump()
@@ -660,7 +677,7 @@ class Core:
             self._release_gone_envoys(now)
         if now >= self._next_reclaim:
             self._next_reclaim = now + RECLAIM_EVERY_S
-            self._tombstones = {r: t for r, t in self._tombstones.items() if now - t < TOMBSTONE_S}
+            self._tombstones.sweep(now)
             if self._ambiguous:
                 live = {lease.request_id for lease in self.admission.leases()}
                 for rid in [r for r in self._ambiguous if r not in live]:

@@ -7,6 +7,7 @@ cached so the hot path pays a dict lookup, not a label resolution.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from bisect import bisect_left
@@ -19,7 +20,7 @@ from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
 from .admission import Admission, Completion, Decision
-from .breaker import STATE_VALUE
+from .breaker import STATE_VALUE, State
 from .config import Config
 from .nodes import Fleet
 
@@ -156,6 +157,15 @@ class Stats:
         if max_labels is not None:
             self._max = max_labels
         self._allowed = frozenset(names[: self._max]) | {"unknown"}
+
+    def forget_node(self, node: str, pool: str) -> None:
+        """A node left its pool (a pod churned away, a reload): its breaker-transition series go with it.
+        Node addresses come from discovery, and with pods replaced under new addresses every day the
+        series of nodes long gone would otherwise pile up in every scrape (and in kvgate's memory)."""
+        for old in State:
+            for new in State:
+                with contextlib.suppress(KeyError):  # (a pair it never made)
+                    self.node_transitions.remove(node, old.value, new.value, pool)
 
     def label(self, tenant: str) -> str:
         return tenant if tenant in self._allowed else OTHER

@@ -11,15 +11,18 @@ import orjson
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from prometheus_client import generate_latest
 
 from ext_proc.bounds import Expiring, LruCache, key_bytes, shown
 from ext_proc.config import ConfigError, parse_config
-from ext_proc.core import Answer
+from ext_proc.core import MAX_TOMBSTONES, Answer, Core, Ended, null_logger
 from ext_proc.identity import hash_key
 from ext_proc.pools import _CACHE_BYTES, _CACHE_MAX
 from ext_proc.prefix import PrefixIndex
-from tests.test_nodes import fleet
-from tests.test_pools import ask, core_and_clock, nodes, pools_config
+from gpu_probe.snapshot import Snapshot
+from tests.helpers import FakeClock
+from tests.test_nodes import feed, fleet
+from tests.test_pools import ask, core_and_clock, fresh, nodes, pools_config
 
 # -- model names (bug 5) -------------------------------------------------------------------------
 
@@ -56,24 +59,29 @@ def test_the_router_caches_are_bounded_in_bytes_as_well_as_in_entries() -> None:
 
 
 def test_a_404_quotes_at_most_a_short_escaped_prefix_of_the_name() -> None:
-    cfg = pools_config(limits={"max_model_name_chars": 8_000_000})
-    core, _ = core_and_clock(cfg)
-    name = "gpt-\x1b[31m" + "y" * 3_900_000
-    a = ask(core, name)
+    core, _ = core_and_clock()
+    a = ask(core, "gpt-\x1b[31m" + "y" * 240)
     assert isinstance(a, Answer) and a.reply is not None and a.reply.status == 404
     msg = orjson.loads(a.reply.body)["error"]["message"]
-    assert len(msg) < 200 and "\x1b" not in msg and "3900009 characters" in msg
+    assert len(msg) < 200 and "\x1b" not in msg and "249 characters" in msg
     short = ask(core, "gpt-5", rid="r2")
     assert isinstance(short, Answer) and short.reply is not None
     assert "'gpt-5'" in orjson.loads(short.reply.body)["error"]["message"], "a short name is quoted whole"
 
 
+def test_with_a_larger_cap_a_404_still_does_not_echo_a_39_mb_name() -> None:
+    core, _ = core_and_clock(pools_config(limits={"max_model_name_chars": 8_000_000}))
+    a = ask(core, "gpt-" + "y" * 3_900_000)
+    assert isinstance(a, Answer) and a.reply is not None and a.reply.status == 404 and len(a.reply.body) < 300
+
+
 def test_a_model_a_tenant_may_not_use_is_quoted_short_too() -> None:
-    cfg = pools_config(limits={"max_model_name_chars": 100_000})
+    cfg = pools_config(tenants=[{"name": "x", "api_key_sha256": [hash_key("k-x")], "models": ["llama-70b"]}])
     core, _ = core_and_clock(cfg)
-    a = ask(core, "llama-70b-" + "z" * 50_000, key="k-intern")  # intern may use llama-8b* only
-    assert isinstance(a, Answer) and a.reply is not None
-    assert a.reply.status in (403, 404) and len(a.reply.body) < 500
+    a = ask(core, "llama-8b-" + "z" * 240, key="k-x")
+    assert isinstance(a, Answer) and a.reply is not None and a.reply.status == 403
+    err = orjson.loads(a.reply.body)["error"]
+    assert err["code"] == "model_not_allowed" and len(err["message"]) < 200
 
 
 def test_the_name_cap_is_a_setting_whose_error_names_the_field() -> None:
@@ -200,7 +208,7 @@ def test_the_prefix_index_holds_at_most_max_blocks_across_nodes_oldest_first() -
 
 
 def test_expired_blocks_are_swept_as_new_ones_come_without_a_match() -> None:
-    idx = PrefixIndex(10_000, 600.0, 400_000)
+    idx = PrefixIndex(10_000, 600.0)
     for i in range(100):
         idx.record("a", tuple(range(i * 32, i * 32 + 32)), float(i))
     assert len(idx) == 3_200
@@ -234,3 +242,60 @@ def test_sweeping_changes_no_match_and_the_count_stays_exact(ops: list[tuple[int
         for idx in (swept, capped):  # what a node holds of a chain is still one unbroken run from its start
             for n, held in idx.match(chain, now).items():
                 assert all(n in idx._holders.get(h, {}) for h in chain[:held])
+
+
+def test_tombstones_are_bounded_in_count_the_newest_kept() -> None:
+    """One per ticketless access-log entry (every client that leaves before its decision, on every
+    replica): without a count bound 10,000 disconnects a second held 600,000 for the minute."""
+    core, clock = core_and_clock()
+    for i in range(MAX_TOMBSTONES + 5_000):
+        core.ended(Ended(None, f"gone-{i}", disconnected=True))
+        if i % 1_000 == 0:
+            clock.advance(0.01)
+    assert len(core._tombstones) <= MAX_TOMBSTONES
+    late = ask(core, "llama-8b", rid=f"gone-{MAX_TOMBSTONES + 4_999}")
+    assert isinstance(late, Answer) and late.decision.lease is None, "a recent tombstone still grants nothing"
+    assert core.open_leases == 0
+
+
+def test_a_node_that_gives_no_readings_keeps_no_more_than_its_dead_after_of_bookings() -> None:
+    """``Node.pending`` emptied only at a reading: another replica's dispatches booked on a node that
+    gave none grew it without end."""
+    f = fleet(2)
+    feed(f, 0.0, 0.1, 0.1)
+    n = f.nodes["10.0.0.0:8000"]
+    for i in range(10_000):
+        f.booked_elsewhere(n.address, 100, 50, 0, 1.0 + i * 0.1)
+    horizon = f.cfg.dead_after_seconds / 0.1 + 1
+    assert len(n.pending) <= horizon and n.pending_tokens == 100 * len(n.pending)
+    assert n.pending_prompt == 50 * len(n.pending)
+
+
+def test_a_live_nodes_bookings_are_not_aged_out() -> None:
+    f = fleet(2)
+    for i in range(100):
+        now = i * 1.0
+        feed(f, now - 0.5 if i else 0.0, 0.1, 0.1)  # a reading every second, half a second old
+        f.booked_elsewhere("10.0.0.0:8000", 100, 50, 0, now)
+    assert len(f.nodes["10.0.0.0:8000"].pending) == 1, "what the last reading could not show"
+
+
+def test_nodes_that_leave_take_their_breaker_series_and_index_entries_with_them() -> None:
+    a, b = "10.9.0.1:8000", "10.9.0.2:8000"
+    clock = FakeClock()
+    core = Core(parse_config({"tenants": [{"name": "t", "api_key_sha256": [hash_key("k-t")]}],
+                              "nodes": nodes([a, b])}), clock, log=null_logger())
+    fresh(core, clock, [a, b])
+    clock.advance(1.0)
+    core.snapshot(a, Snapshot(node=a, at=clock(), ok=True, kv_usage=0.99, blocks_total=20000, block_size=16,
+                              waiting=0.0, running=0.0))
+    text = generate_latest(core.stats.registry).decode()
+    assert f'kvgate_node_breaker_transitions_total{{from="closed",node="{a}"' in text, "a's breaker opened"
+    for i in range(300):  # pods replaced under new addresses, as DNS discovery sees them
+        core.set_nodes([(b, f"http://{b}", None), (f"10.8.{i // 200}.{i % 200}:8000", "http://p", None)])
+    text = generate_latest(core.stats.registry).decode()
+    assert f'node="{a}"' not in text
+    assert set(core._fleet_of) == {b, "10.8.1.99:8000"}
+    core.reconfigure(parse_config({"tenants": [{"name": "t", "api_key_sha256": [hash_key("k-t")]}],
+                                   "nodes": nodes(["10.7.0.1:8000"])}))
+    assert set(core._fleet_of) == {"10.7.0.1:8000"}
