@@ -134,6 +134,9 @@ class Ended:
     """The node sent a first byte."""
     disconnected: bool = False
     """The client went away (Envoy's DC flag)."""
+    credentials: tuple[str | None, str | None] | None = None
+    """(Authorization, trusted header) of the request as Envoy's access log saw them; None: not known
+    (an Envoy config that does not log them, an end another replica forwarded)."""
 
 
 @dataclass(slots=True)
@@ -486,7 +489,7 @@ class Core:
             # no ticket: Envoy never applied an admit reply (it gave up waiting, or the client left first)
             ticket = (self._by_request.get(e.request_id) or None) if e.request_id else None
             responded, outcome, verdict = False, "aborted", None
-            if ticket is None and e.request_id:
+            if ticket is None and e.request_id and self._may_admit(e.credentials):
                 self._tombstones.add(e.request_id, self._clock())
         if ticket is None:
             return None
@@ -495,6 +498,22 @@ class Core:
             self.log.debug("complete", ticket=ticket, tenant=c.lease.tenant.name, outcome=outcome,
                            tokens=c.charged_tokens, seconds=round(c.seconds, 4), status=e.status)
         return c
+
+    def _may_admit(self, credentials: tuple[str | None, str | None] | None) -> bool:
+        """Whether a decision still on its way for a request with these credentials could admit it
+        (and so needs a tombstone to grant nothing). Not when, enforcing, they name no tenant: that
+        decision is a 401 whatever happens — no tombstone, none forwarded to every replica (every
+        unauthenticated client that leaves before its body is read made one)."""
+        if credentials is None or self.config.mode != "enforce":
+            return True
+        try:
+            return self.identifier.resolve(*credentials).tenant is not None
+        except Invalid:
+            return False
+
+    def tombstoned(self, request_id: str) -> bool:
+        """Whether the end of ``request_id`` is remembered as that of a request never admitted."""
+        return request_id in self._tombstones
 
     def _release(self, ticket: str, usage: Usage | None, responded: bool, outcome: str,
                  verdict: bool | None) -> Completion | None:

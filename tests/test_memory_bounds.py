@@ -299,3 +299,48 @@ def test_nodes_that_leave_take_their_breaker_series_and_index_entries_with_them(
     core.reconfigure(parse_config({"tenants": [{"name": "t", "api_key_sha256": [hash_key("k-t")]}],
                                    "nodes": nodes(["10.7.0.1:8000"])}))
     assert set(core._fleet_of) == {"10.7.0.1:8000"}
+
+
+def test_an_unauthenticated_end_leaves_no_tombstone_while_enforcing() -> None:
+    """A tombstone exists so that a decision still on its way grants nothing: a caller whose key names
+    no tenant is refused 401 by that decision anyway, so its end (a client that left before its body
+    was read) needs none — and is not forwarded to every replica."""
+    core, _ = core_and_clock()
+    core.ended(Ended(None, "anon-1", disconnected=True, credentials=(None, None)))
+    core.ended(Ended(None, "anon-2", disconnected=True, credentials=("Bearer not-a-key", None)))
+    core.ended(Ended(None, "anon-3", disconnected=True, credentials=("Basic Zm9v", None)))
+    assert not core.tombstoned("anon-1") and not core.tombstoned("anon-2") and not core.tombstoned("anon-3")
+    late = ask(core, "llama-8b", key="not-a-key", rid="anon-2")
+    assert isinstance(late, Answer) and late.reply is not None and late.reply.status == 401
+    core.ended(Ended(None, "known", disconnected=True, credentials=("Bearer k-acme", None)))
+    core.ended(Ended(None, "unknown-credentials", disconnected=True))
+    assert core.tombstoned("known") and core.tombstoned("unknown-credentials"), "what may admit keeps one"
+    assert isinstance(a := ask(core, "llama-8b", rid="known"), Answer) and a.decision.lease is None
+
+
+def test_without_enforcement_an_unauthenticated_end_still_leaves_a_tombstone() -> None:
+    core, _ = core_and_clock(pools_config(mode="shadow"))
+    core.ended(Ended(None, "anon", disconnected=True, credentials=(None, None)))
+    assert core.tombstoned("anon"), "shadow mode admits callers without a key: their decision may hold a lease"
+
+
+def test_the_access_log_names_the_headers_it_sends_and_the_server_reads_them() -> None:
+    from envoy.data.accesslog.v3 import accesslog_pb2
+
+    from ext_proc.server import Gateway, logged_headers
+    from kvgate.envoy_config import EnvoyParams, access_log_for
+
+    al = access_log_for(EnvoyParams(trusted_header="X-Tenant"))["typed_config"]
+    assert al["additional_request_headers_to_log"] == ["authorization", "x-tenant"]
+    assert logged_headers(al["common_config"]["log_name"]) == {"authorization", "x-tenant"}
+    assert logged_headers("kvgate") == frozenset(), "an older Envoy config: credentials unknown"
+
+    gw = Gateway(pools_config())
+    entry = accesslog_pb2.HTTPAccessLogEntry()
+    entry.request.request_id = "anon"
+    entry.common_properties.response_flags.downstream_connection_termination = True
+    entry.request.request_headers["authorization"] = "Bearer nobody"
+    gw.on_access_log(entry, logged_headers("kvgate;headers=authorization"))
+    assert not gw.core.tombstoned("anon")
+    gw.on_access_log(entry, frozenset())  # the same entry from an Envoy that does not say what it logs
+    assert gw.core.tombstoned("anon")
