@@ -718,6 +718,10 @@ class Core:
         return self.admission.queued
 
     @property
+    def tombstones(self) -> int:
+        return len(self._tombstones)
+
+    @property
     def open_leases(self) -> int:
         return self.admission.open_leases
 

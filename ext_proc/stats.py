@@ -221,6 +221,9 @@ class _State(Protocol):
 
     def now(self) -> float: ...
 
+    @property
+    def tombstones(self) -> int: ...
+
 
 class _StateCollector(Collector):
     """Gauges computed from the core's state at scrape time."""
@@ -261,8 +264,13 @@ class _StateCollector(Collector):
         follow = GaugeMetricFamily("kvgate_probe_follow_nodes", "Nodes by how kvgate follows their probe: stream "
                                    "(one long-lived GET /snapshot/stream), poll (a probe without the stream) or "
                                    "connecting (its stream is down or not up yet)", labels=["mode", "pool"])
+        tombstones = GaugeMetricFamily("kvgate_tombstones", "Ends of requests never admitted that kvgate remembers "
+                                       "(a decision still on its way then grants nothing); bounded, 60 s each")
+        blocks = GaugeMetricFamily("kvgate_prefix_index_blocks", "Prompt blocks in each pool's prefix index "
+                                   "(nodes.prefix.max_blocks bounds it)", labels=["pool"])
         modes = self._stats.follow_modes
         if st is not None:
+            tombstones.add_metric([], st.tombstones)
             a = st.admission
             labels_ = {self._stats.label(t.name) for t in a.tenants()}
             per: dict[tuple[str, str], int] = {(t, p): 0 for t in labels_ for p in a.queues}
@@ -286,6 +294,7 @@ class _StateCollector(Collector):
                 cfg = f.cfg
                 discovery = "+".join(k for k, on in (("static", bool(cfg.static)), ("dns", bool(cfg.dns))) if on)
                 total.add_metric([discovery or "static", pool], len(f.nodes))
+                blocks.add_metric([pool], len(f.prefix))
                 for n in f.nodes.values():
                     labels = [n.address, pool]
                     if n.snapshot is not None and n.snapshot.kv_usage is not None:
@@ -305,4 +314,5 @@ class _StateCollector(Collector):
                         by[mode] = by.get(mode, 0) + 1
                     for mode, count in by.items():
                         follow.add_metric([mode, pool], count)
-        yield from (inflight, fleet, depth, total, kv, projected, node_inflight, age, breaker, hit, follow)
+        yield from (inflight, fleet, depth, total, kv, projected, node_inflight, age, breaker, hit, follow, tombstones,
+                    blocks)
