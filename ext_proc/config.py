@@ -230,7 +230,8 @@ class Limits(_Strict):
     max_n: PositiveInt = Field(default=16, description="largest n (and best_of) a request may ask for")
     max_model_name_chars: Annotated[int, Field(ge=16)] = Field(
         default=256, description="longest 'model' a request may name (and GET /v1/models/{id} ask for): a "
-        "Hugging Face id is at most 96 characters after its owner; vLLM sets no limit of its own"
+        "Hugging Face id is at most 96 characters after its owner, a configured model name at most 256; vLLM "
+        "sets no limit of its own"
     )
     max_output_tokens: PositiveInt | None = Field(
         default=None, description="largest max_tokens / max_completion_tokens / max_output_tokens; None: no cap"
@@ -541,6 +542,10 @@ class Config(_Strict):
             pools[p.name] = i
             for field, names in (("models", p.models), ("adapters", p.adapters)):
                 for j, m in enumerate(names):
+                    if not is_pattern(m) and len(m) > self.limits.max_model_name_chars:
+                        raise ValueError(f"pools[{i}].{field}[{j}]: {len(m)} characters, longer than "
+                                         f"limits.max_model_name_chars ({self.limits.max_model_name_chars}): no "
+                                         "request could name it")
                     first = served.get(m)
                     if first is not None and first != i:
                         other = self.pools[first]

@@ -344,3 +344,27 @@ def test_the_access_log_names_the_headers_it_sends_and_the_server_reads_them() -
     assert not gw.core.tombstoned("anon")
     gw.on_access_log(entry, frozenset())  # the same entry from an Envoy that does not say what it logs
     assert gw.core.tombstoned("anon")
+
+
+def test_a_pool_model_longer_than_the_name_cap_is_a_config_error_naming_it() -> None:
+    pool = {"name": "p", "models": ["m-*", "m" * 40], "nodes": nodes(["10.1.0.1:8000"])}
+    with pytest.raises(ConfigError) as e:
+        pools_config(pools=[pool], tenants=[], limits={"max_model_name_chars": 32})
+    assert "pools[0].models[1]" in str(e.value) and "limits.max_model_name_chars" in str(e.value)
+    pools_config(pools=[pool], tenants=[], limits={"max_model_name_chars": 40})
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 30), st.floats(0, 30)), max_size=100))
+def test_expiring_holds_at_most_its_count_and_nothing_older_than_its_ttl(ops: list[tuple[int, float]]) -> None:
+    e: Expiring[int] = Expiring(20.0, 8)
+    now, added = 0.0, {}
+    for key, dt in ops:
+        now += dt
+        e.add(key, now)
+        added[key] = now
+        kept = [k for k in added if k in e]
+        assert len(e) == len(kept) <= 8 and key in e, "the newest is always kept"
+        assert all(now - added[k] < 20.0 for k in kept)
+        newest = sorted(added, key=lambda k: added[k])[-len(kept):]
+        assert set(kept) == set(newest), "what goes is always the oldest"
