@@ -55,9 +55,10 @@ TOMBSTONE_S = 60.0
 """How long the end of a request that was never admitted is remembered: its decision may still be on
 its way (kvgate was paused, Envoy gave up and logged the end first) and must then grant nothing."""
 MAX_TOMBSTONES = 50_000
-"""At most this many are remembered (~200 B each: ~10 MB), the oldest forgotten first: every client
-disconnect before a decision makes one, on every replica. A decision that arrives after its tombstone
-was forgotten is admitted and its lease reclaimed after ``server.lease_timeout_seconds``."""
+"""At most this many are remembered (~150 B each with its request id: ~7 MB), the oldest forgotten
+first: every client disconnect before a decision makes one, on every replica. A decision that arrives
+after its tombstone was forgotten is admitted and its lease reclaimed after
+``server.lease_timeout_seconds``."""
 
 
 @dataclass(frozen=True, slots=True)
