@@ -346,6 +346,32 @@ def test_the_access_log_names_the_headers_it_sends_and_the_server_reads_them() -
     assert gw.core.tombstoned("anon")
 
 
+def test_only_a_tombstone_is_forwarded_to_the_other_replicas() -> None:
+    """With several replicas a ticketless end goes to every replica (the decision may be another's):
+    not when it left none here — an unauthenticated caller's end used to reach every replica."""
+    from envoy.data.accesslog.v3 import accesslog_pb2
+
+    from ext_proc.server import Gateway
+
+    class Store:
+        def __init__(self) -> None:
+            self.sent: list[str] = []
+
+        def forward(self, e: Ended, tenant: str = "", budget: str = "") -> None:
+            self.sent.append(e.request_id)
+
+    gw = Gateway(pools_config())
+    store = Store()
+    gw.store = store  # type: ignore[assignment]
+    for rid, key in (("anon", "Bearer nobody"), ("acme", "Bearer k-acme")):
+        entry = accesslog_pb2.HTTPAccessLogEntry()
+        entry.request.request_id = rid
+        entry.common_properties.response_flags.downstream_connection_termination = True
+        entry.request.request_headers["authorization"] = key
+        gw.on_access_log(entry, frozenset({"authorization"}))
+    assert store.sent == ["acme"]
+
+
 def test_a_pool_model_longer_than_the_name_cap_is_a_config_error_naming_it() -> None:
     pool = {"name": "p", "models": ["m-*", "m" * 40], "nodes": nodes(["10.1.0.1:8000"])}
     with pytest.raises(ConfigError) as e:
