@@ -236,6 +236,11 @@ class Limits(_Strict):
 
     max_body_bytes: PositiveInt = 4 * 1024 * 1024
     max_n: PositiveInt = Field(default=16, description="largest n (and best_of) a request may ask for")
+    max_model_name_chars: Annotated[int, Field(ge=16)] = Field(
+        default=256, description="longest 'model' a request may name (and GET /v1/models/{id} ask for): a "
+        "Hugging Face id is at most 96 characters after its owner, a configured model name at most 256; vLLM "
+        "sets no limit of its own"
+    )
     max_output_tokens: PositiveInt | None = Field(
         default=None, description="largest max_tokens / max_completion_tokens / max_output_tokens; None: no cap"
     )
@@ -270,6 +275,10 @@ class PrefixAffinity(_Strict):
     max_blocks_per_node: Annotated[int, Field(ge=16)] = Field(
         default=10_000, description="blocks remembered per node (least recently used forgotten first): "
         "about the node's KV cache in index blocks (10,000 x 128 tokens)")
+    max_blocks: Annotated[int, Field(ge=16)] = Field(
+        default=300_000, description="blocks remembered across all of the pool's nodes (the least recently sent "
+        "of any node forgotten first): ~350-460 B each, so ~140 MiB at the default, which keeps the chart's 512 Mi "
+        "limit at 1,000 nodes; each pool's index has its own")
     ttl_seconds: PositiveFloat = Field(default=600.0, description="a block not sent again for this long is forgotten")
     max_blocks_per_request: Annotated[int, Field(ge=1, le=4096)] = Field(
         default=128, description="leading blocks of a prompt that are hashed (bounds the cost per request)")
@@ -540,6 +549,10 @@ class Config(_Strict):
             pools[p.name] = i
             for field, names in (("models", p.models), ("adapters", p.adapters)):
                 for j, m in enumerate(names):
+                    if not is_pattern(m) and len(m) > self.limits.max_model_name_chars:
+                        raise ValueError(f"pools[{i}].{field}[{j}]: {len(m)} characters, longer than "
+                                         f"limits.max_model_name_chars ({self.limits.max_model_name_chars}): no "
+                                         "request could name it")
                     first = served.get(m)
                     if first is not None and first != i:
                         other = self.pools[first]

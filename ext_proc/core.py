@@ -35,12 +35,13 @@ from gpu_probe.snapshot import Snapshot
 
 from . import logs
 from .admission import UNKNOWN_TENANT, Admission, Completion, Decision, Outcome, Placed, Usage
+from .bounds import Expiring, shown
 from .breaker import State, open_cause
 from .config import Config, Tenant
 from .estimate import Estimate, Estimator
 from .identity import Identifier
 from .nodes import Fleet, Level
-from .pools import NO_POOL, Router
+from .pools import NO_POOL, Router, model_id
 from .prefix import chain_of
 from .reasons import UNKNOWN_KEY, Invalid, Rejection, reject
 from .stats import Stats
@@ -53,6 +54,11 @@ RECLAIM_EVERY_S = 10.0
 TOMBSTONE_S = 60.0
 """How long the end of a request that was never admitted is remembered: its decision may still be on
 its way (kvgate was paused, Envoy gave up and logged the end first) and must then grant nothing."""
+MAX_TOMBSTONES = 50_000
+"""At most this many are remembered (~150 B each with its request id: ~7 MB), the oldest forgotten
+first: every client disconnect before a decision makes one, on every replica. A decision that arrives
+after its tombstone was forgotten is admitted and its lease reclaimed after
+``server.lease_timeout_seconds``."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -129,6 +135,9 @@ class Ended:
     """The node sent a first byte."""
     disconnected: bool = False
     """The client went away (Envoy's DC flag)."""
+    credentials: tuple[str | None, str | None] | None = None
+    """(Authorization, trusted header) of the request as Envoy's access log saw them; None: not known
+    (an Envoy config that does not log them, an end another replica forwarded)."""
 
 
 @dataclass(slots=True)
@@ -167,7 +176,7 @@ class Core:
         self._next_reclaim = clock() + RECLAIM_EVERY_S
         self._ambiguous: set[str] = set()
         """Request ids more than one open lease carried (ids chosen by clients): never released by id."""
-        self._tombstones: dict[str, float] = {}
+        self._tombstones: Expiring[str] = Expiring(TOMBSTONE_S, MAX_TOMBSTONES)
         """Request ids whose end arrived before any lease: Envoy gave up on them."""
         self._reject_log = logs.Sampler(config.logs.reject_interval_seconds)
         """Repeated refusals folded into one log line per interval (the metrics count each)."""
@@ -182,6 +191,7 @@ class Core:
         """Swap in a new config; leases, spent budgets, queued requests and node readings stay."""
         self.config = config
         self._reject_log.interval_s = config.logs.reject_interval_seconds
+        before = self._addresses()
         self.identifier = Identifier(config)
         self.estimator = Estimator(config.estimation, config.limits)
         self.router = Router(config, self.router.rng)
@@ -205,10 +215,16 @@ class Core:
         self.fleets = fleets
         self._fleet_of: dict[str, Fleet] = {a: f for f in fleets.values() for a in f.nodes}
         """Node address → its pool's fleet (addresses are unique across pools)."""
+        for address, pool_name in before - self._addresses():
+            self.stats.forget_node(address, pool_name)
         self.admission.pick = self._pick if fleets else None
         self.admission.floor = self._floor if fleets else None
         self.stats.set_tenants([t.name for t in config.tenants], config.metrics.max_tenant_labels)
         self._pump()
+
+    def _addresses(self) -> set[tuple[str, str]]:
+        """(node address, pool) of every node known now."""
+        return {(a, p) for p, f in self.fleets.items() for a in f.nodes}
 
     @property
     def fleet(self) -> Fleet | None:
@@ -254,7 +270,7 @@ class Core:
             return self._final(self._refusal(tenant, self._unrouted(est)), req.request_id)
         refused = None
         if not self.router.allowed(tenant, est.model):
-            refused = reject("model-not-allowed", f"This API key may not use the model {est.model!r}.",
+            refused = reject("model-not-allowed", f"This API key may not use the model {shown(est.model or '')}.",
                              param="model")
         prefix = est.prefix
         if not prefix and est.document is not None and est.output_tokens and pool.nodes is not None:
@@ -290,7 +306,7 @@ class Core:
         """No pool serves the request: 404 for a model nobody serves, 400 for a request naming none
         (with several pools kvgate cannot tell where it goes). Never a 503: it can never succeed."""
         if est.model is not None:
-            return reject("model-not-found", f"The model {est.model!r} does not exist on this gateway.",
+            return reject("model-not-found", f"The model {shown(est.model)} does not exist on this gateway.",
                           param="model")
         if not est.parsed:
             return reject("invalid-body", "The request body is not JSON: this gateway serves several models "
@@ -398,7 +414,10 @@ class Core:
             # kvgate knows which models the caller may use (a node knows only its own, and all of them)
             if bare == "/v1/models":
                 return Answer("", d, json_reply(200, self.router.listing(tenant)))
-            model = self.router.model_entry(tenant, bare.removeprefix("/v1/models/"))
+            name = model_id(bare, self.config.limits.max_model_name_chars)
+            if isinstance(name, Rejection):
+                return Answer("", self._refusal(tenant, name), reject_reply(name))
+            model = self.router.model_entry(tenant, name)
             if model is None:
                 r = reject("model-not-found", "The model does not exist on this gateway.", param="model")
                 return Answer("", self._refusal(tenant, r), reject_reply(r))
@@ -478,8 +497,8 @@ class Core:
             # no ticket: Envoy never applied an admit reply (it gave up waiting, or the client left first)
             ticket = (self._by_request.get(e.request_id) or None) if e.request_id else None
             responded, outcome, verdict = False, "aborted", None
-            if ticket is None and e.request_id:
-                self._tombstones[e.request_id] = self._clock()
+            if ticket is None and e.request_id and self._may_admit(e.credentials):
+                self._tombstones.add(e.request_id, self._clock())
         if ticket is None:
             return None
         c = self._release(ticket, e.usage if e.ticket else None, responded, outcome, verdict)
@@ -487,6 +506,22 @@ class Core:
             self.log.debug("complete", ticket=ticket, tenant=c.lease.tenant.name, outcome=outcome,
                            tokens=c.charged_tokens, seconds=round(c.seconds, 4), status=e.status)
         return c
+
+    def _may_admit(self, credentials: tuple[str | None, str | None] | None) -> bool:
+        """Whether a decision still on its way for a request with these credentials could admit it
+        (and so needs a tombstone to grant nothing). Not when, enforcing, they name no tenant: that
+        decision is a 401 whatever happens — no tombstone, none forwarded to every replica (every
+        unauthenticated client that leaves before its body is read made one)."""
+        if credentials is None or self.config.mode != "enforce":
+            return True
+        try:
+            return self.identifier.resolve(*credentials).tenant is not None
+        except Invalid:
+            return False
+
+    def tombstoned(self, request_id: str) -> bool:
+        """Whether the end of ``request_id`` is remembered as that of a request never admitted."""
+        return request_id in self._tombstones
 
     def _release(self, ticket: str, usage: Usage | None, responded: bool, outcome: str,
                  verdict: bool | None) -> Completion | None:
@@ -608,7 +643,13 @@ class Core:
                 self.log.warning("node_in_two_pools", pool=pool, nodes=[e[0] for e in clash],
                                  note="left out: it already serves another pool")
                 entries = [e for e in entries if e[0] not in taken]
+            before = set(f.nodes)
             f.set_nodes(entries)
+            name = next(p for p, other in self.fleets.items() if other is f)
+            for gone in before - set(f.nodes):  # (pods churn: what each left behind goes with it)
+                if self._fleet_of.get(gone) is f:
+                    del self._fleet_of[gone]
+                self.stats.forget_node(gone, name)
             for a in f.nodes:
                 self._fleet_of[a] = f
             self._pump()
@@ -666,7 +707,7 @@ class Core:
                           note=f"{n} more like the last '{event}' line, not logged one by one")
         if now >= self._next_reclaim:
             self._next_reclaim = now + RECLAIM_EVERY_S
-            self._tombstones = {r: t for r, t in self._tombstones.items() if now - t < TOMBSTONE_S}
+            self._tombstones.sweep(now)
             if self._ambiguous:
                 live = {lease.request_id for lease in self.admission.leases()}
                 for rid in [r for r in self._ambiguous if r not in live]:
@@ -686,6 +727,10 @@ class Core:
     @property
     def queued(self) -> int:
         return self.admission.queued
+
+    @property
+    def tombstones(self) -> int:
+        return len(self._tombstones)
 
     @property
     def open_leases(self) -> int:

@@ -130,6 +130,11 @@ class Estimator:
                 raise Invalid("invalid-body", f"The request body must be a JSON object, not {_kind(doc)}.")
             return Estimate(self.text_tokens(len(body)), default_out if generates else 0, parsed=False, route=route)
         _check_depth(doc)
+        model = doc.get("model")
+        if isinstance(model, str) and len(model) > limits.max_model_name_chars:
+            # before anything keys a cache, a log line or a message on it (a pattern pool matches any length)
+            raise Invalid("invalid-parameter", f"'model' is {len(model)} characters long; this gateway accepts "
+                          f"model names of at most {limits.max_model_name_chars}.", "model")
 
         prompt = self._prompt_tokens(doc, route)
         output = 0
@@ -169,7 +174,6 @@ class Estimator:
         continuous = isinstance(opts, dict) and opts.get("continuous_usage_stats") is True
         if route == "responses":
             include_usage = True  # the Responses API always ends a stream with response.completed + usage
-        model = doc.get("model")
         return Estimate(prompt, output, True, stream is True, include_usage, doc, continuous, route,
                         model=model if isinstance(model, str) else None)
 

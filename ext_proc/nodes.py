@@ -103,6 +103,17 @@ class Node:
     def inflight(self) -> int:
         return len(self.requests)
 
+    def shed_pending(self, until: float) -> None:
+        """Forget what was sent at or before ``until``: a reading taken then shows it, or (``until`` a
+        ``dead_after_seconds`` ago) no reading came since and the node is dead — what it was sent means
+        nothing for a node that gives no readings, and booking on (another replica's dispatches) must
+        not grow without end."""
+        pending = self.pending
+        while pending and pending[0][0] <= until:
+            _, tokens, prompt, _ = pending.popleft()
+            self.pending_tokens -= tokens
+            self.pending_prompt -= prompt
+
     def waiting(self) -> int:
         """Requests waiting inside vLLM: its last reading, plus what was sent since if it had a queue
         then (with no queue, and KV room, vLLM starts new requests at its next step)."""
@@ -199,7 +210,7 @@ class Fleet:
         self._max_cap_known = False
         """``max_capacity_tokens``, kept until a reading changes a node's capacity or the node set
         changes: every request asks for it."""
-        self.prefix = PrefixIndex(cfg.prefix.max_blocks_per_node, cfg.prefix.ttl_seconds)
+        self.prefix = PrefixIndex(cfg.prefix.max_blocks_per_node, cfg.prefix.ttl_seconds, cfg.prefix.max_blocks)
         self.set_nodes([(n.address, n.probe, n.kv_admit_threshold) for n in cfg.static])
 
     def set_levels(self, levels: list[Level]) -> None:
@@ -216,6 +227,7 @@ class Fleet:
             self.prefix.clear()
         self.cfg = cfg
         self.prefix.max_blocks, self.prefix.ttl = cfg.prefix.max_blocks_per_node, cfg.prefix.ttl_seconds
+        self.prefix.max_total = cfg.prefix.max_blocks
         model = from_config(cfg.performance)
         if model != self.model:
             # speed factors and latency baselines are relative to the prior: learned against the old one,
@@ -275,11 +287,7 @@ class Fleet:
             self._max_cap_known = False
         n.snapshot = snap
         n.fresh_at = now - age_s
-        taken = now - age_s
-        while n.pending and n.pending[0][0] <= taken:
-            _, tokens, prompt, _ = n.pending.popleft()
-            n.pending_tokens -= tokens
-            n.pending_prompt -= prompt
+        n.shed_pending(now - age_s)
         n._count_waiting()
         ratio = None
         if snap.step_fresh is not False and not repeat:
@@ -694,6 +702,8 @@ class Fleet:
         """A request sent to ``n``, by this replica or another: it counts in the KV projection until a
         reading taken after it shows it, and its prefill runs ahead of everything booked at less urgent
         levels (their clocks advance). Returns (when its prefill starts, what it costs)."""
+        if n.pending and n.pending[0][0] <= now - self.cfg.dead_after_seconds:
+            n.shed_pending(now - self.cfg.dead_after_seconds)  # (a live node's reading took these already)
         n.pending.append((now, tokens, prompt_tokens, priority))
         n.pending_tokens += tokens
         n.pending_prompt += prompt_tokens

@@ -7,7 +7,8 @@ name (or LoRA adapter) first, then the first pool in file order whose pattern ma
 pools serve with weights goes to one of them at random in proportion to the weights.
 
 Pure, like the rest of the core: the RNG is injected. Resolutions are cached (model names come from
-clients: the cache is bounded, and a name nobody serves is not cached).
+clients: the caches are bounded by entries and by bytes, least recently used first out, and a name
+nobody serves is not cached; a name longer than ``limits.max_model_name_chars`` never gets here).
 """
 
 from __future__ import annotations
@@ -16,14 +17,20 @@ import random
 from dataclasses import dataclass
 from fnmatch import fnmatchcase
 from typing import Any
+from urllib.parse import unquote
 
+from .bounds import LruCache
 from .config import Config, Nodes, Tenant, is_pattern
+from .reasons import Rejection, reject
 
 DEFAULT_POOL = "default"
 """The pool of a config without ``pools``."""
 NO_POOL = "none"
 """The ``pool`` label of a request refused before it was routed (no key, a bad body, an unknown model)."""
 _CACHE_MAX = 4096
+_CACHE_BYTES = 1 << 20
+"""Each resolution cache holds at most this many bytes of model names (and ``_CACHE_MAX`` entries):
+a pattern pool matches names of any length, and 4,096 four-megabyte names were 16 GB."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,8 +74,8 @@ class Router:
         for p in self.pools:
             for m in p.exact:
                 self._exact.setdefault(m, []).append(p)
-        self._cache: dict[str, tuple[PoolSpec, ...]] = {}
-        self._allowed: dict[tuple[str, str], bool] = {}
+        self._cache: LruCache[str, tuple[PoolSpec, ...]] = LruCache(_CACHE_MAX, _CACHE_BYTES)
+        self._allowed: LruCache[tuple[str, str], bool] = LruCache(_CACHE_MAX, _CACHE_BYTES)
 
     def candidates(self, model: str) -> tuple[PoolSpec, ...]:
         """The pools that serve ``model`` (several only when weighted); empty: none does."""
@@ -81,8 +88,8 @@ class Router:
             weighted = [p for p in matching if p.weight is not None]
             found = weighted if len(weighted) > 1 else matching[:1]
         out = tuple(found)
-        if out and len(self._cache) < _CACHE_MAX:
-            self._cache[model] = out
+        if out:
+            self._cache.put(model, out)
         return out
 
     def route(self, model: str | None) -> PoolSpec | None:
@@ -106,8 +113,7 @@ class Router:
         ok = self._allowed.get(key)
         if ok is None:
             ok = any(m == model or (is_pattern(m) and fnmatchcase(model, m)) for m in tenant.models)
-            if len(self._allowed) < _CACHE_MAX:
-                self._allowed[key] = ok
+            self._allowed.put(key, ok)
         return ok
 
     @staticmethod
@@ -150,6 +156,20 @@ class Router:
                 seen.add(name)
                 data.append(_entry(name, parent))
         return {"object": "list", "data": data}
+
+
+def model_id(path: str, max_chars: int) -> str | Rejection:
+    """The model ``GET /v1/models/{id}`` asks for (``path`` without its query): the id percent-decoded
+    once — the openai SDK's ``models.retrieve()`` sends ``meta-llama%2FLlama-3.1-70B`` for a model
+    ``models.list()`` returned as ``meta-llama/Llama-3.1-70B``; decoding twice would turn a name's own
+    ``%2F`` into a ``/`` — or a 400 ``invalid-parameter`` for an id longer than ``max_chars`` (the
+    name cap requests have), which names no model and is not looked up."""
+    raw = path.removeprefix("/v1/models/")
+    name = unquote(raw) if "%" in raw and len(raw) <= 3 * max_chars else raw  # (a %XX is 3 characters)
+    if len(name) > max_chars:
+        return reject("invalid-parameter", f"The model id is {len(name)} characters long; this gateway accepts "
+                      f"model names of at most {max_chars}.", param="model")
+    return name
 
 
 def _entry(name: str, parent: str | None = None) -> dict[str, Any]:

@@ -10,7 +10,11 @@ tokenizer, so it keeps its own picture of it, from what it sent where:
   there is no text, blocks of ``block_chars`` / 4 tokens over the trace's prefix segments
   (:func:`segment_chain`);
 * :class:`PrefixIndex` remembers, per node, the blocks sent there (least recently used forgotten first
-  beyond ``max_blocks_per_node``, and any not sent again for ``ttl_seconds``);
+  beyond ``max_blocks_per_node``, and any not sent again for ``ttl_seconds``), and at most ``max_blocks``
+  in all (the least recently sent block of any node goes first): the index costs ~350 B a block, and
+  10,000 a node at 1,000 nodes would be 3.4 GB. Expired blocks are swept as new ones come, a bounded
+  number per record, oldest first (each node's blocks are in time order: a heap of each node's oldest
+  finds them without scanning);
 * node choice (``nodes.py``) asks it how many leading blocks each candidate holds, and counts that
   much less prefill in the node's predicted time to first token and that much less in its KV
   projection. Affinity is a prediction, not a rule: a busy node holding the prefix loses to an idle
@@ -23,6 +27,7 @@ hashes are Python's (randomised per process), so each replica keeps its own inde
 
 from __future__ import annotations
 
+import heapq
 import math
 from collections import OrderedDict
 from collections.abc import Collection, Sequence
@@ -30,6 +35,10 @@ from typing import Any
 
 SEGMENT_BLOCK_TOKENS = 128
 """Tokens per index block in virtual time (segments), by default: ``block_chars`` / 4."""
+SWEEP_EXTRA = 16
+"""Each record sweeps up to twice its chain's length plus this many expired blocks: more than it adds,
+so a backlog of expired blocks (after a quiet spell) drains under traffic without one request paying
+for all of it."""
 
 
 def text_of(doc: dict[str, Any] | None, limit: int = 1 << 62) -> str:
@@ -123,15 +132,26 @@ def chain_of(doc: dict[str, Any] | None, block_chars: int, max_blocks: int) -> t
 class PrefixIndex:
     """Per node, the prompt blocks kvgate sent there: what vLLM may hold in its prefix cache."""
 
-    def __init__(self, max_blocks_per_node: int, ttl_s: float) -> None:
+    def __init__(self, max_blocks_per_node: int, ttl_s: float, max_blocks: int | None = None) -> None:
         self.max_blocks = max_blocks_per_node
         self.ttl = ttl_s
+        self.max_total = max_blocks
+        """At most this many blocks across all nodes (None: no cap but the per-node one)."""
         self._holders: dict[int, dict[str, float]] = {}
         """Block → node → when it was last sent there."""
         self._lru: dict[str, OrderedDict[int, None]] = {}
+        """Node → its blocks, least recently sent first (so in time order: each chain's blocks share a time)."""
+        self._size = 0
+        self._fronts: list[tuple[float, str]] = []
+        """A heap of (no later than when the node's oldest block was sent, node): the globally oldest block
+        — the next to expire, the first to go at the cap — without a scan of every node. An entry may be
+        older than its node's oldest block now (that block was sent again or dropped since): it is then
+        pushed again with the right time when it comes up."""
+        self._queued: set[str] = set()
+        """Nodes with an entry in ``_fronts``: every node holding blocks has one."""
 
     def __len__(self) -> int:
-        return sum(len(q) for q in self._lru.values())
+        return self._size
 
     def match(self, chain: Sequence[int], now: float, among: Collection[str] | None = None) -> dict[str, int]:
         """Node → how many of ``chain``'s leading blocks it holds (only nodes holding at least one; of
@@ -207,6 +227,7 @@ class PrefixIndex:
         if lru is None:
             lru = self._lru[node] = OrderedDict()
         holders = self._holders
+        before = len(lru)
         for h in reversed(chain):
             holders.setdefault(h, {})[node] = now
             if h in lru:
@@ -216,15 +237,51 @@ class PrefixIndex:
         while len(lru) > self.max_blocks:
             old, _ = lru.popitem(last=False)
             self._drop(old, node)
+        self._size += len(lru) - before
+        if lru and node not in self._queued:
+            heapq.heappush(self._fronts, (holders[next(iter(lru))][node], node))
+            self._queued.add(node)
+        self.trim(now, 2 * len(chain) + SWEEP_EXTRA)
+
+    def trim(self, now: float, sweep: int) -> None:
+        """Drop the oldest blocks while the index holds more than ``max_total``, and up to ``sweep``
+        expired ones (their nodes no longer count them in ``match``: only their memory goes)."""
+        horizon = now - self.ttl
+        fronts, holders = self._fronts, self._holders
+        while fronts:
+            over = self.max_total is not None and self._size > self.max_total
+            at, node = fronts[0]
+            if not over and (sweep <= 0 or at >= horizon):
+                return
+            heapq.heappop(fronts)
+            self._queued.discard(node)
+            sweep -= 1
+            lru = self._lru.get(node)
+            if not lru:
+                continue
+            oldest = holders[next(iter(lru))][node]
+            if oldest <= at:  # (else the entry was stale: pushed again below, with the right time)
+                h, _ = lru.popitem(last=False)
+                self._drop(h, node)
+                self._size -= 1
+            if lru:
+                heapq.heappush(fronts, (holders[next(iter(lru))][node], node))
+                self._queued.add(node)
 
     def clear(self) -> None:
         self._holders.clear()
         self._lru.clear()
+        self._fronts.clear()
+        self._queued.clear()
+        self._size = 0
 
     def forget(self, node: str) -> None:
-        """A node gone (or restarted: its cache is empty)."""
-        for h in self._lru.pop(node, ()):
-            self._drop(h, node)
+        """A node gone (or restarted: its cache is empty). Its entry in the heap stays until it comes up."""
+        lru = self._lru.pop(node, None)
+        if lru:
+            self._size -= len(lru)
+            for h in lru:
+                self._drop(h, node)
 
     def _drop(self, h: int, node: str) -> None:
         holders = self._holders.get(h)

@@ -406,7 +406,9 @@ class Gateway:
                 trusted = h.raw_value.decode(errors="replace")
         return envoy_reply(self.core.headers(",".join(auth) if auth else None, trusted, path), headers_phase=True)
 
-    def on_access_log(self, entry: Any) -> None:
+    def on_access_log(self, entry: Any, logged: frozenset[str] = frozenset()) -> None:
+        """One access-log entry; ``logged``: the request headers this Envoy's logger sends
+        (:func:`logged_headers`)."""
         common = entry.common_properties
         md = common.metadata.filter_metadata
         kv = md.get(META_NS)
@@ -428,15 +430,24 @@ class Gateway:
             ticket or None, entry.request.request_id, entry.response.response_code.value, usage,
             upstream_answered=common.HasField("time_to_first_upstream_rx_byte"),
             disconnected=common.response_flags.downstream_connection_termination,
+            credentials=self._credentials(entry, logged) if not ticket else None,
         )
         if self.store is not None and ticket and not self.core.owns(ticket):
             # another replica's: Envoy's access log may reach any replica
             self.store.forward(e, _text(kf.get("tenant")), _text(kf.get("budget")))
             return
         done = self.core.ended(e)
-        if done is None and self.store is not None and not ticket and e.request_id:
+        if done is None and self.store is not None and not ticket and self.core.tombstoned(e.request_id):
             self.store.forward(e)  # a decision Envoy gave up on may be another replica's
         self.flush()
+
+    def _credentials(self, entry: Any, logged: frozenset[str]) -> tuple[str | None, str | None] | None:
+        """What identifies the request, when this Envoy logs every header that does (else None: unknown)."""
+        trusted = self.config.identity.trusted_header
+        if "authorization" not in logged or (trusted and trusted.lower() not in logged):
+            return None
+        headers = entry.request.request_headers
+        return headers.get("authorization"), headers.get(trusted.lower()) if trusted else None
 
     def hold_timeout(self, held: Held) -> duration_pb2.Duration:
         """How long Envoy must wait for the answer to a queued request: its tier's deadline and a margin."""
@@ -547,16 +558,27 @@ class AccessLogServicer(als_pb2_grpc.AccessLogServiceServicer):  # type: ignore[
         peer = peer_host(context.peer())  # the Envoy, not this connection: a reset one comes back
         core = self.gw.core
         core.envoy_up(peer)
+        logged: frozenset[str] = frozenset()
         try:
             async for msg in request_iterator:
+                if msg.HasField("identifier"):  # (the stream's first message)
+                    logged = logged_headers(msg.identifier.log_name)
                 for entry in msg.http_logs.log_entry:
                     try:
-                        self.gw.on_access_log(entry)
+                        self.gw.on_access_log(entry, logged)
                     except Exception:
                         log.exception("access_log_entry_failed")
         finally:
             core.envoy_down(peer)
         return als_pb2.StreamAccessLogsResponse()
+
+
+def logged_headers(log_name: str) -> frozenset[str]:
+    """The request headers an Envoy's access logger sends with each entry, from its ``log_name``
+    (``kvgate;headers=authorization,x-tenant``, as ``kvgate envoy-config`` renders it): an older config
+    (``kvgate``) logs none, and its entries' credentials are then unknown, not absent."""
+    _, sep, names = log_name.partition(";headers=")
+    return frozenset(n for n in names.split(",") if n) if sep else frozenset()
 
 
 def _process_handler(gw: Gateway) -> grpc.GenericRpcHandler:

@@ -7,6 +7,7 @@ cached so the hot path pays a dict lookup, not a label resolution.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from bisect import bisect_left
@@ -19,7 +20,7 @@ from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
 from .admission import Admission, Completion, Decision
-from .breaker import STATE_VALUE
+from .breaker import STATE_VALUE, State
 from .config import Config
 from .nodes import Fleet
 
@@ -157,6 +158,15 @@ class Stats:
             self._max = max_labels
         self._allowed = frozenset(names[: self._max]) | {"unknown"}
 
+    def forget_node(self, node: str, pool: str) -> None:
+        """A node left its pool (a pod churned away, a reload): its breaker-transition series go with it.
+        Node addresses come from discovery, and with pods replaced under new addresses every day the
+        series of nodes long gone would otherwise pile up in every scrape (and in kvgate's memory)."""
+        for old in State:
+            for new in State:
+                with contextlib.suppress(KeyError):  # (a pair it never made)
+                    self.node_transitions.remove(node, old.value, new.value, pool)
+
     def label(self, tenant: str) -> str:
         return tenant if tenant in self._allowed else OTHER
 
@@ -211,6 +221,9 @@ class _State(Protocol):
 
     def now(self) -> float: ...
 
+    @property
+    def tombstones(self) -> int: ...
+
 
 class _StateCollector(Collector):
     """Gauges computed from the core's state at scrape time."""
@@ -251,8 +264,13 @@ class _StateCollector(Collector):
         follow = GaugeMetricFamily("kvgate_probe_follow_nodes", "Nodes by how kvgate follows their probe: stream "
                                    "(one long-lived GET /snapshot/stream), poll (a probe without the stream) or "
                                    "connecting (its stream is down or not up yet)", labels=["mode", "pool"])
+        tombstones = GaugeMetricFamily("kvgate_tombstones", "Ends of requests never admitted that kvgate remembers "
+                                       "(a decision still on its way then grants nothing); bounded, 60 s each")
+        blocks = GaugeMetricFamily("kvgate_prefix_index_blocks", "Prompt blocks in each pool's prefix index "
+                                   "(nodes.prefix.max_blocks bounds it)", labels=["pool"])
         modes = self._stats.follow_modes
         if st is not None:
+            tombstones.add_metric([], st.tombstones)
             a = st.admission
             labels_ = {self._stats.label(t.name) for t in a.tenants()}
             per: dict[tuple[str, str], int] = {(t, p): 0 for t in labels_ for p in a.queues}
@@ -276,6 +294,7 @@ class _StateCollector(Collector):
                 cfg = f.cfg
                 discovery = "+".join(k for k, on in (("static", bool(cfg.static)), ("dns", bool(cfg.dns))) if on)
                 total.add_metric([discovery or "static", pool], len(f.nodes))
+                blocks.add_metric([pool], len(f.prefix))
                 for n in f.nodes.values():
                     labels = [n.address, pool]
                     if n.snapshot is not None and n.snapshot.kv_usage is not None:
@@ -295,4 +314,5 @@ class _StateCollector(Collector):
                         by[mode] = by.get(mode, 0) + 1
                     for mode, count in by.items():
                         follow.add_metric([mode, pool], count)
-        yield from (inflight, fleet, depth, total, kv, projected, node_inflight, age, breaker, hit, follow)
+        yield from (inflight, fleet, depth, total, kv, projected, node_inflight, age, breaker, hit, follow, tombstones,
+                    blocks)

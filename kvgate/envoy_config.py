@@ -359,7 +359,14 @@ def access_log() -> dict[str, Any]:
 
 def access_log_for(p: EnvoyParams) -> dict[str, Any]:
     al = access_log()
-    al["typed_config"]["common_config"]["buffer_size_bytes"] = p.access_log_buffer_bytes
+    tc = al["typed_config"]
+    tc["common_config"]["buffer_size_bytes"] = p.access_log_buffer_bytes
+    # What identifies the request: an entry without a ticket (the client left before kvgate's decision)
+    # leaves a tombstone only when that decision could admit it — not for a caller whose key names no
+    # tenant. The log name tells kvgate which headers come (an older config sends none: unknown).
+    headers = ["authorization", *([p.trusted_header.lower()] if p.trusted_header else [])]
+    tc["common_config"]["log_name"] = "kvgate;headers=" + ",".join(headers)
+    tc["additional_request_headers_to_log"] = headers
     return al
 
 

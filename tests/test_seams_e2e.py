@@ -134,6 +134,35 @@ def test_authorization_that_is_not_utf8_is_401_even_fail_open(tmp_path: Path) ->
             assert post(st.url + CHAT, chat(), KEYS["open"])[0] == 200  # and the next request is fine
 
 
+def _leave_mid_body(url: str, key: str) -> None:
+    """Headers and half a body, then the connection closes: Envoy logs a disconnect without a ticket."""
+    host, port = url.removeprefix("http://").split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=15)
+    conn.putrequest("POST", CHAT)
+    conn.putheader("content-type", "application/json")
+    conn.putheader("authorization", f"Bearer {key}")
+    conn.putheader("content-length", "1000")
+    conn.endheaders(b'{"model": "x", "mess')
+    time.sleep(0.2)
+    conn.close()
+
+
+def test_a_caller_without_a_valid_key_that_leaves_before_its_decision_leaves_no_tombstone(
+        fresh_stack: Stack) -> None:
+    """Every ticketless access-log entry made a tombstone (and, with several replicas, one on each):
+    Envoy now logs the Authorization header, and an end whose key names no tenant makes none — its
+    decision, were it still on its way, is a 401."""
+    st = fresh_stack.start()
+    _leave_mid_body(st.url, KEYS["open"])
+    wait_for(lambda: metric(st.metrics_url, "kvgate_tombstones") == 1, what="a tenant's abandoned request")
+    for _ in range(5):
+        _leave_mid_body(st.url, "sk-nobody")
+    _leave_mid_body(st.url, KEYS["open"])
+    wait_for(lambda: metric(st.metrics_url, "kvgate_tombstones") >= 2, what="the second tenant one")
+    time.sleep(1.0)  # (entries from several Envoy workers may come in any order: let the last ones land)
+    assert metric(st.metrics_url, "kvgate_tombstones") == 2, "none for the five callers without a valid key"
+
+
 def test_an_emptied_or_half_written_config_is_never_applied(fresh_stack: Stack) -> None:
     st = fresh_stack.start()
     assert post(st.url + CHAT, chat(), KEYS["open"])[0] == 200
