@@ -641,6 +641,34 @@ class Admission:
                 )
         return None
 
+    def precheck(self, tenant: Tenant, body_bytes: int) -> Rejection | None:
+        """The gates that need no body (``intake.py``), peeked before the body is parsed: the body's
+        size, the concurrency cap, the request bucket — in ``_check``'s order, with its messages and
+        Retry-After. A rejection only where :meth:`decide` would certainly refuse for that reason
+        (enforce mode; no borrow from the store could help; a concurrency 429 that is not the fleet's
+        doing, which needs the request's pool to tell); takes nothing. None: parse it and decide."""
+        s = self._tenants.get(tenant.name)
+        if s is None or s.mode != "enforce":
+            return None
+        now = self._clock()
+        s.last_seen = now
+        q = s.config
+        nothing = Estimate(0, 0, parsed=True)  # what _check is asked about: the gates before any token count
+        if body_bytes > self.config.limits.max_body_bytes:
+            return self._check(s, nothing, body_bytes, now)
+        if q.max_concurrent is not None and s.inflight >= (
+                q.max_concurrent if s.slots is None else min(s.slots, q.max_concurrent)):
+            shared_slice = s.slots is not None and s.slots < q.max_concurrent
+            slowed = s.mean_seconds is not None and s.norm_seconds is not None and \
+                s.mean_seconds > SLOWED * s.norm_seconds
+            if (shared_slice and self.shared and s.fleet_free > 0) or slowed:
+                return None
+            return self._check(s, nothing, 0, now)
+        if s.requests is not None and s.requests.seconds_until(1, now) > 0 and not (
+                self.shared and s.requests.borrowable(1, now)):
+            return self._check(s, nothing, 0, now)
+        return None
+
     @staticmethod
     def _fleet_caused(s: TenantState, est: Estimate, now: float) -> bool:
         """A concurrency-cap 429 the fleet caused: the tenant is inside its request and token budgets and

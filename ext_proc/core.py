@@ -39,6 +39,7 @@ from .breaker import State, open_cause
 from .config import Config, Tenant
 from .estimate import Estimate, Estimator
 from .identity import Identifier
+from .intake import Intake
 from .nodes import Fleet, Level
 from .pools import NO_POOL, Router
 from .prefix import chain_of
@@ -181,6 +182,7 @@ class Core:
         self.config = config
         self.identifier = Identifier(config)
         self.estimator = Estimator(config.estimation, config.limits)
+        self.intake = Intake(config, self.identifier, self.estimator, self.admission.precheck)
         self.router = Router(config, self.router.rng)
         self.admission.reconfigure(config, self.router.pools)
         fleets: dict[str, Fleet] = {}
@@ -232,20 +234,12 @@ class Core:
             # Envoy already gave up on it (and said so): whatever kvgate answers goes nowhere
             return self._final(self._refusal(None, reject("gateway-unavailable",
                                                           "Envoy gave up waiting for this decision.")), req.request_id)
-        tenant: Tenant | None = None
-        try:
-            tenant = self.identifier.resolve(req.authorization, req.trusted).tenant
-            if tenant is None and self.config.mode == "enforce":
-                # not even parsed: a caller without a key costs a dict lookup, whatever it sends
-                return self._final(self._refusal(None, UNKNOWN_KEY), req.request_id)
-            est = req.estimate
-            if est is None:
-                default_max = (tenant.default_max_tokens if tenant else None) or \
-                    self.config.estimation.default_max_tokens
-                est = self.estimator.estimate(req.body, path=req.path, default_max_tokens=default_max)
-        except Invalid as e:
-            return self._final(self._refusal(tenant, e.rejection()), req.request_id)
         size = req.body_bytes if req.body_bytes is not None else len(req.body)
+        # identity → the gates that need no body → the bounded parse (``intake.py``)
+        taken = self.intake.take(req.authorization, req.trusted, req.path, req.body, size, req.estimate)
+        tenant, est = taken.tenant, taken.estimate
+        if est is None:
+            return self._final(self._refusal(tenant, taken.rejection), req.request_id)
         pool = self.router.route(est.model)
         if pool is None:
             return self._final(self._refusal(tenant, self._unrouted(est)), req.request_id)

@@ -106,9 +106,12 @@ class Estimator:
     def estimate(self, body: bytes, *, path: str, default_max_tokens: int) -> Estimate:
         """Estimate a request from its raw body and its path (query string allowed).
 
-        Chat/completions/responses reserve output tokens; embeddings reserve none. A body that is not
-        JSON at all is estimated on its size (``parsed=False``) and left for the upstream to refuse;
-        a JSON body that is not a valid request of its route raises :class:`Invalid`.
+        Chat/completions/responses reserve output tokens; embeddings reserve none. A JSON body that is
+        not a valid request of its route raises :class:`Invalid`. On an inference route every body is
+        read or refused: an empty one is ``missing-body``, one that is not JSON ``invalid-json`` naming
+        why (:func:`not_json`). Only other paths (the generated Envoy config sends none here) keep the
+        old size-only estimate (``parsed=False``). ``intake.scan``, which the core runs first, bounds
+        what the parse and the walks below can cost.
         """
         route = route_of(path)
         bare = path.split("?", 1)[0].rstrip("/")
@@ -123,8 +126,14 @@ class Estimator:
             try:
                 doc, is_json = orjson.loads(body), True
             except orjson.JSONDecodeError as e:
+                if route is not None:
+                    # never "not JSON, pass it on" on an inference route: Python's json (FastAPI inside
+                    # vLLM) reads some bodies orjson refuses, and such a body would bypass every check
+                    raise not_json(body, e) from None
                 if "depth" in str(e) or "recursion" in str(e):
                     raise _too_deep() from None
+        elif route is not None:
+            raise Invalid("missing-body", "This endpoint needs a JSON request body.")
         if not isinstance(doc, dict):
             if route is not None and is_json:
                 raise Invalid("invalid-body", f"The request body must be a JSON object, not {_kind(doc)}.")
@@ -347,6 +356,45 @@ def _check_depth(doc: Any) -> None:
             below += [x for x in (v.values() if type(v) is dict else v) if type(x) is dict or type(x) is list]
         level = below
         depth += 1
+
+
+_NON_FINITE = (b"-Infinity", b"+Infinity", b"Infinity", b"-NaN", b"NaN")
+
+
+def not_json(body: bytes, err: orjson.JSONDecodeError) -> Invalid:
+    """Why orjson refused ``body``, in words a client can act on (400 ``invalid-json``).
+
+    The cases named are those Python's ``json`` module (what FastAPI inside vLLM parses with) accepts
+    and orjson does not: a UTF-8 byte order mark, ``NaN``/``Infinity``, numbers beyond a double
+    (``1e999``), lone surrogates. Passed on unchecked, such a body would reach the node with none of
+    kvgate's checks (``max_n``, ``max_output_tokens``, the usage it injects, the priority it sets)."""
+    text = str(err)
+    pos = max(0, int(err.pos))
+    if body.startswith(b"\xef\xbb\xbf"):
+        return _invalid_json("The request body starts with a UTF-8 byte order mark (BOM); send JSON "
+                             "without one.")
+    if "depth" in text or "recursion" in text:
+        return _too_deep()
+    if "UTF-8" in text:
+        return _invalid_json("The request body is not valid UTF-8 (it has invalid bytes or an encoded "
+                             "lone surrogate).")
+    if "surrogate" in text:
+        return _invalid_json(f"The request body has a lone surrogate escape (\\uD800-\\uDFFF without its "
+                             f"pair) near character {pos}.")
+    near = body[max(0, pos - 1):pos + 9]
+    for word in _NON_FINITE:
+        if near.startswith(word) or near[1:].startswith(word):
+            return _invalid_json(f"The request body has {word.decode()} near character {pos}: JSON numbers "
+                                 f"must be finite (no NaN or Infinity).")
+    if "infinity" in text or ("number" in text and "range" in text):
+        return _invalid_json(f"The request body has a number out of range near character {pos} "
+                             f"(larger than a double can hold).")
+    detail = text.split(": line ", 1)[0]
+    return _invalid_json(f"The request body is not valid JSON: {detail} (near character {pos}).")
+
+
+def _invalid_json(message: str) -> Invalid:
+    return Invalid("invalid-json", message)
 
 
 def _too_deep() -> Invalid:

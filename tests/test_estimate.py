@@ -61,12 +61,17 @@ def test_stream_flags() -> None:
 
 
 @pytest.mark.parametrize("body", [b"{not json", b"\xff\xfe", b'{"a": "\\ud800"}', b"[1,2"])
-def test_body_that_is_not_json_is_estimated_from_its_size(body: bytes) -> None:
-    e = E.estimate(body, path=CHAT, default_max_tokens=64)
-    assert not e.parsed
-    assert e.prompt_tokens == -(-len(body) // 4)
-    assert e.output_tokens == 64
-    assert E.estimate(body, path="/v1/embeddings", default_max_tokens=64).output_tokens == 0
+def test_body_that_is_not_json_is_invalid_json_on_inference_routes(body: bytes) -> None:
+    # never decided on its size and passed on: the node's own parser may read what orjson refuses
+    for path in (CHAT, "/v1/embeddings"):
+        with pytest.raises(Invalid) as e:
+            E.estimate(body, path=path, default_max_tokens=64)
+        assert e.value.name == "invalid-json"
+    # off the inference routes it is still estimated from its size, as before
+    e2 = E.estimate(body, path="/v2/other/completions", default_max_tokens=64)
+    assert not e2.parsed
+    assert e2.prompt_tokens == -(-len(body) // 4)
+    assert e2.output_tokens == 64
 
 
 @pytest.mark.parametrize("body", [b"[1,2,3]", b'"a string"', b"null", b"42"])
