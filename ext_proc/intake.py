@@ -67,9 +67,9 @@ class Caps:
 
     @property
     def small(self) -> int:
-        """Bodies up to this many bytes cannot exceed any cap (an element takes at least two bytes):
-        they are not scanned."""
-        return 2 * min(self.elements, self.containers, self.strings)
+        """Bodies up to this many bytes cannot exceed any cap (a container or a string takes at least
+        two bytes, a comma one and the container around it two): they are not scanned."""
+        return min(self.elements, 2 * self.containers, 2 * self.strings)
 
 
 def caps_for(limits: Limits) -> Caps:
