@@ -641,16 +641,24 @@ class Admission:
                 )
         return None
 
-    def precheck(self, tenant: Tenant, body_bytes: int) -> Rejection | None:
+    def precheck(self, tenant: Tenant, body_bytes: int, *, unreadable: bool = False) -> Rejection | None:
         """The gates that need no body (``intake.py``), peeked before the body is parsed: the body's
         size, the concurrency cap, the request bucket — in ``_check``'s order, with its messages and
         Retry-After. A rejection only where :meth:`decide` would certainly refuse for that reason
         (enforce mode; no borrow from the store could help; a concurrency 429 that is not the fleet's
-        doing, which needs the request's pool to tell); takes nothing. None: parse it and decide."""
+        doing, which needs the request's pool to tell); takes nothing. None: parse it and decide.
+
+        ``unreadable``: the body it let by was then refused unread or invalid (a 400 from the parse):
+        the sender is charged one request of its bucket for the reading — a tenant sending hostile
+        bodies gets as many parses as its ``requests_per_minute``, then 429s that cost nothing."""
         s = self._tenants.get(tenant.name)
         if s is None or s.mode != "enforce":
             return None
         now = self._clock()
+        if unreadable:
+            if s.requests is not None:
+                s.requests.take(1, now)
+            return None
         s.last_seen = now
         q = s.config
         nothing = Estimate(0, 0, parsed=True)  # what _check is asked about: the gates before any token count

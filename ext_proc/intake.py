@@ -25,8 +25,8 @@ Pure: no I/O, no clock of its own.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 from .config import Config, Limits, Tenant
 from .estimate import Estimate, Estimator, route_of
@@ -126,6 +126,12 @@ def _too_complex(what: str, cap: int) -> Invalid:
     return Invalid("body-too-complex", f"The request body has {what}; this gateway reads at most {cap}.")
 
 
+class Precheck(Protocol):
+    """``Admission.precheck``: the cheap gates, and the charge for a body refused once read."""
+
+    def __call__(self, tenant: Tenant, body_bytes: int, *, unreadable: bool = False) -> Rejection | None: ...
+
+
 @dataclass(frozen=True, slots=True)
 class Taken:
     """What intake made of a request: its tenant (None: no key, in shadow mode) and either its
@@ -140,7 +146,7 @@ class Intake:
     """The steps above for one config; the core rebuilds it on a reload."""
 
     def __init__(self, config: Config, identifier: Identifier, estimator: Estimator,
-                 precheck: Callable[[Tenant, int], Rejection | None]) -> None:
+                 precheck: Precheck) -> None:
         self._config = config
         self._identifier = identifier
         self._estimator = estimator
@@ -152,6 +158,7 @@ class Intake:
         """Identity, the gates that need no body, then (unless ``estimate`` is given: virtual time, or
         a request decided again after a borrow) the bounded parse."""
         tenant: Tenant | None = None
+        read = False
         try:
             tenant = self._identifier.resolve(authorization, trusted).tenant
             if tenant is None and self._config.mode == "enforce":
@@ -162,10 +169,13 @@ class Intake:
                 refused = self._precheck(tenant, size)
                 if refused is not None:
                     return Taken(tenant, None, refused)
+            read = True
             if route_of(path) is not None:
                 scan(body, self.caps)
             default_max = (tenant.default_max_tokens if tenant else None) or \
                 self._config.estimation.default_max_tokens
             return Taken(tenant, self._estimator.estimate(body, path=path, default_max_tokens=default_max))
         except Invalid as e:
+            if read and tenant is not None:
+                self._precheck(tenant, size, unreadable=True)  # the reading is charged to the sender
             return Taken(tenant, None, e.rejection())

@@ -266,3 +266,14 @@ def test_the_bounded_parse_agrees_with_the_estimate_on_ordinary_bodies(doc: dict
     assert taken.rejection is None and taken.estimate is not None
     assert (taken.estimate.prompt_tokens, taken.estimate.output_tokens, taken.estimate.stream) == \
         (want.prompt_tokens, want.output_tokens, want.stream)
+
+
+def test_a_refused_reading_is_charged_to_the_sender_then_its_bodies_go_unread() -> None:
+    # a tenant at its own limits sending hostile bodies: each read costs it a request of its bucket,
+    # so it gets requests_per_minute readings, then 429s that never reach the parser
+    core = counted(make(config(requests_per_minute=3)))
+    answers = [reason(decide(core, b'\xef\xbb\xbf{"messages":[]}', rid=f"h{i}")) for i in range(5)]
+    assert answers == ["invalid-json"] * 3 + ["tenant-requests"] * 2
+    assert Counting.calls == 3
+    shadow = counted(make(config(requests_per_minute=3, mode="shadow")))
+    assert [reason(decide(shadow, b"\xef\xbb\xbf{}", rid=f"s{i}")) for i in range(5)] == ["invalid-json"] * 5
