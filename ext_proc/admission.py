@@ -641,23 +641,22 @@ class Admission:
                 )
         return None
 
-    def precheck(self, tenant: Tenant, body_bytes: int, *, unreadable: bool = False) -> Rejection | None:
+    def precheck(self, tenant: Tenant, body_bytes: int, *, charge: int = 0) -> Rejection | None:
         """The gates that need no body (``intake.py``), peeked before the body is parsed: the body's
         size, the concurrency cap, the request bucket — in ``_check``'s order, with its messages and
         Retry-After. A rejection only where :meth:`decide` would certainly refuse for that reason
         (enforce mode; no borrow from the store could help; a concurrency 429 that is not the fleet's
         doing, which needs the request's pool to tell); takes nothing. None: parse it and decide.
 
-        ``unreadable``: the body it let by was then refused unread or invalid (a 400 from the parse):
-        the sender is charged one request of its bucket for the reading — a tenant sending hostile
-        bodies gets as many parses as its ``requests_per_minute``, then 429s that cost nothing."""
+        ``charge``: the body it let by was then refused as invalid (a 400 from the parse): take that
+        many requests from the tenant's bucket for the reading (``intake.charge_for``), check nothing."""
         s = self._tenants.get(tenant.name)
         if s is None or s.mode != "enforce":
             return None
         now = self._clock()
-        if unreadable:
+        if charge:
             if s.requests is not None:
-                s.requests.take(1, now)
+                s.requests.take(charge, now)
             return None
         s.last_seen = now
         q = s.config

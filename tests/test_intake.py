@@ -8,12 +8,14 @@ body being parsed; ordinary bodies â€” including a 4 MB prompt full of commas â€
 from __future__ import annotations
 
 from typing import Any
+from unittest.mock import patch
 
 import orjson
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from ext_proc import intake
 from ext_proc.config import Config, parse_config
 from ext_proc.core import Answer, Core, Ended, Request, null_logger
 from ext_proc.estimate import Estimator
@@ -234,13 +236,15 @@ def test_scan_refuses_exactly_the_bodies_over_a_cap(doc: Any, elements: int, con
     caps = Caps(elements, containers, strings)
     e, c, s = real_counts(doc)
     over = e > elements or c > containers or s > strings
-    try:
-        scan(body, caps)
-    except Invalid as exc:
-        assert exc.name == "body-too-complex"
-        assert over, (body, caps)
-    else:
-        assert not over, (body, caps, (e, c, s))
+    for few in (intake._FEW_QUOTES, 0):  # strings set apart in place, and by split
+        with patch.object(intake, "_FEW_QUOTES", few):
+            try:
+                scan(body, caps)
+            except Invalid as exc:
+                assert exc.name == "body-too-complex"
+                assert over, (body, caps)
+            else:
+                assert not over, (body, caps, (e, c, s))
 
 
 MESSAGE = st.fixed_dictionaries({"role": st.sampled_from(["user", "system", "assistant"]),
@@ -277,3 +281,7 @@ def test_a_refused_reading_is_charged_to_the_sender_then_its_bodies_go_unread() 
     assert Counting.calls == 3
     shadow = counted(make(config(requests_per_minute=3, mode="shadow")))
     assert [reason(decide(shadow, b"\xef\xbb\xbf{}", rid=f"s{i}")) for i in range(5)] == ["invalid-json"] * 5
+    # reading costs by the byte: a 4 MB hostile body costs 64 requests of a 600/min bucket
+    big = counted(make(config(requests_per_minute=600)))
+    answers = [reason(decide(big, HOSTILE_BODY, rid=f"b{i}")) for i in range(12)]
+    assert answers == ["body-too-complex"] * 10 + ["tenant-requests"] * 2  # 600 / 64 = 9.4: the 10th goes into debt
