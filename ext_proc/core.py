@@ -239,7 +239,10 @@ class Core:
         taken = self.intake.take(req.authorization, req.trusted, req.path, req.body, size, req.estimate)
         tenant, est = taken.tenant, taken.estimate
         if est is None:
-            return self._final(self._refusal(tenant, taken.rejection), req.request_id)
+            # a quota refusal at the gates is labelled with the pool when that needs no body (one pool);
+            # with several, the body's model would say which: "none", as for a request refused unread
+            pool_name = self.router.pools[0].name if taken.gated and self.router.single else None
+            return self._final(self._refusal(tenant, taken.rejection), req.request_id, pool=pool_name)
         pool = self.router.route(est.model)
         if pool is None:
             return self._final(self._refusal(tenant, self._unrouted(est)), req.request_id)

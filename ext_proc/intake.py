@@ -165,6 +165,8 @@ class Taken:
     tenant: Tenant | None
     estimate: Estimate | None
     rejection: Rejection | None = None
+    gated: bool = False
+    """Refused by the gates that need no body (a quota or size refusal the full decision would give too)."""
 
 
 class Intake:
@@ -193,7 +195,7 @@ class Intake:
             if tenant is not None:
                 refused = self._precheck(tenant, size)
                 if refused is not None:
-                    return Taken(tenant, None, refused)
+                    return Taken(tenant, None, refused, gated=True)
             read = True
             if route_of(path) is not None:
                 scan(body, self.caps)

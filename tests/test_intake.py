@@ -158,6 +158,7 @@ def test_a_tenant_at_its_concurrency_cap_is_refused_without_its_body_being_parse
     assert reason(a) == "tenant-concurrency" and a.reply is not None and a.reply.status == 429
     assert Counting.calls == 1  # the estimator never saw it
     assert "retry-after" in dict(a.reply.headers)
+    assert a.pool == "default"  # one pool: labelled as the full decision labelled it
     assert core.admission.tenant_state("t").inflight == 1  # type: ignore[union-attr]  # took nothing
 
 
