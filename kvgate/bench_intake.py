@@ -6,7 +6,8 @@ Two measurements, in one run:
   (and a few bodies orjson refuses, and the legit large bodies that must still be read), decided by a
   fresh :class:`~ext_proc.core.Core` as the gRPC shell would: the minimum and median of the
   process's CPU time over ``reps`` decisions, and the answer. One row is a hostile body from a tenant
-  already at its concurrency cap.
+  already at its concurrency cap; the last rows are the costliest bodies the scan lets through (just
+  under each of its caps).
 * **A victim beside a hostile tenant** — a serial event loop, as kvgate's one event loop is: a victim
   tenant's requests (Poisson arrivals) wait behind whatever the core is deciding; a hostile tenant at
   its own limits (``max_concurrent: 4``, 600 requests/min) keeps 8 requests of the worst body in
@@ -29,6 +30,7 @@ from typing import Any
 from ext_proc.config import Config, parse_config
 from ext_proc.core import Answer, Core, Ended, Request, null_logger
 from ext_proc.identity import hash_key
+from ext_proc.intake import caps_for
 
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
@@ -63,6 +65,22 @@ def kinds(max_bytes: int) -> list[tuple[str, str, bytes]]:
     ]
 
 
+def at_caps(cfg: Config) -> list[tuple[str, str, bytes]]:
+    """The costliest bodies the scan lets through: just under each of its caps (``intake.Caps``)."""
+    caps = caps_for(cfg.limits)
+    part = b'{"role":"user","content":[{"type":"text","text":"a"}]}'
+    return [
+        ("at the caps: tools [{}] x containers", CHAT,
+         b'{"model":"m","messages":[],"tools":[' + b",".join([b"{}"] * (caps.containers - 3)) + b"]}"),
+        ("at the caps: content parts", CHAT,
+         b'{"model":"m","messages":[' + b",".join([part] * (caps.containers // 3 - 2)) + b"]}"),
+        ("at the caps: tools, strings", CHAT,
+         b'{"model":"m","messages":[],"tools":[' + b",".join([b'"a"'] * (caps.strings - 8)) + b"]}"),
+        ("at the caps: token ids", COMPLETIONS,
+         b'{"model":"m","prompt":[' + b",".join([b"123456"] * (caps.elements - 10)) + b"]}"),
+    ]
+
+
 def _config(hostile_limits: bool = True) -> Config:
     h: dict[str, Any] = {"name": "hostile", "api_key_sha256": [hash_key("k-hostile")]}
     if hostile_limits:
@@ -74,7 +92,7 @@ def per_kind(reps: int = 5, max_bytes: int | None = None) -> list[dict[str, Any]
     """CPU per decision for each body kind (ms), and what kvgate answered."""
     rows = []
     clock = [0.0]
-    for name, path, body in kinds(max_bytes or _config().limits.max_body_bytes):
+    for name, path, body in kinds(max_bytes or _config().limits.max_body_bytes) + at_caps(_config()):
         rows.append(_measure(name, path, body, reps, clock, over_quota=False))
     name, path, body = kinds(max_bytes or _config().limits.max_body_bytes)[0]
     rows.append(_measure(name + ", tenant over quota", path, body, reps, clock, over_quota=True))

@@ -1,5 +1,6 @@
 import json
 from pathlib import Path
+from typing import Any
 
 import orjson
 import pytest
@@ -109,11 +110,15 @@ class _Message(dict):  # type: ignore[type-arg]
     """A message the estimator's shortcut for plain ``{"role", "content"}`` dicts does not take."""
 
 
+_PARTS = st.lists(st.text(max_size=50), max_size=3).map(lambda ts: [{"type": "text", "text": t} for t in ts])
+
+
 @settings(max_examples=200, deadline=None)
-@given(st.lists(st.tuples(st.text(max_size=12), st.text(max_size=300)), max_size=6),
+@given(st.lists(st.tuples(st.text(max_size=12), st.text(max_size=300) | _PARTS), max_size=6),
        st.sampled_from([1.0, 3.3, 4.0]), st.integers(0, 8), st.booleans())
 def test_plain_messages_count_as_the_general_walk_counts_them(
-        messages: list[tuple[str, str]], ratio: float, per_message: int, chat: bool) -> None:
+        messages: list[tuple[str, Any]], ratio: float, per_message: int, chat: bool) -> None:
+    # (content a string, or a list of text parts: both have a shortcut)
     e = Estimator(Estimation(chars_per_token=ratio, per_message_tokens=per_message))
     plain = [{"role": r, "content": c} for r, c in messages]
     walked = [_Message(role=r, content=c) for r, c in messages]

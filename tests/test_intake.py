@@ -286,3 +286,12 @@ def test_a_refused_reading_is_charged_to_the_sender_then_its_bodies_go_unread() 
     big = counted(make(config(requests_per_minute=600)))
     answers = [reason(decide(big, HOSTILE_BODY, rid=f"b{i}")) for i in range(12)]
     assert answers == ["body-too-complex"] * 10 + ["tenant-requests"] * 2  # 600 / 64 = 9.4: the 10th goes into debt
+
+
+@pytest.mark.parametrize("ids", [[1] * 70_000, list(range(70_000)), [7] * 10])
+def test_the_prefix_chain_of_a_token_id_prompt_reads_only_its_head_with_the_same_result(ids: list[int]) -> None:
+    from ext_proc.prefix import chain_of, text_chain
+
+    doc = {"model": "m", "prompt": ids}
+    seed = hash(("m", "None"))
+    assert chain_of(doc, 512, 128) == text_chain(",".join(map(str, ids)), 512, 128, seed)
