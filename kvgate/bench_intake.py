@@ -138,6 +138,7 @@ def victim(seconds: float = 30.0, rate: float = 20.0, clients: int = 8, service_
         lat.sort()
         out[label] = {"victim_p50_ms": _pct(lat, 0.50) * 1e3, "victim_p99_ms": _pct(lat, 0.99) * 1e3,
                       "victim_max_ms": lat[-1] * 1e3, "victim_decisions": len(lat),
+                      "victim_over_1ms": sum(1 for x in lat if x > 1e-3),
                       "hostile_answers": dict(answers)}
     return out
 
@@ -210,6 +211,7 @@ def intake_bench(reps: int = 5, seconds: float = 30.0, quiet: bool = False) -> d
         for label in ("alone", "beside_hostile"):
             x = v[label]
             print(f"  {label:<15} victim p50 {x['victim_p50_ms']:.3f} ms  p99 {x['victim_p99_ms']:.3f} ms  "
-                  f"max {x['victim_max_ms']:.3f} ms  ({x['victim_decisions']} decisions)"
+                  f"max {x['victim_max_ms']:.3f} ms  ({x['victim_decisions']} decisions, "
+                  f"{x['victim_over_1ms']} over 1 ms)"
                   + (f"  hostile answers: {x['hostile_answers']}" if x["hostile_answers"] else ""))
     return {"kinds": rows, "victim": v}
