@@ -137,6 +137,8 @@ class _Waiting:
     request_id: str
     estimate: Estimate
     envoy: str
+    chain: tuple[int, ...] | None = None
+    """Its prompt's prefix chain, once a placement attempt computed it (``Core._chain``)."""
 
 
 Observer = Callable[[str, State, State, str], None]
@@ -168,6 +170,8 @@ class Core:
         self._next_reclaim = clock() + RECLAIM_EVERY_S
         self._ambiguous: set[str] = set()
         """Request ids more than one open lease carried (ids chosen by clients): never released by id."""
+        self._fresh: tuple[str, tuple[int, ...]] | None = None
+        """The prefix chain a placement attempt of the request being decided computed (``_chain``)."""
         self._tombstones: dict[str, float] = {}
         """Request ids whose end arrived before any lease: Envoy gave up on them."""
         self.breaker_opens: dict[str, int] = {}
@@ -250,15 +254,10 @@ class Core:
         if not self.router.allowed(tenant, est.model):
             refused = reject("model-not-allowed", f"This API key may not use the model {est.model!r}.",
                              param="model")
-        prefix = est.prefix
-        if not prefix and est.document is not None and est.output_tokens and pool.nodes is not None:
-            pc = pool.nodes.prefix
-            if pc.enabled:
-                prefix = chain_of(est.document, pc.block_chars, pc.max_blocks_per_request)
-        if est.pool != pool.name or prefix is not est.prefix:
+        if est.pool != pool.name:
             # (the constructor, not ``dataclasses.replace``: a third of the cost, once per request)
             est = Estimate(est.prompt_tokens, est.output_tokens, est.parsed, est.stream, est.include_usage,
-                           est.document, est.continuous_usage, est.route, prefix, est.model, pool.name)
+                           est.document, est.continuous_usage, est.route, est.prefix, est.model, pool.name)
         never = self._never_fits(est)
         if never is not None:
             return self._final(self._refusal(tenant, never), req.request_id, pool=pool.name)
@@ -266,13 +265,16 @@ class Core:
             self.stats.unparsed_bodies.inc()
             self.log.info("body_not_json", request_id=req.request_id, bytes=size,
                           note="decided on request size alone")
+        self._fresh = None
         d = self.admission.decide(tenant, req.request_id, est, size, borrowed, refused)
+        fresh, self._fresh = self._fresh, None
         if d.borrow:
             return Borrow(replace(req, body=b"", estimate=est, body_bytes=size), d.tenant, d.borrow_also)
         if d.queued:
             assert d.lease is not None
             ticket = d.lease.ticket
-            self._waiting[ticket] = _Waiting(req.request_id, est, req.envoy)
+            self._waiting[ticket] = _Waiting(req.request_id, est, req.envoy,
+                                             fresh[1] if fresh is not None and fresh[0] == ticket else None)
             self.log.debug("queued", request_id=req.request_id, tenant=d.tenant, tier=d.tier,
                            queued=self.admission.queued)
             self._pump()  # an eviction it caused
@@ -554,10 +556,29 @@ class Core:
             # goes only while it can still make its target — it waited for room, and sending it late would
             # take the place of one that can (refused, it may retry when the fleet has room)
             limit = max(max_wait, target_s) if waited <= 0 else target
+        prefix = est.prefix
+        if not prefix and est.document is not None and est.output_tokens and fleet.cfg.prefix.enabled:
+            prefix = self._chain(ticket, est.document, fleet)
         c = fleet.place(est.total, est.prompt_tokens, ticket, self._clock(), force=shadow, reserve=reserve,
                              queue_caps=caps, priority=self._level(tier_name), target=target, limit=limit,
-                             prefix=est.prefix)
+                             prefix=prefix)
         return Placed(c.node.address if c.node else None, c.reason, c.retry_after, c.ttft)
+
+    def _chain(self, ticket: str, document: dict[str, Any], fleet: Fleet) -> tuple[int, ...]:
+        """The prompt's prefix chain, computed at placement: only for requests the quota gates let by
+        (a request its token bucket or a per-model budget refuses never pays for it). A queued request
+        keeps it for its next attempts (on its :class:`_Waiting`; the one being decided now, in
+        ``_fresh`` until ``decide`` knows whether it waits)."""
+        w = self._waiting.get(ticket)
+        if w is not None and w.chain is not None:
+            return w.chain
+        pc = fleet.cfg.prefix
+        chain = chain_of(document, pc.block_chars, pc.max_blocks_per_request)
+        if w is not None:
+            w.chain = chain
+        else:
+            self._fresh = (ticket, chain)
+        return chain
 
     def _floor(self, est: Estimate) -> float:
         """The least time to a first token any node could give this request (its prefill alone on the

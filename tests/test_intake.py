@@ -295,3 +295,31 @@ def test_the_prefix_chain_of_a_token_id_prompt_reads_only_its_head_with_the_same
     doc = {"model": "m", "prompt": ids}
     seed = hash(("m", "None"))
     assert chain_of(doc, 512, 128) == text_chain(",".join(map(str, ids)), 512, 128, seed)
+
+
+def test_the_prefix_chain_is_computed_only_for_requests_that_are_placed(monkeypatch: pytest.MonkeyPatch) -> None:
+    import time
+
+    from ext_proc import core as core_module
+    from gpu_probe.snapshot import Snapshot
+
+    nodes = ["10.0.0.0:8000", "10.0.0.1:8000"]
+    cfg = parse_config({"nodes": {"static": [{"address": a, "probe": f"http://p{i}"} for i, a in enumerate(nodes)]},
+                        "tenants": [{"name": "t", "api_key_sha256": [hash_key("k-t")], "tokens_per_minute": 2500}]})
+    core = Core(cfg, time.monotonic, log=null_logger())
+    for a in nodes:
+        core.snapshot(a, Snapshot(node="n", at=time.time(), ok=True, kv_usage=0.2, blocks_total=1000, block_size=16))
+    calls: list[int] = []
+    real = core_module.chain_of
+    monkeypatch.setattr(core_module, "chain_of", lambda *a: calls.append(1) or real(*a))
+    body = orjson.dumps({"messages": [{"role": "user", "content": "x" * 4000}], "max_tokens": 8})
+    first = decide(core, body, rid="1")
+    assert first.decision.admitted and calls == [1]
+    core.ended(Ended(first.ticket, "1", 200))
+    second = decide(core, body, rid="2")
+    assert second.decision.admitted and calls == [1, 1]
+    assert second.metadata["endpoint"] == first.metadata["endpoint"]  # the chain still steers it
+    larger = orjson.dumps({"messages": [{"role": "user", "content": "x" * 8000}], "max_tokens": 8})
+    third = decide(core, larger, rid="3")
+    assert reason(third) == "tenant-tokens"
+    assert calls == [1, 1]  # refused by its token bucket before placement: no chain
