@@ -16,7 +16,8 @@ far as its answer needs:
    JSON elements than any request can need (400 ``body-too-complex``) before orjson builds a Python
    object per element; only then is it parsed and estimated (``estimate.py``). What the Python walks
    of the estimate visit (containers, strings) is bounded by the same caps. A body orjson refuses is
-   400 ``invalid-json`` naming why — never "not JSON, pass it on".
+   400 ``invalid-json`` naming why — never "not JSON, pass it on". Any 400 from this step is charged
+   to the sender's request bucket by the bytes read (:func:`charge_for`).
 
 Placement (the prefix chain, the node) comes after, in the core, for requests the quota gates let by.
 
@@ -46,14 +47,14 @@ element per token: with ``limits.model_context_tokens`` set the cap is that cont
 (a longer prompt could never run), else :data:`DEFAULT_ELEMENTS`."""
 DEFAULT_ELEMENTS = 262_144
 """The element cap without ``limits.model_context_tokens``: a 256k-token token-id prompt."""
+CHARGE_BYTES = 65_536
+"""A refused body costs its sender one request per this many bytes (:func:`charge_for`): about what
+an ordinary decision costs, read at the scan's speed."""
 
 _KEEP = b'",[{'
 _DROP = bytes(c for c in range(256) if c not in _KEEP)
 _ONE_BRACKET = bytes.maketrans(b"[", b"{")
 """Arrays and objects cost alike: counted as one character, one count."""
-CHARGE_BYTES = 65_536
-"""A refused body costs its sender one request per this many bytes (:func:`charge_for`): about what
-an ordinary decision costs, read at the scan's speed."""
 _FEW_QUOTES = 512
 """Up to this many quotes, the strings are set apart by ``find`` in place rather than by ``split``."""
 _ESCAPABLE = b'",[{\\/bfnrtu'
