@@ -636,6 +636,40 @@ class Admission:
                       f"use and {why}; the tenant may be within its quota. Retry after the indicated time.",
                       self.jittered(wait if math.isfinite(wait) else self.config.retry.default_request_seconds))
 
+    def precheck(self, tenant: Tenant, body_bytes: int, *, charge: int = 0) -> Rejection | None:
+        """The gates that need no body (``intake.py``), peeked before the body is parsed: the body's
+        size, the concurrency cap, the request bucket — in ``_check``'s order, with its messages and
+        Retry-After. A rejection only where :meth:`decide` would certainly refuse for that reason
+        (enforce mode; no borrow from the store could help; a concurrency 429 that is not the fleet's
+        doing, which needs the request's pool to tell); takes nothing. None: parse it and decide.
+
+        With several replicas only what this replica alone proves is refused here: the whole
+        ``max_concurrent`` in flight here (over the cap fleet-wide, whatever the store says). A short
+        slice or bucket may be borrowed into, or be the store's silence (``quota.py``): parse and decide.
+
+        ``charge``: the body it let by was then refused as invalid (a 400 from the parse): take that
+        many requests from the tenant's bucket for the reading (``intake.charge_for``), check nothing."""
+        s = self._tenants.get(tenant.name)
+        if s is None or s.mode != "enforce":
+            return None
+        now = self._clock()
+        if charge:
+            if s.requests is not None:
+                s.requests.take(charge, now)
+            return None
+        s.last_seen = now
+        nothing = Estimate(0, 0, parsed=True)  # what _check is asked about: the gates before any token count
+        if body_bytes > self.config.limits.max_body_bytes:
+            return self._check(s, nothing, body_bytes, now)
+        cap = s.config.max_concurrent
+        if cap is not None and s.inflight >= cap:
+            slowed = s.mean_seconds is not None and s.norm_seconds is not None and \
+                s.mean_seconds > SLOWED * s.norm_seconds
+            return None if slowed else self._check(s, nothing, 0, now)
+        if isinstance(self.quota, LocalQuota) and s.requests is not None and s.requests.seconds_until(1, now) > 0:
+            return self._check(s, nothing, 0, now)
+        return None
+
     @staticmethod
     def _fleet_caused(s: TenantState, est: Estimate, now: float) -> bool:
         """A concurrency-cap 429 the fleet caused: the tenant is inside its request and token budgets and

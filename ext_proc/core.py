@@ -40,6 +40,7 @@ from .breaker import State, open_cause
 from .config import Config, Tenant
 from .estimate import Estimate, Estimator
 from .identity import Identifier
+from .intake import Intake
 from .nodes import Fleet, Level
 from .pools import NO_POOL, Router, model_id
 from .prefix import chain_of
@@ -145,6 +146,8 @@ class _Waiting:
     request_id: str
     estimate: Estimate
     envoy: str
+    chain: tuple[int, ...] | None = None
+    """Its prompt's prefix chain, once a placement attempt computed it (``Core._chain``)."""
 
 
 Observer = Callable[[str, State, State, str], None]
@@ -176,6 +179,8 @@ class Core:
         self._next_reclaim = clock() + RECLAIM_EVERY_S
         self._ambiguous: set[str] = set()
         """Request ids more than one open lease carried (ids chosen by clients): never released by id."""
+        self._fresh: tuple[str, tuple[int, ...]] | None = None
+        """The prefix chain a placement attempt of the request being decided computed (``_chain``)."""
         self._tombstones: Expiring[str] = Expiring(TOMBSTONE_S, MAX_TOMBSTONES)
         """Request ids whose end arrived before any lease: Envoy gave up on them."""
         self._reject_log = logs.Sampler(config.logs.reject_interval_seconds)
@@ -194,6 +199,7 @@ class Core:
         before = self._addresses()
         self.identifier = Identifier(config)
         self.estimator = Estimator(config.estimation, config.limits)
+        self.intake = Intake(config, self.identifier, self.estimator, self.admission.precheck)
         self.router = Router(config, self.router.rng)
         self.admission.reconfigure(config, self.router.pools)
         fleets: dict[str, Fleet] = {}
@@ -251,20 +257,15 @@ class Core:
             # Envoy already gave up on it (and said so): whatever kvgate answers goes nowhere
             return self._final(self._refusal(None, reject("gateway-unavailable",
                                                           "Envoy gave up waiting for this decision.")), req.request_id)
-        tenant: Tenant | None = None
-        try:
-            tenant = self.identifier.resolve(req.authorization, req.trusted).tenant
-            if tenant is None and self.config.mode == "enforce":
-                # not even parsed: a caller without a key costs a dict lookup, whatever it sends
-                return self._final(self._refusal(None, UNKNOWN_KEY), req.request_id)
-            est = req.estimate
-            if est is None:
-                default_max = (tenant.default_max_tokens if tenant else None) or \
-                    self.config.estimation.default_max_tokens
-                est = self.estimator.estimate(req.body, path=req.path, default_max_tokens=default_max)
-        except Invalid as e:
-            return self._final(self._refusal(tenant, e.rejection()), req.request_id)
         size = req.body_bytes if req.body_bytes is not None else len(req.body)
+        # identity → the gates that need no body → the bounded parse (``intake.py``)
+        taken = self.intake.take(req.authorization, req.trusted, req.path, req.body, size, req.estimate)
+        tenant, est = taken.tenant, taken.estimate
+        if est is None:
+            # a quota refusal at the gates is labelled with the pool when that needs no body (one pool);
+            # with several, the body's model would say which: "none", as for a request refused unread
+            pool_name = self.router.pools[0].name if taken.gated and self.router.single else None
+            return self._final(self._refusal(tenant, taken.rejection), req.request_id, pool=pool_name)
         pool = self.router.route(est.model)
         if pool is None:
             return self._final(self._refusal(tenant, self._unrouted(est)), req.request_id)
@@ -272,15 +273,10 @@ class Core:
         if not self.router.allowed(tenant, est.model):
             refused = reject("model-not-allowed", f"This API key may not use the model {shown(est.model or '')}.",
                              param="model")
-        prefix = est.prefix
-        if not prefix and est.document is not None and est.output_tokens and pool.nodes is not None:
-            pc = pool.nodes.prefix
-            if pc.enabled:
-                prefix = chain_of(est.document, pc.block_chars, pc.max_blocks_per_request)
-        if est.pool != pool.name or prefix is not est.prefix:
+        if est.pool != pool.name:
             # (the constructor, not ``dataclasses.replace``: a third of the cost, once per request)
             est = Estimate(est.prompt_tokens, est.output_tokens, est.parsed, est.stream, est.include_usage,
-                           est.document, est.continuous_usage, est.route, prefix, est.model, pool.name)
+                           est.document, est.continuous_usage, est.route, est.prefix, est.model, pool.name)
         never = self._never_fits(est)
         if never is not None:
             return self._final(self._refusal(tenant, never), req.request_id, pool=pool.name)
@@ -288,13 +284,16 @@ class Core:
             self.stats.unparsed_bodies.inc()
             self.log.info("body_not_json", request_id=req.request_id, bytes=size,
                           note="decided on request size alone")
+        self._fresh = None
         d = self.admission.decide(tenant, req.request_id, est, size, borrowed, refused)
+        fresh, self._fresh = self._fresh, None
         if d.borrow:
             return Borrow(replace(req, body=b"", estimate=est, body_bytes=size), d.tenant, d.borrow_also)
         if d.queued:
             assert d.lease is not None
             ticket = d.lease.ticket
-            self._waiting[ticket] = _Waiting(req.request_id, est, req.envoy)
+            self._waiting[ticket] = _Waiting(req.request_id, est, req.envoy,
+                                             fresh[1] if fresh is not None and fresh[0] == ticket else None)
             self.log.debug("queued", request_id=req.request_id, tenant=d.tenant, tier=d.tier,
                            queued=self.admission.queued)
             self._pump()  # an eviction it caused
@@ -599,10 +598,29 @@ class Core:
             # goes only while it can still make its target — it waited for room, and sending it late would
             # take the place of one that can (refused, it may retry when the fleet has room)
             limit = max(max_wait, target_s) if waited <= 0 else target
+        prefix = est.prefix
+        if not prefix and est.document is not None and est.output_tokens and fleet.cfg.prefix.enabled:
+            prefix = self._chain(ticket, est.document, fleet)
         c = fleet.place(est.total, est.prompt_tokens, ticket, self._clock(), force=shadow, reserve=reserve,
                              queue_caps=caps, priority=self._level(tier_name), target=target, limit=limit,
-                             prefix=est.prefix)
+                             prefix=prefix)
         return Placed(c.node.address if c.node else None, c.reason, c.retry_after, c.ttft)
+
+    def _chain(self, ticket: str, document: dict[str, Any], fleet: Fleet) -> tuple[int, ...]:
+        """The prompt's prefix chain, computed at placement: only for requests the quota gates let by
+        (a request its token bucket or a per-model budget refuses never pays for it). A queued request
+        keeps it for its next attempts (on its :class:`_Waiting`; the one being decided now, in
+        ``_fresh`` until ``decide`` knows whether it waits)."""
+        w = self._waiting.get(ticket)
+        if w is not None and w.chain is not None:
+            return w.chain
+        pc = fleet.cfg.prefix
+        chain = chain_of(document, pc.block_chars, pc.max_blocks_per_request)
+        if w is not None:
+            w.chain = chain
+        else:
+            self._fresh = (ticket, chain)
+        return chain
 
     def _floor(self, est: Estimate) -> float:
         """The least time to a first token any node could give this request (its prefill alone on the

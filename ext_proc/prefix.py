@@ -70,8 +70,13 @@ def text_of(doc: dict[str, Any] | None, limit: int = 1 << 62) -> str:
         p = doc.get(key)
         if isinstance(p, str):
             return p
-        if isinstance(p, list) and p and all(isinstance(x, int) for x in p):
-            return ",".join(map(str, p))
+        if isinstance(p, list) and p:
+            # a token-id prompt: its first ``limit // 2 + 1`` ids give at least ``limit`` characters (an
+            # id and its comma), all the chain reads (joining a 200k-id prompt whole cost more than
+            # the rest of its decision)
+            head = p[:limit // 2 + 1]
+            if all(isinstance(x, int) for x in head):
+                return ",".join(map(str, head))
     return ""
 
 

@@ -231,6 +231,12 @@ def _bench_prefix(a: argparse.Namespace) -> int:
     return _emit(a, result)
 
 
+def _bench_intake(a: argparse.Namespace) -> int:
+    from .bench.intake import intake_bench
+
+    return _emit(a, intake_bench(a.reps, a.seconds, quiet=a.json))
+
+
 def _bench_queue(a: argparse.Namespace) -> int:
     from .bench.overhead import queue_scaling
 
@@ -495,6 +501,12 @@ def parser() -> argparse.ArgumentParser:
     b.add_argument("--ops", type=int, default=2000)
     b.add_argument("--json", action="store_true")
     b.set_defaults(fn=_bench_prefix)
+    b = bsub.add_parser("intake", help="kvgate CPU per decision for hostile bodies at max_body_bytes, and a "
+                        "victim tenant's decision latency beside a hostile tenant at its limits")
+    b.add_argument("--reps", type=int, default=5, help="decisions per body kind")
+    b.add_argument("--seconds", type=float, default=30.0, help="virtual seconds of the victim run")
+    b.add_argument("--json", action="store_true")
+    b.set_defaults(fn=_bench_intake)
     b = bsub.add_parser("queue", help="cost of queue operations with 0, 1k and 10k requests queued")
     b.add_argument("--sizes", type=int, nargs="+", default=[0, 1_000, 10_000])
     b.add_argument("--ops", type=int, default=3000)

@@ -222,7 +222,8 @@ def test_model_context_tokens() -> None:
     assert e.param == "max_completion_tokens"
     # no max_tokens: the default reservation shrinks to what fits instead of refusing a valid request
     assert est({"prompt": "x" * 360}, "/v1/completions", default=256, estimator=ctx).output_tokens == 10
-    assert E.estimate(b"x" * 4000, path=CHAT, default_max_tokens=10).prompt_tokens == 1000  # not JSON: unchecked
+    with pytest.raises(Invalid):  # not JSON: refused, never passed on unchecked
+        E.estimate(b"x" * 4000, path=CHAT, default_max_tokens=10)
 
 
 # -- anything at all -------------------------------------------------------------------------------------

@@ -63,6 +63,20 @@ def test_bench_nodes_reports_every_fleet_size() -> None:
     assert all(row["predict_us"] > 0 and row["place_us"] > 0 for row in rows)
 
 
+def test_bench_intake_refuses_every_hostile_kind_and_reports_the_victim_beside_it() -> None:
+    r = kvgate("bench", "intake", "--reps", "1", "--seconds", "3", "--json")
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    answers = {row["kind"]: row["answer"] for row in out["kinds"]}
+    assert answers["tools: [{}] * n"] == "400 body-too-complex"
+    assert answers["BOM + n=16, stream"] == "400 invalid-json"
+    assert answers["tools: [{}] * n, tenant over quota"] == "429 tenant-concurrency"
+    assert all(v == "admitted" for k, v in answers.items() if k.startswith(("legit", "at the caps")))
+    v = out["victim"]
+    assert v["alone"]["victim_decisions"] == v["beside_hostile"]["victim_decisions"] > 0
+    assert v["beside_hostile"]["hostile_answers"]["tenant-requests"] > 0  # most never reached the parser
+
+
 def test_bench_queue_reports_every_size() -> None:
     r = kvgate("bench", "queue", "--sizes", "0", "200", "2000", "--ops", "300", "--json")
     assert r.returncode == 0, r.stderr

@@ -1,5 +1,6 @@
 import json
 from pathlib import Path
+from typing import Any
 
 import orjson
 import pytest
@@ -61,12 +62,17 @@ def test_stream_flags() -> None:
 
 
 @pytest.mark.parametrize("body", [b"{not json", b"\xff\xfe", b'{"a": "\\ud800"}', b"[1,2"])
-def test_body_that_is_not_json_is_estimated_from_its_size(body: bytes) -> None:
-    e = E.estimate(body, path=CHAT, default_max_tokens=64)
-    assert not e.parsed
-    assert e.prompt_tokens == -(-len(body) // 4)
-    assert e.output_tokens == 64
-    assert E.estimate(body, path="/v1/embeddings", default_max_tokens=64).output_tokens == 0
+def test_body_that_is_not_json_is_invalid_json_on_inference_routes(body: bytes) -> None:
+    # never decided on its size and passed on: the node's own parser may read what orjson refuses
+    for path in (CHAT, "/v1/embeddings"):
+        with pytest.raises(Invalid) as e:
+            E.estimate(body, path=path, default_max_tokens=64)
+        assert e.value.name == "invalid-json"
+    # off the inference routes it is still estimated from its size, as before
+    e2 = E.estimate(body, path="/v2/other/completions", default_max_tokens=64)
+    assert not e2.parsed
+    assert e2.prompt_tokens == -(-len(body) // 4)
+    assert e2.output_tokens == 64
 
 
 @pytest.mark.parametrize("body", [b"[1,2,3]", b'"a string"', b"null", b"42"])
@@ -104,11 +110,15 @@ class _Message(dict):  # type: ignore[type-arg]
     """A message the estimator's shortcut for plain ``{"role", "content"}`` dicts does not take."""
 
 
+_PARTS = st.lists(st.text(max_size=50), max_size=3).map(lambda ts: [{"type": "text", "text": t} for t in ts])
+
+
 @settings(max_examples=200, deadline=None)
-@given(st.lists(st.tuples(st.text(max_size=12), st.text(max_size=300)), max_size=6),
+@given(st.lists(st.tuples(st.text(max_size=12), st.text(max_size=300) | _PARTS), max_size=6),
        st.sampled_from([1.0, 3.3, 4.0]), st.integers(0, 8), st.booleans())
 def test_plain_messages_count_as_the_general_walk_counts_them(
-        messages: list[tuple[str, str]], ratio: float, per_message: int, chat: bool) -> None:
+        messages: list[tuple[str, Any]], ratio: float, per_message: int, chat: bool) -> None:
+    # (content a string, or a list of text parts: both have a shortcut)
     e = Estimator(Estimation(chars_per_token=ratio, per_message_tokens=per_message))
     plain = [{"role": r, "content": c} for r, c in messages]
     walked = [_Message(role=r, content=c) for r, c in messages]

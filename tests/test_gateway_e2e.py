@@ -91,14 +91,23 @@ def test_post_without_body_never_reaches_upstream(stack: Stack) -> None:
     assert len(upstream_requests(stack)) == n
 
 
-def test_malformed_json_is_decided_on_size_and_leaks_nothing(stack: Stack) -> None:
+@pytest.mark.parametrize("raw,words", [
+    (b'{"messages": [oops', "not valid JSON"),
+    # Python's json (vLLM's parser) reads this one: passed on, it would skip max_n and max_output_tokens
+    (b'\xef\xbb\xbf{"messages":[{"role":"user","content":"hi"}],"max_tokens":100000,"n":16,"stream":true}',
+     "byte order mark"),
+])
+def test_a_body_that_is_not_json_is_400_invalid_json_and_never_reaches_upstream(
+        stack: Stack, raw: bytes, words: str) -> None:
+    n = len(upstream_requests(stack))
     before = metric(stack.metrics_url, "kvgate_unparsed_bodies_total")
-    code, _, body = post(stack.url + CHAT, None, KEYS["open"], raw=b'{"messages": [oops')
-    assert code == 400  # the upstream's own answer: kvgate admitted it on its size
-    assert json.loads(body)["error"]["message"] == "Invalid JSON body"
-    assert metric(stack.metrics_url, "kvgate_unparsed_bodies_total") == before + 1
-    assert "body_not_json" in stack.log("kvgate")
-    wait_for(lambda: inflight(stack, "open") == 0, what="slot released")
+    code, headers, body = post(stack.url + CHAT, None, KEYS["open"], raw=raw)
+    assert code == 400 and headers["x-kvgate-reject-reason"] == "invalid-json"
+    error = json.loads(body)["error"]
+    assert words in error["message"] and error["code"] == "invalid_json"
+    assert len(upstream_requests(stack)) == n
+    assert metric(stack.metrics_url, "kvgate_unparsed_bodies_total") == before  # nothing decided on size
+    assert inflight(stack, "open") == 0
 
 
 def test_oversized_requests_get_a_clear_4xx(stack: Stack) -> None:

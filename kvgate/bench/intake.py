@@ -1,0 +1,217 @@
+"""``kvgate bench intake``: what hostile request bodies cost kvgate, through the production ``Core``.
+
+Two measurements, in one run:
+
+* **CPU per decision, per body kind** — each hostile shape of issue 28 at ``limits.max_body_bytes``
+  (and a few bodies orjson refuses, and the legit large bodies that must still be read), decided by a
+  fresh :class:`~ext_proc.core.Core` as the gRPC shell would: the minimum and median of the
+  process's CPU time over ``reps`` decisions, and the answer. One row is a hostile body from a tenant
+  already at its concurrency cap; the last rows are the costliest bodies the scan lets through (just
+  under each of its caps).
+* **A victim beside a hostile tenant** — a serial event loop, as kvgate's one event loop is: a victim
+  tenant's requests (Poisson arrivals) wait behind whatever the core is deciding; a hostile tenant at
+  its own limits (``max_concurrent: 4``, 600 requests/min) keeps 8 requests of the worst body in
+  flight, each resent ``rtt_s`` after its answer (the client's round trip through Envoy). Virtual
+  time advances by the CPU each decision really took. The victim's decision latency (wait + its own
+  decision) with and without the hostile tenant, from the same arrivals, in the same run.
+
+Figures depend on the machine (CPU time of this process; other load on the cores inflates them).
+"""
+
+from __future__ import annotations
+
+import heapq
+import random
+import statistics
+import time
+from collections import Counter
+from typing import Any
+
+from ext_proc.config import Config, parse_config
+from ext_proc.core import Answer, Core, Ended, Request, null_logger
+from ext_proc.identity import hash_key
+from ext_proc.intake import caps_for
+
+CHAT = "/v1/chat/completions"
+COMPLETIONS = "/v1/completions"
+
+
+def _fill(head: bytes, item: bytes, tail: bytes, size: int) -> bytes:
+    n = max(1, (size - len(head) - len(tail)) // (len(item) + 1))
+    return head + b",".join([item] * n) + tail
+
+
+def kinds(max_bytes: int) -> list[tuple[str, str, bytes]]:
+    """(name, path, body): the hostile shapes at ``max_bytes``, bodies orjson refuses, legit big ones."""
+    text = b'a, b, {c}, [d], \\" e \\n '
+    return [
+        ("tools: [{}] * n", CHAT, _fill(b'{"model":"m","messages":[],"tools":[', b"{}", b"]}", max_bytes)),
+        ("prompt: token ids", COMPLETIONS, _fill(b'{"model":"m","prompt":[', b"1", b"]}", max_bytes)),
+        ("content-part messages", CHAT, _fill(
+            b'{"model":"m","messages":[', b'{"role":"user","content":[{"type":"text","text":"a"}]}', b"]}",
+            max_bytes)),
+        ("numbers", COMPLETIONS, _fill(b'{"model":"m","prompt":[', b"123456789", b"]}", max_bytes)),
+        ("strings", COMPLETIONS, _fill(b'{"model":"m","prompt":[', b'"a"', b"]}", max_bytes)),
+        ("BOM + n=16, stream", CHAT, b'\xef\xbb\xbf{"model":"m","messages":[{"role":"user","content":"hi"}],'
+                                     b'"max_tokens":100000,"n":16,"stream":true}'),
+        ("NaN", CHAT, b'{"model":"m","messages":[{"role":"user","content":"hi"}],"temperature":NaN}'),
+        ("legit: 4 MB text, commas", CHAT, b'{"model":"m","messages":[{"role":"user","content":"'
+         + text * ((max_bytes - 100) // len(text)) + b'"}],"max_tokens":8}'),
+        ("legit: 2,000 messages", CHAT, b'{"model":"m","messages":['
+         + b",".join([b'{"role":"user","content":"Tell me, in a few words, what you think."}'] * 2000)
+         + b'],"max_tokens":8}'),
+        ("legit: 100k token ids", COMPLETIONS, b'{"model":"m","max_tokens":8,"prompt":['
+         + b",".join([b"12345"] * 100_000) + b"]}"),
+    ]
+
+
+def at_caps(cfg: Config) -> list[tuple[str, str, bytes]]:
+    """The costliest bodies the scan lets through: just under each of its caps (``intake.Caps``)."""
+    caps = caps_for(cfg.limits)
+    part = b'{"role":"user","content":[{"type":"text","text":"a"}]}'
+    return [
+        ("at the caps: tools [{}] x containers", CHAT,
+         b'{"model":"m","messages":[],"tools":[' + b",".join([b"{}"] * (caps.containers - 3)) + b"]}"),
+        ("at the caps: content parts", CHAT,
+         b'{"model":"m","messages":[' + b",".join([part] * (caps.containers // 3 - 2)) + b"]}"),
+        ("at the caps: tools, strings", CHAT,
+         b'{"model":"m","messages":[],"tools":[' + b",".join([b'"a"'] * (caps.strings - 8)) + b"]}"),
+        ("at the caps: token ids", COMPLETIONS,
+         b'{"model":"m","prompt":[' + b",".join([b"123456"] * (caps.elements - 10)) + b"]}"),
+    ]
+
+
+def _config(hostile_limits: bool = True) -> Config:
+    h: dict[str, Any] = {"name": "hostile", "api_key_sha256": [hash_key("k-hostile")]}
+    if hostile_limits:
+        h.update(max_concurrent=4, requests_per_minute=600)
+    return parse_config({"tenants": [h, {"name": "victim", "api_key_sha256": [hash_key("k-victim")]}]})
+
+
+def per_kind(reps: int = 5, max_bytes: int | None = None) -> list[dict[str, Any]]:
+    """CPU per decision for each body kind (ms), and what kvgate answered."""
+    rows = []
+    clock = [0.0]
+    for name, path, body in kinds(max_bytes or _config().limits.max_body_bytes) + at_caps(_config()):
+        rows.append(_measure(name, path, body, reps, clock, over_quota=False))
+    name, path, body = kinds(max_bytes or _config().limits.max_body_bytes)[0]
+    rows.append(_measure(name + ", tenant over quota", path, body, reps, clock, over_quota=True))
+    return rows
+
+
+def _measure(name: str, path: str, body: bytes, reps: int, clock: list[float], over_quota: bool) -> dict[str, Any]:
+    core = Core(_config(hostile_limits=over_quota), lambda: clock[0], log=null_logger())
+    if over_quota:  # the tenant's 4 slots are taken by requests in flight
+        for i in range(4):
+            core.decide(Request(CHAT, f"busy{i}", "Bearer k-hostile", b'{"messages":[],"max_tokens":1}'))
+    costs, answer = [], None
+    for i in range(reps):
+        clock[0] += 1.0
+        t0 = time.process_time()
+        a = core.decide(Request(path, f"r{i}", "Bearer k-hostile", body))
+        cost = time.process_time() - t0
+        costs.append(cost)
+        answer = a
+        if isinstance(a, Answer) and a.decision.lease is not None:
+            core.ended(Ended(a.ticket, f"r{i}", 200))
+    r = answer.decision.rejection if isinstance(answer, Answer) else None
+    return {"kind": name, "bytes": len(body), "cpu_ms_min": min(costs) * 1e3,
+            "cpu_ms_median": statistics.median(costs) * 1e3,
+            "answer": f"{r.status} {r.reason}" if r is not None else "admitted"}
+
+
+def victim(seconds: float = 30.0, rate: float = 20.0, clients: int = 8, service_s: float = 1.0,
+           max_bytes: int | None = None, seed: int = 7, rtt_s: float = 0.01) -> dict[str, Any]:
+    """The victim's decision latency with and without the hostile tenant (same arrivals)."""
+    body = kinds(max_bytes or _config().limits.max_body_bytes)[0][2]
+    rng = random.Random(seed)
+    arrivals, t = [], 0.0
+    while True:
+        t += rng.expovariate(rate)
+        if t >= seconds:
+            break
+        arrivals.append(t)
+    out: dict[str, Any] = {"seconds": seconds, "victim_rate": rate, "hostile_clients": clients,
+                           "hostile_body_bytes": len(body), "hostile_rtt_s": rtt_s}
+    for label, hostile in (("alone", False), ("beside_hostile", True)):
+        lat, answers = _serial(arrivals, hostile, clients, body, seconds, service_s, rtt_s)
+        lat.sort()
+        out[label] = {"victim_p50_ms": _pct(lat, 0.50) * 1e3, "victim_p99_ms": _pct(lat, 0.99) * 1e3,
+                      "victim_max_ms": lat[-1] * 1e3, "victim_decisions": len(lat),
+                      "victim_over_1ms": sum(1 for x in lat if x > 1e-3),
+                      "hostile_answers": dict(answers)}
+    return out
+
+
+def _pct(xs: list[float], q: float) -> float:
+    return xs[min(len(xs) - 1, int(q * len(xs)))]
+
+
+def _serial(arrivals: list[float], hostile: bool, clients: int, body: bytes, seconds: float,
+            service_s: float, rtt_s: float) -> tuple[list[float], Counter[str]]:
+    """One event loop: each event starts when the core is free, and occupies it for the CPU it took."""
+    clock = [0.0]
+    core = Core(_config(), lambda: clock[0], log=null_logger())
+    events: list[tuple[float, int, str, str]] = []
+    seq = 0
+
+    def push(at: float, kind: str, what: str) -> None:
+        nonlocal seq
+        seq += 1
+        heapq.heappush(events, (at, seq, kind, what))
+
+    for i, at in enumerate(arrivals):
+        push(at, "victim", f"v{i}")
+    if hostile:
+        for c in range(clients):
+            push(0.001 * c, "hostile", f"h{c}")
+    victim_body = b'{"model":"m","messages":[{"role":"user","content":"Say hello in five words."}],"max_tokens":8}'
+    free_at = 0.0
+    latencies: list[float] = []
+    answers: Counter[str] = Counter()
+    sent = 0
+    while events:
+        at, _, kind, what = heapq.heappop(events)
+        if kind == "hostile" and at >= seconds:
+            continue
+        clock[0] = start = max(at, free_at)
+        if kind == "end":
+            t0 = time.process_time()
+            core.ended(Ended(what, "", 200))
+            free_at = start + time.process_time() - t0
+            continue
+        sent += 1
+        rid = f"{what}-{sent}"
+        key, b = ("k-victim", victim_body) if kind == "victim" else ("k-hostile", body)
+        t0 = time.process_time()
+        a = core.decide(Request(CHAT, rid, f"Bearer {key}", b))
+        free_at = start + time.process_time() - t0
+        if isinstance(a, Answer) and a.decision.lease is not None:
+            push(free_at + service_s, "end", a.ticket or "")
+        if kind == "victim":
+            latencies.append(free_at - at)
+        else:
+            r = a.decision.rejection if isinstance(a, Answer) else None
+            answers[r.reason if r is not None else "admitted"] += 1
+            push(free_at + rtt_s, "hostile", what)  # resent once its answer is back
+    return latencies, answers
+
+
+def intake_bench(reps: int = 5, seconds: float = 30.0, quiet: bool = False) -> dict[str, Any]:
+    rows = per_kind(reps)
+    v = victim(seconds)
+    if not quiet:
+        print(f"kvgate bench intake: CPU per decision through the production Core ({reps} decisions per row)")
+        print(f"{'body':<44} {'bytes':>9} {'min ms':>8} {'median ms':>10}  answer")
+        for r in rows:
+            print(f"{r['kind']:<44} {r['bytes']:>9} {r['cpu_ms_min']:>8.2f} {r['cpu_ms_median']:>10.2f}  {r['answer']}")
+        print(f"\nvictim tenant ({v['victim_rate']:g} req/s, {v['seconds']:g} s) beside a hostile tenant at its limits "
+              f"(max_concurrent 4, 600/min; {v['hostile_clients']} requests of {v['hostile_body_bytes']} bytes "
+              f"in flight), one serial event loop:")
+        for label in ("alone", "beside_hostile"):
+            x = v[label]
+            print(f"  {label:<15} victim p50 {x['victim_p50_ms']:.3f} ms  p99 {x['victim_p99_ms']:.3f} ms  "
+                  f"max {x['victim_max_ms']:.3f} ms  ({x['victim_decisions']} decisions, "
+                  f"{x['victim_over_1ms']} over 1 ms)"
+                  + (f"  hostile answers: {x['hostile_answers']}" if x["hostile_answers"] else ""))
+    return {"kinds": rows, "victim": v}

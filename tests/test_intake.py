@@ -1,0 +1,325 @@
+"""Intake (ext_proc/intake.py): identity → gates that need no body → bounded parse → valid or 400.
+
+Hostile shapes at ``max_body_bytes`` are refused by the scan naming the problem; bodies orjson refuses
+are 400 ``invalid-json`` naming why (never passed on); a tenant over its quota is refused without its
+body being parsed; ordinary bodies — including a 4 MB prompt full of commas — read as before.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+from unittest.mock import patch
+
+import orjson
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from ext_proc import intake
+from ext_proc.config import Config, parse_config
+from ext_proc.core import Answer, Core, Ended, Request, null_logger
+from ext_proc.estimate import Estimator
+from ext_proc.identity import hash_key
+from ext_proc.intake import Caps, caps_for, scan
+from ext_proc.reasons import Invalid
+from tests.helpers import FakeClock
+
+CHAT = "/v1/chat/completions"
+COMPLETIONS = "/v1/completions"
+MAX = 4 * 1024 * 1024
+
+
+def config(mode: str = "enforce", **tenant: Any) -> Config:
+    return parse_config({
+        "mode": mode,
+        "limits": {"max_n": 4, "max_output_tokens": 4096},
+        "tenants": [{"name": "t", "api_key_sha256": [hash_key("k-t")], **tenant}],
+    })
+
+
+def make(cfg: Config | None = None) -> Core:
+    return Core(cfg or config(), FakeClock(), log=null_logger())
+
+
+def decide(core: Core, body: bytes, path: str = CHAT, rid: str = "r") -> Answer:
+    a = core.decide(Request(path, rid, "Bearer k-t", body))
+    assert isinstance(a, Answer)
+    return a
+
+
+def reason(a: Answer) -> str | None:
+    return a.decision.rejection.reason if a.decision.rejection is not None else None
+
+
+def fill(head: bytes, item: bytes, tail: bytes, size: int = MAX) -> bytes:
+    n = (size - len(head) - len(tail)) // (len(item) + 1)
+    return head + b",".join([item] * n) + tail
+
+
+HOSTILE = {
+    # the shapes of issue 28, each at max_body_bytes
+    "tools of empty objects": (CHAT, fill(b'{"model":"m","messages":[],"tools":[', b"{}", b"]}"),
+                               "objects and arrays"),
+    "a token-id prompt of 2M ids": (COMPLETIONS, fill(b'{"model":"m","prompt":[', b"1", b"]}"), "elements"),
+    "content-part messages": (CHAT, fill(b'{"model":"m","messages":[',
+                                         b'{"role":"user","content":[{"type":"text","text":"a"}]}', b"]}"),
+                              "strings"),
+    "numbers": (COMPLETIONS, fill(b'{"model":"m","prompt":[', b"123456789", b"]}"), "elements"),
+    "strings": (COMPLETIONS, fill(b'{"model":"m","prompt":[', b'"a"', b"]}"), "strings"),
+}
+
+
+@pytest.mark.parametrize("name", list(HOSTILE))
+def test_hostile_shapes_are_400_body_too_complex_naming_the_problem(name: str) -> None:
+    path, body, what = HOSTILE[name]
+    assert len(body) <= MAX
+    core = make()
+    core.intake._estimator = None  # type: ignore[assignment]  # never parsed: the scan refuses first
+    a = decide(core, body, path)
+    assert reason(a) == "body-too-complex"
+    assert a.reply is not None and a.reply.status == 400
+    assert what in a.decision.rejection.message  # type: ignore[union-attr]
+
+
+def test_a_4mb_prompt_full_of_commas_brackets_and_escaped_quotes_is_admitted() -> None:
+    # every structural character a hostile body uses, inside one string: no false 400
+    text = b'a, b, {c}, [d], \\" e \\\\ \\n ' * ((MAX - 200) // 28)
+    body = b'{"model":"m","messages":[{"role":"user","content":"' + text + b'"}],"max_tokens":4}'
+    assert len(body) <= MAX and body.count(b",") > caps_for(config().limits).elements
+    a = decide(make(), body)
+    assert a.decision.admitted and a.decision.rejection is None
+
+
+def test_a_long_token_id_prompt_within_the_model_context_is_read() -> None:
+    cfg = parse_config({"limits": {"model_context_tokens": 200_000},
+                        "tenants": [{"name": "t", "api_key_sha256": [hash_key("k-t")]}]})
+    ids = b",".join(b"1234" for _ in range(150_000))
+    a = decide(make(cfg), b'{"model":"m","max_tokens":8,"prompt":[' + ids + b"]}", COMPLETIONS)
+    assert a.decision.admitted
+    # one longer than any context the config allows is refused unparsed
+    ids = b",".join(b"1" for _ in range(200_000 + 70_000))
+    a = decide(make(cfg), b'{"model":"m","prompt":[' + ids + b"]}", COMPLETIONS)
+    assert reason(a) == "body-too-complex"
+
+
+@pytest.mark.parametrize("body,words", [
+    (b'\xef\xbb\xbf{"messages":[{"role":"user","content":"hi"}]}', "byte order mark"),
+    (b'{"messages":[{"role":"user","content":"hi"}],"temperature":NaN}', "NaN"),
+    (b'{"messages":[{"role":"user","content":"hi"}],"temperature":Infinity}', "Infinity"),
+    (b'{"messages":[{"role":"user","content":"hi"}],"temperature":-Infinity}', "-Infinity"),
+    (b'{"messages":[{"role":"user","content":"hi"}],"max_tokens":1e999}', "out of range"),
+    (b'{"messages":[{"role":"user","content":"\\ud800"}]}', "lone surrogate"),
+    (b'{"messages":[{"role":"user","content":"\xed\xa0\x80"}]}', "UTF-8"),
+    (b'{"messages":[{"role":"user","content":"\xff"}]}', "UTF-8"),
+    (b'{"messages": [oops', "not valid JSON"),
+])
+def test_bodies_orjson_refuses_are_400_invalid_json_naming_why(body: bytes, words: str) -> None:
+    a = decide(make(), body)
+    assert reason(a) == "invalid-json" and a.reply is not None and a.reply.status == 400
+    assert words in a.decision.rejection.message  # type: ignore[union-attr]
+    assert a.decision.lease is None  # nothing taken, nothing passed on
+
+
+def test_a_bom_can_no_longer_carry_a_request_past_max_n_and_max_output_tokens() -> None:
+    doc = b'{"messages":[{"role":"user","content":"hi"}],"max_tokens":100000,"n":16,"stream":true}'
+    core = make()
+    assert reason(decide(core, doc)) == "invalid-parameter"  # the checks it used to skip
+    a = decide(core, b"\xef\xbb\xbf" + doc, rid="bom")
+    assert reason(a) == "invalid-json" and not a.decision.admitted
+
+
+def test_an_empty_body_on_an_inference_route_is_missing_body() -> None:
+    assert reason(decide(make(), b"")) == "missing-body"
+
+
+class Counting(Estimator):
+    calls = 0
+
+    def estimate(self, body: bytes, *, path: str, default_max_tokens: int) -> Any:
+        Counting.calls += 1
+        return super().estimate(body, path=path, default_max_tokens=default_max_tokens)
+
+
+def counted(core: Core) -> Core:
+    core.intake._estimator = Counting(core.config.estimation, core.config.limits)
+    Counting.calls = 0
+    return core
+
+
+OK = orjson.dumps({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4})
+HOSTILE_BODY = HOSTILE["tools of empty objects"][1]
+
+
+def test_a_tenant_at_its_concurrency_cap_is_refused_without_its_body_being_parsed() -> None:
+    core = counted(make(config(max_concurrent=1)))
+    assert decide(core, OK, rid="first").decision.admitted
+    assert Counting.calls == 1
+    a = decide(core, HOSTILE_BODY, rid="second")
+    assert reason(a) == "tenant-concurrency" and a.reply is not None and a.reply.status == 429
+    assert Counting.calls == 1  # the estimator never saw it
+    assert "retry-after" in dict(a.reply.headers)
+    assert a.pool == "default"  # one pool: labelled as the full decision labelled it
+    assert core.admission.tenant_state("t").inflight == 1  # type: ignore[union-attr]  # took nothing
+
+
+def test_a_tenant_with_an_empty_request_bucket_is_refused_without_its_body_being_parsed() -> None:
+    core = counted(make(config(requests_per_minute=1)))
+    first = decide(core, OK, rid="first")
+    assert first.decision.admitted
+    core.ended(Ended(first.ticket, "first", 200))
+    a = decide(core, HOSTILE_BODY, rid="second")
+    assert reason(a) == "tenant-requests"
+    assert Counting.calls == 1
+
+
+def test_a_body_over_max_body_bytes_is_413_unparsed() -> None:
+    core = counted(make())
+    a = decide(core, b" " * (MAX + 1))
+    assert reason(a) == "body-too-large" and Counting.calls == 0
+
+
+@pytest.mark.parametrize("where", ["global", "tenant"])
+def test_shadow_mode_refuses_nothing_at_the_cheap_gates(where: str) -> None:
+    cfg = config("shadow", max_concurrent=1) if where == "global" else config(max_concurrent=1, mode="shadow")
+    core = counted(make(cfg))
+    assert decide(core, OK, rid="first").decision.admitted
+    a = decide(core, OK, rid="second")
+    assert a.decision.admitted and reason(a) == "tenant-concurrency"  # recorded, admitted all the same
+    assert Counting.calls == 2
+
+
+def test_the_gates_refuse_with_the_full_decisions_own_reason_and_message() -> None:
+    """What precheck answers is what the full decision answers for the same state."""
+    core = make(config(max_concurrent=1, requests_per_minute=600))
+    assert decide(core, OK, rid="first").decision.admitted
+    tenant = core.config.tenants[0]
+    peek = core.admission.precheck(tenant, len(OK))
+    full = core.admission.decide(tenant, "x", core.estimator.estimate(OK, path=CHAT, default_max_tokens=16),
+                                 len(OK))
+    assert peek is not None and full.rejection is not None
+    assert (peek.reason, peek.status, peek.message) == (full.rejection.reason, full.rejection.status,
+                                                       full.rejection.message)
+
+
+# -- the scan, against the real counts ---------------------------------------------------------------
+
+def real_counts(doc: Any) -> tuple[int, int, int]:
+    """(elements, containers, strings) of a document: commas + containers, containers, keys + strings."""
+    elements = containers = strings = 0
+    stack = [doc]
+    while stack:
+        v = stack.pop()
+        if isinstance(v, str):
+            strings += 1
+        elif isinstance(v, dict | list):
+            containers += 1
+            elements += 1 + max(0, len(v) - 1)
+            if isinstance(v, dict):
+                strings += len(v)
+                stack.extend(v.values())
+            else:
+                stack.extend(v)
+    return elements, containers, strings
+
+
+TEXT = st.text(alphabet=st.sampled_from([*'ab ,{}[]:"\\\n', "é", "\u2028"]), max_size=12)
+JSON = st.recursive(
+    st.none() | st.booleans() | st.integers(-1000, 1000) | TEXT,
+    lambda children: st.lists(children, max_size=5) | st.dictionaries(TEXT, children, max_size=4),
+    max_leaves=30,
+)
+
+
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(doc=JSON, elements=st.integers(1, 60), containers=st.integers(1, 20), strings=st.integers(1, 30))
+def test_scan_refuses_exactly_the_bodies_over_a_cap(doc: Any, elements: int, containers: int, strings: int) -> None:
+    body = orjson.dumps(doc)
+    caps = Caps(elements, containers, strings)
+    e, c, s = real_counts(doc)
+    over = e > elements or c > containers or s > strings
+    for few in (intake._FEW_QUOTES, 0):  # strings set apart in place, and by split
+        with patch.object(intake, "_FEW_QUOTES", few):
+            try:
+                scan(body, caps)
+            except Invalid as exc:
+                assert exc.name == "body-too-complex"
+                assert over, (body, caps)
+            else:
+                assert not over, (body, caps, (e, c, s))
+
+
+MESSAGE = st.fixed_dictionaries({"role": st.sampled_from(["user", "system", "assistant"]),
+                                 "content": TEXT | st.lists(st.fixed_dictionaries(
+                                     {"type": st.just("text"), "text": TEXT}), max_size=3)})
+REQUEST = st.fixed_dictionaries({"messages": st.lists(MESSAGE, max_size=6)}, optional={
+    "model": TEXT, "max_tokens": st.integers(1, 4096), "n": st.integers(1, 4), "stream": st.booleans(),
+    "tools": st.lists(JSON, max_size=3), "temperature": st.floats(0, 2),
+})
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(doc=REQUEST)
+def test_the_bounded_parse_agrees_with_the_estimate_on_ordinary_bodies(doc: dict[str, Any]) -> None:
+    core = make()
+    body = orjson.dumps(doc)
+    taken = core.intake.take("Bearer k-t", None, CHAT, body, len(body))
+    try:
+        want = core.estimator.estimate(body, path=CHAT, default_max_tokens=core.config.estimation.default_max_tokens)
+    except Invalid as e:
+        assert taken.rejection is not None and taken.rejection.reason == e.name
+        return
+    assert taken.rejection is None and taken.estimate is not None
+    assert (taken.estimate.prompt_tokens, taken.estimate.output_tokens, taken.estimate.stream) == \
+        (want.prompt_tokens, want.output_tokens, want.stream)
+
+
+def test_a_refused_reading_is_charged_to_the_sender_then_its_bodies_go_unread() -> None:
+    # a tenant at its own limits sending hostile bodies: each read costs it a request of its bucket,
+    # so it gets requests_per_minute readings, then 429s that never reach the parser
+    core = counted(make(config(requests_per_minute=3)))
+    answers = [reason(decide(core, b'\xef\xbb\xbf{"messages":[]}', rid=f"h{i}")) for i in range(5)]
+    assert answers == ["invalid-json"] * 3 + ["tenant-requests"] * 2
+    assert Counting.calls == 3
+    shadow = counted(make(config(requests_per_minute=3, mode="shadow")))
+    assert [reason(decide(shadow, b"\xef\xbb\xbf{}", rid=f"s{i}")) for i in range(5)] == ["invalid-json"] * 5
+    # reading costs by the byte: a 4 MB hostile body costs 64 requests of a 600/min bucket
+    big = counted(make(config(requests_per_minute=600)))
+    answers = [reason(decide(big, HOSTILE_BODY, rid=f"b{i}")) for i in range(12)]
+    assert answers == ["body-too-complex"] * 10 + ["tenant-requests"] * 2  # 600 / 64 = 9.4: the 10th goes into debt
+
+
+@pytest.mark.parametrize("ids", [[1] * 70_000, list(range(70_000)), [7] * 10])
+def test_the_prefix_chain_of_a_token_id_prompt_reads_only_its_head_with_the_same_result(ids: list[int]) -> None:
+    from ext_proc.prefix import chain_of, text_chain
+
+    doc = {"model": "m", "prompt": ids}
+    seed = hash(("m", "None"))
+    assert chain_of(doc, 512, 128) == text_chain(",".join(map(str, ids)), 512, 128, seed)
+
+
+def test_the_prefix_chain_is_computed_only_for_requests_that_are_placed(monkeypatch: pytest.MonkeyPatch) -> None:
+    import time
+
+    from ext_proc import core as core_module
+    from gpu_probe.snapshot import Snapshot
+
+    nodes = ["10.0.0.0:8000", "10.0.0.1:8000"]
+    cfg = parse_config({"nodes": {"static": [{"address": a, "probe": f"http://p{i}"} for i, a in enumerate(nodes)]},
+                        "tenants": [{"name": "t", "api_key_sha256": [hash_key("k-t")], "tokens_per_minute": 2500}]})
+    core = Core(cfg, time.monotonic, log=null_logger())
+    for a in nodes:
+        core.snapshot(a, Snapshot(node="n", at=time.time(), ok=True, kv_usage=0.2, blocks_total=1000, block_size=16))
+    calls: list[int] = []
+    real = core_module.chain_of
+    monkeypatch.setattr(core_module, "chain_of", lambda *a: calls.append(1) or real(*a))
+    body = orjson.dumps({"messages": [{"role": "user", "content": "x" * 4000}], "max_tokens": 8})
+    first = decide(core, body, rid="1")
+    assert first.decision.admitted and calls == [1]
+    core.ended(Ended(first.ticket, "1", 200))
+    second = decide(core, body, rid="2")
+    assert second.decision.admitted and calls == [1, 1]
+    assert second.metadata["endpoint"] == first.metadata["endpoint"]  # the chain still steers it
+    larger = orjson.dumps({"messages": [{"role": "user", "content": "x" * 8000}], "max_tokens": 8})
+    third = decide(core, larger, rid="3")
+    assert reason(third) == "tenant-tokens"
+    assert calls == [1, 1]  # refused by its token bucket before placement: no chain
