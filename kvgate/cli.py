@@ -344,7 +344,9 @@ def _bench_live(a: argparse.Namespace) -> int:
     return live(a)
 
 
-def parser() -> argparse.ArgumentParser:
+def parser(benchmarks: bool = True) -> argparse.ArgumentParser:
+    """The whole CLI; ``benchmarks=False`` leaves out the benchmark subcommands that need the simulator's
+    and the scenarios' modules to list their choices (a production command never loads them)."""
     p = argparse.ArgumentParser(prog="kvgate", description=__doc__)
     sub = p.add_subparsers(dest="cmd", required=True)
 
@@ -525,9 +527,11 @@ def parser() -> argparse.ArgumentParser:
                    help="poll: probes without the stream (kvgate polls GET /snapshot); stream: GET /snapshot/stream")
     b.add_argument("--json", action="store_true")
     b.set_defaults(fn=_bench_scale)
+    if not benchmarks:
+        return p  # (the scenario and family names below come from the benchmarks' own modules)
     from .bench.scenarios.workloads import SCENARIOS
 
-    b = bsub.add_parser("scenarios", help="the field guide's scenarios in virtual time, policies side by side")
+    b = bsub.add_parser("scenarios", help="the pinned scenarios in virtual time, policies side by side")
     b.add_argument("--scenario", action="append", choices=list(SCENARIOS), help="default: all of them")
     b.add_argument("--trace", type=Path, default=None, help="replay a JSONL trace instead (needs --config)")
     b.add_argument("--config", type=Path, default=None, help="bench config for --trace: profile, nodes, kvgate, "
@@ -567,7 +571,8 @@ def parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     from ext_proc.config import ConfigError
 
-    a = parser().parse_args(argv)
+    args = sys.argv[1:] if argv is None else argv
+    a = parser(benchmarks=not args or args[0] in ("bench", "-h", "--help")).parse_args(argv)
     _check_pool_args(a)
     try:
         return int(a.fn(a))

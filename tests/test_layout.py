@@ -57,3 +57,18 @@ def test_the_profiles_are_the_products_and_the_simulator_uses_them() -> None:
 def test_the_import_reader_resolves_relative_imports() -> None:
     assert ("kvgate.dev.stack", True) in imports(ROOT / "kvgate" / "top.py")
     assert ("kvgate.envoy_config", True) in imports(ROOT / "kvgate" / "dev" / "stack.py")
+
+
+def test_a_production_command_line_loads_no_tooling() -> None:
+    """``kvgate extproc`` (and every command but ``bench``) builds the CLI without the benchmarks'
+    subcommands, whose choices (scenario and family names) come from the benchmarks' modules: building
+    it loaded the simulator into the admission service. A child process: this one has them loaded."""
+    import subprocess
+    import sys
+
+    code = ("import sys\nfrom kvgate import cli\ntry:\n    cli.main(['extproc', '--help'])\nexcept SystemExit:\n"
+            "    pass\nbad = sorted(m for m in sys.modules if m == 'sim' or m.startswith(('sim.', 'kvgate.bench',"
+            " 'kvgate.dev')))\nprint('LOADED:' + ','.join(bad))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=True)
+    (line,) = [x for x in out.stdout.splitlines() if x.startswith("LOADED:")]
+    assert line == "LOADED:", line
