@@ -447,13 +447,7 @@ def test_the_charts_own_redis_has_a_generated_password_by_default(tmp_path: Path
     # with no cluster to look the installed Secret up in, each render makes a new one
     assert base64.b64decode(of(render(tmp_path, **CHART_REDIS), "Secret")[0]["data"]["password"]).decode() != \
         password
-    # the chart's Redis beside your own store.redis.url: the Redis still has its password; kvgate, talking
-    # to yours, does not get it
-    beside = render(tmp_path, **CHART_REDIS, store={"redis": {"url": "redis://mine:6379/0"}})
-    assert redis_password(beside) == ("demo-kvgate-redis", "password")
-    assert "password_file" not in kvgate_config(beside)["store"]["redis"]
-    assert [v["name"] for v in named(beside, "Deployment", "demo-kvgate")["spec"]["template"]["spec"]["volumes"]] \
-        == ["config"]
+    # (the chart's Redis beside a store.redis.url is refused: test_the_charts_redis_with_an_explicit_url_...)
     # an existingSecret with its own key wins for both
     mine = render(tmp_path, **CHART_REDIS, store={"redis": {"existingSecret": "auth", "passwordKey": "pw"}})
     assert redis_password(mine) == ("auth", "pw") and not of(mine, "Secret")
@@ -755,3 +749,15 @@ def test_the_envoy_gateway_policy_has_what_kvgate_needs(tmp_path: Path) -> None:
     assert ext["metadata"]["writableNamespaces"] == ["kvgate"]
     assert ext["messageTimeout"] == "60s"  # covers the longest queue wait (no override there)
     assert "MISSING_BODY = '" in eg["spec"]["lua"][0]["inline"]
+
+
+def test_the_charts_redis_with_an_explicit_url_is_refused_in_words(tmp_path: Path) -> None:
+    """(review) redis.enabled plus store.redis.url: the chart's Redis now always has a password, which
+    kvgate was given only without a url — every replica got NOAUTH and stayed on its local split."""
+    r = helm("template", "demo", str(CHART), values={**VALUES, **CHART_REDIS, "store": {"redis": {
+        "url": "redis://demo-kvgate-redis.llm.svc:6379/0"}}}, tmp=tmp_path, check=False)
+    assert r.returncode != 0
+    assert "redis.enabled with store.redis.url" in r.stderr and "Leave store.redis.url empty" in r.stderr, r.stderr
+    ok = {**VALUES, **CHART_REDIS, "store": {"redis": {"url": "redis://demo-kvgate-redis.llm.svc:6379/0",
+                                                     "existingSecret": "mine"}}}
+    assert helm("template", "demo", str(CHART), values=ok, tmp=tmp_path, check=False).returncode == 0

@@ -59,6 +59,9 @@ the store is the chart's own Redis, else "" (your Redis without a password, or n
 {{- if and (gt (int .Values.replicaCount) 1) (not $url) -}}
 {{- fail (printf "replicaCount: %d needs a shared store (without one each replica would enforce its own copy of every quota). Set one of: redis.enabled: true (the chart's own single-pod Redis, with a generated password); store.redis.url: redis://HOST:6379/0 (your Redis/Valkey; its password in store.redis.existingSecret); or replicaCount: 1" (int .Values.replicaCount)) -}}
 {{- end -}}
+{{- if and .Values.redis.enabled $r.url (not $r.existingSecret) -}}
+{{- fail "redis.enabled with store.redis.url: the chart's own Redis runs with a generated password that kvgate is given only when store.redis.url is empty (kvgate then finds that Redis by itself). Leave store.redis.url empty to use the chart's Redis, or set redis.enabled: false to use yours (its password in store.redis.existingSecret)" -}}
+{{- end -}}
 {{- if $url -}}
 {{- if and $r.tls.enabled (not (hasPrefix "rediss://" $url)) -}}
 {{- fail "store.redis.tls.enabled needs a rediss:// store.redis.url (the chart's own redis speaks no TLS)" -}}
