@@ -169,6 +169,8 @@ class Core:
         """Request ids more than one open lease carried (ids chosen by clients): never released by id."""
         self._tombstones: dict[str, float] = {}
         """Request ids whose end arrived before any lease: Envoy gave up on them."""
+        self._pumping = False
+        """The gateway queue is being pumped: a no-node answer's Retry-After goes nowhere (``_pump``)."""
         self.breaker_opens: dict[str, int] = {}
         """Breaker opens by cause (kv | latency | trial): what the benchmarks report."""
         self.stats.bind(self)
@@ -418,7 +420,14 @@ class Core:
 
     def _pump(self) -> None:
         if self.admission.queued or self.admission.has_outcomes:
-            self._deliver(self.admission.pump())
+            # (while the queue is pumped, a request no node can take only blocks its tier: no Retry-After
+            # is asked of node choice, which would walk the whole fleet for it — ``_pick``)
+            self._pumping = True
+            try:
+                outcomes = self.admission.pump()
+            finally:
+                self._pumping = False
+            self._deliver(outcomes)
 
     def _deliver(self, outcomes: list[Outcome]) -> None:
         for o in outcomes:
@@ -558,8 +567,8 @@ class Core:
             # take the place of one that can (refused, it may retry when the fleet has room)
             limit = max(max_wait, target_s) if waited <= 0 else target
         c = fleet.place(est.total, est.prompt_tokens, ticket, self._clock(), force=shadow, reserve=reserve,
-                             queue_caps=caps, priority=self._level(tier_name), target=target, limit=limit,
-                             prefix=est.prefix)
+                        queue_caps=caps, priority=self._level(tier_name), target=target, limit=limit,
+                        prefix=est.prefix, retry=not self._pumping)
         return Placed(c.node.address if c.node else None, c.reason, c.retry_after, c.ttft)
 
     def _floor(self, est: Estimate) -> float:

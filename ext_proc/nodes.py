@@ -34,18 +34,19 @@ from __future__ import annotations
 
 import math
 import random
-from collections import deque
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from gpu_probe.snapshot import Snapshot
 
 from .breaker import Breaker, BreakerSettings, State
 from .config import Nodes
+from .nodebook import DEFAULT_BLOCK, Node, Room
 from .perf import Speed, StepModel, from_config, prefill_heavy, step_ratio
 from .prefix import PrefixIndex
 
-DEFAULT_BLOCK = 16
+__all__ = ["DEFAULT_BLOCK", "MAX_CANDIDATES", "SCAN_LIMIT", "Choice", "Fleet", "Level", "Node", "breaker_settings"]
+
 MAX_CANDIDATES = 8
 """Nodes whose prediction a decision computes: all of a small fleet; of a large one a random sample
 plus the node that was best last time."""
@@ -56,96 +57,6 @@ at SCAN_LIMIT looked at with one passing: the filters cost per node too. Only wh
 does the scan go on, to the whole fleet before a capacity answer."""
 TOP_RECENT_S = 10.0
 """The top tier counts as active (and keeps a node free of long prefills) this long after its last request."""
-
-
-@dataclass(eq=False)
-class Node:
-    address: str
-    probe: str
-    threshold: float
-    """The node's KV admit threshold: its own override, else the fleet default."""
-    breaker: Breaker
-    override: float | None = None
-    """The per-node ``kv_admit_threshold`` as configured (None: follow the fleet default)."""
-    snapshot: Snapshot | None = None
-    fresh_at: float | None = None
-    pending: deque[tuple[float, int, int, int]] = field(default_factory=deque)
-    """(when, tokens, prompt tokens, priority level) sent since the last fresh snapshot: what it cannot show yet."""
-    pending_tokens: int = 0
-    """Sum of ``pending``'s tokens, kept as it changes: read on every request, for every node."""
-    pending_prompt: int = 0
-    requests: dict[str, tuple[int, int, int]] = field(default_factory=dict)
-    """kvgate's requests in flight here, in dispatch order: ticket → (tokens, prompt tokens, vLLM priority)."""
-    waiting_tokens: int = 0
-    """Tokens of the requests vLLM had waiting at the last snapshot: they hold no KV yet, so the KV
-    reading does not show them (taken as kvgate's newest requests sent before it: vLLM is FCFS)."""
-    waiting_prompt: int = 0
-    drain_tokens_per_s: float | None = None
-    latency: float | None = None
-    """The last step-time reading relative to the node's model (observed / modelled): the breaker's signal."""
-    trials: set[str] = field(default_factory=set)
-    """Tickets sent here as half-open trials: a trial that ends without a verdict gives its place back."""
-    speed: Speed = field(default_factory=Speed)
-    busy: dict[int, float] = field(default_factory=dict)
-    """vLLM priority level → when the prefill booked here at that level or a more urgent one is done (a
-    virtual clock: every dispatch advances it, every probe reading corrects it)."""
-    running_low: deque[tuple[float, float, int, str]] = field(default_factory=deque)
-    """(start, end, level, ticket) of the less urgent prefills booked here, in order: the one running at a
-    given time holds every step's budget until its end, whatever arrives (vLLM runs running requests first)."""
-    prefills: deque[tuple[float, float, int, str]] = field(default_factory=deque)
-    """(start, end, level, ticket) of every prefill booked here, in booking order: one that started and
-    has not reached its end is still running."""
-    waiting_by_level: dict[int, int] = field(default_factory=dict)
-    """Prompt tokens vLLM had waiting at the last reading, by priority level (kvgate's requests)."""
-    _last_completion: float | None = None
-
-    @property
-    def inflight(self) -> int:
-        return len(self.requests)
-
-    def waiting(self) -> int:
-        """Requests waiting inside vLLM: its last reading, plus what was sent since if it had a queue
-        then (with no queue, and KV room, vLLM starts new requests at its next step)."""
-        w = round(self.snapshot.waiting or 0.0) if self.snapshot is not None else 0
-        return w + len(self.pending) if w else 0
-
-    def prefill_tokens(self) -> int:
-        """Prompt tokens not yet prefilled: those waiting in vLLM at the last reading and those sent since."""
-        return self.waiting_prompt + self.pending_prompt
-
-    def _count_waiting(self) -> None:
-        """At a new reading: which of kvgate's requests are the ones vLLM says are waiting — the newest
-        sent before the reading, least urgent first (vLLM's queue is FCFS within a priority level)."""
-        w = round(self.snapshot.waiting or 0.0) if self.snapshot is not None else 0
-        tokens = prompt = 0
-        by_level: dict[int, int] = {}
-        if w:
-            skip = len(self.pending)  # the newest: sent after the reading was taken
-            sent = list(self.requests.values())
-            sent = sent[:max(0, len(sent) - skip)] if skip else sent
-            order = sorted(range(len(sent)), key=lambda i: (-sent[i][2], -i))
-            for i in order[:w]:
-                t, pr, level = sent[i]
-                tokens, prompt = tokens + t, prompt + pr
-                by_level[level] = by_level.get(level, 0) + pr
-        self.waiting_tokens, self.waiting_prompt, self.waiting_by_level = tokens, prompt, by_level
-
-    def capacity_tokens(self) -> int | None:
-        s = self.snapshot
-        if s is None or not s.blocks_total:
-            return None
-        return s.blocks_total * (s.block_size or DEFAULT_BLOCK)
-
-    def projected_kv(self, extra_tokens: int = 0) -> float | None:
-        s = self.snapshot
-        if s is None:
-            return None
-        usage, blocks = s.kv_usage, s.blocks_total
-        if usage is None or not blocks:
-            return usage
-        # (capacity_tokens inline: asked for every node a decision filters)
-        return usage + (self.waiting_tokens + self.pending_tokens + extra_tokens) / (blocks * (s.block_size or
-                                                                                             DEFAULT_BLOCK))
 
 
 @dataclass(frozen=True)
@@ -200,6 +111,8 @@ class Fleet:
         """``max_capacity_tokens``, kept until a reading changes a node's capacity or the node set
         changes: every request asks for it."""
         self.prefix = PrefixIndex(cfg.prefix.max_blocks_per_node, cfg.prefix.ttl_seconds)
+        self.room = Room()
+        """Whether any node might take a request now (``nodebook.Room``): kept by every change below."""
         self.set_nodes([(n.address, n.probe, n.kv_admit_threshold) for n in cfg.static])
 
     def set_levels(self, levels: list[Level]) -> None:
@@ -244,6 +157,7 @@ class Fleet:
             self.prefix.forget(gone)
         self.nodes = nodes
         self._order = list(nodes.values())
+        self.room.reset(self._order)
         self._ring = None
         self._not_closed = None
         self._max_cap_known = False
@@ -252,6 +166,9 @@ class Fleet:
         def transition(old: State, new: State, why: str) -> None:
             if self._not_closed is not None and (old is State.CLOSED) != (new is State.CLOSED):
                 self._not_closed += 1 if old is State.CLOSED else -1
+            n = self.nodes.get(address)
+            if n is not None:
+                self.room.update(n)
             cb = self._on_transition
             if cb is not None:
                 cb(address, old, new, why)
@@ -298,6 +215,7 @@ class Fleet:
                           may_trip_on_kv=self._another_closed(n, now) if closed and snap.kv_usage is not None
                           and snap.kv_usage > n.breaker.s.kv_threshold else True)
         self._correct(n, now)
+        self.room.update(n)
 
     def _context(self, n: Node) -> float:
         """Tokens in the node's KV cache at its last reading."""
@@ -368,11 +286,12 @@ class Fleet:
     def place(
         self, tokens: int, prompt_tokens: int, ticket: str, now: float, force: bool = False, reserve: float = 0.0,
         queue_caps: bool = True, priority: int = 0, target: float | None = None, limit: float | None = None,
-        prefix: tuple[int, ...] = (),
+        prefix: tuple[int, ...] = (), retry: bool = True,
     ) -> Choice:
         """Choose a node and book the request there (what ``Admission`` calls). ``prefix``: the chain of
         the prompt's leading blocks (``prefix.py``), for prefix-cache affinity."""
-        c = self.choose(tokens, now, force, prompt_tokens, reserve, queue_caps, priority, target, limit, prefix)
+        c = self.choose(tokens, now, force, prompt_tokens, reserve, queue_caps, priority, target, limit, prefix,
+                        retry)
         if c.node is not None:
             # its KV counts whole (vLLM takes cached blocks nobody uses back out of the free pool: usage
             # rises by the whole prompt), its prefill only what is not cached
@@ -395,19 +314,28 @@ class Fleet:
     def choose(
         self, tokens: int, now: float, force: bool = False, prompt_tokens: int = 0, reserve: float = 0.0,
         queue_caps: bool = True, priority: int = 0, target: float | None = None, limit: float | None = None,
-        prefix: tuple[int, ...] = (),
+        prefix: tuple[int, ...] = (), retry: bool = True,
     ) -> Choice:
         """``force``: any live node, whatever its load or breaker (shadow mode, bodyless routes).
         ``reserve``: KV fraction to leave free below each node's threshold (for more important tiers).
         ``queue_caps``: whether the deprecated ``max_waiting_requests`` / ``max_prefill_tokens`` apply.
         ``priority``: the vLLM priority level the request runs at; ``target``: seconds to its first token
         its tier's TTFT target leaves from now (None: no target — the soonest node); ``limit``: the latest
-        first token still worth serving, in seconds from now (the tier's max wait; default ``target``)."""
+        first token still worth serving, in seconds from now (the tier's max wait; default ``target``).
+        ``retry`` False: a no-node answer needs no Retry-After (the gateway queue's pump only learns from
+        it that the tier cannot go yet) — it would walk the whole fleet."""
         if force:
             live = [n for n in self.nodes.values() if self.status(n, now) != "dead"]
             if not live:
                 return Choice(None, "fleet-no-healthy-node", 1.0)
             return Choice(max(live, key=lambda n: self._score(n, tokens)))
+        if not self.room.might_fit(reserve, now):
+            # no node can pass the filters, whatever the request (a full fleet, requests waiting: every
+            # event asks again): the answer the filters would give, without filtering every node. A large
+            # fleet still draws the scan's random start, so that every later choice is the one it was
+            if len(self._order) > SCAN_LIMIT:
+                self._ring_start()
+            return self._none_fit(tokens, now, retry)
         if len(self._order) > SCAN_LIMIT:
             # a large fleet: the last best, the nodes holding most of the prompt's prefix, then the rest in
             # random order, filtered until MAX_CANDIDATES pass (at least SCAN_LIMIT looked at before one
@@ -415,9 +343,32 @@ class Fleet:
             # those candidates only: a prompt every node was sent (a common system prompt) is held by the
             # whole fleet, and matching it against every node was most of a decision at 1,000 nodes
             return self._choose(self._scan_order(prefix, now), tokens, now, prompt_tokens, reserve, queue_caps,
-                                priority, target, limit, None, prefix)
+                                priority, target, limit, None, prefix, retry)
         return self._choose(self._order, tokens, now, prompt_tokens, reserve, queue_caps, priority, target, limit,
-                            self.hits(prefix, prompt_tokens, now))
+                            self.hits(prefix, prompt_tokens, now), retry=retry)
+
+    def _none_fit(self, tokens: int, now: float, retry: bool = True) -> Choice:
+        """``_choose``'s answer when ``room`` says no node passes: every live node with a closed breaker
+        fails on KV (``fleet-kv``), else a live one is open (``fleet-breakers-open``), else none is live."""
+        dead_s = self.cfg.dead_after_seconds
+        reason = "fleet-no-healthy-node"
+        for n in self._order:
+            if n.fresh_at is None or now - n.fresh_at > dead_s:
+                continue  # (``room`` already judges it: it passes nothing)
+            if n.breaker.state is State.CLOSED:
+                reason = "fleet-kv"
+                break
+            reason = "fleet-breakers-open"
+        return Choice(None, reason, self._retry_after(tokens, now) if retry else None)
+
+    def _ring_start(self) -> tuple[list[Node], int]:
+        """The ring of a large fleet's nodes (shuffled again after the node set changed) and a random
+        place in it: where a scan starts."""
+        ring = self._ring
+        if ring is None:
+            ring = self._ring = self._order[:]
+            self._rng.shuffle(ring)
+        return ring, self._rng.randrange(len(ring))
 
     def _scan_order(self, prefix: tuple[int, ...], now: float) -> Iterator[Node]:
         """A large fleet's nodes in the order a decision filters them: the last best, up to half of
@@ -434,12 +385,8 @@ class Fleet:
                 if n is not None and n is not best:
                     head.append(n)
         yield from head
-        ring = self._ring
-        if ring is None:
-            ring = self._ring = self._order[:]
-            self._rng.shuffle(ring)
+        ring, start = self._ring_start()
         size = len(ring)
-        start = self._rng.randrange(size)
         for k in range(start, start + size):
             n = ring[k % size]
             if n not in head:
@@ -448,7 +395,7 @@ class Fleet:
     def _choose(
         self, pool: Iterable[Node], tokens: int, now: float, prompt_tokens: int, reserve: float, queue_caps: bool,
         priority: int, target: float | None, limit: float | None, hits: dict[str, int] | None = None,
-        prefix: tuple[int, ...] | None = None,
+        prefix: tuple[int, ...] | None = None, retry: bool = True,
     ) -> Choice:
         """The filters, the predictions and the pick. ``hits``: prompt tokens each node is expected to hold
         in its prefix cache — that much less to prefill there, that much less new KV. ``prefix`` instead
@@ -472,6 +419,7 @@ class Fleet:
                 continue
             age = now - n.fresh_at
             if age > dead_s:
+                self.room.dead(n, now)
                 continue
             br = n.breaker
             if br.state is not State.CLOSED and not br.allows(now):
@@ -503,7 +451,7 @@ class Fleet:
         if not candidates:
             reason = ("fleet-kv" if kv_full else "fleet-queue" if queue_full else
                       "fleet-breakers-open" if broken else "fleet-no-healthy-node")
-            return Choice(None, reason, self._retry_after(tokens, now))
+            return Choice(None, reason, self._retry_after(tokens, now) if retry else None)
         if len(candidates) > MAX_CANDIDATES:
             # the nodes holding the prompt's prefix (the longest held first, up to half) always, a
             # sample of the rest, and the last best
@@ -680,6 +628,7 @@ class Fleet:
         n.prefills.append((start, start + cost, priority, ticket))
         if n.breaker.dispatched():
             n.trials.add(ticket)
+        self.room.update(n)
 
     def booked_elsewhere(self, address: str, tokens: int, prompt_tokens: int, priority: int, now: float) -> None:
         """Another replica sent a request here: it counts in the KV projection and the prefill clocks
@@ -689,6 +638,7 @@ class Fleet:
         if n is None or tokens < 0 or prompt_tokens < 0:
             return
         self._book(n, tokens, prompt_tokens, priority, now)
+        self.room.update(n)
 
     def _book(self, n: Node, tokens: int, prompt_tokens: int, priority: int, now: float) -> tuple[float, float]:
         """A request sent to ``n``, by this replica or another: it counts in the KV projection until a
@@ -728,8 +678,10 @@ class Fleet:
         if ok is None:
             if trial:  # no verdict (the client left, the lease was reclaimed): another request may try
                 n.breaker.trial_unused()
+            self.room.update(n)
             return
         n.breaker.result(ok, now)
+        self.room.update(n)
         if ok and n._last_completion is not None and now > n._last_completion:
             rate = tokens / (now - n._last_completion) if n.inflight else None
             if rate is not None:
