@@ -1,10 +1,15 @@
 """The node book: what kvgate knows of each vLLM node between decisions, and what it can say of the
-whole fleet at once.
+whole fleet at once. Node choice is split in two: this book (the data and what keeps it true) and the
+picker (``picker.py``: filters, predictions, the pick), which reads it; ``nodes.Fleet`` is both.
 
 :class:`Node` holds one node's record — its last probe reading and when it was taken, the requests
 kvgate sent there (the bookings a reading cannot show yet, the ones in flight), its breaker, its
-learned speed and the virtual prefill clocks per priority level. ``nodes.Fleet`` writes it (readings,
-dispatches, completions) and its picker reads it (filters, predictions, the pick).
+learned speed and the virtual prefill clocks per priority level.
+
+:class:`NodeBook` keeps every node's record: the node set (discovery, reloads), probe readings (which
+correct the KV projection, the prefill clocks, the speed factor and the breaker), bookings (a dispatch
+by this replica or another) and completions, the fleet-wide breaker rules (how many may open on
+latency, never the last closed one on KV), the prefix index (what was sent where) and the room summary.
 
 :class:`Room` is the fleet-wide summary the gateway queue needs: *can any node take a request of a tier
 now* — answered without walking the fleet. With requests waiting and the fleet full, every event (a
@@ -23,12 +28,15 @@ from __future__ import annotations
 import heapq
 import math
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from gpu_probe.snapshot import Snapshot
 
-from .breaker import Breaker, State
-from .perf import Speed
+from .breaker import Breaker, BreakerSettings, State
+from .config import Nodes
+from .perf import Speed, StepModel, from_config, prefill_heavy, step_ratio
+from .prefix import PrefixIndex
 
 DEFAULT_BLOCK = 16
 ALONE_SLACK = 1e-9
@@ -242,3 +250,301 @@ class Room:
         alone = s is not None and not (n.inflight or n.pending or n.waiting()) and n.capacity_tokens() is not None
         usage = (s.kv_usage or 0.0) if s is not None else 0.0
         return tuple(kv < thr - r or (alone and thr - r <= 1.0 - usage + ALONE_SLACK) for r in reserves)
+
+
+@dataclass(frozen=True)
+class Level:
+    """A vLLM priority level the tiers map to, and the TTFT target of its most urgent tier (seconds)."""
+
+    priority: int
+    target: float | None
+
+
+def breaker_settings(cfg: Nodes) -> BreakerSettings:
+    b = cfg.breaker
+    return BreakerSettings(kv_threshold=b.kv_threshold, latency_multiplier=b.latency_multiplier,
+                           recovery_window_s=b.recovery_window_seconds, half_open_requests=b.half_open_requests,
+                           close_kv=b.close_kv, close_latency_multiplier=b.close_latency_multiplier,
+                           latency_trip_readings=b.latency_trip_readings)
+
+
+class NodeBook:
+    """Every node's record and what keeps it true (see the module's docstring). Pure: time is passed in."""
+
+    def __init__(self, cfg: Nodes, on_transition: Callable[[str, State, State, str], None] | None = None) -> None:
+        self.cfg = cfg
+        self.nodes: dict[str, Node] = {}
+        self._on_transition = on_transition
+        self.model: StepModel = from_config(cfg.performance)
+        self.levels: tuple[Level, ...] = (Level(0, None),)
+        """The priority levels requests arrive at (``set_levels``), most urgent first."""
+        self._order: list[Node] = []
+        self._not_closed: int | None = None
+        """Breakers not closed, counted once and then kept by every transition (``_hook``): every reading
+        asks whether another may open, and at 1,000 nodes counting them each time cost more than the
+        rest of the reading. None: count again (the node set changed)."""
+        self._max_cap: int | None = None
+        self._max_cap_known = False
+        """``max_capacity_tokens``, kept until a reading changes a node's capacity or the node set
+        changes: every request asks for it."""
+        self.prefix = PrefixIndex(cfg.prefix.max_blocks_per_node, cfg.prefix.ttl_seconds)
+        self.room = Room()
+        """Whether any node might take a request now (:class:`Room`): kept by every change below."""
+        self.set_nodes([(n.address, n.probe, n.kv_admit_threshold) for n in cfg.static])
+
+    def _nodes_changed(self) -> None:
+        """The node set changed (the picker shuffles its scan ring again)."""
+
+    def set_levels(self, levels: list[Level]) -> None:
+        """The vLLM priority levels of the tiers (one level 0 when kvgate writes no priority into bodies:
+        vLLM is then FCFS) and each level's tightest TTFT target."""
+        merged: dict[int, float | None] = {}
+        for lv in levels:
+            old = merged.get(lv.priority, lv.target)
+            merged[lv.priority] = lv.target if old is None else (old if lv.target is None else min(old, lv.target))
+        self.levels = tuple(Level(p, merged[p]) for p in sorted(merged)) or (Level(0, None),)
+
+    def reconfigure(self, cfg: Nodes) -> None:
+        if not cfg.prefix.enabled:
+            self.prefix.clear()
+        self.cfg = cfg
+        self.prefix.max_blocks, self.prefix.ttl = cfg.prefix.max_blocks_per_node, cfg.prefix.ttl_seconds
+        model = from_config(cfg.performance)
+        if model != self.model:
+            # speed factors and latency baselines are relative to the prior: learned against the old one,
+            # they would skew every prediction (or read as sickness) until relearned — start over
+            for n in self.nodes.values():
+                n.speed = Speed()
+                n.breaker.forget_baseline()
+        self.model = model
+        settings = breaker_settings(cfg)
+        for n in self.nodes.values():
+            n.breaker.s = settings
+        self.set_nodes([(n.address, n.probe, n.kv_admit_threshold) for n in cfg.static] if cfg.static else
+                       [(n.address, n.probe, n.override) for n in self.nodes.values()])
+
+    def set_nodes(self, entries: list[tuple[str, str, float | None]]) -> None:
+        """The discovered node list; known nodes keep their readings and breakers."""
+        nodes = {}
+        for address, probe, override in entries:
+            threshold = override if override is not None else self.cfg.kv_admit_threshold
+            n = self.nodes.get(address)
+            if n is None:
+                n = Node(address, probe, threshold, Breaker(breaker_settings(self.cfg), self._hook(address)))
+            n.probe, n.threshold, n.override = probe, threshold, override
+            nodes[address] = n
+        for gone in set(self.nodes) - set(nodes):
+            self.prefix.forget(gone)
+        self.nodes = nodes
+        self._order = list(nodes.values())
+        self.room.reset(self._order)
+        self._nodes_changed()
+        self._not_closed = None
+        self._max_cap_known = False
+
+    def _hook(self, address: str) -> Callable[[State, State, str], None]:
+        def transition(old: State, new: State, why: str) -> None:
+            if self._not_closed is not None and (old is State.CLOSED) != (new is State.CLOSED):
+                self._not_closed += 1 if old is State.CLOSED else -1
+            n = self.nodes.get(address)
+            if n is not None:
+                self.room.update(n)
+            cb = self._on_transition
+            if cb is not None:
+                cb(address, old, new, why)
+
+        return transition
+
+    # -- readings --------------------------------------------------------------------------------
+
+    def on_snapshot(self, address: str, snap: Snapshot, now: float, age_s: float = 0.0) -> None:
+        """A probe answered. ``age_s``: how old the reading already was when it arrived."""
+        n = self.nodes.get(address)
+        if n is None:
+            return
+        if not snap.ok:
+            return  # a failed reading says nothing new: the node ages towards unknown / dead
+        repeat = n.snapshot is not None and n.snapshot.at == snap.at  # polled again before the probe's next reading
+        if n.fresh_at is not None and now - n.fresh_at > self.cfg.dead_after_seconds:
+            self.prefix.forget(address)  # back from the dead: a restarted vLLM's prefix cache is empty
+        if self._max_cap_known and (n.snapshot is None or n.snapshot.blocks_total != snap.blocks_total
+                                    or n.snapshot.block_size != snap.block_size):
+            self._max_cap_known = False
+        n.snapshot = snap
+        n.fresh_at = now - age_s
+        taken = now - age_s
+        while n.pending and n.pending[0][0] <= taken:
+            _, tokens, prompt, _ = n.pending.popleft()
+            n.pending_tokens -= tokens
+            n.pending_prompt -= prompt
+        n._count_waiting()
+        ratio = None
+        if snap.step_fresh is not False and not repeat:
+            context = self._context(n)
+            ratio = step_ratio(self.model, snap.itl_s, snap.step_tokens, snap.step_decode, snap.running, context)
+            if ratio is not None and prefill_heavy(self.model, snap.step_tokens, snap.step_decode, snap.running,
+                                                   context):
+                # a mostly-prefill interval reads low on a healthy node: trusted only to say "slow"
+                ratio = ratio if ratio >= n.breaker.s.latency_multiplier * (n.breaker.baseline or 1.0) else None
+        if ratio is not None:
+            n.latency = ratio
+            n.speed.observe(ratio)
+        # (what only a trip of a closed breaker consults is asked only then: each walks the fleet)
+        closed = n.breaker.state is State.CLOSED
+        n.breaker.observe(snap.kv_usage, ratio, now, self._may_open_another() if closed and ratio is not None else True,
+                          may_trip_on_kv=self._another_closed(n, now) if closed and snap.kv_usage is not None
+                          and snap.kv_usage > n.breaker.s.kv_threshold else True)
+        self._correct(n, now)
+        self.room.update(n)
+
+    def _context(self, n: Node) -> float:
+        """Tokens in the node's KV cache at its last reading."""
+        s = n.snapshot
+        if s is None or s.kv_usage is None or not s.blocks_total:
+            return 0.0
+        return s.kv_usage * (s.blocks_total * (s.block_size or DEFAULT_BLOCK))
+
+    def _load(self, n: Node) -> tuple[float, float]:
+        """(sequences decoding, context tokens) the node's steps carry now: the last reading plus what
+        was sent since."""
+        s = n.snapshot
+        running = (s.running or 0.0) if s is not None else float(n.inflight)
+        return min(running + len(n.pending), float(self.model.max_seqs)), self._context(n) + n.pending_tokens
+
+    def _correct(self, n: Node, now: float) -> None:
+        """A reading shows what vLLM really has waiting: the virtual clocks become that backlog's predicted
+        prefill time (by level), plus what was sent since; booked work the reading no longer shows as
+        waiting is running or done — at most a chunk of it still ahead."""
+        m, f = self.model, n.speed.factor
+        decode, context = self._load(n)
+        chunk_s = (m.step(m.chunk(decode), decode, context)) * f
+        snap = n.snapshot
+        if snap is not None and snap.running == 0 and snap.waiting == 0 and not n.pending:
+            # the node is idle: whatever was booked has run (or never needed to: a cached prefix, a
+            # request that failed at once) — nothing is ahead of the next request
+            n.prefills.clear()
+            n.running_low.clear()
+            n.busy.clear()
+            return
+        while n.prefills and n.prefills[0][1] <= now:
+            n.prefills.popleft()
+        # a prefill that started holds every step's budget until it is done (running requests first)
+        running_end = max((e for s, e, _, _ in n.prefills if s <= now), default=now)
+        behind: float = 0.0
+        pending_by_level: dict[int, int] = {}
+        for _, _, pr, level in n.pending:
+            pending_by_level[level] = pending_by_level.get(level, 0) + pr
+        for lv in self.levels:
+            behind += n.waiting_by_level.get(lv.priority, 0) + pending_by_level.get(lv.priority, 0)
+            seen = now + m.prefill(behind, decode, context) * f if behind else now
+            old = n.busy.get(lv.priority, now)
+            n.busy[lv.priority] = max(seen, min(old, max(now + chunk_s, running_end)))
+
+    def _another_closed(self, node: Node, now: float) -> bool:
+        """Whether another live node is closed: a KV trip never opens the last one."""
+        return any(n is not node and n.breaker.state is State.CLOSED and self.status(n, now) != "dead"
+                   for n in self.nodes.values())
+
+    def _may_open_another(self) -> bool:
+        """Whether one more breaker may open on latency (``breaker.max_open_fraction``)."""
+        total = len(self.nodes)
+        not_closed = self._not_closed
+        if not_closed is None:
+            not_closed = self._not_closed = sum(1 for n in self.nodes.values() if n.breaker.state is not State.CLOSED)
+        return not_closed + 1 < total and (not_closed + 1) <= self.cfg.breaker.max_open_fraction * total
+
+    def status(self, n: Node, now: float) -> str:
+        if n.fresh_at is None:
+            return "dead"
+        age = now - n.fresh_at
+        if age > self.cfg.dead_after_seconds:
+            return "dead"
+        return "unknown" if age > self.cfg.stale_after_seconds else "fresh"
+
+    def max_capacity_tokens(self) -> int | None:
+        """The largest KV cache of any known node in tokens (None before any reading): a request
+        larger than this can never run anywhere."""
+        if not self._max_cap_known:
+            caps = [c for n in self.nodes.values() if (c := n.capacity_tokens()) is not None]
+            self._max_cap, self._max_cap_known = (max(caps) if caps else None), True
+        return self._max_cap
+
+    def _own(self, n: Node, prompt_tokens: int, load: tuple[float, float] | None = None) -> float:
+        """A request's own prefill on ``n``, nothing ahead of it (``load``: ``_load(n)``, when known)."""
+        decode, context = load if load is not None else self._load(n)
+        return self.model.prefill(prompt_tokens, decode, context) * n.speed.factor
+
+    # -- request life ----------------------------------------------------------------------------
+
+    def dispatched(self, address: str, ticket: str, tokens: int, prompt_tokens: int, now: float,
+                   priority: int = 0, ttft: float | None = None) -> None:
+        n = self.nodes.get(address)
+        if n is None:
+            return
+        n.requests[ticket] = (tokens, prompt_tokens, priority)
+        start, cost = self._book(n, tokens, prompt_tokens, priority, now)
+        if priority != self.levels[0].priority:
+            n.running_low.append((start, start + cost, priority, ticket))
+        n.prefills.append((start, start + cost, priority, ticket))
+        if n.breaker.dispatched():
+            n.trials.add(ticket)
+        self.room.update(n)
+
+    def booked_elsewhere(self, address: str, tokens: int, prompt_tokens: int, priority: int, now: float) -> None:
+        """Another replica sent a request here: it counts in the KV projection and the prefill clocks
+        like this replica's own until a reading taken after it shows it (its completion goes to the
+        other replica, so nothing is kept per request)."""
+        n = self.nodes.get(address)
+        if n is None or tokens < 0 or prompt_tokens < 0:
+            return
+        self._book(n, tokens, prompt_tokens, priority, now)
+        self.room.update(n)
+
+    def _book(self, n: Node, tokens: int, prompt_tokens: int, priority: int, now: float) -> tuple[float, float]:
+        """A request sent to ``n``, by this replica or another: it counts in the KV projection until a
+        reading taken after it shows it, and its prefill runs ahead of everything booked at less urgent
+        levels (their clocks advance). Returns (when its prefill starts, what it costs)."""
+        n.pending.append((now, tokens, prompt_tokens, priority))
+        n.pending_tokens += tokens
+        n.pending_prompt += prompt_tokens
+        cost = self._own(n, prompt_tokens)
+        start = max(n.busy.get(priority, now), now)
+        for lv in self.levels:
+            if lv.priority >= priority:
+                n.busy[lv.priority] = max(n.busy.get(lv.priority, now), now) + cost
+        return start, cost
+
+    def completed(self, address: str, ticket: str, tokens: int, ok: bool | None, now: float) -> None:
+        """A request sent to ``address`` ended; ``ok`` None: no verdict on the node (never reached it)."""
+        n = self.nodes.get(address)
+        if n is None:
+            return
+        if n.requests.pop(ticket, None) is not None:
+            # it ended: its prefill is behind it, whatever was booked for it (it may have failed at once,
+            # or hit vLLM's prefix cache) — what is left of the booking comes off the clocks
+            for start, end, level, t in n.prefills:
+                if t == ticket and end > now:
+                    left = end - max(now, start)
+                    for lv in self.levels:
+                        if lv.priority >= level and lv.priority in n.busy:
+                            n.busy[lv.priority] = max(now, n.busy[lv.priority] - left)
+            for booked in (n.prefills, n.running_low):
+                if any(e[3] == ticket for e in booked):
+                    kept = [e for e in booked if e[3] != ticket]
+                    booked.clear()
+                    booked.extend(kept)
+        trial = ticket in n.trials
+        n.trials.discard(ticket)
+        if ok is None:
+            if trial:  # no verdict (the client left, the lease was reclaimed): another request may try
+                n.breaker.trial_unused()
+            self.room.update(n)
+            return
+        n.breaker.result(ok, now)
+        self.room.update(n)
+        if ok and n._last_completion is not None and now > n._last_completion:
+            rate = tokens / (now - n._last_completion) if n.inflight else None
+            if rate is not None:
+                n.drain_tokens_per_s = rate if n.drain_tokens_per_s is None else (
+                    0.8 * n.drain_tokens_per_s + 0.2 * rate)
+        n._last_completion = now
