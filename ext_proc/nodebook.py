@@ -11,15 +11,15 @@ correct the KV projection, the prefill clocks, the speed factor and the breaker)
 by this replica or another) and completions, the fleet-wide breaker rules (how many may open on
 latency, never the last closed one on KV), the prefix index (what was sent where) and the room summary.
 
-:class:`Room` is the fleet-wide summary the gateway queue needs: *can any node take a request of a tier
-now* — answered without walking the fleet. With requests waiting and the fleet full, every event (a
-probe reading, a decision, a completion, a tick) asks the queue whether its heads can go now; asking
-node choice meant filtering every node of a 1,000-node fleet for each tier (2.3 ms per probe reading).
-The summary keeps, per node, whether it *might* pass node choice's filters for each KV reserve in use,
-and the count of such nodes per reserve: a node's entry is recomputed when anything it depends on
-changes (a reading, a booking, a completion, a breaker transition, the node set), so a question costs
-O(1) and an update O(reserves). It is conservative — "might" means node choice decides; "no" is exact:
-no node passes the filters, whatever the request (its tokens only add to a node's projected KV).
+:class:`Room` is the fleet-wide summary the gateway queue needs: *can any node take this request now*
+— answered without walking the fleet. With requests waiting and the fleet full, every event (a probe
+reading, a decision, a completion, a tick) asks the queue whether its heads can go now; asking node
+choice meant filtering every node of a 1,000-node fleet for each tier (2.3 ms per probe reading). The
+summary keeps, per node and per KV reserve in use, the largest request that might pass node choice's
+filters there, and the largest of those over the fleet: a node's entry is recomputed when anything it
+depends on changes (a reading, a booking, a completion, a breaker transition, the node set), so an
+update costs O(reserves · log nodes) and a question O(log nodes) amortised. It is conservative —
+"might" means node choice decides; "no" is exact: no node passes the filters for that request.
 Pure: no I/O, time passed in.
 """
 
@@ -42,6 +42,9 @@ DEFAULT_BLOCK = 16
 ALONE_SLACK = 1e-9
 """Rounding room in the summary's test of whether a request alone could fit an idle node (the filter
 computes it from the request's own size): too wide only asks node choice once more."""
+ROOM_SLACK = 1.0
+"""Tokens of rounding room between a node's room and the filter's own test (``projected_kv`` against the
+threshold, in fractions of the cache: its rounding is far below a token)."""
 
 
 @dataclass(eq=False)
@@ -135,26 +138,32 @@ class Node:
 
 
 class Room:
-    """Whether any node might take a request with a given KV reserve (see the module's docstring).
+    """Whether any node might take a request of a given size and KV reserve (see the module's docstring).
 
-    A node *might* pass node choice's filters for reserve ``r`` unless it is certain not to:
+    Per node and per reserve ``r`` in use, the most tokens a request could have and still pass node
+    choice's filters there — its *room*:
 
-    * never read (``fresh_at`` None): node choice skips it until a reading;
-    * its breaker open and its recovery window not yet over (``allows`` stays false until then; the
-      earliest end of an open breaker's window is kept, and from it on every question says "might");
-    * its projected KV (no request added) at or above its threshold less ``r`` — a request only adds
-      to it —, unless the node is idle and holds enough free KV that a request too large for the
-      threshold alone could go there (``Fleet._alone_fits``).
+    * none (-inf) for a node never read (node choice skips it until a reading), one found dead (until
+      its next reading, :meth:`dead`) and one whose breaker is open with its recovery window not over
+      (``allows`` stays false until then; the earliest end of an open breaker's window is kept, and
+      from it on every question says "might");
+    * unbounded (+inf) for a half-open breaker, a node without a KV reading, and an idle node with
+      enough free KV that a request too large for the threshold alone could go there
+      (``Picker._alone_fits``);
+    * else what its projected KV leaves below its threshold less ``r``, in tokens.
 
-    A half-open breaker or a node without a KV reading always might; so does a node gone silent, until
-    node choice finds it dead (:meth:`dead`). Reserves are learned as asked (a tier's ``reserve_kv``: a few)."""
+    A question is a look at the largest room (a heap per reserve, stale entries skipped), with a token
+    of slack for rounding: "no" is exact, "might" hands the question to node choice. Reserves are
+    learned as asked (a tier's ``reserve_kv``: a few)."""
 
     def __init__(self) -> None:
         self._reserves: list[float] = []
-        self._counts: list[int] = []
-        """Per reserve in ``_reserves``: the nodes that might pass."""
-        self._might: dict[int, tuple[bool, ...]] = {}
-        """id(node) → per reserve, whether it might pass (what ``_counts`` counts)."""
+        self._rooms: dict[int, tuple[float, ...]] = {}
+        """id(node) → its room per reserve in ``_reserves``."""
+        self._stamp: dict[int, int] = {}
+        """id(node) → how many times its room changed: heap entries of an older stamp are stale."""
+        self._heaps: list[list[tuple[float, int, int]]] = []
+        """Per reserve: (-room, stamp, id(node)), a heap — the largest room on top once stale ones go."""
         self._open: dict[int, float] = {}
         """id(node) → when its open breaker's recovery window ends (nodes whose breaker is open)."""
         self._wakes: list[tuple[float, int]] = []
@@ -167,26 +176,18 @@ class Room:
     def reset(self, nodes: list[Node]) -> None:
         """The node set changed (or what the filters mean did: thresholds, a reload): start over."""
         self._nodes = list(nodes)
-        self._might.clear()
+        self._rooms.clear()
         self._open.clear()
         self._wakes.clear()
-        self._counts = [0] * len(self._reserves)
+        self._heaps = [[] for _ in self._reserves]
         for n in self._nodes:
             self.update(n)
 
     def update(self, n: Node) -> None:
-        """Something ``n``'s entry depends on changed: recompute it."""
-        key = id(n)
-        old = self._might.get(key)
-        new = self._judge(n)
-        if old != new:
-            counts = self._counts
-            for i, was in enumerate(old) if old is not None else ():
-                counts[i] -= was
-            for i, now in enumerate(new):
-                counts[i] += now
-            self._might[key] = new
+        """Something ``n``'s room depends on changed: recompute it."""
+        self._set(id(n), self._judge(n))
         br = n.breaker
+        key = id(n)
         if br.state is State.OPEN:
             # (a hair early: from then on node choice itself looks, and its own test decides)
             wake = br.opened_at + br.s.recovery_window_s - 1e-6
@@ -200,24 +201,15 @@ class Room:
         """Node choice found ``n`` silent past ``dead_after_seconds`` at ``now``: it passes nothing until
         its next reading (time only makes it older), whatever its last reading said — a node that died
         with room would otherwise keep every question answered "might"."""
-        old = self._might.get(id(n))
-        if old is None or not any(old):
+        old = self._rooms.get(id(n))
+        if old is None or max(old, default=-math.inf) == -math.inf:
             return
         self._dead_seen = max(self._dead_seen, now)
-        for i, was in enumerate(old):
-            self._counts[i] -= was
-        self._might[id(n)] = (False,) * len(old)
+        self._set(id(n), (-math.inf,) * len(old))
 
-    def forget(self, n: Node) -> None:
-        """``n`` left the fleet."""
-        old = self._might.pop(id(n), None)
-        for i, was in enumerate(old) if old is not None else ():
-            self._counts[i] -= was
-        self._open.pop(id(n), None)
-
-    def might_fit(self, reserve: float, now: float) -> bool:
-        """False only when no node can pass node choice's filters for a request with KV reserve
-        ``reserve`` at ``now``, whatever its size."""
+    def might_fit(self, reserve: float, now: float, tokens: int = 0) -> bool:
+        """False only when no node can pass node choice's filters for a request of ``tokens`` with KV
+        reserve ``reserve`` at ``now``."""
         wakes = self._wakes
         while wakes and self._open.get(wakes[0][1]) != wakes[0][0]:
             heapq.heappop(wakes)
@@ -227,29 +219,53 @@ class Room:
             i = self._reserves.index(reserve)
         except ValueError:
             i = self._learn(reserve)
-        return self._counts[i] > 0
+        heap, stamp = self._heaps[i], self._stamp
+        while heap and stamp.get(heap[0][2]) != heap[0][1]:
+            heapq.heappop(heap)
+        return bool(heap) and -heap[0][0] > tokens - ROOM_SLACK
+
+    def _set(self, key: int, rooms: tuple[float, ...]) -> None:
+        if self._rooms.get(key) == rooms:
+            return
+        self._rooms[key] = rooms
+        stamp = self._stamp[key] = self._stamp.get(key, 0) + 1
+        for heap, room in zip(self._heaps, rooms, strict=True):
+            if room > -math.inf:
+                heapq.heappush(heap, (-room, stamp, key))
+        if self._heaps and len(self._heaps[0]) > 4 * len(self._nodes) + 64:
+            self._compact()
+
+    def _compact(self) -> None:
+        """Rebuild the heaps from the rooms now: stale entries pile up (a node's room changes with
+        every reading and booking, and only entries on top are ever popped)."""
+        stamp = self._stamp
+        for i in range(len(self._heaps)):
+            heap = [(-r[i], stamp[k], k) for k, r in self._rooms.items() if r[i] > -math.inf]
+            heapq.heapify(heap)
+            self._heaps[i] = heap
 
     def _learn(self, reserve: float) -> int:
-        """A reserve not asked about before: every node's entry gains it."""
+        """A reserve not asked about before: every node's room gains it."""
         self._reserves.append(reserve)
-        self._counts.append(0)
         self.reset(self._nodes)
         return len(self._reserves) - 1
 
-    def _judge(self, n: Node) -> tuple[bool, ...]:
+    def _judge(self, n: Node) -> tuple[float, ...]:
         reserves = self._reserves
         if n.fresh_at is None:
-            return (False,) * len(reserves)
+            return (-math.inf,) * len(reserves)
         state = n.breaker.state
         if state is State.OPEN:
-            return (False,) * len(reserves)  # until its window ends (``might_fit``)
-        kv = n.projected_kv()
-        if state is not State.CLOSED or kv is None:
-            return (True,) * len(reserves)
-        s, thr = n.snapshot, n.threshold
-        alone = s is not None and not (n.inflight or n.pending or n.waiting()) and n.capacity_tokens() is not None
-        usage = (s.kv_usage or 0.0) if s is not None else 0.0
-        return tuple(kv < thr - r or (alone and thr - r <= 1.0 - usage + ALONE_SLACK) for r in reserves)
+            return (-math.inf,) * len(reserves)  # until its window ends (``might_fit``)
+        s = n.snapshot
+        cap = n.capacity_tokens()
+        if state is not State.CLOSED or s is None or s.kv_usage is None or cap is None:
+            return (math.inf,) * len(reserves)
+        thr, usage = n.threshold, s.kv_usage
+        used = n.waiting_tokens + n.pending_tokens
+        alone = not (n.inflight or n.pending or n.waiting())
+        return tuple(math.inf if alone and thr - r <= 1.0 - usage + ALONE_SLACK else (thr - r - usage) * cap - used
+                     for r in reserves)
 
 
 @dataclass(frozen=True)

@@ -113,8 +113,8 @@ class Picker(NodeBook):
             if not live:
                 return Choice(None, "fleet-no-healthy-node", 1.0)
             return Choice(max(live, key=lambda n: self._score(n, tokens)))
-        if not self.room.might_fit(reserve, now):
-            # no node can pass the filters, whatever the request (a full fleet, requests waiting: every
+        if not self.room.might_fit(reserve, now, tokens):
+            # no node can pass the filters for this request (a full fleet, requests waiting: every
             # event asks again): the answer the filters would give, without filtering every node. A large
             # fleet still draws the scan's random start, so that every later choice is the one it was
             if len(self._order) > SCAN_LIMIT:

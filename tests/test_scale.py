@@ -4,6 +4,7 @@ readings — each against the plain computation it replaced."""
 
 from __future__ import annotations
 
+import math
 import random
 from typing import Any
 
@@ -180,12 +181,13 @@ def _full_reading(rng: random.Random, address: str, now: float) -> Snapshot:
 def test_a_fleet_that_asks_its_room_first_chooses_as_one_that_filters_every_node(seed: int, size: int) -> None:
     """``Fleet.room`` answers "no node can take it" without filtering the fleet: two fleets, one whose
     room always says "might" (every choice filters every node, as before), fed the same readings (full
-    nodes, empty ones, nodes without a KV reading), requests (three reserves), completions (ok, failed,
+    nodes, empty ones, nodes without a KV reading, the whole fleet full), requests (three sizes, three
+    reserves), completions (ok, failed,
     no verdict), breaker transitions, silences long enough to go dead and a changing node set: every
-    answer is the same — node, reason, Retry-After, prediction — and the room's counts are what judging
-    every node afresh gives."""
+    answer is the same — node, reason, Retry-After, prediction — and each node's room is what judging it
+    afresh gives."""
     new, old = _fleet(size, seed), _fleet(size, seed)
-    old.room.might_fit = lambda reserve, now: True  # type: ignore[method-assign]
+    old.room.might_fit = lambda reserve, now, tokens=0: True  # type: ignore[method-assign]
     rng = random.Random(seed)
     sent: list[tuple[str, str]] = []
     now, said_no = 0.0, 0
@@ -206,14 +208,20 @@ def test_a_fleet_that_asks_its_room_first_chooses_as_one_that_filters_every_node
             a, state = rng.choice(addrs), rng.choice(list(State))
             for f in (new, old):
                 f.nodes[a].breaker._go(state, "test", now)
-        elif op < 0.45:
+        elif op < 0.47:  # the whole fleet full at once
+            for a in addrs:
+                snap = Snapshot(a, now, True, kv_usage=rng.uniform(0.92, 0.949), blocks_total=4000, block_size=16,
+                                running=2.0, waiting=0.0)
+                for f in (new, old):
+                    f.on_snapshot(a, snap, now)
+        elif op < 0.49:
             keep = rng.sample(range(size), rng.randint(1, size))
             for f in (new, old):
                 f.set_nodes([(f"10.0.0.{j}:8000", f"http://10.0.0.{j}:9102", None) for j in sorted(keep)])
         else:
             reserve = rng.choice((0.0, 0.05, 0.1))
-            said_no += not new.room.might_fit(reserve, now)
             prompt = rng.choice((50, 400, 3000))
+            said_no += not new.room.might_fit(reserve, now, prompt + 100)
             args: dict[str, Any] = {"reserve": reserve, "priority": i % 2, "target": rng.choice((0.2, 1.0, None)),
                                     "limit": 5.0}
             a_, b_ = new.place(prompt + 100, prompt, f"t{i}", now, **args), old.place(prompt + 100, prompt, f"t{i}",
@@ -224,11 +232,9 @@ def test_a_fleet_that_asks_its_room_first_chooses_as_one_that_filters_every_node
                 sent.append((a_.node.address, f"t{i}"))
         room = new.room
         for n in new.nodes.values():
-            kept = room._might[id(n)]
-            # what judging it afresh gives — or nothing, for a node node choice found dead (and still is)
-            assert kept == room._judge(n) or (not any(kept) and new.status(n, now) == "dead"), i
-        assert room._counts == [sum(room._might[id(n)][k] for n in new.nodes.values())
-                                for k in range(len(room._reserves))], i
+            kept = room._rooms[id(n)]
+            # what judging it afresh gives — or none, for a node node choice found dead (and still is)
+            assert kept == room._judge(n) or (max(kept, default=0) == -math.inf and new.status(n, now) == "dead"), i
     assert said_no  # (the room did answer for itself: every seed fills the fleet at some point)
 
 
