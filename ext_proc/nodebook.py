@@ -160,10 +160,13 @@ class Room:
         self._reserves: list[float] = []
         self._rooms: dict[int, tuple[float, ...]] = {}
         """id(node) → its room per reserve in ``_reserves``."""
-        self._stamp: dict[int, int] = {}
-        """id(node) → how many times its room changed: heap entries of an older stamp are stale."""
-        self._heaps: list[list[tuple[float, int, int]]] = []
-        """Per reserve: (-room, stamp, id(node)), a heap — the largest room on top once stale ones go."""
+        self._heaps: list[list[tuple[float, int]]] = []
+        """Per reserve: (-bound, id(node)), a heap. A node's entry is a bound on its room, pushed only when
+        the room grows past it (a booking only shrinks it: no push); an entry on top whose node has less
+        room now is replaced by the room (:meth:`might_fit`) — the largest room on top, in amortised
+        O(log nodes)."""
+        self._bounds: list[dict[int, float]] = []
+        """Per reserve: id(node) → its entry's bound in the heap (absent: none; older entries are skipped)."""
         self._open: dict[int, float] = {}
         """id(node) → when its open breaker's recovery window ends (nodes whose breaker is open)."""
         self._wakes: list[tuple[float, int]] = []
@@ -180,6 +183,7 @@ class Room:
         self._open.clear()
         self._wakes.clear()
         self._heaps = [[] for _ in self._reserves]
+        self._bounds = [{} for _ in self._reserves]
         for n in self._nodes:
             self.update(n)
 
@@ -219,30 +223,40 @@ class Room:
             i = self._reserves.index(reserve)
         except ValueError:
             i = self._learn(reserve)
-        heap, stamp = self._heaps[i], self._stamp
-        while heap and stamp.get(heap[0][2]) != heap[0][1]:
-            heapq.heappop(heap)
-        return bool(heap) and -heap[0][0] > tokens - ROOM_SLACK
+        heap, bounds, rooms = self._heaps[i], self._bounds[i], self._rooms
+        while heap:
+            bound, key = -heap[0][0], heap[0][1]
+            if bounds.get(key) != bound:
+                heapq.heappop(heap)  # superseded by a larger bound, or the node left
+                continue
+            room = rooms[key][i]
+            if room >= bound:
+                return bound > tokens - ROOM_SLACK
+            # the node has less room than its entry says: the entry becomes its room
+            if room > -math.inf:
+                bounds[key] = room
+                heapq.heapreplace(heap, (-room, key))
+            else:
+                del bounds[key]
+                heapq.heappop(heap)
+        return False
 
     def _set(self, key: int, rooms: tuple[float, ...]) -> None:
-        if self._rooms.get(key) == rooms:
-            return
         self._rooms[key] = rooms
-        stamp = self._stamp[key] = self._stamp.get(key, 0) + 1
-        for heap, room in zip(self._heaps, rooms, strict=True):
-            if room > -math.inf:
-                heapq.heappush(heap, (-room, stamp, key))
+        for heap, bounds, room in zip(self._heaps, self._bounds, rooms, strict=True):
+            if room > bounds.get(key, -math.inf):
+                bounds[key] = room
+                heapq.heappush(heap, (-room, key))
         if self._heaps and len(self._heaps[0]) > 4 * len(self._nodes) + 64:
             self._compact()
 
     def _compact(self) -> None:
-        """Rebuild the heaps from the rooms now: stale entries pile up (a node's room changes with
-        every reading and booking, and only entries on top are ever popped)."""
-        stamp = self._stamp
+        """Rebuild the heaps from the rooms now: superseded entries pile up (a room that grows pushes a
+        new one; only entries on top are ever popped)."""
         for i in range(len(self._heaps)):
-            heap = [(-r[i], stamp[k], k) for k, r in self._rooms.items() if r[i] > -math.inf]
+            bounds = self._bounds[i] = {k: r[i] for k, r in self._rooms.items() if r[i] > -math.inf}
+            heap = self._heaps[i] = [(-b, k) for k, b in bounds.items()]
             heapq.heapify(heap)
-            self._heaps[i] = heap
 
     def _learn(self, reserve: float) -> int:
         """A reserve not asked about before: every node's room gains it."""
@@ -262,10 +276,10 @@ class Room:
         if state is not State.CLOSED or s is None or s.kv_usage is None or cap is None:
             return (math.inf,) * len(reserves)
         thr, usage = n.threshold, s.kv_usage
-        used = n.waiting_tokens + n.pending_tokens
-        alone = not (n.inflight or n.pending or n.waiting())
-        return tuple(math.inf if alone and thr - r <= 1.0 - usage + ALONE_SLACK else (thr - r - usage) * cap - used
-                     for r in reserves)
+        room = (thr - usage) * cap - n.waiting_tokens - n.pending_tokens  # (``ROOM_SLACK`` covers the rounding)
+        if n.inflight or n.pending or n.waiting():
+            return tuple(room - r * cap for r in reserves)
+        return tuple(math.inf if thr - r <= 1.0 - usage + ALONE_SLACK else room - r * cap for r in reserves)
 
 
 @dataclass(frozen=True)
@@ -554,10 +568,12 @@ class NodeBook:
         if ok is None:
             if trial:  # no verdict (the client left, the lease was reclaimed): another request may try
                 n.breaker.trial_unused()
-            self.room.update(n)
+        else:
+            n.breaker.result(ok, now)  # (a transition re-judges its room: ``_hook``)
+        if not n.requests:
+            self.room.update(n)  # idle now: a request too large for the threshold alone may go there
+        if ok is None:
             return
-        n.breaker.result(ok, now)
-        self.room.update(n)
         if ok and n._last_completion is not None and now > n._last_completion:
             rate = tokens / (now - n._last_completion) if n.inflight else None
             if rate is not None:
