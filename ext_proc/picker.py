@@ -68,7 +68,9 @@ class Choice:
 
 
 class Picker(NodeBook):
-    """Filters, predictions and the pick over a node book (see the module's docstring)."""
+    """Filters, predictions and the pick, as methods over the node book it extends: the records are the
+    book's, the scan ring, the last best node and when the top tier was last seen are the picker's own
+    (``nodes.Fleet`` adds ``place``: choose, then book)."""
 
     def __init__(self, cfg: Nodes, rng: random.Random | None = None,
                  on_transition: Callable[[str, State, State, str], None] | None = None) -> None:

@@ -11,7 +11,7 @@ tokenizer, so it keeps its own picture of it, from what it sent where:
   (:func:`segment_chain`);
 * :class:`PrefixIndex` remembers, per node, the blocks sent there (least recently used forgotten first
   beyond ``max_blocks_per_node``, and any not sent again for ``ttl_seconds``);
-* node choice (``nodes.py``) asks it how many leading blocks each candidate holds, and counts that
+* node choice (``picker.py``) asks it how many leading blocks each candidate holds, and counts that
   much less prefill in the node's predicted time to first token and that much less in its KV
   projection. Affinity is a prediction, not a rule: a busy node holding the prefix loses to an idle
   one as soon as its queue costs more than the prefill it would save.
