@@ -241,8 +241,8 @@ def test_a_fleet_that_asks_its_room_first_chooses_as_one_that_filters_every_node
 def test_with_requests_waiting_a_full_fleets_reading_filters_no_node() -> None:
     """The gateway queue asks node choice for its heads at every event. With every node full that used
     to filter the whole fleet per tier for each probe reading (2.3 ms at 1,000 nodes); now the room says
-    no first. Counted, not timed: a reading that shows no room runs no filter, and the one that shows
-    room still releases the request waiting for it."""
+    no first. Counted, not timed: a reading that shows no room runs no filter and computes no
+    Retry-After, and the one that shows room still releases the request waiting for it."""
     from ext_proc.config import parse_config
     from ext_proc.core import Core, Held, Request, null_logger
     from ext_proc.identity import hash_key
@@ -271,10 +271,14 @@ def test_with_requests_waiting_a_full_fleets_reading_filters_no_node() -> None:
         return plain(*args, **kw)
 
     fleet._choose = counted  # type: ignore[method-assign]
+    walked: list[int] = []
+    retry_after = fleet._retry_after
+    fleet._retry_after = lambda *args: walked.append(1) or retry_after(*args)  # type: ignore[method-assign]
     for a in addrs:
         t[0] += 0.001
         core.snapshot(a, reading(a, 0.94))
-    assert core.queued == 1 and filtered == []
+    # (nor a Retry-After, another walk over the fleet, for an answer the queue only reads "not yet" from)
+    assert core.queued == 1 and filtered == [] and walked == []
     t[0] += 0.001
     core.snapshot(addrs[7], reading(addrs[7], 0.2))
     assert filtered and core.queued == 0
