@@ -168,7 +168,7 @@ def test_a_large_fleet_sends_a_prompt_back_to_the_node_holding_its_prefix() -> N
 
 
 def _full_reading(rng: random.Random, address: str, now: float) -> Snapshot:
-    """Mostly a fleet near or past its admit threshold (0.9), some breakers tripping on KV (0.95)."""
+    """Mostly a fleet near or past its admit threshold (0.92), some breakers tripping on KV (0.95)."""
     kv = rng.uniform(0.85, 0.97) if rng.random() < 0.85 else rng.choice((rng.uniform(0.0, 0.3), None))
     return Snapshot(address, now, True, kv_usage=kv, blocks_total=rng.choice((1000, 4000, 4000, 4000, None)),
                     block_size=16, running=float(rng.randint(0, 3)),
@@ -182,10 +182,9 @@ def test_a_fleet_that_asks_its_room_first_chooses_as_one_that_filters_every_node
     """``Fleet.room`` answers "no node can take it" without filtering the fleet: two fleets, one whose
     room always says "might" (every choice filters every node, as before), fed the same readings (full
     nodes, empty ones, nodes without a KV reading, the whole fleet full), requests (three sizes, three
-    reserves), completions (ok, failed,
-    no verdict), breaker transitions, silences long enough to go dead and a changing node set: every
-    answer is the same — node, reason, Retry-After, prediction — and each node's room is what judging it
-    afresh gives."""
+    reserves), completions (ok, failed, no verdict), breaker transitions, silences long enough to go
+    dead and a changing node set: every answer is the same — node, reason, Retry-After, prediction —
+    and each node's room is what judging it afresh gives."""
     new, old = _fleet(size, seed), _fleet(size, seed)
     old.room.might_fit = lambda reserve, now, tokens=0: True  # type: ignore[method-assign]
     rng = random.Random(seed)
