@@ -185,6 +185,8 @@ class Core:
         """Request ids whose end arrived before any lease: Envoy gave up on them."""
         self._reject_log = logs.Sampler(config.logs.reject_interval_seconds)
         """Repeated refusals folded into one log line per interval (the metrics count each)."""
+        self._pumping = False
+        """The gateway queue is being pumped: a no-node answer's Retry-After goes nowhere (``_pump``)."""
         self.breaker_opens: dict[str, int] = {}
         """Breaker opens by cause (kv | latency | trial): what the benchmarks report."""
         self.stats.bind(self)
@@ -443,7 +445,14 @@ class Core:
 
     def _pump(self) -> None:
         if self.admission.queued or self.admission.has_outcomes:
-            self._deliver(self.admission.pump())
+            # (while the queue is pumped, a request no node can take only blocks its tier: no Retry-After
+            # is asked of node choice, which would walk the whole fleet for it — ``_pick``)
+            self._pumping = True
+            try:
+                outcomes = self.admission.pump()
+            finally:
+                self._pumping = False
+            self._deliver(outcomes)
 
     def _deliver(self, outcomes: list[Outcome]) -> None:
         for o in outcomes:
@@ -602,8 +611,8 @@ class Core:
         if not prefix and est.document is not None and est.output_tokens and fleet.cfg.prefix.enabled:
             prefix = self._chain(ticket, est.document, fleet)
         c = fleet.place(est.total, est.prompt_tokens, ticket, self._clock(), force=shadow, reserve=reserve,
-                             queue_caps=caps, priority=self._level(tier_name), target=target, limit=limit,
-                             prefix=prefix)
+                        queue_caps=caps, priority=self._level(tier_name), target=target, limit=limit,
+                        prefix=prefix, retry=not self._pumping)
         return Placed(c.node.address if c.node else None, c.reason, c.retry_after, c.ttft)
 
     def _chain(self, ticket: str, document: dict[str, Any], fleet: Fleet) -> tuple[int, ...]:

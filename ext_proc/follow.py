@@ -23,6 +23,14 @@ Per node, one task:
   So is one whose streams keep delivering nothing while a poll reads (a proxy between that buffers
   responses, a broken stream): after ``STREAMS_BEFORE_A_POLL`` such streams one poll is tried.
 
+**A reading's age is measured on kvgate's clock alone** (:class:`ProbeAges`). ``at`` is the probe host's
+wall clock: ``time.time() - at`` mixed two hosts' clocks, so 2 s of skew made a node unknown, 10 s dead,
+and a probe clock ahead made readings look newer than they were (bookings sent after the reading came
+off the KV projection: overbooking). Per probe, kvgate keeps the offset ``received - at`` of its recent
+readings; the smallest of them is the probe's clock offset plus the least delay, and a reading's age is
+how much later than that it arrived. A constant skew cancels exactly; a probe clock stepped back makes
+its node read older (by the step) for at most ``OFFSET_READINGS`` readings.
+
 Readings are applied as they arrive (the core is cheap per reading); the gateway's flush (answers for
 queued requests a reading may have released) runs once per event-loop turn, however many readings
 arrived in it, and only when requests were waiting.
@@ -31,9 +39,11 @@ arrived in it, and only when requests were waiting.
 from __future__ import annotations
 
 import asyncio
+import math
 import random
 import resource
 import time
+from collections import deque
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -63,6 +73,10 @@ MAX_LINE = 1 << 20
 """A line longer than this is not a snapshot (a probe gone mad): the stream is dropped."""
 RECONCILE_S = 0.5
 """How often the followed nodes are matched against the core's (discovery, reloads)."""
+OFFSET_READINGS = 32
+"""Readings (with a new ``at``) a probe's clock offset is the smallest of: enough that one with little
+delay is among them (a poll lands anywhere in the probe's interval), few enough (8 s at 250 ms) that a
+probe whose clock was stepped back is judged right again soon."""
 SPARE_FILES = 256
 """File descriptors kept for everything else (Envoy's connections, metrics, the config file)."""
 
@@ -73,10 +87,14 @@ class Follower:
     """Follows the probes of every node of every pool of ``core``; ``flush`` hands the core's answers
     to their streams (``Gateway.flush``)."""
 
-    def __init__(self, core: Core, flush: Callable[[], None], rng: random.Random | None = None) -> None:
+    def __init__(self, core: Core, flush: Callable[[], None], rng: random.Random | None = None,
+                 wall: Callable[[], float] = time.time) -> None:
         self.core = core
         self._flush = flush
         self._rng = rng or random.Random()
+        self._wall = wall
+        """kvgate's wall clock, read when a reading arrives (injected by tests)."""
+        self.ages = ProbeAges()
         self._tasks: dict[str, tuple[tuple[str, float], asyncio.Task[None]]] = {}
         self._seen: list[object] = []
         """The fleets and node tables the followed set was built from: unchanged, nothing to do."""
@@ -125,6 +143,7 @@ class Follower:
                 task.cancel()
                 del self._tasks[address]
                 self.modes.pop(address, None)
+                self.ages.forget(address)
         for address, key in wanted.items():
             if address not in self._tasks:
                 task = asyncio.create_task(self._follow(session, address, *key), name=f"follow {address}")
@@ -215,7 +234,7 @@ class Follower:
     def _apply(self, address: str, snap: Snapshot) -> None:
         core = self.core
         waiting = core.queued or core.admission.has_outcomes  # (a reading decides only requests that wait)
-        core.snapshot(address, snap, max(0.0, time.time() - snap.at))
+        core.snapshot(address, snap, self.ages.age(address, snap.at, self._wall()))
         if waiting and not self._flush_due:
             self._flush_due = True
             asyncio.get_running_loop().call_soon(self._flush_once)
@@ -223,6 +242,37 @@ class Follower:
     def _flush_once(self) -> None:
         self._flush_due = False
         self._flush()
+
+
+class ProbeAges:
+    """How old each probe's readings are when they arrive, without comparing two hosts' clocks (see the
+    module's docstring). Pure: the receive time is passed in."""
+
+    def __init__(self, readings: int = OFFSET_READINGS) -> None:
+        self._readings = readings
+        self._offsets: dict[str, deque[float]] = {}
+        """Probe → ``received - at`` of its last readings with a new ``at``, oldest first."""
+        self._last_at: dict[str, float] = {}
+
+    def age(self, address: str, at: float, received: float) -> float:
+        """Seconds the reading taken at ``at`` (the probe's clock) was old when it arrived at
+        ``received`` (kvgate's clock): 0 for the promptest of its recent readings. A reading polled
+        again (same ``at``) is not a new sample: it ages as the time since it was first seen grows."""
+        offset = received - at
+        if not math.isfinite(offset):
+            return 0.0
+        offsets = self._offsets.get(address)
+        if offsets is None:
+            offsets = self._offsets[address] = deque(maxlen=self._readings)
+        if self._last_at.get(address) != at:
+            self._last_at[address] = at
+            offsets.append(offset)
+        return max(0.0, offset - min(offsets))
+
+    def forget(self, address: str) -> None:
+        """The node is no longer followed: a probe followed again may run on another host's clock."""
+        self._offsets.pop(address, None)
+        self._last_at.pop(address, None)
 
 
 def raise_file_limit() -> int | None:

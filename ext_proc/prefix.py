@@ -15,7 +15,7 @@ tokenizer, so it keeps its own picture of it, from what it sent where:
   10,000 a node at 1,000 nodes would be 3.4 GB. Expired blocks are swept as new ones come, a bounded
   number per record, oldest first (each node's blocks are in time order: a heap of each node's oldest
   finds them without scanning);
-* node choice (``nodes.py``) asks it how many leading blocks each candidate holds, and counts that
+* node choice (``picker.py``) asks it how many leading blocks each candidate holds, and counts that
   much less prefill in the node's predicted time to first token and that much less in its KV
   projection. Affinity is a prediction, not a rule: a busy node holding the prefix loses to an idle
   one as soon as its queue costs more than the prefill it would save.

@@ -248,7 +248,7 @@ def _bench_scale(a: argparse.Namespace) -> int:
     from .bench.scale import scale
 
     result = scale(tuple(a.nodes), tuple(a.tenants), a.ops, tuple(a.follow_nodes), a.period, a.seconds,
-                   tuple(a.modes), quiet=a.json)
+                   tuple(a.modes), quiet=a.json, waiting_nodes=a.waiting_nodes, waiting=a.waiting)
     return _emit(a, result)
 
 
@@ -525,6 +525,9 @@ def parser(benchmarks: bool = True) -> argparse.ArgumentParser:
     b.add_argument("--seconds", type=float, default=10.0, help="measured seconds per follow figure")
     b.add_argument("--modes", nargs="*", choices=["poll", "stream"], default=["poll", "stream"],
                    help="poll: probes without the stream (kvgate polls GET /snapshot); stream: GET /snapshot/stream")
+    b.add_argument("--waiting-nodes", type=int, default=1_000,
+                   help="full nodes for the figure with requests waiting (0: skip it)")
+    b.add_argument("--waiting", type=int, default=15, help="requests the gateway queue holds in that figure")
     b.add_argument("--json", action="store_true")
     b.set_defaults(fn=_bench_scale)
     if not benchmarks:

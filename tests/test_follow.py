@@ -493,3 +493,73 @@ async def test_a_follower_whose_cancellation_was_swallowed_still_stops() -> None
     with contextlib.suppress(asyncio.CancelledError):
         await run  # (returns: the follower it waits for ends)
     assert not followers() and f.swallow == 0
+
+
+# -- probe clock skew (issue 29, bug 8) ------------------------------------------------------------------
+
+_TICK = 1 / 64  # (dyadic: sums and differences of these near 1.8e9 are exact, so "exactly" can be asserted)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.integers(1, 64), st.integers(0, 40), st.booleans()), min_size=1, max_size=60),
+       st.sampled_from([-10.0, -2.0, 2.0, 10.0, 3600.0]))
+def test_a_probe_clock_skew_does_not_change_any_readings_age(steps: list[tuple[int, int, bool]],
+                                                            skew: float) -> None:
+    """``(interval, delay, again)`` per reading: taken ``interval`` ticks after the last, arriving ``delay``
+    ticks later, ``again``: polled twice. However far the probe's clock is off, every age is the same as
+    with no skew — and a reading polled again ages by the time since it first arrived."""
+    from ext_proc.follow import ProbeAges
+
+    plain, skewed = ProbeAges(), ProbeAges()
+    taken = 1_800_000_000.0
+    for interval, delay, again in steps:
+        taken += interval * _TICK
+        received = taken + delay * _TICK
+        a = plain.age("n", taken, received)
+        assert a == skewed.age("n", taken + skew, received)
+        assert 0.0 <= a <= delay * _TICK
+        if again:
+            later = received + interval * _TICK
+            b = plain.age("n", taken, later)
+            assert b == skewed.age("n", taken + skew, later)
+            assert b == a + interval * _TICK
+
+
+@pytest.mark.parametrize("skew", [-10.0, 10.0])
+def test_a_node_whose_probe_clock_is_skewed_is_judged_like_one_without(skew: float) -> None:
+    """kvgate's node state after the same readings, arriving at the same moments, from a probe whose
+    wall clock is ``skew`` seconds off and from one on time: the same freshness (2 s behind made a node
+    unknown, 10 s dead) and the same bookings still counted in the KV projection (a probe clock ahead
+    made readings look newer, and requests sent after one was taken came off the projection early)."""
+    def run(skew: float) -> list[tuple[str, float | None, int, int]]:
+        mono, wall = [100.0], [1_800_000_000.0]  # kvgate's two clocks; the probe's wall clock is wall + skew
+        gw = Gateway(parse_config({"nodes": {"static": [{"address": ADDR, "probe": "http://p.invalid"}],
+                                             "stale_after_seconds": 1.0, "dead_after_seconds": 3.0}}))
+        gw.core._clock = lambda: mono[0]
+        f = Follower(gw.core, lambda: None, wall=lambda: wall[0])
+        fleet = gw.fleet
+        assert fleet is not None
+        seen = []
+        for i in range(12):
+            taken = wall[0] + skew
+            delay = 0.1 * (i % 3)  # the reading's way to kvgate (some come at once: the probe's offset)
+            if delay:
+                # a request sent after the reading was taken, before it arrived: the reading cannot show it
+                mono[0] += delay / 2
+                wall[0] += delay / 2
+                fleet.dispatched(ADDR, f"r{i}", 100, 80, mono[0])
+                mono[0] += delay / 2
+                wall[0] += delay / 2
+            f._apply(ADDR, Snapshot(node="n", at=taken, ok=True, kv_usage=0.3, blocks_total=1000, block_size=16,
+                                    running=1.0, waiting=0.0))
+            n = node(gw)
+            seen.append((status(gw), n.fresh_at, n.pending_tokens, len(n.pending)))
+            mono[0] += 0.25
+            wall[0] += 0.25
+        return seen
+
+    on_time = run(0.0)
+    assert all(s == "fresh" for s, *_ in on_time)
+    # the request sent after a reading was taken still counts after it
+    assert [pending for _, _, pending, _ in on_time] == [0, 100, 100] * 4
+    assert run(skew) == on_time

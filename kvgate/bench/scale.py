@@ -19,8 +19,12 @@ Two figures, each against the fleet's size:
   though it can starve the simulated probes — hence readings/s beside each figure and the CPU per
   reading, from which the share at the full rate follows.
 
+* **with requests waiting** (:func:`waiting_queue`) — a full 1,000-node fleet and the gateway queue full
+  (15): what a probe reading and a decision cost when each event asks the queue whether anything can go.
+
 Targets (issue 17): decision p99 <= 200 µs at 1,000 nodes and 10,000 tenants; following 1,000 nodes at
-250 ms with <= 25% of one core.
+250 ms with <= 25% of one core. Issue 28: with the queue full, a probe reading <= 50 µs (the mean: what
+4,000 readings a second cost) and a decision <= 200 µs p99.
 """
 
 from __future__ import annotations
@@ -41,6 +45,7 @@ import sys
 import time
 from collections import deque
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -52,6 +57,7 @@ from gpu_probe.snapshot import Snapshot
 
 MODEL = "meta-llama/Llama-3.1-8B-Instruct"
 DECISION_TARGET_US = 200.0
+WAITING_READING_TARGET_US = 50.0
 FOLLOW_TARGET_SHARE = 0.25
 TIERS = ("interactive", "standard", "batch")
 
@@ -173,6 +179,78 @@ def decision_time(nodes: tuple[int, ...] = (10, 100, 1_000), tenants: tuple[int,
             print(f"{int(r['nodes']):>6} {int(r['tenants']):>8} {r['decide_p50_us']:>8.1f} {r['decide_p99_us']:>8.1f}"
                   f" {r['ended_p50_us']:>10.1f} {r['admitted']:>9.0%}")
     return rows
+
+
+def waiting_queue(n_nodes: int = 1_000, waiting: int = 15, ops: int = 5_000, quiet: bool = False) -> dict[str, Any]:
+    """The costs when requests wait: ``n_nodes`` nodes whose KV is all above the admit threshold (a full
+    fleet), the gateway queue holding ``waiting`` requests (its ``max_size``), and per millisecond of
+    virtual time one new request and a probe reading from 4 nodes (every node read each 250 ms). Every
+    event that may free room (a reading, a decision) asks the queue whether anything can go now — what
+    it costs with the fleet full is the figure: µs per probe reading (``Core.snapshot``) and per decision
+    (``Core.decide``, p50/p99)."""
+    from ext_proc.config import parse_config
+    from ext_proc.core import Core, Request, null_logger
+    from ext_proc.identity import hash_key
+
+    rng = random.Random(11)
+    bodies = _bodies(rng)
+    n_tenants = 30
+    addrs = [f"10.{i // 62_500}.{i // 250 % 250}.{i % 250 + 1}:8000" for i in range(n_nodes)]
+    cfg = parse_config({
+        "tenants": [{"name": f"t{i}", "tier": TIERS[i % 3], "api_key_sha256": [hash_key(f"sk-wait-{i}")],
+                     "max_concurrent": 64, "requests_per_minute": 600_000, "tokens_per_minute": 1_000_000_000}
+                    for i in range(n_tenants)],
+        "fleet": {"max_inflight": 100_000},
+        "queue": {"max_size": waiting},
+        "nodes": {"static": [{"address": a, "probe": f"http://{a.split(':')[0]}:9102"} for a in addrs],
+                  "kv_admit_threshold": 0.92},
+    })
+    t = [1000.0]
+    core = Core(cfg, lambda t=t: t[0], rng=random.Random(1), log=null_logger())  # type: ignore[misc]
+    feed = random.Random(3)
+
+    def full(address: str) -> Snapshot:
+        # above the admit threshold (0.92), below the breaker's (0.95): the fleet is full, not sick
+        return replace(_reading(feed, address, t[0]), kv_usage=feed.uniform(0.93, 0.945))
+
+    for a in addrs:
+        core.snapshot(a, full(a), 0.0)
+    reads: list[float] = []
+    decides: list[float] = []
+    queued = 0
+    warm = min(1_000, ops // 5)
+    k = 0
+    gc.collect()
+    for i in range(warm + ops):
+        t[0] += 0.001
+        for _ in range(4):  # 4 readings a millisecond: 1,000 nodes each read every 250 ms
+            a = addrs[k % n_nodes]
+            k += 1
+            snap = full(a)
+            t0 = time.perf_counter_ns()
+            core.snapshot(a, snap, 0.0)
+            dt = time.perf_counter_ns() - t0
+            if i >= warm:
+                reads.append(dt / 1000.0)
+        req = Request(path="/v1/chat/completions", request_id=f"w{i}", authorization=f"Bearer sk-wait-{i % n_tenants}",
+                      body=bodies[i % len(bodies)], envoy="envoy-1")
+        t0 = time.perf_counter_ns()
+        core.decide(req)
+        dt = time.perf_counter_ns() - t0
+        core.answers()
+        if i >= warm:
+            decides.append(dt / 1000.0)
+            queued += core.queued
+    row = {"nodes": n_nodes, "waiting": waiting, "queued_mean": queued / ops, "reading_p50_us": _pct(reads, 50),
+           "reading_mean_us": sum(reads) / len(reads), "reading_p99_us": _pct(reads, 99),
+           "decide_p50_us": _pct(decides, 50), "decide_p99_us": _pct(decides, 99), "ops": ops}
+    if not quiet:
+        print(f"\nwith requests waiting: {n_nodes} nodes all full, the gateway queue holding up to {waiting} "
+              f"(mean {row['queued_mean']:.1f}), {ops} decisions and {len(reads)} readings")
+        print(f"{'reading p50 µs':>15} {'mean':>8} {'p99':>8} {'decide p50 µs':>14} {'p99':>8}")
+        print(f"{row['reading_p50_us']:>15.1f} {row['reading_mean_us']:>8.1f} {row['reading_p99_us']:>8.1f}"
+              f" {row['decide_p50_us']:>14.1f} {row['decide_p99_us']:>8.1f}")
+    return row
 
 
 # -- the simulated probes --------------------------------------------------------------------------
@@ -347,12 +425,14 @@ def follow_cpu(sizes: tuple[int, ...] = (10, 100, 1_000), period: float = 0.25, 
 
 def scale(nodes: tuple[int, ...] = (10, 100, 1_000), tenants: tuple[int, ...] = (10, 10_000), ops: int = 20_000,
           follow_nodes: tuple[int, ...] = (10, 100, 1_000), period: float = 0.25, seconds: float = 10.0,
-          modes: tuple[str, ...] = ("poll", "stream"), quiet: bool = False) -> dict[str, Any]:
-    """``kvgate bench scale``: both figures, and whether they meet issue 17's targets."""
+          modes: tuple[str, ...] = ("poll", "stream"), quiet: bool = False, waiting_nodes: int = 1_000,
+          waiting: int = 15) -> dict[str, Any]:
+    """``kvgate bench scale``: the figures, and whether they meet issue 17's and issue 28's targets."""
     from ext_proc import logs
 
     logs.setup("warning")
     decisions = decision_time(nodes, tenants, ops, quiet=quiet) if ops else []
+    queue = waiting_queue(waiting_nodes, waiting, max(1_000, ops // 4), quiet=quiet) if ops and waiting_nodes else None
     follow: list[dict[str, Any]] = []
     for mode in modes:
         follow += follow_cpu(follow_nodes, period, seconds, stream=mode == "stream")
@@ -374,6 +454,10 @@ def scale(nodes: tuple[int, ...] = (10, 100, 1_000), tenants: tuple[int, ...] = 
                          "mode": modes[-1] if modes else None,
                          "measured": big_f[0]["cpu_share"] if big_f else None},
     }
+    targets["waiting_reading_us"] = {"target": WAITING_READING_TARGET_US, "nodes": waiting_nodes, "waiting": waiting,
+                                     "measured": queue["reading_mean_us"] if queue else None}
+    targets["waiting_decision_p99_us"] = {"target": DECISION_TARGET_US, "nodes": waiting_nodes, "waiting": waiting,
+                                          "measured": queue["decide_p99_us"] if queue else None}
     for t in targets.values():
         t["met"] = t["measured"] is not None and t["measured"] <= t["target"]
     if not quiet:
@@ -381,11 +465,17 @@ def scale(nodes: tuple[int, ...] = (10, 100, 1_000), tenants: tuple[int, ...] = 
         if d["measured"] is not None:
             print(f"\ntarget: decision p99 <= {DECISION_TARGET_US:.0f} µs at {d['nodes']} nodes, {d['tenants']} "
                   f"tenants: {d['measured']:.0f} µs ({'met' if d['met'] else 'MISSED'})")
+        for key, what in (("waiting_reading_us", "a probe reading (mean)"), ("waiting_decision_p99_us",
+                                                                         "decision p99")):
+            w = targets[key]
+            if w["measured"] is not None:
+                print(f"target: {what} <= {w['target']:.0f} µs at {w['nodes']} full nodes, {w['waiting']} waiting: "
+                      f"{w['measured']:.0f} µs ({'met' if w['met'] else 'MISSED'})")
         if f["measured"] is not None:
             print(f"target: following {f['nodes']} nodes at {period * 1000:.0f} ms with <= "
                   f"{FOLLOW_TARGET_SHARE:.0%} of a core ({f['mode']}): {f['measured']:.1%} "
                   f"({'met' if f['met'] else 'MISSED'})")
-    return {"decision": decisions, "follow": follow, "targets": targets}
+    return {"decision": decisions, "follow": follow, "waiting": queue, "targets": targets}
 
 
 def _main(argv: list[str] | None = None) -> int:

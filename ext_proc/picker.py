@@ -1,0 +1,388 @@
+"""The picker: which vLLM node takes a request, from what the node book (``nodebook.py``) knows.
+
+Shaped like the Gateway API Inference Extension's scheduler. Per request:
+
+1. *filter* — drop nodes whose breaker is open (or half-open with its trial budget spent), nodes whose
+   probe went silent beyond ``dead_after_seconds``, and nodes whose *projected* KV usage — the last
+   snapshot, plus the requests vLLM had waiting then (they hold no KV yet), plus the tokens kvgate has
+   sent there since — would pass ``kv_admit_threshold`` (minus the tier's ``reserve_kv``); nodes with
+   a merely stale snapshot are used per ``unknown`` (default: only when no fresh node can take it);
+2. *predict* — each candidate's time to this request's first token, from the node's performance model
+   (``perf.py``: step-time prior times the node's learned speed factor) and the work ahead of it there:
+   prefill booked at each vLLM priority level (a virtual clock per level, advanced by every dispatch and
+   corrected by every probe reading), a low-priority chunk already running (vLLM schedules running
+   requests first), half a step in progress. Candidates are bounded (``MAX_CANDIDATES``: a sample plus
+   the last best), and a large fleet is filtered only until that many pass (``SCAN_LIMIT``), so a
+   decision costs the same at 8 nodes and at 1,000;
+3. *pick* — the top tier, and any prefill too short to cost a top-tier request its target, goes where
+   its first token comes soonest. A *long* prefill (one that alone would) goes to the fullest node that
+   still meets its own target (best fit), joins the long prefills already booked where it can, and
+   never takes the last node without one while the top tier has traffic: long prefills gather, the
+   top tier goes where nothing long is running — prefill isolation emerges from the predictions rather
+   than from a fixed split of nodes.
+
+A new request no node can give a first token within its tier's max wait (``limit``) → ``fleet-queue``
+with the predicted wait until one could meet its target: waiting would not help (the backlog ahead
+drains as fast as the wait runs), so the gateway refuses it at once. A request that waited in the
+gateway queue goes only while it can still make its target. No node passes the filters → a capacity
+answer (the request waits in the gateway queue for room) whose Retry-After comes from how fast the
+fleet is draining.
+Before any of it, the book's room summary (``nodebook.Room``) may already say that no node can pass the
+filters: the same capacity answer, without filtering the fleet.
+Pure: time and randomness are injected.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+
+from .breaker import State
+from .config import Nodes
+from .nodebook import Level, Node, NodeBook
+
+MAX_CANDIDATES = 8
+"""Nodes whose prediction a decision computes: all of a small fleet; of a large one a random sample
+plus the node that was best last time."""
+SCAN_LIMIT = 4 * MAX_CANDIDATES
+"""A fleet larger than this is filtered in scan order (the last best, the holders of the prompt's
+longest held prefix, then every node from a random place), stopping at MAX_CANDIDATES passing nodes or
+at SCAN_LIMIT looked at with one passing: the filters cost per node too. Only when none of those passes
+does the scan go on, to the whole fleet before a capacity answer."""
+TOP_RECENT_S = 10.0
+"""The top tier counts as active (and keeps a node free of long prefills) this long after its last request."""
+
+
+@dataclass(frozen=True)
+class Choice:
+    node: Node | None
+    reason: str | None = None
+    retry_after: float | None = None
+    ttft: float | None = None
+    """The predicted seconds to the first token on the chosen node (or, with no node meeting the target,
+    on the best one)."""
+    hit: int = 0
+    """Prompt tokens the chosen node is expected to hold in its prefix cache (``prefix.py``)."""
+
+
+class Picker(NodeBook):
+    """Filters, predictions and the pick, as methods over the node book it extends: the records are the
+    book's, the scan ring, the last best node and when the top tier was last seen are the picker's own
+    (``nodes.Fleet`` adds ``place``: choose, then book)."""
+
+    def __init__(self, cfg: Nodes, rng: random.Random | None = None,
+                 on_transition: Callable[[str, State, State, str], None] | None = None) -> None:
+        self._rng = rng or random.Random()
+        self._best: Node | None = None
+        self._ring: list[Node] | None = None
+        """The nodes in random order, for :meth:`_scan_order` (None: shuffle again, the node set changed)."""
+        self._top_seen = -math.inf
+        super().__init__(cfg, on_transition)
+
+    def _nodes_changed(self) -> None:
+        self._ring = None
+
+    # -- choice ----------------------------------------------------------------------------------
+
+    def hits(self, prefix: tuple[int, ...], prompt_tokens: int, now: float,
+             among: list[Node] | None = None) -> dict[str, int]:
+        """Node → prompt tokens it is expected to hold in its prefix cache (never the whole prompt: vLLM
+        computes at least its last block); of the nodes ``among`` only, when given."""
+        if not prefix or not self.cfg.prefix.enabled:
+            return {}
+        per_block = self.cfg.prefix.block_tokens
+        cap = max(0, prompt_tokens - per_block)
+        held = self.prefix.match(prefix, now, None if among is None else [n.address for n in among])
+        return {a: min(cap, b * per_block) for a, b in held.items()}
+
+    def choose(
+        self, tokens: int, now: float, force: bool = False, prompt_tokens: int = 0, reserve: float = 0.0,
+        queue_caps: bool = True, priority: int = 0, target: float | None = None, limit: float | None = None,
+        prefix: tuple[int, ...] = (), retry: bool = True,
+    ) -> Choice:
+        """``force``: any live node, whatever its load or breaker (shadow mode, bodyless routes).
+        ``reserve``: KV fraction to leave free below each node's threshold (for more important tiers).
+        ``queue_caps``: whether the deprecated ``max_waiting_requests`` / ``max_prefill_tokens`` apply.
+        ``priority``: the vLLM priority level the request runs at; ``target``: seconds to its first token
+        its tier's TTFT target leaves from now (None: no target — the soonest node); ``limit``: the latest
+        first token still worth serving, in seconds from now (the tier's max wait; default ``target``).
+        ``retry`` False: a no-node answer needs no Retry-After (the gateway queue's pump only learns from
+        it that the tier cannot go yet) — it would walk the whole fleet."""
+        if force:
+            live = [n for n in self.nodes.values() if self.status(n, now) != "dead"]
+            if not live:
+                return Choice(None, "fleet-no-healthy-node", 1.0)
+            return Choice(max(live, key=lambda n: self._score(n, tokens)))
+        if not self.room.might_fit(reserve, now, tokens):
+            # no node can pass the filters for this request (a full fleet, requests waiting: every
+            # event asks again): the answer the filters would give, without filtering every node. A large
+            # fleet still draws the scan's random start, so that every later choice is the one it was
+            if len(self._order) > SCAN_LIMIT:
+                self._ring_start()
+            return self._none_fit(tokens, now, retry)
+        if len(self._order) > SCAN_LIMIT:
+            # a large fleet: the last best, the nodes holding most of the prompt's prefix, then the rest in
+            # random order, filtered until MAX_CANDIDATES pass (at least SCAN_LIMIT looked at before one
+            # that passes is enough; the whole fleet before "none fits"). Prefix holdings are matched for
+            # those candidates only: a prompt every node was sent (a common system prompt) is held by the
+            # whole fleet, and matching it against every node was most of a decision at 1,000 nodes
+            return self._choose(self._scan_order(prefix, now), tokens, now, prompt_tokens, reserve, queue_caps,
+                                priority, target, limit, None, prefix, retry)
+        return self._choose(self._order, tokens, now, prompt_tokens, reserve, queue_caps, priority, target, limit,
+                            self.hits(prefix, prompt_tokens, now), retry=retry)
+
+    def _none_fit(self, tokens: int, now: float, retry: bool = True) -> Choice:
+        """``_choose``'s answer when ``room`` says no node passes: every live node with a closed breaker
+        fails on KV (``fleet-kv``), else a live one is open (``fleet-breakers-open``), else none is live."""
+        dead_s = self.cfg.dead_after_seconds
+        reason = "fleet-no-healthy-node"
+        for n in self._order:
+            if n.fresh_at is None or now - n.fresh_at > dead_s:
+                continue  # (``room`` already judges it: it passes nothing)
+            if n.breaker.state is State.CLOSED:
+                reason = "fleet-kv"
+                break
+            reason = "fleet-breakers-open"
+        return Choice(None, reason, self._retry_after(tokens, now) if retry else None)
+
+    def _ring_start(self) -> tuple[list[Node], int]:
+        """The ring of a large fleet's nodes (shuffled again after the node set changed) and a random
+        place in it: where a scan starts."""
+        ring = self._ring
+        if ring is None:
+            ring = self._ring = self._order[:]
+            self._rng.shuffle(ring)
+        return ring, self._rng.randrange(len(ring))
+
+    def _scan_order(self, prefix: tuple[int, ...], now: float) -> Iterator[Node]:
+        """A large fleet's nodes in the order a decision filters them: the last best, up to half of
+        MAX_CANDIDATES nodes holding the longest run of the prompt's prefix, then a ring of every node in
+        random order (shuffled when the node set changes) from a random place — one random draw per
+        decision, not one per node (``random.sample`` was a tenth of a decision at 1,000 nodes)."""
+        head: list[Node] = []
+        best = self._best
+        if best is not None and self.nodes.get(best.address) is best:
+            head.append(best)
+        if prefix and self.cfg.prefix.enabled:
+            for address in self.prefix.deepest(prefix, now, MAX_CANDIDATES // 2):
+                n = self.nodes.get(address)
+                if n is not None and n is not best:
+                    head.append(n)
+        yield from head
+        ring, start = self._ring_start()
+        size = len(ring)
+        for k in range(start, start + size):
+            n = ring[k % size]
+            if n not in head:
+                yield n
+
+    def _choose(
+        self, pool: Iterable[Node], tokens: int, now: float, prompt_tokens: int, reserve: float, queue_caps: bool,
+        priority: int, target: float | None, limit: float | None, hits: dict[str, int] | None = None,
+        prefix: tuple[int, ...] | None = None, retry: bool = True,
+    ) -> Choice:
+        """The filters, the predictions and the pick. ``hits``: prompt tokens each node is expected to hold
+        in its prefix cache — that much less to prefill there, that much less new KV. ``prefix`` instead
+        (a large fleet, ``pool`` in scan order): filter only until MAX_CANDIDATES nodes pass (or
+        SCAN_LIMIT were looked at and one passed), then match the prefix for those."""
+        scan = prefix is not None
+        fresh: list[Node] = []
+        unknown: list[Node] = []
+        kv_full = broken = queue_full = 0
+        max_waiting, max_prefill = (self.cfg.max_waiting_requests, self.cfg.max_prefill_tokens) if queue_caps else (
+            None, None)
+        dead_s, stale_s = self.cfg.dead_after_seconds, self.cfg.stale_after_seconds
+        policy = self.cfg.unknown
+        looked = usable = 0
+        for n in pool:
+            if scan and usable and looked >= SCAN_LIMIT:
+                break
+            looked += 1
+            # (``status`` and a closed breaker's ``allows`` inline: this loop runs for every node filtered)
+            if n.fresh_at is None:
+                continue
+            age = now - n.fresh_at
+            if age > dead_s:
+                self.room.dead(n, now)
+                continue
+            br = n.breaker
+            if br.state is not State.CLOSED and not br.allows(now):
+                broken += 1
+                continue
+            kv = n.projected_kv(tokens)
+            if kv is not None and kv >= n.threshold - reserve and not self._alone_fits(n, tokens, reserve):
+                kv_full += 1
+                continue
+            if max_waiting is not None and n.waiting() >= max_waiting:
+                queue_full += 1
+                continue
+            if max_prefill is not None:
+                pf = n.prefill_tokens()
+                if pf and pf + prompt_tokens > max_prefill:  # an alone-too-large prompt still goes to an idle node
+                    queue_full += 1
+                    continue
+            (unknown if age > stale_s else fresh).append(n)
+            if scan:
+                usable = len(fresh) + len(unknown) if policy == "serve" else len(fresh) or (
+                    len(unknown) if policy == "fallback" else 0)
+                if usable >= MAX_CANDIDATES:
+                    break
+        candidates = fresh + unknown if policy == "serve" else (fresh or (unknown if policy == "fallback" else []))
+        if scan:
+            candidates = candidates[:MAX_CANDIDATES]
+            hits = self.hits(prefix or (), prompt_tokens, now, candidates)
+        hits = hits or {}
+        if not candidates:
+            reason = ("fleet-kv" if kv_full else "fleet-queue" if queue_full else
+                      "fleet-breakers-open" if broken else "fleet-no-healthy-node")
+            return Choice(None, reason, self._retry_after(tokens, now) if retry else None)
+        if len(candidates) > MAX_CANDIDATES:
+            # the nodes holding the prompt's prefix (the longest held first, up to half) always, a
+            # sample of the rest, and the last best
+            keep = sorted((n for n in candidates if hits.get(n.address)), key=lambda n: -hits[n.address])
+            keep = keep[:MAX_CANDIDATES // 2]
+            rest = [n for n in candidates if n not in keep]
+            sample = keep + self._rng.sample(rest, min(len(rest), MAX_CANDIDATES - 1 - len(keep)))
+            best = self._best
+            if best is not None and best in candidates and best not in sample:
+                sample.append(best)
+            candidates = sample
+        scored = [(self.predict(n, prompt_tokens - hits.get(n.address, 0), priority, now), n) for n in candidates]
+        soonest, first = self._soonest(scored, tokens)
+        self._best = first
+        lim = limit if limit is not None else target
+        top = self.levels[0]
+        if priority == top.priority:
+            self._top_seen = now
+        elif (top.target is not None and now - self._top_seen < TOP_RECENT_S and len(scored) > 1
+              and self._long(first, prompt_tokens - hits.get(first.address, 0), top)):
+            # A long, less urgent prefill while the top tier has traffic: a long prefill running on a node
+            # delays every request there by its chunks (vLLM runs running requests first, whatever their
+            # priority), so the top tier keeps the last node with none booked.
+            # It joins the long prefills already booked where it can still make its max wait, else takes
+            # a node of its own — never the last one without.
+            booked = [self._low_booked(n, now) for _, n in scored]
+            busy = [x for x, b in zip(scored, booked, strict=True) if b]
+            clear = len(scored) - len(busy)
+            if busy and (clear == 1 or lim is None or min(t for t, _ in busy) <= lim):
+                scored = busy
+            soonest, first = self._soonest(scored, tokens)
+        if target is None or lim is None:
+            return Choice(first, ttft=soonest, hit=hits.get(first.address, 0))
+        own = self._own(first, prompt_tokens - hits.get(first.address, 0))
+        if soonest > lim and (own <= lim or soonest - own > lim):
+            # no node can give it its first token within what it may wait (its max wait, or for a
+            # request already held, what is left of its target): waiting does not change that (the
+            # backlog drains as fast as the wait runs), so the gateway refuses it now. A prompt whose
+            # own prefill alone is longer is not refused for that: only for the work ahead of it
+            return Choice(None, "fleet-queue", max(0.0, soonest - target), soonest)
+        if priority == top.priority or not self._long(first, prompt_tokens - hits.get(first.address, 0), top):
+            # the soonest: for the top tier, and for a prefill too short to cost a top-tier request its
+            # target when it runs beside it
+            return Choice(first, ttft=soonest, hit=hits.get(first.address, 0))
+        # a long prefill goes to the fullest node that still meets its target — or, its target lost, its
+        # max wait — (best fit), where the booking keeps what waits behind it within its own target:
+        # long prefills gather, the rest of the fleet stays quick for the top tier
+        meets = [(t, n) for t, n in scored if t <= target] or [(t, n) for t, n in scored if t <= lim] or scored
+        kind = [(t, n) for t, n in meets
+                if self._keeps_targets(n, prompt_tokens - hits.get(n.address, 0), priority, now)] or meets
+        # (a node holding its prefix first: it computes less there, whatever fits best)
+        t, n = max(kind, key=lambda x: (hits.get(x[1].address, 0), x[0], self._score(x[1], tokens)))
+        return Choice(n, ttft=t, hit=hits.get(n.address, 0))
+
+    def _soonest(self, scored: list[tuple[float, Node]], tokens: int) -> tuple[float, Node]:
+        """The soonest predicted first token, ties to the most headroom (the first of equals): the
+        headroom is scored only for ties, not for every candidate."""
+        soonest = min(t for t, _ in scored)
+        tied = [n for t, n in scored if t == soonest]
+        return soonest, tied[0] if len(tied) == 1 else max(tied, key=lambda n: self._score(n, tokens))
+
+    def floor_ttft(self, prompt_tokens: int) -> float:
+        """The least time to a first token for this prompt on any node: its prefill alone, at the
+        fastest node's speed (0 with no node)."""
+        if not self._order:
+            return 0.0
+        fastest = min(n.speed.factor for n in self._order) if len(self._order) <= SCAN_LIMIT else 1.0
+        return self.model.prefill(prompt_tokens, 0, 0) * fastest
+
+    def predict(self, n: Node, prompt_tokens: int, priority: int, now: float) -> float:
+        """Seconds until a request of ``prompt_tokens`` at ``priority`` gets its first token on ``n``:
+        the prefill booked ahead of it at its level or a more urgent one, the rest of the step in
+        progress — or, when a less urgent prefill is running, the rest of it: it keeps every step's
+        budget until it is done (vLLM runs running requests first) —, and its own prefill, all at the
+        node's learned speed."""
+        m, f = self.model, n.speed.factor
+        decode, context = self._load(n)
+        busy = n.busy
+        ahead = below = 0.0
+        if busy:  # (nothing booked: nothing ahead — most nodes, most of the time)
+            ahead = busy.get(priority, now) - now
+            ahead = ahead if ahead > 0.0 else 0.0
+            below = max(busy.values()) - now - ahead
+            below = below if below > 0.0 else 0.0
+        step = m.step(0, decode, context) * f
+        # a less urgent prefill already running keeps the steps' budget until it is done; else a request
+        # arrives on average halfway through the step in progress
+        low = n.running_low
+        if low and self._low_booked(n, now) and low[0][0] <= now and low[0][2] > priority:
+            current = low[0][1] - now  # (one at its own level or a more urgent one is in ``ahead``)
+        else:
+            current = (min(below, step + m.b * m.chunk(decode) * f) if below else step if decode or ahead else 0.0) / 2
+        return ahead + current + m.prefill(prompt_tokens, decode, context) * f
+
+    def _low_booked(self, n: Node, now: float) -> bool:
+        """Whether less urgent prefill is booked on ``n`` beyond now."""
+        low = n.running_low
+        while low and low[0][1] <= now:
+            low.popleft()
+        return bool(low)
+
+    def _long(self, n: Node, prompt_tokens: int, top: Level) -> bool:
+        """A prefill long enough that a top-tier request arriving behind it would miss its target."""
+        return top.target is not None and self._own(n, prompt_tokens) > top.target
+
+    def _keeps_targets(self, n: Node, prompt_tokens: int, priority: int, now: float) -> bool:
+        """Whether booking this prefill on ``n`` keeps the work queued behind it (at its own and less
+        urgent levels) within those levels' targets; a node with nothing booked always does."""
+        cost = self._own(n, prompt_tokens)
+        for lv in self.levels:
+            if lv.priority < priority or lv.target is None:
+                continue
+            booked = n.busy.get(lv.priority, now)
+            if booked > now and booked + cost - now > lv.target:
+                return False
+        return True
+
+    @staticmethod
+    def _alone_fits(n: Node, tokens: int, reserve: float) -> bool:
+        """A request too large for the admit threshold by itself still goes to an idle node whose KV
+        cache holds it: else it could never run anywhere, and would wait for a 503 forever."""
+        cap, s = n.capacity_tokens(), n.snapshot
+        if cap is None or s is None or n.inflight or n.pending or n.waiting():
+            return False
+        return tokens / cap >= n.threshold - reserve and (s.kv_usage or 0.0) + tokens / cap <= 1.0
+
+    def _score(self, n: Node, tokens: int) -> float:
+        kv = n.projected_kv(tokens)
+        headroom = n.threshold - (kv if kv is not None else n.threshold / 2)
+        waiting = (n.snapshot.waiting or 0.0) if n.snapshot else 0.0
+        return headroom - 0.01 * waiting - 0.005 * n.inflight
+
+    def _retry_after(self, tokens: int, now: float) -> float:
+        """When the first node is expected to have room: its excess KV over its drain rate; or when
+        the first open breaker goes half-open."""
+        best: float | None = None
+        for n in self.nodes.values():
+            if self.status(n, now) == "dead":
+                continue
+            if n.breaker.state is State.OPEN:
+                wait = n.breaker.opened_at + n.breaker.s.recovery_window_s - now
+            else:
+                kv, cap = n.projected_kv(tokens), n.capacity_tokens()
+                if kv is None or cap is None or not n.drain_tokens_per_s:
+                    continue
+                wait = (kv - n.threshold) * cap / n.drain_tokens_per_s
+            best = wait if best is None else min(best, wait)
+        return min(30.0, max(0.0, best if best is not None else 1.0))
