@@ -290,7 +290,7 @@ def test_the_bench_with_requests_waiting_keeps_the_fleet_full_and_the_queue_full
     """``kvgate bench scale``'s figure with requests waiting measures what it says: no request goes (every
     node is full) and the gateway queue holds as many as asked all along. (Figures are printed, not
     asserted.)"""
-    from kvgate.bench_scale import waiting_queue
+    from kvgate.bench.scale import waiting_queue
 
     row = waiting_queue(SCAN_LIMIT + 8, waiting=5, ops=300, quiet=True)
     assert row["queued_mean"] == 5
