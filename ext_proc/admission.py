@@ -562,35 +562,35 @@ class Admission:
 
     def _check(self, s: TenantState, est: Estimate, body_bytes: int, now: float,
                may_borrow: bool = False) -> Rejection | None:
-        q = s.config
+        cfg = s.config
         limits = self.config.limits
         if body_bytes > limits.max_body_bytes:
             return reject(
                 "body-too-large",
                 f"Request body is {body_bytes} bytes; the limit is {limits.max_body_bytes} bytes.",
             )
-        if q.max_prompt_tokens is not None and est.prompt_tokens > q.max_prompt_tokens:
+        if cfg.max_prompt_tokens is not None and est.prompt_tokens > cfg.max_prompt_tokens:
             return reject(
                 "prompt-too-long",
                 f"The prompt is about {est.prompt_tokens} tokens; this tenant's limit is "
-                f"{q.max_prompt_tokens} tokens. Shorten the prompt.",
+                f"{cfg.max_prompt_tokens} tokens. Shorten the prompt.",
             )
-        if q.max_context_tokens is not None and est.total > q.max_context_tokens:
+        if cfg.max_context_tokens is not None and est.total > cfg.max_context_tokens:
             return reject(
                 "context-too-long",
                 f"The prompt (about {est.prompt_tokens} tokens) plus the requested output "
                 f"({est.output_tokens} tokens) exceeds this tenant's context limit of "
-                f"{q.max_context_tokens} tokens. Lower max_tokens or shorten the prompt.",
+                f"{cfg.max_context_tokens} tokens. Lower max_tokens or shorten the prompt.",
             )
         on = f" on model {s.model}" if s.model is not None else ""
-        whole = whole_tokens(q)
+        whole = whole_tokens(cfg)
         if whole is not None and est.total > whole:
             return reject(
                 "exceeds-token-budget",
                 f"This request would cost about {est.total} tokens, more than this tenant's whole "
                 f"token budget{on} of {int(whole)}; it can never be admitted as it is.",
             )
-        cap = q.max_concurrent
+        cap = cfg.max_concurrent
         if cap is not None and s.inflight >= (cap if s.slots is None else min(s.slots, cap)):
             short = self.quota.short(s, "slots", 1.0, now, may_borrow)
             if short == "borrow":
