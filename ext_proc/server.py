@@ -432,6 +432,7 @@ class Gateway:
         if self.store is not None and ticket and not self.core.owns(ticket):
             # another replica's: Envoy's access log may reach any replica
             self.store.forward(e, _text(kf.get("tenant")), _text(kf.get("budget")))
+            self.flush()  # on a local split the forwarded slot is taken over here: queued requests may go
             return
         done = self.core.ended(e)
         if done is None and self.store is not None and not ticket and e.request_id:

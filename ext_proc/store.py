@@ -616,6 +616,10 @@ class SharedStore:
             self._ends.append(event)
             return
         owner = e.ticket.split("-", 1)[0]
+        if self.core.admission.share_adopt((tenant, budget), e.ticket):
+            # the store is away: its owner learns of it only when the store answers; the slot is
+            # taken over here meanwhile, so a tenant far under its cap is not refused by full splits
+            self.core.shares_changed()
         self._forward.append((owner, e.ticket, tenant or "-", budget, orjson.dumps({"r": self.me, "e": [event]})))
 
     async def close(self) -> None:

@@ -700,3 +700,44 @@ def test_a_small_cap_sent_in_pairs_across_replicas_is_not_refused_while_within_i
             await close_all(reps)
 
     asyncio.run(run())
+
+
+def _admitted(answers: list[Answer | Held]) -> int:
+    return sum(1 for a in answers if isinstance(a, Answer) and a.decision.admitted)
+
+
+async def _split(srv: RedisServer, reps: list[Replica]) -> None:
+    """Kill Redis and wait for every replica to fall back to its local split."""
+    srv.stop(kill=True)
+    await sync_all(reps)
+    await asyncio.sleep(0.25)
+    await sync_all(reps)
+    assert all(r.core.admission.local_split == len(reps) for r in reps)
+
+
+def test_completions_for_another_replicas_tickets_free_slots_here_while_redis_is_away(tmp_path: Path) -> None:
+    """Issue 29: during an outage a tenant far under its cap was refused: the completions of replica
+    0's requests reached replica 1 (Envoy's access log goes to one replica) and waited there for Redis,
+    so replica 0's split stayed full of ended requests and replica 1 kept only its own half. Replica 1
+    now takes each such slot over while the store is away, and the fleet stays within the cap."""
+    srv = RedisServer(tmp_path).start()
+
+    async def run() -> None:
+        cfg = config(srv.url, max_concurrent=4)
+        reps = [Replica(cfg) for _ in range(2)]
+        await sync_all(reps, 2)
+        await _split(srv, reps)
+        assert _admitted([await reps[0].ask(f"a{i}") for i in range(3)]) == 2, "replica 0's half of the cap"
+        for t in reps[0].admitted:  # both end; their access log reaches replica 1
+            reps[1].store.forward(Ended(t, "x", 200, Usage(5, 5), upstream_answered=True), "a")
+            reps[1].store.forward(Ended(t, "x", 200, Usage(5, 5), upstream_answered=True), "a")  # a duplicate
+        got = [await reps[1].ask(f"b{i}") for i in range(6)]
+        assert _admitted(got) == 4, "nothing runs: the tenant gets its whole cap at replica 1"
+        assert reps[1].tenant.inflight == 4  # and no more: the ended requests' slots, once each
+        srv.start()
+        await sync_all(reps, 3)
+        assert reps[0].tenant.inflight == 0, "the forwarded completions reach their owner when Redis is back"
+        assert inflight(reps) == 4
+        await close_all(reps)
+
+    run_on(srv, run)
