@@ -373,10 +373,9 @@ class Gateway:
         if self.store is not None:
             est = b.request.estimate
             tokens = float(est.total) if est is not None else 0.0
-            if b.also is None:
-                await self.store.borrow(b.tenant, tokens)
-            else:  # the tenant and its per-model budget, both short here: in parallel, one round trip
-                await asyncio.gather(self.store.borrow(b.tenant, tokens), self.store.borrow(b.also, tokens))
+            # the tenant and its per-model budget, both short here: one round trip, both answers applied
+            # together, and the decision follows at once (no other request takes what was borrowed)
+            await self.store.borrow(b.tenant, tokens, b.also)
         out = self.core.decide(b.request, borrowed=True)
         assert not isinstance(out, Borrow)
         result: Answer | tuple[Held, asyncio.Future[Answer]] = out if isinstance(out, Answer) else (

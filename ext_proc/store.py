@@ -509,15 +509,21 @@ class SharedStore:
 
     # -- the request path ------------------------------------------------------------------------
 
-    async def borrow(self, tenant: str, tokens: float) -> bool:
+    async def borrow(self, tenant: str, tokens: float, also: str | None = None) -> bool:
         """Before refusing: lease what this request lacks — a slot, a request, ``tokens`` — in one
-        round trip. Granted all or nothing per budget. False when refused or when the store could not
+        round trip, for ``tenant`` and, when its per-model budget is short here too, for ``also`` in
+        the same round trip. Granted all or nothing per budget. False when refused or when the store could not
         be asked in time (``timeout_ms`` all told, waiting for a slots call before it included); in the
-        second case the tenant is marked *unreached* (``LeasedQuota.unreached``), so that the request is
+        second case the budget is marked *unreached* (``LeasedQuota.unreached``), so that the request is
         refused with 503 ``quota-unavailable`` and its Retry-After — not a 429 claiming the tenant is
-        over a quota nobody could check — and never left to Envoy's timeout."""
+        over a quota nobody could check — and never left to Envoy's timeout.
+
+        Both budgets' answers are applied together, after the round trip, with no await between them
+        and the caller's decision: a slot borrowed for one is never taken by another request while the
+        other's answer is awaited (issue 29: two borrows gathered applied the first on its own)."""
         adm = self.core.admission
         unreached = adm.leased.unreached
+        names = [tenant] if also is None else [tenant, also]
         interval = self.cfg.sync_interval_ms / 1000.0
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.cfg.timeout_ms / 1000.0
@@ -525,58 +531,66 @@ class SharedStore:
         try:
             async with asyncio.timeout(self.cfg.timeout_ms / 1000.0):
                 while True:
-                    granted, answered = await self._borrow(tenant, tokens)
-                    s = adm.tenant_state(tenant)
-                    if granted or not answered or s is None or not adm.leased.idle_elsewhere(s):
+                    granted, answered = await self._borrow(names, tokens)
+                    idle = [s for s in map(adm.tenant_state, names) if s is not None and adm.leased.idle_elsewhere(s)]
+                    if granted or not answered or not idle:
                         break
                     if loop.time() + interval > deadline - self.cfg.timeout_ms / 4000.0:
                         break  # no time left to wait for a sync: refused (its 429 says slots idle elsewhere)
                     # every slot is held but not every slot is in use: an idle one moves to where the
                     # requests are within a sync or two (this replica's demand is reported meanwhile)
-                    adm.leased.wants_slot(s)
+                    for s in idle:
+                        adm.leased.wants_slot(s)
                     self.borrow_waits.inc()
                     await asyncio.sleep(interval)
         except (TimeoutError, RedisError, OSError):
             if answered:  # out of time while waiting for an idle slot to move: the store's answer stands
                 self.borrows.labels("refused").inc()
-                unreached.discard(tenant)
+                unreached.difference_update(names)
                 return False
             self.errors.labels("borrow").inc()
             self.borrows.labels("error").inc()
-            unreached.add(tenant)
+            unreached.update(names)
             return False
         if answered:
-            unreached.discard(tenant)
+            unreached.difference_update(names)
         else:
-            unreached.add(tenant)
+            unreached.update(names)
         return granted
 
-    async def _borrow(self, tenant: str, tokens: float) -> tuple[bool, bool]:
-        """(granted, whether the store answered every call)."""
+    async def _borrow(self, names: list[str], tokens: float) -> tuple[bool, bool]:
+        """(granted, whether the store answered every call): one pipeline for every budget in
+        ``names``, its answers applied only once all are back."""
         adm = self.core.admission
-        s = adm.tenant_state(tenant)
-        if s is None:
+        states = [s for s in map(adm.tenant_state, names) if s is not None]
+        if not states:
             return False, True
-        if adm.leased.needs(s, tokens).slot is not None:
-            while (ev := self._busy.get(tenant)) is not None:
-                await ev.wait()  # one slots call for a tenant at a time
+        for s in states:
+            if adm.leased.needs(s, tokens).slot is not None:
+                while (ev := self._busy.get(s.name)) is not None:
+                    await ev.wait()  # one slots call for a tenant at a time
         if adm.local_split or not self.ok or not self._sha:
-            self.borrows.labels("refused").inc()
+            self.borrows.labels("refused").inc(len(states))
             return False, False
-        need = adm.leased.needs(s, tokens)
-        if need.slot is not None and not self._claim(tenant):
-            return False, False
+        needs = [(s, adm.leased.needs(s, tokens)) for s in states]
+        claimed: list[str] = []
         answered = True
         try:
+            for s, need in needs:
+                if need.slot is not None:
+                    if not self._claim(s.name):
+                        return False, False
+                    claimed.append(s.name)
             pipe = self.client.pipeline(transaction=False)
-            calls: list[str] = []
-            if need.slot is not None:
-                cap, held, inflight = need.slot
-                self._slots_call(pipe, tenant, cap, held, inflight, max(held, inflight) + 1, True, borrow=True)
-                calls.append("slots")
-            for dim, rate, capacity, amount in need.credit:
-                self._bucket_call(pipe, tenant, dim, rate, capacity, amount, partial=False)
-                calls.append(dim)
+            calls: list[tuple[str, str, int]] = []
+            for s, need in needs:
+                if need.slot is not None:
+                    cap, held, inflight = need.slot
+                    self._slots_call(pipe, s.name, cap, held, inflight, max(held, inflight) + 1, True, borrow=True)
+                    calls.append((s.name, "slots", held))
+                for dim, rate, capacity, amount in need.credit:
+                    self._bucket_call(pipe, s.name, dim, rate, capacity, amount, partial=False)
+                    calls.append((s.name, dim, 0))
             if not calls:
                 await pipe.reset()
                 return True, True
@@ -584,25 +598,26 @@ class SharedStore:
                 results = await pipe.execute(raise_on_error=False)
             finally:
                 await pipe.reset()
-            granted = True
-            for kind, res in zip(calls, results, strict=True):
+            # from here on no await: every answer applied, then the caller decides at once
+            granted = dict.fromkeys((s.name for s in states), True)
+            for (name, kind, held), res in zip(calls, results, strict=True):
                 if isinstance(res, BaseException) or (kind != "slots" and len(res) != 2) or (
                         kind == "slots" and int(res[0]) < 0):
                     # not answered: an error, or a call made for another epoch (Redis restarted empty)
                     if isinstance(res, NoScriptError):
                         self._sha.clear()
-                    granted = answered = False
+                    granted[name] = answered = False
                     continue
                 if kind == "slots":
-                    granted &= self._slots_result(tenant, res) and need.slot is not None and int(res[0]) > need.slot[1]
+                    granted[name] &= self._slots_result(name, res) and int(res[0]) > held
                 else:
-                    granted &= float(res[0]) > 0
-                    adm.share_credit(tenant, kind, float(res[0]), float(res[1]))
+                    granted[name] &= float(res[0]) > 0
+                    adm.share_credit(name, kind, float(res[0]), float(res[1]))
         finally:
-            if need.slot is not None:
-                self._done([tenant])
-        self.borrows.labels("granted" if granted else "refused").inc()
-        return granted, answered
+            self._done(claimed)
+        for ok in granted.values():
+            self.borrows.labels("granted" if ok else "refused").inc()
+        return all(granted.values()), answered
 
     def forward(self, e: Ended, tenant: str = "", budget: str = "") -> None:
         """A completion for a ticket another replica owns (the END script, at the next sync, hands it

@@ -67,10 +67,7 @@ class Replica:
         out = self.core.decide(Request("/v1/chat/completions", rid, f"Bearer {KEY}", BODY))
         if isinstance(out, Borrow):
             tokens = float(out.request.estimate.total if out.request.estimate else 0)
-            if out.also is None:  # as the server does
-                await self.store.borrow(out.tenant, tokens)
-            else:
-                await asyncio.gather(self.store.borrow(out.tenant, tokens), self.store.borrow(out.also, tokens))
+            await self.store.borrow(out.tenant, tokens, out.also)  # as the server does
             out = self.core.decide(out.request, borrowed=True)
         assert not isinstance(out, Borrow)
         if isinstance(out, Answer) and out.decision.admitted and out.ticket:
@@ -741,3 +738,43 @@ def test_completions_for_another_replicas_tickets_free_slots_here_while_redis_is
         await close_all(reps)
 
     run_on(srv, run)
+
+
+def test_a_slot_borrowed_with_a_model_budget_is_not_taken_by_another_request_meanwhile(
+        server: RedisServer) -> None:
+    """Issue 29: the tenant's borrow and its per-model budget's were two calls gathered; the first
+    answer was applied while the second was awaited, and another request of the tenant (another
+    model) took the slot just borrowed, so the borrowing request was refused. Both are now one round
+    trip, applied together, and the decision follows at once."""
+    other_model = BODY.replace(b'"m"', b'"n"')
+
+    async def run() -> None:
+        cfg = config(server.url, max_concurrent=1, model_budgets={"m": {"max_concurrent": 1}})
+        reps = [Replica(cfg) for _ in range(2)]
+        await sync_all(reps, 2)
+        r = reps[1]
+        stolen: list[str] = []
+        stop = False
+
+        async def thief() -> None:
+            i = 0
+            while not stop:  # another request of the tenant, on a model without a budget: no borrow
+                i += 1
+                out = r.core.decide(Request("/v1/chat/completions", f"t{i}", f"Bearer {KEY}", other_model))
+                if isinstance(out, Answer) and out.decision.admitted:
+                    stolen.append(f"t{i}")
+                await asyncio.sleep(0)
+
+        model = r.core.admission.tenant_state("a/m")
+        assert model is not None and not r.tenant.slots and not model.slots, "both slices empty here: it borrows"
+        task = asyncio.create_task(thief())
+        try:
+            got = await r.ask("x")
+        finally:
+            stop = True
+            await task
+        assert not stolen, "another request took the slot borrowed for this one"
+        assert isinstance(got, Answer) and got.decision.admitted, got
+        await close_all(reps)
+
+    asyncio.run(run())
