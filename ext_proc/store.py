@@ -79,7 +79,9 @@ BUCKET = _script("bucket")
 
 SCRIPTS = {"hello": HELLO, "slots": SLOTS, "end": END, "bucket": BUCKET}
 
-Remote = tuple[dict[str, float], list[tuple[str, int, int, str]], list[list[Any]]]
+Remote = tuple[dict[str, float], list[tuple[str, int, int, str]], list[list[Any]], list[str]]
+"""One event batch of another replica: service given, requests sent to nodes, completions forwarded,
+Envoys found gone."""
 
 
 class SharedStore:
@@ -321,10 +323,12 @@ class SharedStore:
             elif kind == "read":
                 remote = self._events(res)
         self._ok()
-        for svc, disp, fwd in remote:
+        for svc, disp, fwd, gone in remote:
             self.core.remote(svc, disp)
             for ev in fwd:
                 self._deliver(ev)
+            for envoy in gone:
+                self.core.envoy_gone_elsewhere(envoy)
         self.core.shares_changed()
         return True
 
@@ -340,10 +344,15 @@ class SharedStore:
         if len(self._ends) > MAX_ENDS:
             self._drop_ends()
         ends, self._ends = self._ends[:ENDS_PER_BATCH], self._ends[ENDS_PER_BATCH:]
-        if not (service or dispatched or ends):
+        gone = list(self.core.gone_out)  # an Envoy found gone here: every replica releases what it carried
+        self.core.gone_out.clear()
+        if not (service or dispatched or ends or gone):
             return None
         self._seq += 1
-        self._batch = orjson.dumps({"r": self.me, "q": self._seq, "s": service, "d": dispatched, "e": ends})
+        doc: dict[str, Any] = {"r": self.me, "q": self._seq, "s": service, "d": dispatched, "e": ends}
+        if gone:
+            doc["g"] = gone
+        self._batch = orjson.dumps(doc)
         return self._batch
 
     def _hello_result(self, res: list[Any]) -> None:
@@ -365,9 +374,11 @@ class SharedStore:
             fields = {_str(raw[j]): _str(raw[j + 1]) for j in range(0, len(raw) - 1, 2)}
             live = set(self.live)
             held = {f[2:]: int(v) for f, v in fields.items() if f.startswith("h:") and f[2:] in live}
-            # a dead replica's slots, still taken by what it admitted (until a slots call orphans them)
-            orphaned = sum(int(v) for f, v in fields.items()
-                           if f[:2] in ("o:", "p:") or (f.startswith("h:") and f[2:] not in live))
+            # a dead replica's slots, still taken by what it admitted (until a slots call orphans them):
+            # what it last reported in flight, never more than it held (as slots.lua orphans them)
+            orphaned = sum(int(v) for f, v in fields.items() if f[:2] in ("o:", "p:")) + sum(
+                min(int(v), int(fields.get(f"a:{f[2:]}", fields.get(f"i:{f[2:]}", v)))) for f, v in fields.items()
+                if f.startswith("h:") and f[2:] not in live)
             if orphaned:
                 held[ORPHANED] = orphaned
             holdings[_str(uneven[i])] = held
@@ -419,10 +430,11 @@ class SharedStore:
                             if isinstance(d, list) and len(d) == 4]
                     fwd = [e for e in doc.get("e") or [] if isinstance(e, list) and len(e) == 8
                            and e[0] in (self.me, "*")]
+                    gone = [str(g) for g in doc.get("g") or [] if isinstance(g, str)]
                 except (TypeError, ValueError, IndexError, AttributeError):
                     log.warning("store_event_unreadable", entry=_str(eid))
                     continue
-                out.append((svc, disp, fwd))
+                out.append((svc, disp, fwd, gone))
         return out
 
     def _deliver(self, e: list[Any]) -> None:
@@ -645,7 +657,8 @@ class SharedStore:
             # per-model budgets' slices too: what still runs stays taken (orphaned) until it ends; the rest
             # goes back now
             for name, inflight in self.core.admission.leased.held():
-                pipe.hset(self._k_slots(name), mapping={f"h:{self.me}": inflight, f"i:{self.me}": inflight})
+                pipe.hset(self._k_slots(name), mapping={f"h:{self.me}": inflight, f"i:{self.me}": inflight,
+                                                       f"a:{self.me}": inflight})
             pipe.zrem(self.k_replicas, self.me)
             await asyncio.wait_for(pipe.execute(raise_on_error=False), timeout=self.cfg.timeout_ms / 1000.0)
         except (TimeoutError, RedisError, OSError):

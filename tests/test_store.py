@@ -63,8 +63,8 @@ class Replica:
     def tenant(self) -> Any:
         return self.core.admission.tenant_state("a")
 
-    async def ask(self, rid: str) -> Answer | Held:
-        out = self.core.decide(Request("/v1/chat/completions", rid, f"Bearer {KEY}", BODY))
+    async def ask(self, rid: str, envoy: str = "") -> Answer | Held:
+        out = self.core.decide(Request("/v1/chat/completions", rid, f"Bearer {KEY}", BODY, envoy=envoy))
         if isinstance(out, Borrow):
             tokens = float(out.request.estimate.total if out.request.estimate else 0)
             await self.store.borrow(out.tenant, tokens, out.also)  # as the server does
@@ -265,14 +265,16 @@ def test_a_dead_replicas_running_requests_keep_their_slots_until_their_completio
         a.alive = False  # killed -9: no more heartbeats, nothing given back; its two requests still run
         await asyncio.sleep(1.2)  # its lease TTL
         await sync_all([b])
-        assert b.store.holdings["a"].get("~orphaned") == 3, "what the dead replica held is not free"
+        assert b.store.holdings["a"].get("~orphaned") == 2, "what the dead replica had in flight is not free"
+        await sync_all([b], 2)
+        assert (await b.ask("w")).decision.admitted, "its idle spare came back"  # type: ignore[union-attr]
         refused = await b.ask("x")
         assert isinstance(refused, Answer) and refused.reply is not None, "its running requests keep their slots"
         # one of them ends; the access log reaches b, which gives a slot back for the dead replica (once)
         for _ in range(2):
             b.store.forward(Ended(a.admitted[0], "0", 200, None, upstream_answered=True), "a")
         await sync_all([b], 2)
-        assert b.store.holdings["a"].get("~orphaned") == 2
+        assert b.store.holdings["a"].get("~orphaned") == 1
         assert (await b.ask("y")).decision.admitted  # type: ignore[union-attr]
         refused = await b.ask("z")
         assert isinstance(refused, Answer) and refused.reply is not None, "only the slot that ended came back"
@@ -775,6 +777,65 @@ def test_a_slot_borrowed_with_a_model_budget_is_not_taken_by_another_request_mea
             await task
         assert not stolen, "another request took the slot borrowed for this one"
         assert isinstance(got, Answer) and got.decision.admitted, got
+        await close_all(reps)
+
+    asyncio.run(run())
+
+
+def test_a_replica_killed_with_nothing_in_flight_leaves_no_slot_taken(server: RedisServer) -> None:
+    """Issue 29: a replica killed -9 with nothing in flight kept its idle spare slots for
+    ``lease_timeout_seconds`` (900 s by default: a cap of 3 admitted 2 for a minute and more). A dead
+    replica's slots now come back down to what it last reported in flight."""
+    async def run() -> None:
+        cfg = config(server.url, max_concurrent=3)
+        a, b = Replica(cfg), Replica(cfg)
+        await sync_all([a, b], 2)
+        for i in range(3):
+            got = await a.ask(str(i))
+            assert isinstance(got, Answer) and got.decision.admitted and got.ticket
+            a.core.ended(Ended(got.ticket, str(i), 200, Usage(5, 5), upstream_answered=True))
+        await sync_all([a, b])
+        assert a.tenant.slots and a.tenant.inflight == 0, "it keeps idle spares"
+        a.alive = False  # killed -9
+        await asyncio.sleep(1.2)  # its lease TTL
+        await sync_all([b], 3)
+        assert not b.store.holdings["a"].get("~orphaned"), "nothing of it runs: nothing stays taken"
+        got = [await b.ask(f"x{i}") for i in range(4)]
+        assert _admitted(got) == 3, "the whole cap, at once"
+        await b.store.close()
+
+    asyncio.run(run())
+
+
+def test_an_envoy_gone_releases_what_it_carried_at_every_replica(server: RedisServer,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 29: Envoy SIGKILLed with 3 replicas gave back only the slots of the replica holding its
+    access-log connection (2 of 6 within 20 s): the others never learn it is gone. The replica that
+    finds it gone now tells every replica through the store; one that still has an access-log
+    connection from that Envoy keeps its requests (their completions will come)."""
+    import ext_proc.core as core_mod
+
+    monkeypatch.setattr(core_mod, "ENVOY_GRACE_S", 0.05)
+    envoy = "10.0.0.9"
+
+    async def run() -> None:
+        cfg = config(server.url)  # no cap: which requests run is what is counted here, not slots moving
+        a, b, c = reps = [Replica(cfg) for _ in range(3)]
+        await sync_all(reps, 2)
+        a.core.envoy_up(envoy)  # a holds its access-log connection; c another one, which stays open
+        c.core.envoy_up(envoy)
+        for r in reps:
+            for i in range(2):
+                got = await r.ask(f"{id(r)}-{i}", envoy=envoy)
+                assert isinstance(got, Answer) and got.decision.admitted, got
+            await sync_all(reps)
+        a.core.envoy_down(envoy)
+        await asyncio.sleep(0.1)
+        a.core.tick()
+        assert a.tenant.inflight == 0, "the replica that saw it go releases its own"
+        await sync_all(reps, 2)
+        assert b.tenant.inflight == 0, "a replica without its access-log connection learns it through the store"
+        assert c.tenant.inflight == 2, "one that still has a connection from it keeps its requests"
         await close_all(reps)
 
     asyncio.run(run())
