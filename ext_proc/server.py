@@ -254,7 +254,8 @@ class Gateway:
         if config.store.redis is not None:
             from .store import SharedStore
 
-            self.store = SharedStore(config.store.redis, self.core, self.stats.registry)
+            # a sync that frees queued requests answers them at once, not at the next tick
+            self.store = SharedStore(config.store.redis, self.core, self.stats.registry, on_change=self.flush)
         self._apply(config)
 
     def _measure_parts(self) -> None:
@@ -431,7 +432,6 @@ class Gateway:
         if self.store is not None and ticket and not self.core.owns(ticket):
             # another replica's: Envoy's access log may reach any replica
             self.store.forward(e, _text(kf.get("tenant")), _text(kf.get("budget")))
-            self.flush()  # on a local split the forwarded slot is taken over here: queued requests may go
             return
         done = self.core.ended(e)
         if done is None and self.store is not None and not ticket and e.request_id:

@@ -37,6 +37,7 @@ from __future__ import annotations
 import asyncio
 import secrets
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -87,9 +88,13 @@ Envoys found gone."""
 class SharedStore:
     """One replica's link to the store: its sync loop, its borrows, its forwarded completions."""
 
-    def __init__(self, cfg: RedisStore, core: Core, registry: CollectorRegistry) -> None:
+    def __init__(self, cfg: RedisStore, core: Core, registry: CollectorRegistry,
+                 on_change: Callable[[], None] | None = None) -> None:
         self.cfg = cfg
         self.core = core
+        self.on_change = on_change or _nothing
+        """Called after the store changed what the core may admit (a sync, the local split): the shell
+        hands the answers of requests it freed to their streams now, not at its next tick."""
         self.me = core.admission.replica
         self.orphan_ttl_ms = int(core.config.server.lease_timeout_seconds * 1000)
         password = cfg.password_file.read_text().strip() if cfg.password_file is not None else None
@@ -276,6 +281,11 @@ class SharedStore:
         finally:
             self._done(claimed)
 
+    def _changed(self) -> None:
+        """Requests queued here may go now: the core decides, the shell flushes their answers."""
+        self.core.shares_changed()
+        self.on_change()
+
     def _minid(self) -> str:
         """Trim the stream by Redis's clock (the last entry's id), not this replica's."""
         ms = int(self.last_id.split("-")[0]) if self.last_id and self.last_id != "0-0" else 0
@@ -329,7 +339,7 @@ class SharedStore:
                 self._deliver(ev)
             for envoy in gone:
                 self.core.envoy_gone_elsewhere(envoy)
-        self.core.shares_changed()
+        self._changed()
         return True
 
     def _next_batch(self) -> bytes | None:
@@ -489,7 +499,7 @@ class SharedStore:
             self.fallback_gauge.set(1)
             log.error("store_down_local_split", replicas=len(live),
                       note="each limit split evenly among the replicas last seen alive until the store answers")
-            self.core.shares_changed()
+            self._changed()
 
     def _rejoin(self) -> None:
         """Back from a local split: leased credit again; what was spent meanwhile is debited (in the
@@ -646,7 +656,7 @@ class SharedStore:
         if self.core.admission.share_adopt((tenant, budget), e.ticket):
             # the store is away: its owner learns of it only when the store answers; the slot is
             # taken over here meanwhile, so a tenant far under its cap is not refused by full splits
-            self.core.shares_changed()
+            self._changed()
         self._forward.append((owner, e.ticket, tenant or "-", budget, orjson.dumps({"r": self.me, "e": [event]})))
 
     async def close(self) -> None:
@@ -664,6 +674,10 @@ class SharedStore:
         except (TimeoutError, RedisError, OSError):
             pass
         await self.client.aclose()
+
+
+def _nothing() -> None:
+    return None
 
 
 def _str(v: Any) -> str:

@@ -839,3 +839,37 @@ def test_an_envoy_gone_releases_what_it_carried_at_every_replica(server: RedisSe
         await close_all(reps)
 
     asyncio.run(run())
+
+
+def test_a_sync_that_frees_a_queued_request_answers_it_at_once(server: RedisServer) -> None:
+    """Issue 29: a store sync that freed queued requests left their answers in the core's outbox
+    until the shell's next tick (50 ms); the gateway now flushes them as the sync ends."""
+    from ext_proc.server import Gateway
+
+    async def run() -> None:
+        cfg = config(server.url)
+        cfg = cfg.model_copy(update={"fleet": cfg.fleet.model_copy(update={"max_inflight": 1})})  # one at a time here
+        gw = Gateway(cfg)
+        assert gw.store is not None
+        other = Replica(cfg)
+        for _ in range(2):
+            await gw.store.sync()
+            await other.store.sync()
+        first = gw.core.decide(Request("/v1/chat/completions", "r1", f"Bearer {KEY}", BODY))
+        if isinstance(first, Borrow):
+            await gw.store.borrow(first.tenant, 0.0)
+            first = gw.core.decide(first.request, borrowed=True)
+        assert isinstance(first, Answer) and first.decision.admitted and first.ticket
+        second = gw.core.decide(Request("/v1/chat/completions", "r2", f"Bearer {KEY}", BODY))
+        assert isinstance(second, Held), second
+        fut = gw.wait_for(second)
+        # the first ends; its access log reaches the other replica, which forwards it through the store
+        other.store.forward(Ended(first.ticket, "r1", 200, Usage(5, 5), upstream_answered=True), "a")
+        await other.store.sync()
+        await gw.store.sync()
+        assert fut.done(), "the answer went with the sync that freed it"
+        assert fut.result().decision.admitted
+        await close_all([other])
+        await gw.store.close()
+
+    asyncio.run(run())
