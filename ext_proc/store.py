@@ -35,6 +35,7 @@ All keys share one hash tag (``{prefix}``); the client is a plain (not a cluster
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import secrets
 import time
 from collections.abc import Callable
@@ -48,7 +49,7 @@ from redis.exceptions import NoScriptError, RedisError
 
 from . import logs
 from .admission import Usage
-from .config import RedisStore
+from .config import Config, RedisStore
 from .core import Core, Ended
 from .quota import ShareReport
 from .share import ORPHANED, with_expected
@@ -61,6 +62,21 @@ MAX_ENDS = 20_000
 """Completions waiting to be forwarded while Redis is away; beyond it the oldest are dropped (their
 slots come back by reclaim)."""
 ENDS_PER_BATCH = 2_000
+
+CONFLICT_AFTER_S = 60.0
+"""Live replicas on one ``key_prefix`` whose quota configs differ for this long are taken for two
+releases sharing one prefix (a config reload reaches a release's replicas within seconds; a rolling
+restart within about a minute): each then runs on its local split instead of sharing state."""
+QUOTA_FIELDS = {"name", "max_concurrent", "requests_per_minute", "request_burst", "tokens_per_minute",
+                "token_burst", "model_budgets"}
+
+
+def quota_fingerprint(cfg: Config) -> str:
+    """What the replicas sharing one ``key_prefix`` must agree on: every tenant's name and shared limits
+    (12 hex digits of a SHA-256)."""
+    doc = sorted((t.model_dump(mode="json", include=QUOTA_FIELDS) for t in cfg.tenants), key=lambda d: d["name"])
+    return hashlib.sha256(orjson.dumps(doc, option=orjson.OPT_SORT_KEYS)).hexdigest()[:12]
+
 
 LUA = Path(__file__).with_name("lua")
 """The Redis scripts, one ``.lua`` file each (packaged with ext_proc; ``tests/test_store_lua.py`` runs them
@@ -111,6 +127,14 @@ class SharedStore:
         self.k_replicas, self.k_epoch, self.k_learning, self.k_events, self.k_over, self.k_version = (
             f"{p}:replicas", f"{p}:epoch", f"{p}:learning", f"{p}:events", f"{p}:over", f"{p}:version")
         self._prefix = p
+        self.k_config = f"{p}:config"
+        """Replica → the fingerprint of its quota config (``quota_fingerprint``)."""
+        self._fp: tuple[Config, str] | None = None
+        self._differs_since: float | None = None
+        self._config_stale: list[str] = []
+        self.conflict = False
+        """Another release's replicas share this ``key_prefix`` (:meth:`_check_config`): this replica
+        runs on its local split and shares no state until they agree again."""
         self.epoch = ""
         self.live: list[str] = [self.me]
         self.holdings: dict[str, dict[str, int]] = {}
@@ -148,7 +172,8 @@ class SharedStore:
         self.replicas_gauge = Gauge("kvgate_store_replicas", "kvgate replicas alive as the store last said",
                                     registry=r)
         self.fallback_gauge = Gauge("kvgate_store_fallback", "1 while this replica enforces its local split "
-                                    "of every limit because the store cannot be reached", registry=r)
+                                    "of every limit because the store cannot be reached (or another release with other "
+                                    "quotas shares its store.redis.key_prefix)", registry=r)
         self.sync_seconds = Histogram("kvgate_store_sync_duration_seconds", "One sync with the shared store",
                                       buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1),
                                       registry=r)
@@ -233,9 +258,16 @@ class SharedStore:
         rejoining = adm.local_split > 0
         reports: list[ShareReport] = [] if rejoining else adm.share_report(len(self.live), interval)
         pipe = self.client.pipeline(transaction=False)
+        # (a replica kept on its split by another release's config does not restart the learning period)
         self._call(pipe, "hello", [self.k_replicas, self.k_epoch, self.k_learning, self.k_over],
                    [self.me, int(self.cfg.lease_ttl_seconds * 1000), secrets.token_hex(8), self.epoch,
-                    self._k_slots(""), int(rejoining)])
+                    self._k_slots(""), int(rejoining and not self.conflict)])
+        pipe.hset(self.k_config, self.me, self._fingerprint())
+        pipe.hgetall(self.k_config)
+        pipe.pexpire(self.k_config, max(int(self.cfg.lease_ttl_seconds * 20_000), 60_000))
+        stale, self._config_stale = self._config_stale, []
+        if stale:
+            pipe.hdel(self.k_config, *stale)
         calls: list[tuple[str, str, str]] = []
         claimed: list[str] = []
         forward, self._forward = self._forward, []
@@ -281,6 +313,53 @@ class SharedStore:
         finally:
             self._done(claimed)
 
+    def _fingerprint(self) -> str:
+        cfg = self.core.config
+        if self._fp is None or self._fp[0] is not cfg:  # once per config, not per sync
+            self._fp = (cfg, quota_fingerprint(cfg))
+        return self._fp[1]
+
+    def _check_config(self, res: Any) -> None:
+        """Two releases on one ``key_prefix`` would silently share slots and buckets (a cap-2 release
+        got 1 slot, a cap-6 release 5). Live replicas whose quota configs differ for
+        ``CONFLICT_AFTER_S`` are another release: this replica logs an error naming the key and runs on
+        its local split among the replicas that run its own config — never over its own limits,
+        whatever the other release does — until they agree. A shorter difference is one release
+        reloading or rolling out a new config: it goes on sharing (replicas of one release must not
+        lock each other out). Both sides do the same."""
+        mine = self._fingerprint()
+        fields = {_str(k): _str(v) for k, v in (res or {}).items()}
+        live = set(self.live)
+        self._config_stale = [r for r in fields if r not in live][:100]
+        differ = sorted(r for r, fp in fields.items() if r in live and r != self.me and fp != mine)
+        now = time.monotonic()
+        if not differ:
+            self._differs_since = None
+            if self.conflict:
+                self.conflict = False
+                log.info("store_config_agrees", key_prefix=self.cfg.key_prefix,
+                         note="every replica on this key prefix runs the same quotas: sharing again")
+            return
+        if self._differs_since is None:
+            self._differs_since = now
+            log.warning("store_config_differs", key_prefix=self.cfg.key_prefix, replicas=differ[:10],
+                        note=f"replicas on this store.redis.key_prefix run other quotas; fine during a reload "
+                        f"or a rolling change, taken for another release after {CONFLICT_AFTER_S:.0f} s")
+        if self.conflict or now - self._differs_since < CONFLICT_AFTER_S:
+            return
+        self.conflict = True
+        adm = self.core.admission
+        log.error("store_key_prefix_shared", field="store.redis.key_prefix", key_prefix=self.cfg.key_prefix,
+                  fingerprint=mine, replicas=differ[:10],
+                  note="another release with other quotas uses the same store.redis.key_prefix: give each "
+                  "release its own; until then this replica enforces its local split and shares nothing")
+        if not adm.local_split:
+            # split among this release's replicas (those agreeing with it), not the other release's
+            ours = [r for r in self.live if r == self.me or fields.get(r) == mine]
+            adm.share_local(with_expected(ours, self.cfg.expected_replicas), self.me, self.holdings)
+            self.fallback_gauge.set(1)
+            self._changed()
+
     def _changed(self) -> None:
         """Requests queued here may go now: the core decides, the shell flushes their answers."""
         self.core.shares_changed()
@@ -302,11 +381,15 @@ class SharedStore:
             return False
         self.sync_seconds.observe(time.perf_counter() - t0)
         self._hello_result(results[0])
-        if rejoining:
-            self._rejoin()
+        head = len(results) - len(calls)  # hello, the config's HSET, HGETALL, PEXPIRE and maybe HDEL
+        was_conflict = self.conflict
+        if not isinstance(results[2], BaseException):
+            self._check_config(results[2])
+        if rejoining and not (was_conflict or self.conflict):
+            self._rejoin()  # (back from a conflict: at the next sync, whose hello starts a learning period)
         remote: list[Remote] = []
         ends = iter(forward)
-        for (kind, tenant, dim), res in zip(calls, results[1:], strict=True):
+        for (kind, tenant, dim), res in zip(calls, results[head:], strict=True):
             end = next(ends) if kind == "end" else None
             if isinstance(res, BaseException):
                 # this call failed on its own (the others went through): a batch of events goes again,

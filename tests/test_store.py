@@ -873,3 +873,61 @@ def test_a_sync_that_frees_a_queued_request_answers_it_at_once(server: RedisServ
         await gw.store.close()
 
     asyncio.run(run())
+
+
+def test_two_releases_on_one_key_prefix_are_detected_and_stop_sharing(server: RedisServer,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 29: two releases sharing one Redis and ``key_prefix`` silently shared state (a cap-2
+    release got 1 slot, a cap-6 release 5). Replicas whose quota configs differ for
+    ``CONFLICT_AFTER_S`` now run on their local split and say why; a shorter difference (one release
+    reloading a changed config) goes on sharing, and agreeing again ends the split."""
+    import ext_proc.store as store_mod
+
+    monkeypatch.setattr(store_mod, "CONFLICT_AFTER_S", 0.3)
+
+    async def run() -> None:
+        small = config(server.url, max_concurrent=2)
+        prefix = small.store.redis.key_prefix
+        big = config(server.url, max_concurrent=6)
+        big = big.model_copy(update={"store": big.store.model_copy(
+            update={"redis": big.store.redis.model_copy(update={"key_prefix": prefix})})})
+        a, b = Replica(small), Replica(big)
+        # a rolling change: b runs the new config for less than CONFLICT_AFTER_S, then a reloads it too
+        await sync_all([a, b], 2)
+        assert not a.store.conflict and not b.store.conflict
+        a.core.reconfigure(big)
+        await sync_all([a, b], 2)
+        await asyncio.sleep(0.35)
+        await sync_all([a, b], 2)
+        assert not a.store.conflict and not b.store.conflict, "one release reloading is never a conflict"
+        assert a.core.admission.local_split == 0 == b.core.admission.local_split
+        # another release: its config differs for good
+        a.core.reconfigure(small)
+        await sync_all([a, b])
+        await asyncio.sleep(0.35)
+        await sync_all([a, b])
+        assert a.store.conflict and b.store.conflict, "each side sees the other release"
+        assert a.core.admission.local_split and b.core.admission.local_split, "neither shares its state"
+        assert _admitted([await a.ask(f"a{i}") for i in range(3)]) == 2, "the small release's whole cap"
+        assert _admitted([await b.ask(f"b{i}") for i in range(7)]) == 6, "the big release's whole cap"
+        for r in (a, b):
+            for t in r.admitted:
+                r.core.ended(Ended(t, "x", 200, Usage(5, 5), upstream_answered=True))
+        # the operator gives them the same quotas (or, as they should, a key prefix each): sharing again
+        a.core.reconfigure(big)
+        await sync_all([a, b], 3)
+        assert not a.store.conflict and not b.store.conflict
+        assert a.core.admission.local_split == 0 == b.core.admission.local_split
+        await close_all([a, b])
+
+    asyncio.run(run())
+
+
+def test_the_quota_fingerprint_changes_with_a_limit_not_with_an_api_key(server: RedisServer) -> None:
+    from ext_proc.store import quota_fingerprint
+
+    base = config(server.url, max_concurrent=2)
+    same = base.model_copy(update={"tenants": [base.tenants[0].model_copy(update={"api_key_sha256": ["00" * 32]})]})
+    other = base.model_copy(update={"tenants": [base.tenants[0].model_copy(update={"max_concurrent": 3})]})
+    assert quota_fingerprint(base) == quota_fingerprint(same)
+    assert quota_fingerprint(base) != quota_fingerprint(other)
