@@ -8,7 +8,8 @@ Nothing here decides anything: the arithmetic of slices is in ``share.py``, the 
   the read-compute-write is atomic) and budget credit (leased from, or given back to, one bucket per
   tenant and budget, refilled in Redis by Redis's own clock), and the replica's events — fair-share
   service it gave, requests it sent to nodes, completions that reached it for tickets another replica
-  owns — appended to one stream every replica reads;
+  owns, Envoys it found gone — appended to one stream every replica reads (trimmed after 30 s: a
+  forwarded completion also waits in its owner's inbox, read and emptied at each of the owner's syncs);
 * **borrow**, one round trip on the request path, only when a tenant's slice here cannot pay for a
   request and the fleet's may (``core.Borrow``): a 429 still means the tenant is over its quota
   fleet-wide, not over this replica's slice of it.
@@ -194,6 +195,11 @@ class SharedStore:
     def _k_slots(self, tenant: str) -> str:
         return f"{self._prefix}:c:{tenant}"
 
+    def _k_inbox(self, replica: str) -> str:
+        """Completions forwarded to ``replica`` (``end.lua``): kept until it reads them, unlike the
+        stream, which is trimmed after ``EVENTS_KEEP_MS``."""
+        return f"{self._prefix}:inbox:{replica}"
+
     def _k_bucket(self, tenant: str, dim: str) -> str:
         return f"{self._prefix}:b:{tenant}:{dim}"
 
@@ -283,7 +289,8 @@ class SharedStore:
                         self._bucket_call(pipe, r.tenant, dim, per_minute / 60.0, capacity, amount, partial=True)
                         calls.append(("bucket", r.tenant, dim))
             for owner, ticket, tenant, budget, event in forward:
-                keys = [self.k_replicas, self.k_events, self._k_slots(tenant), f"{self._prefix}:ended:{owner}"]
+                keys = [self.k_replicas, self.k_events, self._k_slots(tenant), f"{self._prefix}:ended:{owner}",
+                        self._k_inbox(owner)]
                 if budget:
                     keys.append(self._k_slots(budget))
                 self._call(pipe, "end", keys, [owner, ticket, event, self.orphan_ttl_ms])
@@ -298,6 +305,8 @@ class SharedStore:
             else:
                 pipe.xread({self.k_events: self.last_id}, count=10_000)
                 calls.append(("read", "", ""))
+            pipe.lpop(self._k_inbox(self.me), ENDS_PER_BATCH)
+            calls.append(("inbox", "", ""))
             try:
                 results = await asyncio.wait_for(pipe.execute(raise_on_error=False),
                                                  timeout=2 * self.cfg.timeout_ms / 1000.0)
@@ -414,7 +423,9 @@ class SharedStore:
             elif kind == "last":
                 self.last_id = _str(res[0][0]) if res else "0-0"
             elif kind == "read":
-                remote = self._events(res)
+                remote[:0] = self._events(res)
+            elif kind == "inbox":
+                remote.extend(self._inbox(res))
         self._ok()
         for svc, disp, fwd, gone in remote:
             self.core.remote(svc, disp)
@@ -505,41 +516,52 @@ class SharedStore:
         for _stream, entries in res or []:
             for eid, fields in entries:
                 self.last_id = _str(eid)
-                raw = fields.get(b"b") if isinstance(fields, dict) else None
-                try:
-                    doc = orjson.loads(raw) if raw is not None else None
-                except orjson.JSONDecodeError:
-                    continue
-                if not isinstance(doc, dict) or doc.get("r") == self.me:
-                    continue
-                sender, seq = str(doc.get("r")), doc.get("q")
-                if isinstance(seq, int):
-                    if seq <= self._seen.get(sender, 0):
-                        continue  # sent again after a sync that failed: already applied
-                    self._seen[sender] = seq
-                try:
-                    svc = {str(k): float(v) for k, v in (doc.get("s") or {}).items() if isinstance(v, int | float)}
-                    disp = [(str(d[0]), int(d[1]), int(d[2]), str(d[3])) for d in doc.get("d") or []
-                            if isinstance(d, list) and len(d) == 4]
-                    fwd = [e for e in doc.get("e") or [] if isinstance(e, list) and len(e) == 8
-                           and e[0] in (self.me, "*")]
-                    gone = [str(g) for g in doc.get("g") or [] if isinstance(g, str)]
-                except (TypeError, ValueError, IndexError, AttributeError):
-                    log.warning("store_event_unreadable", entry=_str(eid))
-                    continue
-                out.append((svc, disp, fwd, gone))
+                one = self._event(fields.get(b"b") if isinstance(fields, dict) else None, _str(eid))
+                if one is not None:
+                    out.append(one)
         return out
+
+    def _inbox(self, res: Any) -> list[Remote]:
+        """Completions forwarded to this replica, from its inbox: what a stream trimmed while this
+        replica was cut off lost (a completion also read from the stream releases its lease once)."""
+        out = [self._event(raw, "inbox") for raw in res or []]
+        return [one for one in out if one is not None]
+
+    def _event(self, raw: Any, eid: str) -> Remote | None:
+        """One batch of another replica's events, or None (this replica's own, one seen, unreadable)."""
+        try:
+            doc = orjson.loads(raw) if raw is not None else None
+        except orjson.JSONDecodeError:
+            return None
+        if not isinstance(doc, dict) or doc.get("r") == self.me:
+            return None
+        sender, seq = str(doc.get("r")), doc.get("q")
+        if isinstance(seq, int):
+            if seq <= self._seen.get(sender, 0):
+                return None  # sent again after a sync that failed: already applied
+            self._seen[sender] = seq
+        try:
+            svc = {str(k): float(v) for k, v in (doc.get("s") or {}).items() if isinstance(v, int | float)}
+            disp = [(str(d[0]), int(d[1]), int(d[2]), str(d[3])) for d in doc.get("d") or []
+                    if isinstance(d, list) and len(d) == 4]
+            fwd = [e for e in doc.get("e") or [] if isinstance(e, list) and len(e) == 8
+                   and e[0] in (self.me, "*")]
+            gone = [str(g) for g in doc.get("g") or [] if isinstance(g, str)]
+        except (TypeError, ValueError, IndexError, AttributeError):
+            log.warning("store_event_unreadable", entry=eid)
+            return None
+        return svc, disp, fwd, gone
 
     def _deliver(self, e: list[Any]) -> None:
         try:
             owner, ticket, request_id, status, prompt, completion, answered, disconnected = e
             usage = Usage(int(prompt), int(completion)) if prompt is not None and completion is not None else None
-            self.core.ended(Ended(ticket or None, str(request_id), int(status), usage, bool(answered),
-                                  bool(disconnected)))
+            done = self.core.ended(Ended(ticket or None, str(request_id), int(status), usage, bool(answered),
+                                         bool(disconnected)))
         except (TypeError, ValueError) as err:
             log.warning("forwarded_completion_unreadable", error=str(err))
             return
-        if owner != "*":
+        if owner != "*" and done is not None:  # (read from the stream and the inbox: counted once)
             self.forwarded.labels("received").inc()
 
     def _drop_ends(self) -> None:

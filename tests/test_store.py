@@ -931,3 +931,28 @@ def test_the_quota_fingerprint_changes_with_a_limit_not_with_an_api_key(server: 
     other = base.model_copy(update={"tenants": [base.tenants[0].model_copy(update={"max_concurrent": 3})]})
     assert quota_fingerprint(base) == quota_fingerprint(same)
     assert quota_fingerprint(base) != quota_fingerprint(other)
+
+
+def test_a_completion_forwarded_to_a_replica_cut_off_longer_than_the_stream_keeps_reaches_it(
+        server: RedisServer) -> None:
+    """Issue 29: events are trimmed from the stream after 30 s; a replica cut off from Redis for longer
+    lost the completions forwarded to it meanwhile (their slots held up to ``lease_timeout_seconds``).
+    A forwarded completion now also waits in its owner's inbox until the owner reads it."""
+    async def run() -> None:
+        cfg = config(server.url, max_concurrent=4)
+        a, b = Replica(cfg), Replica(cfg)
+        await sync_all([a, b], 2)
+        got = await a.ask("r1")
+        assert isinstance(got, Answer) and got.decision.admitted and got.ticket
+        b.store.forward(Ended(got.ticket, "r1", 200, Usage(5, 5), upstream_answered=True), "a")
+        await b.store.sync()
+        # a is cut off while the stream is trimmed past that event (as 30 s later)
+        client = redis.Redis.from_url(server.url)
+        client.xtrim(b.store.k_events, maxlen=0)
+        client.close()
+        await sync_all([a], 2)
+        assert a.tenant.inflight == 0, "the completion reached its owner"
+        assert a.store.forwarded.labels("received")._value.get() == 1
+        await close_all([a, b])
+
+    asyncio.run(run())
