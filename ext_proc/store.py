@@ -65,9 +65,10 @@ slots come back by reclaim)."""
 ENDS_PER_BATCH = 2_000
 
 CONFLICT_AFTER_S = 60.0
-"""Live replicas on one ``key_prefix`` whose quota configs differ for this long are taken for two
-releases sharing one prefix (a config reload reaches a release's replicas within seconds; a rolling
-restart within about a minute): each then runs on its local split instead of sharing state."""
+"""The same live replicas on one ``key_prefix`` running other quotas for this long are taken for
+another release sharing the prefix (a config reload reaches a release's replicas within seconds; a
+rolling restart brings a new replica, or takes an old one away, more often than this — each change of
+who differs restarts the clock): each then runs on its local split instead of sharing state."""
 QUOTA_FIELDS = {"name", "max_concurrent", "requests_per_minute", "request_burst", "tokens_per_minute",
                 "token_burst", "model_budgets"}
 
@@ -131,7 +132,9 @@ class SharedStore:
         self.k_config = f"{p}:config"
         """Replica → the fingerprint of its quota config (``quota_fingerprint``)."""
         self._fp: tuple[Config, str] | None = None
-        self._differs_since: float | None = None
+        self._differs_since = 0.0
+        self._differ: tuple[str, ...] = ()
+        """The live replicas running other quotas, as last read, and since when exactly these."""
         self._config_stale: list[str] = []
         self.conflict = False
         """Another release's replicas share this ``key_prefix`` (:meth:`_check_config`): this replica
@@ -343,17 +346,20 @@ class SharedStore:
         differ = sorted(r for r, fp in fields.items() if r in live and r != self.me and fp != mine)
         now = time.monotonic()
         if not differ:
-            self._differs_since = None
+            self._differ = ()
             if self.conflict:
                 self.conflict = False
                 log.info("store_config_agrees", key_prefix=self.cfg.key_prefix,
                          note="every replica on this key prefix runs the same quotas: sharing again")
             return
-        if self._differs_since is None:
-            self._differs_since = now
-            log.warning("store_config_differs", key_prefix=self.cfg.key_prefix, replicas=differ[:10],
-                        note=f"replicas on this store.redis.key_prefix run other quotas; fine during a reload "
-                        f"or a rolling change, taken for another release after {CONFLICT_AFTER_S:.0f} s")
+        if tuple(differ) != self._differ:
+            # a rolling change in progress changes who differs (replicas come and go): its own clock
+            first = not self._differ
+            self._differ, self._differs_since = tuple(differ), now
+            if first:
+                log.warning("store_config_differs", key_prefix=self.cfg.key_prefix, replicas=differ[:10],
+                            note=f"replicas on this store.redis.key_prefix run other quotas; fine during a "
+                            f"reload or a rolling change, taken for another release after {CONFLICT_AFTER_S:.0f} s")
         if self.conflict or now - self._differs_since < CONFLICT_AFTER_S:
             return
         self.conflict = True
