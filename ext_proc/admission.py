@@ -882,6 +882,15 @@ class Admission:
         self.quota = split
         split.split(self._clock())
 
+    def share_adopt(self, names: Sequence[str], ticket: str) -> bool:
+        """A completion for another replica's ``ticket`` (charged to the budgets ``names``) reached
+        here: on a local split, take its slot over (``SplitQuota.adopt``). False when not split or
+        nothing grew."""
+        if not isinstance(self.quota, SplitQuota):
+            return False
+        states = [s for s in (self.tenant_state(n) for n in names if n) if s is not None]
+        return self.quota.adopt(states, ticket)
+
     def share_rejoin(self) -> dict[str, tuple[float, float]]:
         """The store answers again: budgets are leased credit again, keeping only debts. Returns the
         (requests, tokens) each budget spent meanwhile, for the store to debit."""

@@ -17,7 +17,8 @@ slot) can end, and which event ends it:
 * Envoy never applied the admit reply (it gave up waiting, the client left first) → the access log
   entry carries the request id but no ticket → ``ended(ticket=None, request_id=...)``;
 * the Envoy carrying it went away (its access-log connection ended and did not come back within
-  ``ENVOY_GRACE_S``) → released by :meth:`tick`;
+  ``ENVOY_GRACE_S``) → released by :meth:`tick`; with several replicas only one may hold that
+  connection, so it tells the others through the store (``gone_out`` → :meth:`envoy_gone_elsewhere`);
 * nothing ever came (a lost log entry) → reclaimed after ``server.lease_timeout_seconds``.
 """
 
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import math
 import random
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -49,6 +51,7 @@ from .stats import Stats
 from .wire import Reply, json_reply, reject_reply
 
 ENVOY_GRACE_S = 3.0
+GONE_OUT_MAX = 256
 """How long an Envoy's access-log connection may stay away before the requests it carried are taken
 as dead (an Envoy restart takes longer than this to come back; a kvgate-side blip does not)."""
 RECLAIM_EVERY_S = 10.0
@@ -176,6 +179,9 @@ class Core:
         """Envoys with an open access-log connection → how many."""
         self._gone: dict[str, float] = {}
         """Envoys whose access-log connections all ended → when."""
+        self.gone_out: deque[str] = deque(maxlen=GONE_OUT_MAX)
+        """Envoys found gone here, for the store to tell the other replicas (they may hold requests it
+        carried but not its access-log connection); bounded, as nothing drains it with one replica."""
         self._next_reclaim = clock() + RECLAIM_EVERY_S
         self._ambiguous: set[str] = set()
         """Request ids more than one open lease carried (ids chosen by clients): never released by id."""
@@ -575,13 +581,24 @@ class Core:
             return
         for envoy in dead:
             del self._gone[envoy]
-        gone = set(dead)
+        self.gone_out.extend(dead)
+        self._release_envoys(set(dead), "its access-log connection ended and did not come back")
+
+    def envoy_gone_elsewhere(self, envoy: str) -> None:
+        """Another replica found ``envoy`` gone (its access-log connections there all ended a grace ago):
+        the requests it carried from here died with it too — unless it still has an access-log
+        connection open here (then it lives, and its completions come here)."""
+        if envoy in self._envoys:
+            return
+        self._gone.pop(envoy, None)
+        self._release_envoys({envoy}, "another replica saw its access-log connection end and not come back")
+
+    def _release_envoys(self, gone: set[str], why: str) -> None:
         tickets = [t for t, e in self._envoy_of.items() if e in gone]
         for t in tickets:
             self._release(t, None, True, "envoy_gone", None)
         if tickets:
-            self.log.warning("envoy_gone", envoys=dead, released=len(tickets),
-                             note="its access-log connection ended and did not come back")
+            self.log.warning("envoy_gone", envoys=sorted(gone), released=len(tickets), note=why)
 
     # -- nodes -----------------------------------------------------------------------------------
 

@@ -316,6 +316,8 @@ class SplitQuota(LeasedQuota):
         self.spent: dict[str, tuple[float, float]] = {}
         """(requests, tokens) each budget spent from its local split: debited from the store's buckets
         when it answers again (real usage, not reservations)."""
+        self.adopted: set[str] = set()
+        """Tickets of other replicas whose completion reached here during the split (:meth:`adopt`)."""
 
     @property
     def replicas(self) -> int:
@@ -346,6 +348,25 @@ class SplitQuota(LeasedQuota):
                     s.requests = local
                 else:
                     s.tokens = local
+
+    def adopt(self, states: Sequence[TenantState], ticket: str) -> bool:
+        """A completion for another replica's ``ticket`` reached this replica while the store is away:
+        its slot is free fleet-wide, but its owner cannot learn it before the store answers (the
+        completion is forwarded through the store), so its split would stay full of requests that have
+        ended. This replica takes the slot over instead — one more slot for each budget the request was
+        charged to (``states``: its tenant, its per-model budget), never above the cap, once per ticket.
+        The fleet's total stays within the cap: the owner's slot is one that nothing runs on. True when
+        a slot was added (requests queued here may go)."""
+        if ticket in self.adopted:
+            return False
+        self.adopted.add(ticket)
+        grew = False
+        for s in states:
+            cap = s.config.max_concurrent
+            if cap is not None and s.slots is not None and s.slots < cap:
+                s.slots += 1
+                grew = True
+        return grew
 
     def short(self, s: TenantState, limit: Limit, need: float, now: float, may_borrow: bool) -> Short:
         cap = s.config.max_concurrent

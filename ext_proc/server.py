@@ -254,7 +254,8 @@ class Gateway:
         if config.store.redis is not None:
             from .store import SharedStore
 
-            self.store = SharedStore(config.store.redis, self.core, self.stats.registry)
+            # a sync that frees queued requests answers them at once, not at the next tick
+            self.store = SharedStore(config.store.redis, self.core, self.stats.registry, on_change=self.flush)
         self._apply(config)
 
     def _measure_parts(self) -> None:
@@ -373,10 +374,9 @@ class Gateway:
         if self.store is not None:
             est = b.request.estimate
             tokens = float(est.total) if est is not None else 0.0
-            if b.also is None:
-                await self.store.borrow(b.tenant, tokens)
-            else:  # the tenant and its per-model budget, both short here: in parallel, one round trip
-                await asyncio.gather(self.store.borrow(b.tenant, tokens), self.store.borrow(b.also, tokens))
+            # the tenant and its per-model budget, both short here: one round trip, both answers applied
+            # together, and the decision follows at once (no other request takes what was borrowed)
+            await self.store.borrow(b.tenant, tokens, b.also)
         out = self.core.decide(b.request, borrowed=True)
         assert not isinstance(out, Borrow)
         result: Answer | tuple[Held, asyncio.Future[Answer]] = out if isinstance(out, Answer) else (

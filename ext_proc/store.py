@@ -8,7 +8,8 @@ Nothing here decides anything: the arithmetic of slices is in ``share.py``, the 
   the read-compute-write is atomic) and budget credit (leased from, or given back to, one bucket per
   tenant and budget, refilled in Redis by Redis's own clock), and the replica's events — fair-share
   service it gave, requests it sent to nodes, completions that reached it for tickets another replica
-  owns — appended to one stream every replica reads;
+  owns, Envoys it found gone — appended to one stream every replica reads (trimmed after 30 s: a
+  forwarded completion also waits in its owner's inbox, read and emptied at each of the owner's syncs);
 * **borrow**, one round trip on the request path, only when a tenant's slice here cannot pay for a
   request and the fleet's may (``core.Borrow``): a 429 still means the tenant is over its quota
   fleet-wide, not over this replica's slice of it.
@@ -35,8 +36,10 @@ All keys share one hash tag (``{prefix}``); the client is a plain (not a cluster
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import secrets
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -47,7 +50,7 @@ from redis.exceptions import NoScriptError, RedisError
 
 from . import logs
 from .admission import Usage
-from .config import RedisStore
+from .config import Config, RedisStore
 from .core import Core, Ended
 from .quota import ShareReport
 from .share import ORPHANED, with_expected
@@ -60,6 +63,22 @@ MAX_ENDS = 20_000
 """Completions waiting to be forwarded while Redis is away; beyond it the oldest are dropped (their
 slots come back by reclaim)."""
 ENDS_PER_BATCH = 2_000
+
+CONFLICT_AFTER_S = 60.0
+"""The same live replicas on one ``key_prefix`` running other quotas for this long are taken for
+another release sharing the prefix (a config reload reaches a release's replicas within seconds; a
+rolling restart brings a new replica, or takes an old one away, more often than this — each change of
+who differs restarts the clock): each then runs on its local split instead of sharing state."""
+QUOTA_FIELDS = {"name", "max_concurrent", "requests_per_minute", "request_burst", "tokens_per_minute",
+                "token_burst", "model_budgets"}
+
+
+def quota_fingerprint(cfg: Config) -> str:
+    """What the replicas sharing one ``key_prefix`` must agree on: every tenant's name and shared limits
+    (12 hex digits of a SHA-256)."""
+    doc = sorted((t.model_dump(mode="json", include=QUOTA_FIELDS) for t in cfg.tenants), key=lambda d: d["name"])
+    return hashlib.sha256(orjson.dumps(doc, option=orjson.OPT_SORT_KEYS)).hexdigest()[:12]
+
 
 LUA = Path(__file__).with_name("lua")
 """The Redis scripts, one ``.lua`` file each (packaged with ext_proc; ``tests/test_store_lua.py`` runs them
@@ -79,15 +98,21 @@ BUCKET = _script("bucket")
 
 SCRIPTS = {"hello": HELLO, "slots": SLOTS, "end": END, "bucket": BUCKET}
 
-Remote = tuple[dict[str, float], list[tuple[str, int, int, str]], list[list[Any]]]
+Remote = tuple[dict[str, float], list[tuple[str, int, int, str]], list[list[Any]], list[str]]
+"""One event batch of another replica: service given, requests sent to nodes, completions forwarded,
+Envoys found gone."""
 
 
 class SharedStore:
     """One replica's link to the store: its sync loop, its borrows, its forwarded completions."""
 
-    def __init__(self, cfg: RedisStore, core: Core, registry: CollectorRegistry) -> None:
+    def __init__(self, cfg: RedisStore, core: Core, registry: CollectorRegistry,
+                 on_change: Callable[[], None] | None = None) -> None:
         self.cfg = cfg
         self.core = core
+        self.on_change = on_change or _nothing
+        """Called after the store changed what the core may admit (a sync, the local split): the shell
+        hands the answers of requests it freed to their streams now, not at its next tick."""
         self.me = core.admission.replica
         self.orphan_ttl_ms = int(core.config.server.lease_timeout_seconds * 1000)
         password = cfg.password_file.read_text().strip() if cfg.password_file is not None else None
@@ -104,6 +129,16 @@ class SharedStore:
         self.k_replicas, self.k_epoch, self.k_learning, self.k_events, self.k_over, self.k_version = (
             f"{p}:replicas", f"{p}:epoch", f"{p}:learning", f"{p}:events", f"{p}:over", f"{p}:version")
         self._prefix = p
+        self.k_config = f"{p}:config"
+        """Replica → the fingerprint of its quota config (``quota_fingerprint``)."""
+        self._fp: tuple[Config, str] | None = None
+        self._differs_since = 0.0
+        self._differ: tuple[str, ...] = ()
+        """The live replicas running other quotas, as last read, and since when exactly these."""
+        self._config_stale: list[str] = []
+        self.conflict = False
+        """Another release's replicas share this ``key_prefix`` (:meth:`_check_config`): this replica
+        runs on its local split and shares no state until they agree again."""
         self.epoch = ""
         self.live: list[str] = [self.me]
         self.holdings: dict[str, dict[str, int]] = {}
@@ -141,7 +176,8 @@ class SharedStore:
         self.replicas_gauge = Gauge("kvgate_store_replicas", "kvgate replicas alive as the store last said",
                                     registry=r)
         self.fallback_gauge = Gauge("kvgate_store_fallback", "1 while this replica enforces its local split "
-                                    "of every limit because the store cannot be reached", registry=r)
+                                    "of every limit because the store cannot be reached (or another release with other "
+                                    "quotas shares its store.redis.key_prefix)", registry=r)
         self.sync_seconds = Histogram("kvgate_store_sync_duration_seconds", "One sync with the shared store",
                                       buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1),
                                       registry=r)
@@ -161,6 +197,11 @@ class SharedStore:
 
     def _k_slots(self, tenant: str) -> str:
         return f"{self._prefix}:c:{tenant}"
+
+    def _k_inbox(self, replica: str) -> str:
+        """Completions forwarded to ``replica`` (``end.lua``): kept until it reads them, unlike the
+        stream, which is trimmed after ``EVENTS_KEEP_MS``."""
+        return f"{self._prefix}:inbox:{replica}"
 
     def _k_bucket(self, tenant: str, dim: str) -> str:
         return f"{self._prefix}:b:{tenant}:{dim}"
@@ -226,9 +267,16 @@ class SharedStore:
         rejoining = adm.local_split > 0
         reports: list[ShareReport] = [] if rejoining else adm.share_report(len(self.live), interval)
         pipe = self.client.pipeline(transaction=False)
+        # (a replica kept on its split by another release's config does not restart the learning period)
         self._call(pipe, "hello", [self.k_replicas, self.k_epoch, self.k_learning, self.k_over],
                    [self.me, int(self.cfg.lease_ttl_seconds * 1000), secrets.token_hex(8), self.epoch,
-                    self._k_slots(""), int(rejoining)])
+                    self._k_slots(""), int(rejoining and not self.conflict)])
+        pipe.hset(self.k_config, self.me, self._fingerprint())
+        pipe.hgetall(self.k_config)
+        pipe.pexpire(self.k_config, max(int(self.cfg.lease_ttl_seconds * 20_000), 60_000))
+        stale, self._config_stale = self._config_stale, []
+        if stale:
+            pipe.hdel(self.k_config, *stale)
         calls: list[tuple[str, str, str]] = []
         claimed: list[str] = []
         forward, self._forward = self._forward, []
@@ -244,7 +292,8 @@ class SharedStore:
                         self._bucket_call(pipe, r.tenant, dim, per_minute / 60.0, capacity, amount, partial=True)
                         calls.append(("bucket", r.tenant, dim))
             for owner, ticket, tenant, budget, event in forward:
-                keys = [self.k_replicas, self.k_events, self._k_slots(tenant), f"{self._prefix}:ended:{owner}"]
+                keys = [self.k_replicas, self.k_events, self._k_slots(tenant), f"{self._prefix}:ended:{owner}",
+                        self._k_inbox(owner)]
                 if budget:
                     keys.append(self._k_slots(budget))
                 self._call(pipe, "end", keys, [owner, ticket, event, self.orphan_ttl_ms])
@@ -259,6 +308,8 @@ class SharedStore:
             else:
                 pipe.xread({self.k_events: self.last_id}, count=10_000)
                 calls.append(("read", "", ""))
+            pipe.lpop(self._k_inbox(self.me), ENDS_PER_BATCH)
+            calls.append(("inbox", "", ""))
             try:
                 results = await asyncio.wait_for(pipe.execute(raise_on_error=False),
                                                  timeout=2 * self.cfg.timeout_ms / 1000.0)
@@ -273,6 +324,61 @@ class SharedStore:
             return self._apply(results, calls, forward, rejoining, t0)
         finally:
             self._done(claimed)
+
+    def _fingerprint(self) -> str:
+        cfg = self.core.config
+        if self._fp is None or self._fp[0] is not cfg:  # once per config, not per sync
+            self._fp = (cfg, quota_fingerprint(cfg))
+        return self._fp[1]
+
+    def _check_config(self, res: Any) -> None:
+        """Two releases on one ``key_prefix`` would silently share slots and buckets (a cap-2 release
+        got 1 slot, a cap-6 release 5). Live replicas whose quota configs differ for
+        ``CONFLICT_AFTER_S`` are another release: this replica logs an error naming the key and runs on
+        its local split among the replicas that run its own config — never over its own limits,
+        whatever the other release does — until they agree. A shorter difference is one release
+        reloading or rolling out a new config: it goes on sharing (replicas of one release must not
+        lock each other out). Both sides do the same."""
+        mine = self._fingerprint()
+        fields = {_str(k): _str(v) for k, v in (res or {}).items()}
+        live = set(self.live)
+        self._config_stale = [r for r in fields if r not in live][:100]
+        differ = sorted(r for r, fp in fields.items() if r in live and r != self.me and fp != mine)
+        now = time.monotonic()
+        if not differ:
+            self._differ = ()
+            if self.conflict:
+                self.conflict = False
+                log.info("store_config_agrees", key_prefix=self.cfg.key_prefix,
+                         note="every replica on this key prefix runs the same quotas: sharing again")
+            return
+        if tuple(differ) != self._differ:
+            # a rolling change in progress changes who differs (replicas come and go): its own clock
+            first = not self._differ
+            self._differ, self._differs_since = tuple(differ), now
+            if first:
+                log.warning("store_config_differs", key_prefix=self.cfg.key_prefix, replicas=differ[:10],
+                            note=f"replicas on this store.redis.key_prefix run other quotas; fine during a "
+                            f"reload or a rolling change, taken for another release after {CONFLICT_AFTER_S:.0f} s")
+        if self.conflict or now - self._differs_since < CONFLICT_AFTER_S:
+            return
+        self.conflict = True
+        adm = self.core.admission
+        log.error("store_key_prefix_shared", field="store.redis.key_prefix", key_prefix=self.cfg.key_prefix,
+                  fingerprint=mine, replicas=differ[:10],
+                  note="another release with other quotas uses the same store.redis.key_prefix: give each "
+                  "release its own; until then this replica enforces its local split and shares nothing")
+        if not adm.local_split:
+            # split among this release's replicas (those agreeing with it), not the other release's
+            ours = [r for r in self.live if r == self.me or fields.get(r) == mine]
+            adm.share_local(with_expected(ours, self.cfg.expected_replicas), self.me, self.holdings)
+            self.fallback_gauge.set(1)
+            self._changed()
+
+    def _changed(self) -> None:
+        """Requests queued here may go now: the core decides, the shell flushes their answers."""
+        self.core.shares_changed()
+        self.on_change()
 
     def _minid(self) -> str:
         """Trim the stream by Redis's clock (the last entry's id), not this replica's."""
@@ -290,11 +396,15 @@ class SharedStore:
             return False
         self.sync_seconds.observe(time.perf_counter() - t0)
         self._hello_result(results[0])
-        if rejoining:
-            self._rejoin()
+        head = len(results) - len(calls)  # hello, the config's HSET, HGETALL, PEXPIRE and maybe HDEL
+        was_conflict = self.conflict
+        if not isinstance(results[2], BaseException):
+            self._check_config(results[2])
+        if rejoining and not (was_conflict or self.conflict):
+            self._rejoin()  # (back from a conflict: at the next sync, whose hello starts a learning period)
         remote: list[Remote] = []
         ends = iter(forward)
-        for (kind, tenant, dim), res in zip(calls, results[1:], strict=True):
+        for (kind, tenant, dim), res in zip(calls, results[head:], strict=True):
             end = next(ends) if kind == "end" else None
             if isinstance(res, BaseException):
                 # this call failed on its own (the others went through): a batch of events goes again,
@@ -319,13 +429,17 @@ class SharedStore:
             elif kind == "last":
                 self.last_id = _str(res[0][0]) if res else "0-0"
             elif kind == "read":
-                remote = self._events(res)
+                remote[:0] = self._events(res)
+            elif kind == "inbox":
+                remote.extend(self._inbox(res))
         self._ok()
-        for svc, disp, fwd in remote:
+        for svc, disp, fwd, gone in remote:
             self.core.remote(svc, disp)
             for ev in fwd:
                 self._deliver(ev)
-        self.core.shares_changed()
+            for envoy in gone:
+                self.core.envoy_gone_elsewhere(envoy)
+        self._changed()
         return True
 
     def _next_batch(self) -> bytes | None:
@@ -340,10 +454,15 @@ class SharedStore:
         if len(self._ends) > MAX_ENDS:
             self._drop_ends()
         ends, self._ends = self._ends[:ENDS_PER_BATCH], self._ends[ENDS_PER_BATCH:]
-        if not (service or dispatched or ends):
+        gone = list(self.core.gone_out)  # an Envoy found gone here: every replica releases what it carried
+        self.core.gone_out.clear()
+        if not (service or dispatched or ends or gone):
             return None
         self._seq += 1
-        self._batch = orjson.dumps({"r": self.me, "q": self._seq, "s": service, "d": dispatched, "e": ends})
+        doc: dict[str, Any] = {"r": self.me, "q": self._seq, "s": service, "d": dispatched, "e": ends}
+        if gone:
+            doc["g"] = gone
+        self._batch = orjson.dumps(doc)
         return self._batch
 
     def _hello_result(self, res: list[Any]) -> None:
@@ -365,9 +484,11 @@ class SharedStore:
             fields = {_str(raw[j]): _str(raw[j + 1]) for j in range(0, len(raw) - 1, 2)}
             live = set(self.live)
             held = {f[2:]: int(v) for f, v in fields.items() if f.startswith("h:") and f[2:] in live}
-            # a dead replica's slots, still taken by what it admitted (until a slots call orphans them)
-            orphaned = sum(int(v) for f, v in fields.items()
-                           if f[:2] in ("o:", "p:") or (f.startswith("h:") and f[2:] not in live))
+            # a dead replica's slots, still taken by what it admitted (until a slots call orphans them):
+            # what it last reported in flight, never more than it held (as slots.lua orphans them)
+            orphaned = sum(int(v) for f, v in fields.items() if f[:2] in ("o:", "p:")) + sum(
+                min(int(v), int(fields.get(f"a:{f[2:]}", fields.get(f"i:{f[2:]}", v)))) for f, v in fields.items()
+                if f.startswith("h:") and f[2:] not in live)
             if orphaned:
                 held[ORPHANED] = orphaned
             holdings[_str(uneven[i])] = held
@@ -401,40 +522,52 @@ class SharedStore:
         for _stream, entries in res or []:
             for eid, fields in entries:
                 self.last_id = _str(eid)
-                raw = fields.get(b"b") if isinstance(fields, dict) else None
-                try:
-                    doc = orjson.loads(raw) if raw is not None else None
-                except orjson.JSONDecodeError:
-                    continue
-                if not isinstance(doc, dict) or doc.get("r") == self.me:
-                    continue
-                sender, seq = str(doc.get("r")), doc.get("q")
-                if isinstance(seq, int):
-                    if seq <= self._seen.get(sender, 0):
-                        continue  # sent again after a sync that failed: already applied
-                    self._seen[sender] = seq
-                try:
-                    svc = {str(k): float(v) for k, v in (doc.get("s") or {}).items() if isinstance(v, int | float)}
-                    disp = [(str(d[0]), int(d[1]), int(d[2]), str(d[3])) for d in doc.get("d") or []
-                            if isinstance(d, list) and len(d) == 4]
-                    fwd = [e for e in doc.get("e") or [] if isinstance(e, list) and len(e) == 8
-                           and e[0] in (self.me, "*")]
-                except (TypeError, ValueError, IndexError, AttributeError):
-                    log.warning("store_event_unreadable", entry=_str(eid))
-                    continue
-                out.append((svc, disp, fwd))
+                one = self._event(fields.get(b"b") if isinstance(fields, dict) else None, _str(eid))
+                if one is not None:
+                    out.append(one)
         return out
+
+    def _inbox(self, res: Any) -> list[Remote]:
+        """Completions forwarded to this replica, from its inbox: what a stream trimmed while this
+        replica was cut off lost (a completion also read from the stream releases its lease once)."""
+        out = [self._event(raw, "inbox") for raw in res or []]
+        return [one for one in out if one is not None]
+
+    def _event(self, raw: Any, eid: str) -> Remote | None:
+        """One batch of another replica's events, or None (this replica's own, one seen, unreadable)."""
+        try:
+            doc = orjson.loads(raw) if raw is not None else None
+        except orjson.JSONDecodeError:
+            return None
+        if not isinstance(doc, dict) or doc.get("r") == self.me:
+            return None
+        sender, seq = str(doc.get("r")), doc.get("q")
+        if isinstance(seq, int):
+            if seq <= self._seen.get(sender, 0):
+                return None  # sent again after a sync that failed: already applied
+            self._seen[sender] = seq
+        try:
+            svc = {str(k): float(v) for k, v in (doc.get("s") or {}).items() if isinstance(v, int | float)}
+            disp = [(str(d[0]), int(d[1]), int(d[2]), str(d[3])) for d in doc.get("d") or []
+                    if isinstance(d, list) and len(d) == 4]
+            fwd = [e for e in doc.get("e") or [] if isinstance(e, list) and len(e) == 8
+                   and e[0] in (self.me, "*")]
+            gone = [str(g) for g in doc.get("g") or [] if isinstance(g, str)]
+        except (TypeError, ValueError, IndexError, AttributeError):
+            log.warning("store_event_unreadable", entry=eid)
+            return None
+        return svc, disp, fwd, gone
 
     def _deliver(self, e: list[Any]) -> None:
         try:
             owner, ticket, request_id, status, prompt, completion, answered, disconnected = e
             usage = Usage(int(prompt), int(completion)) if prompt is not None and completion is not None else None
-            self.core.ended(Ended(ticket or None, str(request_id), int(status), usage, bool(answered),
-                                  bool(disconnected)))
+            done = self.core.ended(Ended(ticket or None, str(request_id), int(status), usage, bool(answered),
+                                         bool(disconnected)))
         except (TypeError, ValueError) as err:
             log.warning("forwarded_completion_unreadable", error=str(err))
             return
-        if owner != "*":
+        if owner != "*" and done is not None:  # (read from the stream and the inbox: counted once)
             self.forwarded.labels("received").inc()
 
     def _drop_ends(self) -> None:
@@ -477,7 +610,7 @@ class SharedStore:
             self.fallback_gauge.set(1)
             log.error("store_down_local_split", replicas=len(live),
                       note="each limit split evenly among the replicas last seen alive until the store answers")
-            self.core.shares_changed()
+            self._changed()
 
     def _rejoin(self) -> None:
         """Back from a local split: leased credit again; what was spent meanwhile is debited (in the
@@ -509,15 +642,21 @@ class SharedStore:
 
     # -- the request path ------------------------------------------------------------------------
 
-    async def borrow(self, tenant: str, tokens: float) -> bool:
+    async def borrow(self, tenant: str, tokens: float, also: str | None = None) -> bool:
         """Before refusing: lease what this request lacks — a slot, a request, ``tokens`` — in one
-        round trip. Granted all or nothing per budget. False when refused or when the store could not
+        round trip, for ``tenant`` and, when its per-model budget is short here too, for ``also`` in
+        the same round trip. Granted all or nothing per budget. False when refused or when the store could not
         be asked in time (``timeout_ms`` all told, waiting for a slots call before it included); in the
-        second case the tenant is marked *unreached* (``LeasedQuota.unreached``), so that the request is
+        second case the budget is marked *unreached* (``LeasedQuota.unreached``), so that the request is
         refused with 503 ``quota-unavailable`` and its Retry-After — not a 429 claiming the tenant is
-        over a quota nobody could check — and never left to Envoy's timeout."""
+        over a quota nobody could check — and never left to Envoy's timeout.
+
+        Both budgets' answers are applied together, after the round trip, with no await between them
+        and the caller's decision: a slot borrowed for one is never taken by another request while the
+        other's answer is awaited (issue 29: two borrows gathered applied the first on its own)."""
         adm = self.core.admission
         unreached = adm.leased.unreached
+        names = [tenant] if also is None else [tenant, also]
         interval = self.cfg.sync_interval_ms / 1000.0
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.cfg.timeout_ms / 1000.0
@@ -525,58 +664,66 @@ class SharedStore:
         try:
             async with asyncio.timeout(self.cfg.timeout_ms / 1000.0):
                 while True:
-                    granted, answered = await self._borrow(tenant, tokens)
-                    s = adm.tenant_state(tenant)
-                    if granted or not answered or s is None or not adm.leased.idle_elsewhere(s):
+                    granted, answered = await self._borrow(names, tokens)
+                    idle = [s for s in map(adm.tenant_state, names) if s is not None and adm.leased.idle_elsewhere(s)]
+                    if granted or not answered or not idle:
                         break
                     if loop.time() + interval > deadline - self.cfg.timeout_ms / 4000.0:
                         break  # no time left to wait for a sync: refused (its 429 says slots idle elsewhere)
                     # every slot is held but not every slot is in use: an idle one moves to where the
                     # requests are within a sync or two (this replica's demand is reported meanwhile)
-                    adm.leased.wants_slot(s)
+                    for s in idle:
+                        adm.leased.wants_slot(s)
                     self.borrow_waits.inc()
                     await asyncio.sleep(interval)
         except (TimeoutError, RedisError, OSError):
             if answered:  # out of time while waiting for an idle slot to move: the store's answer stands
                 self.borrows.labels("refused").inc()
-                unreached.discard(tenant)
+                unreached.difference_update(names)
                 return False
             self.errors.labels("borrow").inc()
             self.borrows.labels("error").inc()
-            unreached.add(tenant)
+            unreached.update(names)
             return False
         if answered:
-            unreached.discard(tenant)
+            unreached.difference_update(names)
         else:
-            unreached.add(tenant)
+            unreached.update(names)
         return granted
 
-    async def _borrow(self, tenant: str, tokens: float) -> tuple[bool, bool]:
-        """(granted, whether the store answered every call)."""
+    async def _borrow(self, names: list[str], tokens: float) -> tuple[bool, bool]:
+        """(granted, whether the store answered every call): one pipeline for every budget in
+        ``names``, its answers applied only once all are back."""
         adm = self.core.admission
-        s = adm.tenant_state(tenant)
-        if s is None:
+        states = [s for s in map(adm.tenant_state, names) if s is not None]
+        if not states:
             return False, True
-        if adm.leased.needs(s, tokens).slot is not None:
-            while (ev := self._busy.get(tenant)) is not None:
-                await ev.wait()  # one slots call for a tenant at a time
+        for s in states:
+            if adm.leased.needs(s, tokens).slot is not None:
+                while (ev := self._busy.get(s.name)) is not None:
+                    await ev.wait()  # one slots call for a tenant at a time
         if adm.local_split or not self.ok or not self._sha:
-            self.borrows.labels("refused").inc()
+            self.borrows.labels("refused").inc(len(states))
             return False, False
-        need = adm.leased.needs(s, tokens)
-        if need.slot is not None and not self._claim(tenant):
-            return False, False
+        needs = [(s, adm.leased.needs(s, tokens)) for s in states]
+        claimed: list[str] = []
         answered = True
         try:
+            for s, need in needs:
+                if need.slot is not None:
+                    if not self._claim(s.name):
+                        return False, False
+                    claimed.append(s.name)
             pipe = self.client.pipeline(transaction=False)
-            calls: list[str] = []
-            if need.slot is not None:
-                cap, held, inflight = need.slot
-                self._slots_call(pipe, tenant, cap, held, inflight, max(held, inflight) + 1, True, borrow=True)
-                calls.append("slots")
-            for dim, rate, capacity, amount in need.credit:
-                self._bucket_call(pipe, tenant, dim, rate, capacity, amount, partial=False)
-                calls.append(dim)
+            calls: list[tuple[str, str, int]] = []
+            for s, need in needs:
+                if need.slot is not None:
+                    cap, held, inflight = need.slot
+                    self._slots_call(pipe, s.name, cap, held, inflight, max(held, inflight) + 1, True, borrow=True)
+                    calls.append((s.name, "slots", held))
+                for dim, rate, capacity, amount in need.credit:
+                    self._bucket_call(pipe, s.name, dim, rate, capacity, amount, partial=False)
+                    calls.append((s.name, dim, 0))
             if not calls:
                 await pipe.reset()
                 return True, True
@@ -584,25 +731,26 @@ class SharedStore:
                 results = await pipe.execute(raise_on_error=False)
             finally:
                 await pipe.reset()
-            granted = True
-            for kind, res in zip(calls, results, strict=True):
+            # from here on no await: every answer applied, then the caller decides at once
+            granted = dict.fromkeys((s.name for s in states), True)
+            for (name, kind, held), res in zip(calls, results, strict=True):
                 if isinstance(res, BaseException) or (kind != "slots" and len(res) != 2) or (
                         kind == "slots" and int(res[0]) < 0):
                     # not answered: an error, or a call made for another epoch (Redis restarted empty)
                     if isinstance(res, NoScriptError):
                         self._sha.clear()
-                    granted = answered = False
+                    granted[name] = answered = False
                     continue
                 if kind == "slots":
-                    granted &= self._slots_result(tenant, res) and need.slot is not None and int(res[0]) > need.slot[1]
+                    granted[name] &= self._slots_result(name, res) and int(res[0]) > held
                 else:
-                    granted &= float(res[0]) > 0
-                    adm.share_credit(tenant, kind, float(res[0]), float(res[1]))
+                    granted[name] &= float(res[0]) > 0
+                    adm.share_credit(name, kind, float(res[0]), float(res[1]))
         finally:
-            if need.slot is not None:
-                self._done([tenant])
-        self.borrows.labels("granted" if granted else "refused").inc()
-        return granted, answered
+            self._done(claimed)
+        for ok in granted.values():
+            self.borrows.labels("granted" if ok else "refused").inc()
+        return all(granted.values()), answered
 
     def forward(self, e: Ended, tenant: str = "", budget: str = "") -> None:
         """A completion for a ticket another replica owns (the END script, at the next sync, hands it
@@ -616,6 +764,10 @@ class SharedStore:
             self._ends.append(event)
             return
         owner = e.ticket.split("-", 1)[0]
+        if self.core.admission.share_adopt((tenant, budget), e.ticket):
+            # the store is away: its owner learns of it only when the store answers; the slot is
+            # taken over here meanwhile, so a tenant far under its cap is not refused by full splits
+            self._changed()
         self._forward.append((owner, e.ticket, tenant or "-", budget, orjson.dumps({"r": self.me, "e": [event]})))
 
     async def close(self) -> None:
@@ -626,12 +778,17 @@ class SharedStore:
             # per-model budgets' slices too: what still runs stays taken (orphaned) until it ends; the rest
             # goes back now
             for name, inflight in self.core.admission.leased.held():
-                pipe.hset(self._k_slots(name), mapping={f"h:{self.me}": inflight, f"i:{self.me}": inflight})
+                pipe.hset(self._k_slots(name), mapping={f"h:{self.me}": inflight, f"i:{self.me}": inflight,
+                                                       f"a:{self.me}": inflight})
             pipe.zrem(self.k_replicas, self.me)
             await asyncio.wait_for(pipe.execute(raise_on_error=False), timeout=self.cfg.timeout_ms / 1000.0)
         except (TimeoutError, RedisError, OSError):
             pass
         await self.client.aclose()
+
+
+def _nothing() -> None:
+    return None
 
 
 def _str(v: Any) -> str:

@@ -63,14 +63,11 @@ class Replica:
     def tenant(self) -> Any:
         return self.core.admission.tenant_state("a")
 
-    async def ask(self, rid: str) -> Answer | Held:
-        out = self.core.decide(Request("/v1/chat/completions", rid, f"Bearer {KEY}", BODY))
+    async def ask(self, rid: str, envoy: str = "") -> Answer | Held:
+        out = self.core.decide(Request("/v1/chat/completions", rid, f"Bearer {KEY}", BODY, envoy=envoy))
         if isinstance(out, Borrow):
             tokens = float(out.request.estimate.total if out.request.estimate else 0)
-            if out.also is None:  # as the server does
-                await self.store.borrow(out.tenant, tokens)
-            else:
-                await asyncio.gather(self.store.borrow(out.tenant, tokens), self.store.borrow(out.also, tokens))
+            await self.store.borrow(out.tenant, tokens, out.also)  # as the server does
             out = self.core.decide(out.request, borrowed=True)
         assert not isinstance(out, Borrow)
         if isinstance(out, Answer) and out.decision.admitted and out.ticket:
@@ -268,14 +265,16 @@ def test_a_dead_replicas_running_requests_keep_their_slots_until_their_completio
         a.alive = False  # killed -9: no more heartbeats, nothing given back; its two requests still run
         await asyncio.sleep(1.2)  # its lease TTL
         await sync_all([b])
-        assert b.store.holdings["a"].get("~orphaned") == 3, "what the dead replica held is not free"
+        assert b.store.holdings["a"].get("~orphaned") == 2, "what the dead replica had in flight is not free"
+        await sync_all([b], 2)
+        assert (await b.ask("w")).decision.admitted, "its idle spare came back"  # type: ignore[union-attr]
         refused = await b.ask("x")
         assert isinstance(refused, Answer) and refused.reply is not None, "its running requests keep their slots"
         # one of them ends; the access log reaches b, which gives a slot back for the dead replica (once)
         for _ in range(2):
             b.store.forward(Ended(a.admitted[0], "0", 200, None, upstream_answered=True), "a")
         await sync_all([b], 2)
-        assert b.store.holdings["a"].get("~orphaned") == 2
+        assert b.store.holdings["a"].get("~orphaned") == 1
         assert (await b.ask("y")).decision.admitted  # type: ignore[union-attr]
         refused = await b.ask("z")
         assert isinstance(refused, Answer) and refused.reply is not None, "only the slot that ended came back"
@@ -698,5 +697,262 @@ def test_a_small_cap_sent_in_pairs_across_replicas_is_not_refused_while_within_i
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
             await close_all(reps)
+
+    asyncio.run(run())
+
+
+def _admitted(answers: list[Answer | Held]) -> int:
+    return sum(1 for a in answers if isinstance(a, Answer) and a.decision.admitted)
+
+
+async def _split(srv: RedisServer, reps: list[Replica]) -> None:
+    """Kill Redis and wait for every replica to fall back to its local split."""
+    srv.stop(kill=True)
+    await sync_all(reps)
+    await asyncio.sleep(0.25)
+    await sync_all(reps)
+    assert all(r.core.admission.local_split == len(reps) for r in reps)
+
+
+def test_completions_for_another_replicas_tickets_free_slots_here_while_redis_is_away(tmp_path: Path) -> None:
+    """Issue 29: during an outage a tenant far under its cap was refused: the completions of replica
+    0's requests reached replica 1 (Envoy's access log goes to one replica) and waited there for Redis,
+    so replica 0's split stayed full of ended requests and replica 1 kept only its own half. Replica 1
+    now takes each such slot over while the store is away, and the fleet stays within the cap."""
+    srv = RedisServer(tmp_path).start()
+
+    async def run() -> None:
+        cfg = config(srv.url, max_concurrent=4)
+        reps = [Replica(cfg) for _ in range(2)]
+        await sync_all(reps, 2)
+        await _split(srv, reps)
+        assert _admitted([await reps[0].ask(f"a{i}") for i in range(3)]) == 2, "replica 0's half of the cap"
+        for t in reps[0].admitted:  # both end; their access log reaches replica 1
+            reps[1].store.forward(Ended(t, "x", 200, Usage(5, 5), upstream_answered=True), "a")
+            reps[1].store.forward(Ended(t, "x", 200, Usage(5, 5), upstream_answered=True), "a")  # a duplicate
+        got = [await reps[1].ask(f"b{i}") for i in range(6)]
+        assert _admitted(got) == 4, "nothing runs: the tenant gets its whole cap at replica 1"
+        assert reps[1].tenant.inflight == 4  # and no more: the ended requests' slots, once each
+        srv.start()
+        await sync_all(reps, 3)
+        assert reps[0].tenant.inflight == 0, "the forwarded completions reach their owner when Redis is back"
+        assert inflight(reps) == 4
+        await close_all(reps)
+
+    run_on(srv, run)
+
+
+def test_a_slot_borrowed_with_a_model_budget_is_not_taken_by_another_request_meanwhile(
+        server: RedisServer) -> None:
+    """Issue 29: the tenant's borrow and its per-model budget's were two calls gathered; the first
+    answer was applied while the second was awaited, and another request of the tenant (another
+    model) took the slot just borrowed, so the borrowing request was refused. Both are now one round
+    trip, applied together, and the decision follows at once."""
+    other_model = BODY.replace(b'"m"', b'"n"')
+
+    async def run() -> None:
+        cfg = config(server.url, max_concurrent=1, model_budgets={"m": {"max_concurrent": 1}})
+        reps = [Replica(cfg) for _ in range(2)]
+        await sync_all(reps, 2)
+        r = reps[1]
+        stolen: list[str] = []
+        stop = False
+
+        async def thief() -> None:
+            i = 0
+            while not stop:  # another request of the tenant, on a model without a budget: no borrow
+                i += 1
+                out = r.core.decide(Request("/v1/chat/completions", f"t{i}", f"Bearer {KEY}", other_model))
+                if isinstance(out, Answer) and out.decision.admitted:
+                    stolen.append(f"t{i}")
+                await asyncio.sleep(0)
+
+        model = r.core.admission.tenant_state("a/m")
+        assert model is not None and not r.tenant.slots and not model.slots, "both slices empty here: it borrows"
+        task = asyncio.create_task(thief())
+        try:
+            got = await r.ask("x")
+        finally:
+            stop = True
+            await task
+        assert not stolen, "another request took the slot borrowed for this one"
+        assert isinstance(got, Answer) and got.decision.admitted, got
+        await close_all(reps)
+
+    asyncio.run(run())
+
+
+def test_a_replica_killed_with_nothing_in_flight_leaves_no_slot_taken(server: RedisServer) -> None:
+    """Issue 29: a replica killed -9 with nothing in flight kept its idle spare slots for
+    ``lease_timeout_seconds`` (900 s by default: a cap of 3 admitted 2 for a minute and more). A dead
+    replica's slots now come back down to what it last reported in flight."""
+    async def run() -> None:
+        cfg = config(server.url, max_concurrent=3)
+        a, b = Replica(cfg), Replica(cfg)
+        await sync_all([a, b], 2)
+        for i in range(3):
+            got = await a.ask(str(i))
+            assert isinstance(got, Answer) and got.decision.admitted and got.ticket
+            a.core.ended(Ended(got.ticket, str(i), 200, Usage(5, 5), upstream_answered=True))
+        await sync_all([a, b])
+        assert a.tenant.slots and a.tenant.inflight == 0, "it keeps idle spares"
+        a.alive = False  # killed -9
+        await asyncio.sleep(1.2)  # its lease TTL
+        await sync_all([b], 3)
+        assert not b.store.holdings["a"].get("~orphaned"), "nothing of it runs: nothing stays taken"
+        got = [await b.ask(f"x{i}") for i in range(4)]
+        assert _admitted(got) == 3, "the whole cap, at once"
+        await b.store.close()
+
+    asyncio.run(run())
+
+
+def test_an_envoy_gone_releases_what_it_carried_at_every_replica(server: RedisServer,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 29: Envoy SIGKILLed with 3 replicas gave back only the slots of the replica holding its
+    access-log connection (2 of 6 within 20 s): the others never learn it is gone. The replica that
+    finds it gone now tells every replica through the store; one that still has an access-log
+    connection from that Envoy keeps its requests (their completions will come)."""
+    import ext_proc.core as core_mod
+
+    monkeypatch.setattr(core_mod, "ENVOY_GRACE_S", 0.05)
+    envoy = "10.0.0.9"
+
+    async def run() -> None:
+        cfg = config(server.url)  # no cap: which requests run is what is counted here, not slots moving
+        a, b, c = reps = [Replica(cfg) for _ in range(3)]
+        await sync_all(reps, 2)
+        a.core.envoy_up(envoy)  # a holds its access-log connection; c another one, which stays open
+        c.core.envoy_up(envoy)
+        for r in reps:
+            for i in range(2):
+                got = await r.ask(f"{id(r)}-{i}", envoy=envoy)
+                assert isinstance(got, Answer) and got.decision.admitted, got
+            await sync_all(reps)
+        a.core.envoy_down(envoy)
+        await asyncio.sleep(0.1)
+        a.core.tick()
+        assert a.tenant.inflight == 0, "the replica that saw it go releases its own"
+        await sync_all(reps, 2)
+        assert b.tenant.inflight == 0, "a replica without its access-log connection learns it through the store"
+        assert c.tenant.inflight == 2, "one that still has a connection from it keeps its requests"
+        await close_all(reps)
+
+    asyncio.run(run())
+
+
+def test_a_sync_that_frees_a_queued_request_answers_it_at_once(server: RedisServer) -> None:
+    """Issue 29: a store sync that freed queued requests left their answers in the core's outbox
+    until the shell's next tick (50 ms); the gateway now flushes them as the sync ends."""
+    from ext_proc.server import Gateway
+
+    async def run() -> None:
+        cfg = config(server.url)
+        cfg = cfg.model_copy(update={"fleet": cfg.fleet.model_copy(update={"max_inflight": 1})})  # one at a time here
+        gw = Gateway(cfg)
+        assert gw.store is not None
+        other = Replica(cfg)
+        for _ in range(2):
+            await gw.store.sync()
+            await other.store.sync()
+        first = gw.core.decide(Request("/v1/chat/completions", "r1", f"Bearer {KEY}", BODY))
+        if isinstance(first, Borrow):
+            await gw.store.borrow(first.tenant, 0.0)
+            first = gw.core.decide(first.request, borrowed=True)
+        assert isinstance(first, Answer) and first.decision.admitted and first.ticket
+        second = gw.core.decide(Request("/v1/chat/completions", "r2", f"Bearer {KEY}", BODY))
+        assert isinstance(second, Held), second
+        fut = gw.wait_for(second)
+        # the first ends; its access log reaches the other replica, which forwards it through the store
+        other.store.forward(Ended(first.ticket, "r1", 200, Usage(5, 5), upstream_answered=True), "a")
+        await other.store.sync()
+        await gw.store.sync()
+        assert fut.done(), "the answer went with the sync that freed it"
+        assert fut.result().decision.admitted
+        await close_all([other])
+        await gw.store.close()
+
+    asyncio.run(run())
+
+
+def test_two_releases_on_one_key_prefix_are_detected_and_stop_sharing(server: RedisServer,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 29: two releases sharing one Redis and ``key_prefix`` silently shared state (a cap-2
+    release got 1 slot, a cap-6 release 5). Replicas whose quota configs differ for
+    ``CONFLICT_AFTER_S`` now run on their local split and say why; a shorter difference (one release
+    reloading a changed config) goes on sharing, and agreeing again ends the split."""
+    import ext_proc.store as store_mod
+
+    monkeypatch.setattr(store_mod, "CONFLICT_AFTER_S", 0.3)
+
+    async def run() -> None:
+        small = config(server.url, max_concurrent=2)
+        prefix = small.store.redis.key_prefix
+        big = config(server.url, max_concurrent=6)
+        big = big.model_copy(update={"store": big.store.model_copy(
+            update={"redis": big.store.redis.model_copy(update={"key_prefix": prefix})})})
+        a, b = Replica(small), Replica(big)
+        # a rolling change: b runs the new config for less than CONFLICT_AFTER_S, then a reloads it too
+        await sync_all([a, b], 2)
+        assert not a.store.conflict and not b.store.conflict
+        a.core.reconfigure(big)
+        await sync_all([a, b], 2)
+        await asyncio.sleep(0.35)
+        await sync_all([a, b], 2)
+        assert not a.store.conflict and not b.store.conflict, "one release reloading is never a conflict"
+        assert a.core.admission.local_split == 0 == b.core.admission.local_split
+        # another release: its config differs for good
+        a.core.reconfigure(small)
+        await sync_all([a, b])
+        await asyncio.sleep(0.35)
+        await sync_all([a, b])
+        assert a.store.conflict and b.store.conflict, "each side sees the other release"
+        assert a.core.admission.local_split and b.core.admission.local_split, "neither shares its state"
+        assert _admitted([await a.ask(f"a{i}") for i in range(3)]) == 2, "the small release's whole cap"
+        assert _admitted([await b.ask(f"b{i}") for i in range(7)]) == 6, "the big release's whole cap"
+        for r in (a, b):
+            for t in r.admitted:
+                r.core.ended(Ended(t, "x", 200, Usage(5, 5), upstream_answered=True))
+        # the operator gives them the same quotas (or, as they should, a key prefix each): sharing again
+        a.core.reconfigure(big)
+        await sync_all([a, b], 3)
+        assert not a.store.conflict and not b.store.conflict
+        assert a.core.admission.local_split == 0 == b.core.admission.local_split
+        await close_all([a, b])
+
+    asyncio.run(run())
+
+
+def test_the_quota_fingerprint_changes_with_a_limit_not_with_an_api_key(server: RedisServer) -> None:
+    from ext_proc.store import quota_fingerprint
+
+    base = config(server.url, max_concurrent=2)
+    same = base.model_copy(update={"tenants": [base.tenants[0].model_copy(update={"api_key_sha256": ["00" * 32]})]})
+    other = base.model_copy(update={"tenants": [base.tenants[0].model_copy(update={"max_concurrent": 3})]})
+    assert quota_fingerprint(base) == quota_fingerprint(same)
+    assert quota_fingerprint(base) != quota_fingerprint(other)
+
+
+def test_a_completion_forwarded_to_a_replica_cut_off_longer_than_the_stream_keeps_reaches_it(
+        server: RedisServer) -> None:
+    """Issue 29: events are trimmed from the stream after 30 s; a replica cut off from Redis for longer
+    lost the completions forwarded to it meanwhile (their slots held up to ``lease_timeout_seconds``).
+    A forwarded completion now also waits in its owner's inbox until the owner reads it."""
+    async def run() -> None:
+        cfg = config(server.url, max_concurrent=4)
+        a, b = Replica(cfg), Replica(cfg)
+        await sync_all([a, b], 2)
+        got = await a.ask("r1")
+        assert isinstance(got, Answer) and got.decision.admitted and got.ticket
+        b.store.forward(Ended(got.ticket, "r1", 200, Usage(5, 5), upstream_answered=True), "a")
+        await b.store.sync()
+        # a is cut off while the stream is trimmed past that event (as 30 s later)
+        client = redis.Redis.from_url(server.url)
+        client.xtrim(b.store.k_events, maxlen=0)
+        client.close()
+        await sync_all([a], 2)
+        assert a.tenant.inflight == 0, "the completion reached its owner"
+        assert a.store.forwarded.labels("received")._value.get() == 1
+        await close_all([a, b])
 
     asyncio.run(run())

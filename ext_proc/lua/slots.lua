@@ -1,5 +1,6 @@
 -- One tenant's concurrency slots (fair.lua is prepended: ``fair`` is defined above this line).
--- KEYS: replicas, the tenant's slots hash (per replica h: held, w: demand, x: spare, i: in flight; per dead
+-- KEYS: replicas, the tenant's slots hash (per replica h: held, w: demand, x: spare, i: in flight, a: in
+-- flight and a borrow's request just admitted (what stays taken if it dies); per dead
 -- replica o: its orphaned slots, e: their expiry), learning, over, epoch, version counter.
 -- ARGV: 1 replica, 2 cap, 3 slots it enforces now, 4 in flight, 5 demand, 6 spare 0|1, 7 ttl ms,
 --       8 borrow 0|1, 9 tenant, 10 known epoch, 11 orphan ttl ms.
@@ -36,17 +37,19 @@ for f, v in pairs(fields) do
 end
 enforced = math.max(0, enforced - given)
 inflight = math.max(0, inflight - given)
--- then the replicas that died since: the requests they admitted still run; all they held stays taken
--- until completions come in for them (END) or the lease timeout passes
+-- then the replicas that died since: the requests they admitted still run and stay taken until
+-- completions come in for them (END) or the lease timeout passes — what they last reported in flight
+-- (a:, else i:), never more than they held; their idle spares come back now
 for f, v in pairs(fields) do
   local kind, r = string.sub(f, 1, 2), string.sub(f, 3)
-  if kind == 'h:' or kind == 'w:' or kind == 'x:' or kind == 'i:' then
+  if kind == 'h:' or kind == 'w:' or kind == 'x:' or kind == 'i:' or kind == 'a:' then
     if not live[r] then
-      if kind == 'h:' and tonumber(v) > 0 then
-        redis.call('HINCRBY', KEYS[2], 'o:' .. r, tonumber(v))
-        redis.call('HINCRBY', KEYS[2], 'c:' .. r, tonumber(v))
+      local taken = math.min(tonumber(v), tonumber(fields['a:' .. r] or fields['i:' .. r] or v))
+      if kind == 'h:' and taken > 0 then
+        redis.call('HINCRBY', KEYS[2], 'o:' .. r, taken)
+        redis.call('HINCRBY', KEYS[2], 'c:' .. r, taken)
         redis.call('HSET', KEYS[2], 'e:' .. r, now + tonumber(ARGV[11]))
-        orphans = orphans + tonumber(v)
+        orphans = orphans + taken
       end
       redis.call('HDEL', KEYS[2], f)
     elseif kind == 'h:' then
@@ -86,7 +89,12 @@ end
 if redis.call('EXISTS', KEYS[3]) == 1 and target > mine then target = mine end
 -- never below what the replica admits on until it says it lowered it
 local record = math.max(target, enforced, inflight)
-redis.call('HSET', KEYS[2], 'h:' .. me, record, 'w:' .. me, demand[me], 'x:' .. me, ARGV[6], 'i:' .. me, inflight)
+-- a: what stays taken if this replica dies — in flight, and a borrow granted is for a request admitted
+-- at once, before the replica's next report (i: stays what it reported: the fleet's running count)
+local admitted = inflight
+if ARGV[8] == '1' and target > math.max(enforced, inflight) then admitted = inflight + 1 end
+redis.call('HSET', KEYS[2], 'h:' .. me, record, 'w:' .. me, demand[me], 'x:' .. me, ARGV[6], 'i:' .. me, inflight,
+           'a:' .. me, admitted)
 redis.call('PEXPIRE', KEYS[2], math.max(tonumber(ARGV[7]) * 20, tonumber(ARGV[11]) + 60000))
 local version = redis.call('INCR', KEYS[6])
 local even = math.floor(cap / n)
