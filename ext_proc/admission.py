@@ -122,6 +122,9 @@ class Lease:
     """The pool it was routed to: its queue, its fair-share counters, its nodes."""
     budget: TenantState | None = None
     """The tenant's per-model budget it also holds (``model_budgets``), if one applies."""
+    on_split: bool = False
+    """Charged while this replica enforced its local split (``quota.SplitQuota``): only such a lease's
+    return or refund changes what the split spent (what the store debits on rejoining)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -529,7 +532,8 @@ class Admission:
         for s in (lease.tenant, lease.budget):
             if s is None:
                 continue
-            self.quota.refunded(s, lease.reserved_tokens)
+            if lease.on_split:
+                self.quota.refunded(s, lease.reserved_tokens)
             s.inflight -= 1
             if s.requests is not None:
                 s.requests.give(1, now)
@@ -598,12 +602,16 @@ class Admission:
             wait = self._slot_free(s, now)
             if short == "unknown":
                 return self._unknown(s, "slots", wait)
+            if isinstance(self.quota, LeasedQuota) and self.quota.idle_elsewhere(s):
+                # every slot is held, but the store's word is that fewer than the cap run fleet-wide: a
+                # slot sits idle at another replica — not over quota (a 429 would be a false claim)
+                return reject("quota-unavailable", f"All {cap} concurrent slots of this tenant{on} are held "
+                              f"by kvgate replicas, {s.inflight} of them in use here; the tenant is within its "
+                              "limit: a slot idle at another replica moves to where the requests are within "
+                              "about a sync of the shared store. Retry after the indicated time.",
+                              self.jittered(self.config.store.redis.sync_interval_ms / 1000.0
+                                            if self.config.store.redis is not None else wait))
             message = f"Too many concurrent requests for this tenant{on} (limit {cap})."
-            if s.inflight < cap:
-                # the store granted every slot, but not all are in use here: say so (never a false claim)
-                message = (f"All {cap} concurrent slots of this tenant{on} are held by kvgate replicas, "
-                           f"{s.inflight} of them in use here; a slot idle at another replica moves to where "
-                           f"the requests are within about a sync of the shared store.")
             r = self._policy(s, "tenant-concurrency", message, wait, est, now)
             return replace(r, fleet_caused=True) if self._fleet_caused(s, est, now) else r
         budgets: tuple[tuple[Limit, Bucket | None, float], ...] = (
@@ -736,6 +744,7 @@ class Admission:
         lease = Lease(ticket, s, request_id, est.total, est.prompt_tokens, now, charged, s.config.tier, node,
                       queued_at=now if queued else None, pool=est.pool or DEFAULT_POOL)
         if charged:
+            lease.on_split = isinstance(self.quota, SplitQuota)
             lease.budget = self._budget_of(s, est.model) if self._model_budgets else None
             for b in (s, lease.budget):
                 if b is not None:
@@ -798,7 +807,8 @@ class Admission:
                 b.leases.pop(ticket, None)
                 if b.tokens is not None:
                     b.tokens.give(lease.reserved_tokens - charged_tokens, now)
-                self.quota.settled(b, lease.reserved_tokens - charged_tokens)
+                if lease.on_split:
+                    self.quota.settled(b, lease.reserved_tokens - charged_tokens)
         seconds = now - lease.started
         if responded:
             s.mean_seconds = _ewma(s.mean_seconds, seconds)

@@ -112,12 +112,14 @@ class Quota(Protocol):
         ...
 
     def settled(self, s: TenantState, returned: float) -> None:
-        """A charged request completed: ``returned`` tokens of its reservation went back (negative:
-        it used more)."""
+        """A request charged in this mode completed: ``returned`` tokens of its reservation went back
+        (negative: it used more). (Admission tells it only for leases charged while this mode ran: a
+        lease charged on the lease and ended on the split must not shrink what the split spent.)"""
         ...
 
     def refunded(self, s: TenantState, tokens: int) -> None:
-        """A charged request that never went (refused from the queue, cancelled): all of it went back."""
+        """A request charged in this mode never went (refused from the queue, cancelled): all of it
+        went back."""
         ...
 
 

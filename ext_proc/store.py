@@ -59,6 +59,10 @@ log = logs.get("kvgate.store")
 
 EVENTS_KEEP_MS = 30_000
 """Events older than this are trimmed from the stream: a replica further behind skips ahead."""
+BORROW_BUDGET_S = 0.6
+"""A decision that borrows (and perhaps waits for a slot idle at another replica) is answered within
+this, whatever ``timeout_ms`` says: well under the ext_proc ``message_timeout`` of the generated Envoy
+config (1 s), past which Envoy answers 503 itself — or, fail-open, lets the request through undecided."""
 MAX_ENDS = 20_000
 """Completions waiting to be forwarded while Redis is away; beyond it the oldest are dropped (their
 slots come back by reclaim)."""
@@ -659,16 +663,22 @@ class SharedStore:
         names = [tenant] if also is None else [tenant, also]
         interval = self.cfg.sync_interval_ms / 1000.0
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + self.cfg.timeout_ms / 1000.0
+        budget = min(self.cfg.timeout_ms / 1000.0, BORROW_BUDGET_S)
+        deadline = loop.time() + budget
         answered = False
         try:
-            async with asyncio.timeout(self.cfg.timeout_ms / 1000.0):
+            async with asyncio.timeout(budget):
                 while True:
+                    # (asked before the round trip: what this request lacked — a refused credit is the
+                    # store's final word, worth no wait; only a slot can be idle at another replica)
+                    short = [(s, adm.leased.needs(s, tokens)) for s in map(adm.tenant_state, names) if s is not None]
+                    lacking = [(s, n) for s, n in short if n.slot is not None or n.credit]
+                    slot_only = all(n.slot is not None and not n.credit for _, n in lacking)
                     granted, answered = await self._borrow(names, tokens)
-                    idle = [s for s in map(adm.tenant_state, names) if s is not None and adm.leased.idle_elsewhere(s)]
-                    if granted or not answered or not idle:
+                    idle = [s for s, _ in lacking if adm.leased.idle_elsewhere(s)]
+                    if granted or not answered or not idle or not slot_only:
                         break
-                    if loop.time() + interval > deadline - self.cfg.timeout_ms / 4000.0:
+                    if loop.time() + interval > deadline - budget / 4:
                         break  # no time left to wait for a sync: refused (its 429 says slots idle elsewhere)
                     # every slot is held but not every slot is in use: an idle one moves to where the
                     # requests are within a sync or two (this replica's demand is reported meanwhile)

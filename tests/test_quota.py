@@ -9,6 +9,7 @@ from __future__ import annotations
 import random
 from typing import Any
 
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -109,16 +110,31 @@ def test_one_replica_without_a_store_keeps_its_429s() -> None:
     assert d.rejection is not None and (d.rejection.status, d.rejection.reason) == (429, "tenant-concurrency")
 
 
-def test_a_concurrency_429_with_slots_idle_elsewhere_says_so() -> None:
-    """Issue 29: small caps across replicas — every slot granted, some idle at another replica. The 429
-    does not claim "too many concurrent requests": it says how many are in use here."""
+def test_a_tenant_whose_slots_sit_idle_elsewhere_is_not_told_it_is_over_its_cap() -> None:
+    """Issue 29: small caps across replicas — every slot granted, one idle at another replica. The store
+    says fewer than the cap run fleet-wide: not over quota, so no 429 (review: the 429 claimed "slots
+    idle elsewhere" even when the fleet was at its cap, and a 429 for a tenant within its cap is a false
+    claim whatever it says) — a retryable 503 that says how many are in use here."""
     a, _, c = make({"max_concurrent": 2})
     t = c.tenant("t")
-    a.share_slots("t", 1, 0)  # one slot here, the other held by another replica, none free
+    a.share_slots("t", 1, 0, running=1)  # one slot here, the other held idle by another replica
     assert a.decide(t, "r1", E(), 10).admitted
-    d = a.decide(t, "r2", E(), 10)
-    assert d.rejection is not None and d.rejection.reason == "tenant-concurrency"
-    assert "Too many" not in d.rejection.message and "1 of them in use here" in d.rejection.message
+    assert a.decide(t, "r2", E(), 10).borrow  # first: ask the store for it
+    a.share_slots("t", 1, 0, running=1)  # its answer: still one running fleet-wide, the slot not moved yet
+    d = a.decide(t, "r2", E(), 10, borrowed=True)
+    assert d.rejection is not None and (d.rejection.status, d.rejection.reason) == (503, "quota-unavailable")
+    assert "1 of them in use here" in d.rejection.message and d.rejection.retry_after is not None
+
+
+@pytest.mark.parametrize("running", [None, 2], ids=["fleet-unknown", "fleet-at-cap"])
+def test_a_tenant_at_its_cap_fleet_wide_gets_the_plain_429(running: int | None) -> None:
+    a, _, c = make({"max_concurrent": 2})
+    t = c.tenant("t")
+    a.share_slots("t", 1, 0, running=running)
+    assert a.decide(t, "r1", E(), 10).admitted
+    d = a.decide(t, "r2", E(), 10, borrowed=True)
+    assert d.rejection is not None and (d.rejection.status, d.rejection.reason) == (429, "tenant-concurrency")
+    assert d.rejection.message.startswith("Too many concurrent requests")
 
 
 @given(level=st.floats(-50, 300), need=st.integers(1, 400), n=st.integers(1, 5))
@@ -150,3 +166,23 @@ def test_a_slot_idle_at_another_replica_is_borrowed_for_but_no_more_than_are_idl
     a.share_slots("t", 0, 0, 0, running=2)  # both in use: over the cap, no borrow
     d = a.decide(t, "r4", E(), 10)
     assert d.rejection is not None and d.rejection.reason == "tenant-concurrency"
+
+
+def test_a_lease_charged_before_the_split_does_not_shrink_what_the_split_spent() -> None:
+    """(review) A request charged on leased credit that ended during the split gave its unused tokens
+    back to the split's tally: the store, debited on rejoining, was told less than the split spent."""
+    from ext_proc.admission import Usage
+
+    a, _, c = make({"tokens_per_minute": 6000, "token_burst": 3000})
+    t = c.tenant("t")
+    a.share_credit("t", "tokens", 3000.0, 0.0)  # the whole bucket leased here
+    early = a.decide(t, "r0", E(10, 1000), 10, borrowed=True)
+    assert early.admitted and early.lease is not None
+    a.share_local([ME, "!expected-0", "!expected-1"], ME, {})
+    on_split = a.decide(t, "r1", E(10, 90), 10)
+    assert on_split.admitted and on_split.lease is not None
+    assert isinstance(a.quota, SplitQuota)
+    a.complete(early.lease.ticket, Usage(10, 10), True)  # 990 of its 1,010 reserved tokens unused
+    assert a.quota.spent["t"] == (1, 100)  # only what the split itself charged
+    a.complete(on_split.lease.ticket, Usage(10, 40), True)
+    assert a.quota.spent["t"] == (1, 50)  # its real usage
