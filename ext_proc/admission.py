@@ -30,7 +30,7 @@ from typing import NamedTuple
 
 from .config import Config, Mode, ModelBudget, Tenant
 from .estimate import Estimate
-from .limits import Credit, default_burst
+from .limits import Credit, TokenBucket, default_burst
 from .pools import DEFAULT_POOL, PoolSpec, Router, pools_of
 from .queue import Entry, FairQueue, TierSpec
 from .quota import Bucket, LeasedQuota, Limit, LocalQuota, Quota, ShareReport, SplitQuota, whole_tokens
@@ -90,6 +90,11 @@ class TenantState:
     """Output tokens per request, as reported: the fair-share counters charge this, not max_tokens."""
     model: str | None = None
     """For a per-model budget (``tenants[i].model_budgets``): its key; the state is named ``tenant/key``."""
+    reads: TokenBucket | None = None
+    """Bodies this replica read and refused as invalid (``intake.py``), at the tenant's request rate: a
+    bucket of this replica's own in every quota mode — reading costs this replica's CPU, and the
+    request credit leased from the store is no place to charge it (review: with a store, every hostile
+    body was read). None: no ``requests_per_minute``, no charge."""
 
     @property
     def name(self) -> str:
@@ -655,35 +660,51 @@ class Admission:
         ``max_concurrent`` in flight here (over the cap fleet-wide, whatever the store says). A short
         slice or bucket may be borrowed into, or be the store's silence (``quota.py``): parse and decide.
 
+        And one gate of its own: a tenant whose bodies this replica read and refused as invalid at its
+        request rate (``TenantState.reads``) is not read again until that bucket refills (429).
+
         ``charge``: the body it let by was then refused as invalid (a 400 from the parse): take that
-        many requests from the tenant's bucket for the reading (``intake.charge_for``), check nothing."""
+        many requests from the tenant's reading bucket (``intake.charge_for``), check nothing."""
         s = self._tenants.get(tenant.name)
         if s is None or s.mode != "enforce":
             return None
         now = self._clock()
+        reads = self._reads(s, now)
         if charge:
-            if s.requests is not None:
-                s.requests.take(charge, now)
+            if reads is not None:
+                reads.take(charge, now)
             return None
         s.last_seen = now
-        nothing = Estimate(0, 0, parsed=True)  # what _check is asked about: the gates before any token count
         if body_bytes > self.config.limits.max_body_bytes:
-            return self._check(s, nothing, body_bytes, now)
+            return self._check(s, _NOTHING, body_bytes, now)
         cap = s.config.max_concurrent
         if cap is not None and s.inflight >= cap:
-            slowed = s.mean_seconds is not None and s.norm_seconds is not None and \
-                s.mean_seconds > SLOWED * s.norm_seconds
-            return None if slowed else self._check(s, nothing, 0, now)
+            return None if _slowed(s) else self._check(s, _NOTHING, 0, now)
         if isinstance(self.quota, LocalQuota) and s.requests is not None and s.requests.seconds_until(1, now) > 0:
-            return self._check(s, nothing, 0, now)
+            return self._check(s, _NOTHING, 0, now)
+        if reads is not None and (wait := reads.seconds_until(1, now)) > 0:
+            return self._policy(s, "tenant-requests", "Rate limit reached for requests: this tenant's recent "
+                                f"request bodies were refused as invalid (limit {int(reads.rate * 60)}/min, "
+                                "each 64 KiB read counting as one request).", wait, _NOTHING, now)
         return None
+
+    @staticmethod
+    def _reads(s: TenantState, now: float) -> TokenBucket | None:
+        """The tenant's bucket of bodies read and refused here (:attr:`TenantState.reads`), kept at its
+        request rate across reloads."""
+        per_minute, burst = s.config.requests_per_minute, s.config.request_burst
+        if per_minute is None:
+            s.reads = None
+        elif s.reads is None or s.reads.rate != per_minute / 60.0:
+            s.reads = TokenBucket(per_minute, default_burst(per_minute, burst), now)
+        return s.reads
 
     @staticmethod
     def _fleet_caused(s: TenantState, est: Estimate, now: float) -> bool:
         """A concurrency-cap 429 the fleet caused: the tenant is inside its request and token budgets and
         its requests now last clearly longer than its own norm — a slower fleet holds each request longer
         (Little's law), so the same traffic hits the same cap. Demand for capacity, not excess."""
-        if s.mean_seconds is None or s.norm_seconds is None or s.mean_seconds <= SLOWED * s.norm_seconds:
+        if not _slowed(s):
             return False
         pool = est.pool or DEFAULT_POOL
         if any(lease.pool != pool for lease in s.leases.values()):
@@ -912,6 +933,15 @@ class Admission:
         """While the store is out of reach: the replicas the split divides among (0: the store is
         reachable, or there is none)."""
         return self.quota.replicas if isinstance(self.quota, SplitQuota) else 0
+
+
+_NOTHING = Estimate(0, 0, parsed=True)
+"""What ``_check`` is asked about by :meth:`Admission.precheck`: the gates before any token count."""
+
+
+def _slowed(s: TenantState) -> bool:
+    """The tenant's requests now last clearly longer than its own norm (a slower fleet holds each longer)."""
+    return s.mean_seconds is not None and s.norm_seconds is not None and s.mean_seconds > SLOWED * s.norm_seconds
 
 
 class Placed(NamedTuple):

@@ -29,7 +29,8 @@ and a probe clock ahead made readings look newer than they were (bookings sent a
 off the KV projection: overbooking). Per probe, kvgate keeps the offset ``received - at`` of its recent
 readings; the smallest of them is the probe's clock offset plus the least delay, and a reading's age is
 how much later than that it arrived. A constant skew cancels exactly; a probe clock stepped back makes
-its node read older (by the step) for at most ``OFFSET_READINGS`` readings.
+its node read older (by the step) for at most ``OFFSET_READINGS`` readings. kvgate's side is its
+monotonic clock: only differences matter, and it never steps.
 
 Readings are applied as they arrive (the core is cheap per reading); the gateway's flush (answers for
 queued requests a reading may have released) runs once per event-loop turn, however many readings
@@ -88,12 +89,14 @@ class Follower:
     to their streams (``Gateway.flush``)."""
 
     def __init__(self, core: Core, flush: Callable[[], None], rng: random.Random | None = None,
-                 wall: Callable[[], float] = time.time) -> None:
+                 wall: Callable[[], float] = time.monotonic) -> None:
         self.core = core
         self._flush = flush
         self._rng = rng or random.Random()
         self._wall = wall
-        """kvgate's wall clock, read when a reading arrives (injected by tests)."""
+        """kvgate's clock, read when a reading arrives (injected by tests): monotonic, since only
+        differences of offsets matter and kvgate's wall clock can step (an NTP step of 20 s read every
+        node's next readings as 20 s old: the whole fleet dead for ``OFFSET_READINGS`` readings)."""
         self.ages = ProbeAges()
         self._tasks: dict[str, tuple[tuple[str, float], asyncio.Task[None]]] = {}
         self._seen: list[object] = []

@@ -563,3 +563,19 @@ def test_a_node_whose_probe_clock_is_skewed_is_judged_like_one_without(skew: flo
     # the request sent after a reading was taken still counts after it
     assert [pending for _, _, pending, _ in on_time] == [0, 100, 100] * 4
     assert run(skew) == on_time
+
+
+def test_ages_are_taken_on_kvgates_monotonic_clock() -> None:
+    """(review) Ages were taken on kvgate's wall clock: an NTP step of +20 s on kvgate's host read every
+    node's next readings as 20 s old — the whole fleet dead for 32 readings. Its monotonic clock never
+    steps (only differences of offsets matter); with the wall clock stepping, this is what happened:"""
+    import time as time_mod
+
+    f = Follower(Gateway(parse_config({"tenants": []})).core, lambda: None)
+    assert f._wall is time_mod.monotonic
+    wall, at, ages = 1_000.0, 500.0, []
+    for i in range(40):
+        at += 0.25
+        wall += 0.25 + (20.0 if i == 20 else 0.0)  # a wall clock that steps once
+        ages.append(f.ages.age("n", at, wall))
+    assert max(ages) >= 20.0  # (why it must not be the wall clock)
