@@ -279,13 +279,18 @@ class Estimator:
                         total += per_message + math.ceil(len(content) / ratio)
                         continue
                     if type(content) is list:
-                        # ... or its content as text parts, [{"type": "text", "text": "..."}, ...]
-                        texts: list[Any] = [p.get("text") for p in content
-                                            if type(p) is dict and len(p) == 2 and p.get("type") == "text"]
-                        if len(texts) == len(content) and set(map(type, texts)) <= _STR:
-                            total += per_message
-                            for t in texts:
-                                total += math.ceil(len(t) / ratio)
+                        # ... or its content as text parts, [{"type": "text", "text": "..."}, ...]: one
+                        # loop, no list built (a body of 5,400 such messages is one the scan lets through)
+                        parts = 0
+                        for p in content:
+                            if type(p) is dict and len(p) == 2 and p.get("type") == "text":
+                                t = p.get("text")
+                                if type(t) is str:
+                                    parts += math.ceil(len(t) / ratio)
+                                    continue
+                            break
+                        else:
+                            total += per_message + parts
                             continue
             where = f"{param}[{i}]"
             if not isinstance(m, dict):
