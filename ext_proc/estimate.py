@@ -313,6 +313,8 @@ class Estimator:
                       f"list of token-id lists.", param)
         if not isinstance(value, list):
             raise bad
+        if len(value) >= _LONG and _only_ints(value):  # the long token-id prompt, twice as fast
+            return len(value)
         # the element types at C speed (``map(type, ...)``): a token-id prompt of 100k ids is checked
         # in a fraction of a Python loop's time. orjson makes exact str/int/list (a bool is not an int)
         kinds = set(map(type, value))
@@ -380,6 +382,26 @@ class Estimator:
         # need their squares' bytes: a 4 MiB body has fewer than 3,000 of them)
         ratio = self._ratio
         return total + sum(n * math.ceil(length / ratio) for length, n in Counter(map(len, strings)).items())
+
+
+_LONG = 1024
+"""A list at least this long is first checked for integers only by :func:`_only_ints`."""
+_INT_CHARS = b"0123456789,-"
+
+
+def _only_ints(value: list[Any]) -> bool:
+    """Whether a list (made by orjson) holds only integers: no bool, float, string, null or container.
+
+    Why not ``set(map(type, value))``: for a 262k-token prompt, the longest the scan lets through,
+    that took 3.9 ms. orjson writes the list back in a third of it, and only digits, commas and minus
+    signs may then be left between its brackets (a float is written with ``.`` or ``e``, NaN and
+    infinities as ``null``, a bool as ``true``/``false``, a string with quotes, a container with
+    brackets): 2.0 ms in all. An integer orjson cannot write (beyond 64 bits) answers False, and the
+    caller's exact check decides."""
+    try:
+        return orjson.dumps(value).translate(None, _INT_CHARS) == b"[]"
+    except orjson.JSONEncodeError:
+        return False
 
 
 def _check_content(content: Any, param: str) -> None:
