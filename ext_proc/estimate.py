@@ -142,7 +142,9 @@ class Estimator:
             if route is not None and is_json:
                 raise Invalid("invalid-body", f"The request body must be a JSON object, not {_kind(doc)}.")
             return Estimate(self.text_tokens(len(body)), default_out if generates else 0, parsed=False, route=route)
-        if (containers is None or containers > MAX_JSON_DEPTH) and nesting_exceeds(body, MAX_JSON_DEPTH):
+        if containers is None:  # (a body with at most MAX_JSON_DEPTH opening brackets cannot be deeper)
+            containers = body.count(b"{") + body.count(b"[")
+        if containers > MAX_JSON_DEPTH and nesting_exceeds(body, MAX_JSON_DEPTH):
             raise _too_deep()
         model = doc.get("model")
         if isinstance(model, str) and len(model) > limits.max_model_name_chars:
@@ -439,20 +441,18 @@ def nesting_exceeds(body: bytes, limit: int) -> bool:
 
     Why not walk the parsed document: a Python visit of every container cost up to 7 ms for bodies
     the scan lets through (16k containers), and ``set(map(type, ...))`` over every list of scalars
-    (4 ms for a 262k-token prompt). Here: a body with at most ``limit`` opening brackets cannot be
-    deeper (most bodies stop at these two ``count``s). Otherwise the strings are taken out exactly
+    (4 ms for a 262k-token prompt). The caller skips it for a body with at most ``limit`` opening
+    brackets, which cannot be deeper (most bodies). Here the strings are taken out exactly
     (escape pairs first, as ``intake.scan``'s exact path does; then the empty strings, then whatever
     lies between the remaining quote pairs), leaving only the brackets outside strings, and each
     ``replace`` of ``()`` removes every innermost pair: the depth is the number of such passes. Never
     an under-estimate: ``Core._rewrite``'s ``orjson.dumps`` raises beyond 255 levels. The cost is at
-    most ``limit + 1`` passes over the brackets, which ``intake.scan`` bounds on the inference routes.
+    most ``limit`` passes over the brackets, which ``intake.scan`` bounds on the inference routes.
     """
-    if body.count(b"{") + body.count(b"[") <= limit:
-        return False
     if b"\\" in body:
         s = body.translate(None, _ESCAPES_AND_BRACKETS)
         # in valid JSON a backslash only starts an escape; pairs of backslashes first (left to right,
-        # as JSON reads them), then each remaining backslash and the character it escapes
+        # as JSON reads them), then the escaped quotes (other escapes go with the letters below)
         s = s.replace(b"\\\\", b"").replace(b'\\"', b"")
     else:
         s = body
