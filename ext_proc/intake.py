@@ -92,9 +92,12 @@ def charge_for(size: int) -> int:
     return max(1, -(-size // CHARGE_BYTES))
 
 
-def scan(body: bytes, caps: Caps) -> None:
+def scan(body: bytes, caps: Caps) -> int | None:
     """Refuse a body with more JSON elements, containers or strings than ``caps`` allow, without
-    parsing it (raises :class:`Invalid` ``body-too-complex``).
+    parsing it (raises :class:`Invalid` ``body-too-complex``). Returns what it counted of the body's
+    objects and arrays (an upper bound: exact outside strings when it took the exact pass), for the
+    estimate's nesting check (:func:`~ext_proc.estimate.nesting_exceeds`, skipped when no deeper
+    nesting is possible); None for a body too small to be counted.
 
     Counting structural characters at C speed (``bytes.translate`` drops all others, ``bytes.count``
     counts the rest) gives upper bounds: commas, brackets and quotes inside strings count too. When the
@@ -104,13 +107,13 @@ def scan(body: bytes, caps: Caps) -> None:
     ``{}`` are not. Not a validator: a body that is not JSON passes here and orjson refuses it after.
     """
     if len(body) <= caps.small:
-        return
+        return None
     s = body.translate(_ONE_BRACKET, _DROP)  # one pass: quotes, commas, brackets; nothing else
     quotes = s.count(b'"')
     containers = s.count(b"{")
     elements = len(s) - quotes  # commas + containers
     if quotes <= 2 * caps.strings and containers <= caps.containers and elements <= caps.elements:
-        return
+        return containers
     if quotes:
         # some of them may be inside strings: take those out (an escaped quote, or an escaped
         # backslash before a closing one, is the only way a quote is not a delimiter)
@@ -146,6 +149,7 @@ def scan(body: bytes, caps: Caps) -> None:
         raise _too_complex(f"{containers} objects and arrays", caps.containers)
     if elements > caps.elements:
         raise _too_complex(f"about {elements} elements", caps.elements)
+    return containers
 
 
 def _too_complex(what: str, cap: int) -> Invalid:
@@ -198,11 +202,11 @@ class Intake:
                 if refused is not None:
                     return Taken(tenant, None, refused, gated=True)
             read = True
-            if route_of(path) is not None:
-                scan(body, self.caps)
+            containers = scan(body, self.caps) if route_of(path) is not None else None
             default_max = (tenant.default_max_tokens if tenant else None) or \
                 self._config.estimation.default_max_tokens
-            return Taken(tenant, self._estimator.estimate(body, path=path, default_max_tokens=default_max))
+            return Taken(tenant, self._estimator.estimate(body, path=path, default_max_tokens=default_max,
+                                                          containers=containers))
         except Invalid as e:
             if read and tenant is not None:
                 self._precheck(tenant, size, charge=charge_for(size))  # the reading is charged to the sender

@@ -9,7 +9,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from ext_proc.config import Estimation, Limits
-from ext_proc.estimate import IMAGE_PART_TOKENS, MAX_JSON_DEPTH, Estimator, route_of
+from ext_proc.estimate import IMAGE_PART_TOKENS, MAX_JSON_DEPTH, Estimator, nesting_exceeds, route_of
 from ext_proc.reasons import Invalid
 
 E = Estimator(Estimation(chars_per_token=4.0, per_message_tokens=4))
@@ -56,6 +56,46 @@ def test_nesting_up_to_the_limit_is_fine() -> None:
     assert est({"messages": [USER], "tools": [value]}).prompt_tokens == 4 + 2 + 1
     with pytest.raises(Invalid):
         est({"messages": [USER], "tools": [[[[value]]]]})
+
+
+def _depth(value: Any) -> int:
+    """The nesting of a parsed document, the top-level container being level 1 (a reference, by recursion)."""
+    if isinstance(value, dict):
+        return 1 + max(map(_depth, value.values()), default=0)
+    if isinstance(value, list):
+        return 1 + max(map(_depth, value), default=0)
+    return 0
+
+
+# strings made of what could fool a count from the bytes: brackets, quotes, backslashes and escape letters
+_TRICKY = st.text(alphabet='[]{}"\\nbu/ ,:', max_size=8)
+_JSON = st.recursive(st.none() | st.integers(-1000, 1000) | _TRICKY,
+                     lambda kids: st.lists(kids, max_size=4) | st.dictionaries(_TRICKY, kids, max_size=4),
+                     max_leaves=40)
+
+
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(doc=_JSON, limit=st.integers(0, 8), pad=st.booleans())
+def test_nesting_from_the_bytes_is_the_documents_own(doc: Any, limit: int, pad: bool) -> None:
+    """The byte-level depth is exact: brackets in strings (escaped quotes and backslashes around them)
+    are not counted, so it neither refuses a legit body nor lets one through that orjson.dumps
+    (beyond 255 levels) or the walks would choke on."""
+    body = orjson.dumps(doc)
+    if pad:  # indentation and brackets inside a string before the rest
+        body = b'[ "]]]]{{\\\\", \n ' + orjson.dumps(doc, option=orjson.OPT_INDENT_2) + b"]"
+        doc = ["]]]]{{\\", doc]
+    assert nesting_exceeds(body, limit) == (_depth(doc) > limit)
+
+
+def test_brackets_inside_strings_neither_hide_nor_fake_depth() -> None:
+    deep = b"[" * (MAX_JSON_DEPTH - 2) + b"]" * (MAX_JSON_DEPTH - 2)  # with the object and the tools list: 64
+    closers = b'"' + b"]}" * 300 + b'\\"\\\\"'  # a string of closing brackets and escapes before the nest
+    body = b'{"tools": [' + closers + b", [" + deep + b"]]}"  # 65 levels
+    with pytest.raises(Invalid, match="nested"):
+        E.estimate(body, path=CHAT, default_max_tokens=10)
+    openers = b'"' + b"[{" * 300 + b'\\""'
+    assert E.estimate(b'{"messages": [], "tools": [' + openers + b", " + deep + b"]}", path=CHAT,
+                      default_max_tokens=10).parsed
 
 
 # -- chat messages -----------------------------------------------------------------------------------

@@ -123,3 +123,25 @@ def test_plain_messages_count_as_the_general_walk_counts_them(
     plain = [{"role": r, "content": c} for r, c in messages]
     walked = [_Message(role=r, content=c) for r, c in messages]
     assert e._messages(plain, "messages", chat=chat) == e._messages(walked, "messages", chat=chat)
+
+
+_SCALARS = st.integers(-(1 << 70), 1 << 70) | st.booleans() | st.none() | st.floats(allow_nan=True) \
+    | st.text(max_size=3) | st.lists(st.integers(0, 9), max_size=2)
+
+
+@settings(max_examples=150, deadline=None)
+@given(ids=st.lists(st.integers(-(1 << 63), (1 << 64) - 1), min_size=1020, max_size=1100),
+       odd=st.lists(st.tuples(st.integers(0, 1099), _SCALARS), max_size=3))
+def test_long_token_id_prompts_are_told_from_other_lists_exactly(ids: list[Any], odd: list[tuple[int, Any]]) -> None:
+    """The long-list shortcut (orjson writes the list back) accepts exactly the lists of integers:
+    one bool, float, null, string or list among 1,000 integers still makes it invalid-body (a bool
+    is no token id even though Python says it is an int)."""
+    for at, x in odd:
+        ids.insert(min(at, len(ids)), x)
+    e = Estimator(Estimation())
+    if all(type(x) is int for x in ids):
+        assert e._token_input(ids, "prompt") == len(ids)
+    else:
+        with pytest.raises(Invalid) as err:
+            e._token_input(ids, "prompt")
+        assert (err.value.name, err.value.param) == ("invalid-body", "prompt")

@@ -135,9 +135,9 @@ def test_an_empty_body_on_an_inference_route_is_missing_body() -> None:
 class Counting(Estimator):
     calls = 0
 
-    def estimate(self, body: bytes, *, path: str, default_max_tokens: int) -> Any:
+    def estimate(self, body: bytes, *, path: str, default_max_tokens: int, containers: int | None = None) -> Any:
         Counting.calls += 1
-        return super().estimate(body, path=path, default_max_tokens=default_max_tokens)
+        return super().estimate(body, path=path, default_max_tokens=default_max_tokens, containers=containers)
 
 
 def counted(core: Core) -> Core:
@@ -240,12 +240,14 @@ def test_scan_refuses_exactly_the_bodies_over_a_cap(doc: Any, elements: int, con
     for few in (intake._FEW_QUOTES, 0):  # strings set apart in place, and by split
         with patch.object(intake, "_FEW_QUOTES", few):
             try:
-                scan(body, caps)
+                counted = scan(body, caps)
             except Invalid as exc:
                 assert exc.name == "body-too-complex"
                 assert over, (body, caps)
             else:
                 assert not over, (body, caps, (e, c, s))
+                # what the estimate's nesting check trusts: never fewer containers than there are
+                assert counted is None or counted >= c, (body, counted, c)
 
 
 MESSAGE = st.fixed_dictionaries({"role": st.sampled_from(["user", "system", "assistant"]),
@@ -255,6 +257,21 @@ REQUEST = st.fixed_dictionaries({"messages": st.lists(MESSAGE, max_size=6)}, opt
     "model": TEXT, "max_tokens": st.integers(1, 4096), "n": st.integers(1, 4), "stream": st.booleans(),
     "tools": st.lists(JSON, max_size=3), "temperature": st.floats(0, 2),
 })
+
+
+def test_a_scanned_body_too_deep_is_still_refused_and_one_at_the_limit_read() -> None:
+    """The scan's container count lets the estimate skip its nesting check only when no deeper nesting
+    is possible: a body big enough to be scanned, nested 65 levels, is refused; at 64 it is read."""
+    core = make()
+    pad = b'"' + b"[]{}" * (core.intake.caps.small // 2) + b'"'  # brackets in a string: scanned, not counted
+    for levels, refused in ((62, False), (63, True)):  # + the top object and the tools list
+        body = (b'{"messages":[],"tools":[' + pad + b"," + b"[" * levels + b"]" * levels + b"]}")
+        assert len(body) > core.intake.caps.small
+        taken = core.intake.take("Bearer k-t", None, CHAT, body, len(body))
+        if refused:
+            assert taken.rejection is not None and "nested" in taken.rejection.message
+        else:
+            assert taken.rejection is None, taken.rejection
 
 
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
