@@ -305,6 +305,19 @@ def test_a_refused_reading_is_charged_to_the_sender_then_its_bodies_go_unread() 
     assert answers == ["body-too-complex"] * 10 + ["tenant-requests"] * 2  # 600 / 64 = 9.4: the 10th goes into debt
 
 
+def test_with_a_shared_store_a_refused_reading_gates_the_next_reads_too() -> None:
+    """(review, red team) With several replicas the charge went into the request credit leased from the
+    store, which the gate never reads: every hostile body was scanned. The reading bucket is this
+    replica's own, in every quota mode."""
+    doc = config(requests_per_minute=3).model_dump(mode="json")
+    doc["store"] = {"redis": {"url": "redis://127.0.0.1:1/0", "expected_replicas": 3}}
+    core = counted(make(parse_config(doc)))
+    assert core.admission.leased is core.admission.quota  # leased from a store (not asked here)
+    answers = [reason(decide(core, b'\xef\xbb\xbf{"messages":[]}', rid=f"h{i}")) for i in range(6)]
+    assert answers[:3] == ["invalid-json"] * 3 and answers[3:] == ["tenant-requests"] * 3
+    assert Counting.calls == 3
+
+
 @pytest.mark.parametrize("ids", [[1] * 70_000, list(range(70_000)), [7] * 10])
 def test_the_prefix_chain_of_a_token_id_prompt_reads_only_its_head_with_the_same_result(ids: list[int]) -> None:
     from ext_proc.prefix import chain_of, text_chain
