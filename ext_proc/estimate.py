@@ -166,6 +166,20 @@ class Estimator:
             choices = 1
             if route != "responses":
                 choices = max(self._count(doc, "n"), self._count(doc, "best_of"))
+            batch = _batch(doc.get("prompt")) if route == "completions" else 1
+            if batch > 1:
+                # a list of prompts runs one sequence per prompt (times n): reserved, and capped, as many
+                # (red team: 100 prompts were reserved, and counted against max_n, as one)
+                if batch * choices > limits.max_n:
+                    raise Invalid("invalid-parameter", f"A batch of {batch} prompts x n={choices} is "
+                                  f"{batch * choices} sequences; this gateway allows at most {limits.max_n} "
+                                  "per request (limits.max_n).", "prompt")
+                choices *= batch
+            low = doc.get("min_tokens")
+            top = limits.max_output_tokens
+            if top is not None and isinstance(low, int) and not isinstance(low, bool) and low > top:
+                raise Invalid("invalid-parameter", f"'min_tokens' is {low}; this gateway allows at most {top}.",
+                              "min_tokens")
             per_choice = default_out if requested is None else requested
             ctx = limits.model_context_tokens
             if ctx is not None:
@@ -521,6 +535,14 @@ def _context(prompt: int, output: int, ctx: int, param: str) -> Invalid:
     else:
         msg = f"The prompt is about {prompt} tokens (estimated), which does not fit the model's context of {ctx}."
     return Invalid("context-too-long", msg, param)
+
+
+def _batch(prompt: Any) -> int:
+    """How many prompts a completions ``prompt`` holds: a list of strings or of token-id lists is a
+    batch (one sequence each); a string or a list of token ids is one."""
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+        return len(prompt)
+    return 1
 
 
 def _is_int(value: Any) -> bool:

@@ -318,6 +318,16 @@ def test_with_a_shared_store_a_refused_reading_gates_the_next_reads_too() -> Non
     assert Counting.calls == 3
 
 
+def test_a_valid_body_refused_after_the_parse_is_charged_too() -> None:
+    """(red team) Bodies that parse but can never succeed — too long for the tenant, a model nobody
+    serves — were refused after a full parse and never charged: 674 4 MB bodies in 9 s, 11 ms each."""
+    core = counted(make(config(requests_per_minute=3, max_prompt_tokens=10)))
+    long = orjson.dumps({"model": "m", "messages": [{"role": "user", "content": "word " * 200}]})
+    answers = [reason(decide(core, long, rid=f"l{i}")) for i in range(5)]
+    assert answers == ["prompt-too-long"] * 3 + ["tenant-requests"] * 2
+    assert Counting.calls == 3
+
+
 @pytest.mark.parametrize("ids", [[1] * 70_000, list(range(70_000)), [7] * 10])
 def test_the_prefix_chain_of_a_token_id_prompt_reads_only_its_head_with_the_same_result(ids: list[int]) -> None:
     from ext_proc.prefix import chain_of, text_chain
@@ -353,3 +363,41 @@ def test_the_prefix_chain_is_computed_only_for_requests_that_are_placed(monkeypa
     third = decide(core, larger, rid="3")
     assert reason(third) == "tenant-tokens"
     assert calls == [1, 1]  # refused by its token bucket before placement: no chain
+
+
+def test_a_batch_of_prompts_is_reserved_and_capped_as_that_many_sequences() -> None:
+    """(red team) A list of prompts on /v1/completions runs one sequence per prompt: 100 prompts with
+    max_tokens 1000 were reserved as 1,000 output tokens and passed max_n as one sequence."""
+    core = make(config(tokens_per_minute=1e9))
+    ok = orjson.dumps({"model": "m", "prompt": ["x" * 40] * 4, "max_tokens": 100})
+    a = decide(core, ok, path="/v1/completions", rid="b0")
+    assert a.decision.admitted and a.decision.lease is not None
+    assert a.decision.lease.reserved_tokens - a.decision.lease.prompt_estimate == 400  # 4 x 100
+    many = orjson.dumps({"model": "m", "prompt": ["x" * 40] * 100, "max_tokens": 1000})
+    r = decide(core, many, path="/v1/completions", rid="b1").decision.rejection
+    assert r is not None and r.reason == "invalid-parameter" and r.param == "prompt" and "100 sequences" in r.message
+    ids = orjson.dumps({"model": "m", "prompt": [[1, 2, 3]] * 3, "n": 2, "max_tokens": 10})
+    r = decide(core, ids, path="/v1/completions", rid="b2").decision.rejection
+    assert r is not None and "6 sequences" in r.message  # 3 token-id prompts x n=2 > max_n 4
+    one = orjson.dumps({"model": "m", "prompt": list(range(50)), "max_tokens": 10})  # one token-id prompt
+    assert decide(core, one, path="/v1/completions", rid="b3").decision.admitted
+
+
+def test_a_request_without_an_output_cap_gets_the_gateways() -> None:
+    """(red team) With no max_tokens vLLM generates up to the model's context: 4,700 tokens went past
+    limits.max_output_tokens 4,096. kvgate writes the cap into such a body; min_tokens above it is a 400."""
+    core = make(config())
+    for path, doc, field in (
+            (CHAT, {"model": "m", "messages": [{"role": "user", "content": "hi"}]}, "max_tokens"),
+            ("/v1/completions", {"model": "m", "prompt": "hi"}, "max_tokens"),
+            ("/v1/responses", {"model": "m", "input": "hi"}, "max_output_tokens")):
+        a = decide(core, orjson.dumps(doc), path=path, rid=path)
+        assert a.decision.admitted and a.body is not None, path
+        assert orjson.loads(a.body)[field] == 4096
+        core.ended(Ended(a.ticket, path, 200, None))
+    own = decide(core, orjson.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}],
+                                     "max_completion_tokens": 9}), rid="own")
+    assert own.body is None or "max_tokens" not in orjson.loads(own.body)  # the client's own cap stands
+    r = decide(core, orjson.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}],
+                                   "min_tokens": 5000}), rid="min").decision.rejection
+    assert r is not None and r.param == "min_tokens"
