@@ -139,7 +139,7 @@ class Ended:
     """The node sent a first byte."""
     disconnected: bool = False
     """The client went away (Envoy's DC flag)."""
-    credentials: tuple[str | None, str | None] | None = None
+    credentials: tuple[str | None, str | None] | None = field(default=None, repr=False)
     """(Authorization, trusted header) of the request as Envoy's access log saw them; None: not known
     (an Envoy config that does not log them, an end another replica forwarded)."""
 

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from .config import Config, Limits, Tenant
-from .estimate import Estimate, Estimator, route_of
+from .estimate import Estimate, Estimator
 from .identity import Identifier
 from .reasons import UNKNOWN_KEY, Invalid, Rejection
 
@@ -79,9 +79,11 @@ class Caps:
 
 
 def caps_for(limits: Limits) -> Caps:
-    """The caps for a config: the element cap follows the model's context when it is known."""
+    """The caps for a config: the element cap follows the model's context when it is known and longer
+    than the default's 256k (never lower: a batch of embedding inputs, 2,048 of 64 token ids, holds
+    131k elements whatever the context — review: refused with an 8k context)."""
     ctx = limits.model_context_tokens
-    return Caps(elements=ctx + MIN_ELEMENTS if ctx is not None else DEFAULT_ELEMENTS)
+    return Caps(elements=max(DEFAULT_ELEMENTS, ctx + MIN_ELEMENTS) if ctx is not None else DEFAULT_ELEMENTS)
 
 
 def charge_for(size: int) -> int:
@@ -202,7 +204,7 @@ class Intake:
                 if refused is not None:
                     return Taken(tenant, None, refused, gated=True)
             read = True
-            containers = scan(body, self.caps) if route_of(path) is not None else None
+            containers = scan(body, self.caps)  # (any path: a hand-written route may lead here too)
             default_max = (tenant.default_max_tokens if tenant else None) or \
                 self._config.estimation.default_max_tokens
             return Taken(tenant, self._estimator.estimate(body, path=path, default_max_tokens=default_max,
