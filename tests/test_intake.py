@@ -401,3 +401,14 @@ def test_a_request_without_an_output_cap_gets_the_gateways() -> None:
     r = decide(core, orjson.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}],
                                    "min_tokens": 5000}), rid="min").decision.rejection
     assert r is not None and r.param == "min_tokens"
+
+
+def test_a_batch_of_embedding_inputs_is_read_whatever_the_models_context() -> None:
+    """(review) With model_context_tokens 8,192 the element cap was 73,728: a batch of 2,048 embedding
+    inputs of 64 token ids (131k elements) was refused as body-too-complex, and charged."""
+    doc = config().model_dump(mode="json")
+    doc["limits"]["model_context_tokens"] = 8192
+    core = make(parse_config(doc))
+    body = orjson.dumps({"model": "m", "input": [list(range(64))] * 2048})
+    a = decide(core, body, path="/v1/embeddings", rid="e")
+    assert a.decision.admitted, a.decision.rejection
