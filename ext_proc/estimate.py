@@ -183,15 +183,18 @@ class Estimator:
             per_choice = default_out if requested is None else requested
             ctx = limits.model_context_tokens
             if ctx is not None:
-                if prompt >= ctx:
-                    raise _context(prompt, 0, ctx, _PROMPT_FIELD[route] if route is not None else "prompt")
-                if prompt + per_choice > ctx:
+                # the context holds one sequence: a batch's longest prompt, not their sum
+                seq = self._longest(doc.get("prompt")) if batch > 1 else prompt
+                if seq >= ctx:
+                    raise _context(seq, 0, ctx, _PROMPT_FIELD[route] if route is not None else "prompt")
+                if seq + per_choice > ctx:
                     if requested is not None:
-                        raise _context(prompt, per_choice, ctx, out_param)
-                    per_choice = ctx - prompt  # the default never pushes a request out; the server caps it too
+                        raise _context(seq, per_choice, ctx, out_param)
+                    per_choice = ctx - seq  # the default never pushes a request out; the server caps it too
             output = per_choice * choices
-        elif limits.model_context_tokens is not None and prompt > limits.model_context_tokens:
-            raise _context(prompt, 0, limits.model_context_tokens, "input")
+        elif limits.model_context_tokens is not None and prompt > limits.model_context_tokens and \
+                (seq := self._longest(doc.get("input"))) > limits.model_context_tokens:
+            raise _context(seq, 0, limits.model_context_tokens, "input")  # (each input is its own sequence)
 
         stream = doc.get("stream")
         if stream is not None and not isinstance(stream, bool):
@@ -208,6 +211,13 @@ class Estimator:
                         model=model if isinstance(model, str) else None)
 
     # -- parameters ------------------------------------------------------------------------------
+
+    def _longest(self, value: Any) -> int:
+        """Tokens of the longest item of a batch (a list of strings or of token-id lists; anything else
+        is one item): each is its own sequence, and only it must fit the context."""
+        if isinstance(value, list) and value and isinstance(value[0], (str, list)):
+            return max(self._token_input(x, "input") if isinstance(x, str) else len(x) for x in value)
+        return self._token_input(value, "input")
 
     def _count(self, doc: dict[str, Any], name: str) -> int:
         """``n`` / ``best_of``: absent or null is 1; otherwise an integer in 1..limits.max_n."""

@@ -411,4 +411,9 @@ def test_a_batch_of_embedding_inputs_is_read_whatever_the_models_context() -> No
     core = make(parse_config(doc))
     body = orjson.dumps({"model": "m", "input": [list(range(64))] * 2048})
     a = decide(core, body, path="/v1/embeddings", rid="e")
-    assert a.decision.admitted, a.decision.rejection
+    assert a.decision.admitted, a.decision.rejection  # (each input is its own sequence: 64 tokens of 8k)
+    long = orjson.dumps({"model": "m", "input": [[1] * 9000, [2] * 10]})
+    r = decide(core, long, path="/v1/embeddings", rid="e2").decision.rejection
+    assert r is not None and r.reason == "context-too-long"  # one input longer than the context
+    batch = orjson.dumps({"model": "m", "prompt": [[1] * 3000] * 3, "max_tokens": 100})  # 9,000 in all
+    assert decide(core, batch, path="/v1/completions", rid="c").decision.admitted
