@@ -436,6 +436,11 @@ class Core:
             return Answer("", self._refusal(None, UNKNOWN_KEY), reject_reply(UNKNOWN_KEY))
         d = self._refusal(tenant, None)
         bare = path.split("?", 1)[0].rstrip("/")
+        if bare.startswith("/v1/models/") and len(bare) > len("/v1/models/") + self.config.limits.max_model_name_chars:
+            # the name cap holds for the node's own answer too (red team: a 300-character id was passed on)
+            name = model_id(bare, self.config.limits.max_model_name_chars)
+            if isinstance(name, Rejection):
+                return Answer("", self._refusal(tenant, name), reject_reply(name))
         if bare.startswith("/v1/models") and (not self.router.single or (tenant is not None and tenant.models)):
             # kvgate knows which models the caller may use (a node knows only its own, and all of them)
             if bare == "/v1/models":

@@ -509,6 +509,10 @@ def hcm_settings(p: EnvoyParams) -> dict[str, Any]:
         "stream_idle_timeout": "300s",
         # kvgate's gRPC receive limit counts on it (ext_proc/sizes.py): raise both together
         "max_request_headers_kb": MAX_REQUEST_HEADERS_KB,
+        # dot segments and doubled slashes resolved before routing (red team: /v1/models/../../metrics
+        # reached the node as sent); escaped slashes stay as they are (/v1/models/meta-llama%2FLlama-3)
+        "normalize_path": True,
+        "merge_slashes": True,
     }
 
 

@@ -344,3 +344,16 @@ def test_envoys_own_protocol_errors_are_openai_json(envoy: EnvoyParams, data: by
     assert headers["content-type"] == "application/json"
     err = json.loads(body)["error"]
     assert err["type"] == "invalid_request_error" and err["message"] and err["code"]
+
+
+def test_dot_segments_and_doubled_slashes_are_resolved_before_routing(envoy: EnvoyParams, node: Node) -> None:
+    """(red team) ``/v1/models/../../metrics`` matched the bodyless prefix route and reached the node as
+    sent; Envoy now normalizes the path first (escaped slashes stay: ``meta-llama%2FLlama``)."""
+    seen = len(node.paths)
+    code, h, _ = request(envoy.listen_port, "GET", "/v1/models/../../metrics")
+    assert code == 404 and h.get("x-kvgate-reject-reason") == "route-not-found"
+    assert not any("metrics" in p for p in node.paths[seen:])
+    code, _, body = request(envoy.listen_port, "GET", "//v1//models")
+    assert code == 200 and node.paths[-1] == "/v1/models"
+    code, _, _ = request(envoy.listen_port, "GET", "/v1/models/meta-llama%2FLlama-3")
+    assert code == 200 and node.paths[-1] == "/v1/models/meta-llama%2FLlama-3"

@@ -394,3 +394,16 @@ def test_expiring_holds_at_most_its_count_and_nothing_older_than_its_ttl(ops: li
         assert all(now - added[k] < 20.0 for k in kept)
         newest = sorted(added, key=lambda k: added[k])[-len(kept):]
         assert set(kept) == set(newest), "what goes is always the oldest"
+
+
+def test_a_model_id_longer_than_the_cap_is_400_with_one_pool_too() -> None:
+    """(red team) With a single pool GET /v1/models/{id} goes to the node: the cap did not apply."""
+    from ext_proc.config import parse_config
+    from ext_proc.core import Core, null_logger
+
+    core = Core(parse_config({"tenants": [{"name": "acme", "api_key_sha256": [hash_key("k-acme")]}]}),
+                lambda: 0.0, log=null_logger())
+    a = core.headers("Bearer k-acme", path="/v1/models/" + "x" * 300)
+    assert a.reply is not None and a.reply.status == 400
+    ok = core.headers("Bearer k-acme", path="/v1/models/llama-8b")
+    assert ok.reply is None  # a name within the cap: the node answers it
