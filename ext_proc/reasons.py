@@ -67,6 +67,9 @@ _TABLE: tuple[Reason, ...] = (
            "The request is not valid HTTP (e.g. a control character in a header); Envoy refused it."),
     Reason("headers-too-large", 431, "invalid", "invalid_request_error", "request_too_large",
            "The request headers are larger than this gateway accepts."),
+    Reason("not-implemented", 501, "invalid", "invalid_request_error", "unsupported_protocol",
+           "The request uses an HTTP feature this gateway does not implement (e.g. a transfer encoding "
+           "other than chunked)."),
     Reason("http-version", 426, "invalid", "invalid_request_error", "unsupported_protocol",
            "This gateway speaks HTTP/1.1 and HTTP/2; HTTP/1.0 is not supported."),
     Reason("route-not-found", 404, "invalid", "invalid_request_error", "unknown_url",

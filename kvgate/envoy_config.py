@@ -391,36 +391,27 @@ def local_reply_config() -> dict[str, Any]:
                 "filter": {"or_filter": {"filters": [_status(500), _status(504)]}},
                 **_retryable("gateway-unavailable"),
             },
-            {  # a body over Envoy's buffer limit, refused before kvgate saw it (kvgate's own 413s are tagged)
-                "filter": {
-                    "and_filter": {
-                        "filters": [
-                            _status(413),
-                            {"metadata_filter": {
-                                "matcher": {**_has_key("rejected"), "invert": True},
-                                "match_if_key_not_found": True,
-                            }},
-                        ]
-                    }
-                },
-                "status_code": REASONS["body-too-large"].status,
-                "headers_to_add": [_add("x-kvgate-reject-reason", "body-too-large")],
-                "body_format_override": _json_error("body-too-large"),
-            },
-            # Envoy's own protocol errors, plain text by default: every refusal a client can get is
-            # OpenAI-shaped JSON (kvgate never answers 431 or 426 itself)
+            # Envoy's own refusals, plain text by default: every refusal a client can get is OpenAI-shaped
+            # JSON. A body over Envoy's buffer limit, refused before kvgate saw it (kvgate's own 413 gets
+            # the same answer), protocol errors (kvgate never answers 431, 426 or 501 itself)
             *(_envoys_own(name, flt) for name, flt in (
+                ("body-too-large", {"and_filter": {"filters": [_status(413), _not_kvgates()]}}),
                 ("headers-too-large", _status(431)),
                 ("http-version", _status(426)),
-                # a 400 for a request whose headers Envoy never finished reading (a codec error):
-                # kvgate's and the Lua helper's own 400s all come after a complete request
-                ("invalid-http", {"and_filter": {"filters": [
-                    _status(400),
-                    {"header_filter": {"header": {"name": ":path", "present_match": True, "invert_match": True}}},
-                ]}}),
+                # a 400 for a request whose headers Envoy never finished reading (a codec error): kvgate's
+                # and the Lua helper's own 400s come after a complete request (kvgate's metadata tag is
+                # not set yet when Envoy sends an immediate response: it cannot tell them apart)
+                ("invalid-http", {"and_filter": {"filters": [_status(400), {"header_filter": {"header": {
+                    "name": ":path", "present_match": True, "invert_match": True}}}]}}),
+                ("not-implemented", _status(501)),
             )),
         ]
     }
+
+
+def _not_kvgates() -> dict[str, Any]:
+    """A local reply kvgate (or its Lua helper) did not give: no ``rejected`` in kvgate's metadata."""
+    return {"metadata_filter": {"matcher": {**_has_key("rejected"), "invert": True}, "match_if_key_not_found": True}}
 
 
 def _envoys_own(name: str, flt: dict[str, Any]) -> dict[str, Any]:

@@ -332,7 +332,9 @@ def _raw(port: int, data: bytes) -> bytes:
     (b"GARBAGE\r\n\r\n", 400, "invalid-http"),
     (b"GET /v1/models HTTP/1.1\r\nhost: x\r\nx-big: " + b"a" * 100_000 + b"\r\n\r\n", 431, "headers-too-large"),
     (b"GET /v1/models HTTP/1.0\r\nhost: x\r\n\r\n", 426, "http-version"),
-], ids=["nul-in-header", "not-http", "huge-header", "http-1.0"])
+    (b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ntransfer-encoding: gzip, chunked\r\n\r\n0\r\n\r\n",
+     501, "not-implemented"),
+], ids=["nul-in-header", "not-http", "huge-header", "http-1.0", "gzip-te"])
 def test_envoys_own_protocol_errors_are_openai_json(envoy: EnvoyParams, data: bytes, status: int, reason: str) -> None:
     """Envoy answers these itself (plain text by default): a client's SDK must get the same JSON shape
     as from any other refusal, with the reason header."""
@@ -353,7 +355,7 @@ def test_dot_segments_and_doubled_slashes_are_resolved_before_routing(envoy: Env
     code, h, _ = request(envoy.listen_port, "GET", "/v1/models/../../metrics")
     assert code == 404 and h.get("x-kvgate-reject-reason") == "route-not-found"
     assert not any("metrics" in p for p in node.paths[seen:])
-    code, _, body = request(envoy.listen_port, "GET", "//v1//models")
+    code, _, _ = request(envoy.listen_port, "GET", "//v1//models")
     assert code == 200 and node.paths[-1] == "/v1/models"
     code, _, _ = request(envoy.listen_port, "GET", "/v1/models/meta-llama%2FLlama-3")
     assert code == 200 and node.paths[-1] == "/v1/models/meta-llama%2FLlama-3"

@@ -74,6 +74,7 @@ class Run:
     respond: tuple[dict[str, str], str] | None = None
     headers: dict[str, str] = field(default_factory=dict)
     route_cleared: bool = False
+    metadata: dict[str, dict[str, Any]] = field(default_factory=dict)
 
 
 def lua(fail_open: bool = False) -> Any:
@@ -111,7 +112,8 @@ def on_request(headers: dict[str, str], md: dict[str, Any] | None, fail_open: bo
     resp = None
     if h.responded is not None:
         resp = (dict(h.responded.headers.items()), h.responded.body)
-    return Run(respond=resp, headers=dict(ht.items()), route_cleared=bool(h.route_cleared))
+    md = {ns: dict(t.items()) for ns, t in mdt.items()}
+    return Run(respond=resp, headers=dict(ht.items()), route_cleared=bool(h.route_cleared), metadata=md)
 
 
 def ev(obj: dict[str, Any], sep: str = "\n\n") -> str:
