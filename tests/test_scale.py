@@ -295,3 +295,27 @@ def test_the_bench_with_requests_waiting_keeps_the_fleet_full_and_the_queue_full
     row = waiting_queue(SCAN_LIMIT + 8, waiting=5, ops=300, quiet=True)
     assert row["queued_mean"] == 5
     assert row["reading_p50_us"] > 0 and row["decide_p99_us"] >= row["decide_p50_us"]
+
+
+@settings(max_examples=20, deadline=None)
+@given(st.integers(0, 2**32 - 1), st.integers(SCAN_LIMIT + 1, 300))
+def test_a_forced_choice_in_a_large_fleet_scores_a_few_nodes_and_still_finds_the_one_alive(
+        seed: int, n: int) -> None:
+    """(review) A shadow decision or a bodyless request (any live node) scored every node: 392 µs at
+    1,000 nodes. A large fleet now scores MAX_CANDIDATES live ones in scan order — and, with every other
+    node dead, still walks the ring to the one alive."""
+    from ext_proc.nodes import MAX_CANDIDATES
+
+    f = _loaded(n, seed)
+    scored: list[str] = []
+    score = f._score
+    f._score = lambda node, tokens: (scored.append(node.address), score(node, tokens))[1]  # type: ignore[method-assign]
+    c = f.choose(0, 1.0, force=True)
+    assert c.node is not None and len(scored) == MAX_CANDIDATES
+    alive = f"10.0.0.{random.Random(seed).randrange(n)}:8000"
+    later = 100.0  # every node dead (no reading since 0) but one
+    f.on_snapshot(alive, Snapshot(alive, later, True, kv_usage=0.5, blocks_total=2000, block_size=16), later)
+    c = f.choose(0, later, force=True)
+    assert c.node is not None and c.node.address == alive
+    f.on_snapshot(alive, Snapshot(alive, later, True, kv_usage=0.5, blocks_total=2000, block_size=16), later)
+    assert f.choose(0, later + 100.0, force=True).reason == "fleet-no-healthy-node"
