@@ -436,18 +436,18 @@ class Core:
             return Answer("", self._refusal(None, UNKNOWN_KEY), reject_reply(UNKNOWN_KEY))
         d = self._refusal(tenant, None)
         bare = path.split("?", 1)[0].rstrip("/")
-        if bare.startswith("/v1/models/") and len(bare) > len("/v1/models/") + self.config.limits.max_model_name_chars:
-            # the name cap holds for the node's own answer too (red team: a 300-character id was passed on)
-            name = model_id(bare, self.config.limits.max_model_name_chars)
-            if isinstance(name, Rejection):
-                return Answer("", self._refusal(tenant, name), reject_reply(name))
+        name = ""
+        if bare.startswith("/v1/models") and bare != "/v1/models":
+            # the name cap holds whoever answers, kvgate or the node (red team: with one pool a
+            # 300-character id was passed on)
+            got = model_id(bare, self.config.limits.max_model_name_chars)
+            if isinstance(got, Rejection):
+                return Answer("", self._refusal(tenant, got), reject_reply(got))
+            name = got
         if bare.startswith("/v1/models") and (not self.router.single or (tenant is not None and tenant.models)):
             # kvgate knows which models the caller may use (a node knows only its own, and all of them)
             if bare == "/v1/models":
                 return Answer("", d, json_reply(200, self.router.listing(tenant)))
-            name = model_id(bare, self.config.limits.max_model_name_chars)
-            if isinstance(name, Rejection):
-                return Answer("", self._refusal(tenant, name), reject_reply(name))
             model = self.router.model_entry(tenant, name)
             if model is None:
                 r = reject("model-not-found", "The model does not exist on this gateway.", param="model")
