@@ -117,10 +117,10 @@ class Expiring(Generic[K]):
     def sweep(self, now: float) -> None:
         """Drop the keys older than ``ttl``."""
         at = self._at
-        horizon = now - self.ttl
+        ttl = self.ttl
         while at:
-            first = next(iter(at))
-            if at[first] > horizon:
+            # (an age, as "older than ttl" reads: ``at > now - ttl`` rounds the other way at the edge)
+            if now - at[next(iter(at))] < ttl:
                 break
             at.popitem(last=False)
 

@@ -9,7 +9,7 @@ from typing import Any
 
 import orjson
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from prometheus_client import generate_latest
 
@@ -382,6 +382,7 @@ def test_a_pool_model_longer_than_the_name_cap_is_a_config_error_naming_it() -> 
 
 @settings(max_examples=200, deadline=None)
 @given(st.lists(st.tuples(st.integers(0, 30), st.floats(0, 30)), max_size=100))
+@example([(0, 5.120010564860823e-249), (1, 20.0)])  # an age of exactly ttl after rounding: it goes
 def test_expiring_holds_at_most_its_count_and_nothing_older_than_its_ttl(ops: list[tuple[int, float]]) -> None:
     e: Expiring[int] = Expiring(20.0, 8)
     now, added = 0.0, {}
