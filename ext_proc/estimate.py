@@ -215,7 +215,7 @@ class Estimator:
     def _longest(self, value: Any) -> int:
         """Tokens of the longest item of a batch (a list of strings or of token-id lists; anything else
         is one item): each is its own sequence, and only it must fit the context."""
-        if isinstance(value, list) and value and isinstance(value[0], (str, list)):
+        if _batch(value) > 1:
             return max(self._token_input(x, "input") if isinstance(x, str) else len(x) for x in value)
         return self._token_input(value, "input")
 
