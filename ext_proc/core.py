@@ -193,6 +193,10 @@ class Core:
         """Repeated refusals folded into one log line per interval (the metrics count each)."""
         self._pumping = False
         """The gateway queue is being pumped: a no-node answer's Retry-After goes nowhere (``_pump``)."""
+        self._later: Callable[[Callable[[], None]], None] | None = None
+        """Set by :meth:`pump_once_per_turn`: how a pump is put off to the end of the loop turn."""
+        self._pump_due = False
+        """A put-off pump is scheduled and has not run yet."""
         self.breaker_opens: dict[str, int] = {}
         """Breaker opens by cause (kv | latency | trial): what the benchmarks report."""
         self.stats.bind(self)
@@ -473,7 +477,33 @@ class Core:
         out, self._outbox = self._outbox, []
         return out
 
+    def pump_once_per_turn(self, later: Callable[[Callable[[], None]], None]) -> None:
+        """Pump the gateway queue at most once per event-loop turn: ``later(run)`` must call ``run``
+        after the events at hand (the live shell passes ``loop.call_soon``), and every event that would
+        pump asks for one scheduled run instead.
+
+        Why: with requests waiting, every event — a probe reading, a decision, a completion — may free
+        room, and a pump runs a node choice per tier. Under load, events arrive in bursts that one loop
+        turn handles together (a thousand probes' readings, a batch of access-log entries); one pump
+        after the burst sees all of them and decides the same requests for a fraction of the CPU. The
+        virtual-time driver does not call this: it pumps after each event, as before, so its runs stay
+        reproducible event by event. Answers a put-off pump decides are in :meth:`answers` once ``run``
+        returned."""
+        self._later = later
+
     def _pump(self) -> None:
+        if self._later is not None:
+            if not self._pump_due and (self.admission.queued or self.admission.has_outcomes):
+                self._pump_due = True
+                self._later(self._pump_later)
+            return
+        self._pump_now()
+
+    def _pump_later(self) -> None:
+        self._pump_due = False
+        self._pump_now()
+
+    def _pump_now(self) -> None:
         if self.admission.queued or self.admission.has_outcomes:
             # (while the queue is pumped, a request no node can take only blocks its tier: no Retry-After
             # is asked of node choice, which would walk the whole fleet for it — ``_pick``)

@@ -234,6 +234,7 @@ class Gateway:
         self.overrides = overrides or {}
         """``server.*`` settings from the command line: they win over the file's at every reload."""
         self.core = Core(config, time.monotonic, log=logs.get("kvgate.core"))
+        self.core.pump_once_per_turn(self._later)
         self._waiters: dict[str, asyncio.Future[Answer]] = {}
         self._seen = _stat(config_path)
         self._pending_stat: tuple[float, int] | None = None
@@ -336,6 +337,20 @@ class Gateway:
             self._pending_stat = st
 
     # -- events ----------------------------------------------------------------------------------
+
+    def _later(self, run: Callable[[], None]) -> None:
+        """The core's put-off pump (``Core.pump_once_per_turn``): at the end of this loop turn, then the
+        answers it decided to their streams; at once where no loop runs (start-up)."""
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            self._turn_end(run)
+            return
+        loop.call_soon(self._turn_end, run)
+
+    def _turn_end(self, run: Callable[[], None]) -> None:
+        run()
+        self.flush()
 
     def flush(self) -> None:
         """Hand the answers the core decided for queued requests to their streams."""

@@ -416,3 +416,57 @@ def test_a_queue_retry_after_never_exceeds_the_tiers_own_wait_much() -> None:
     d = r.a.decide(r.cfg.tenant("t"), "x", E(), 1)
     assert d.rejection is not None and d.rejection.reason == "queue-deadline"
     assert d.rejection.retry_after is not None and d.rejection.retry_after <= 2.0
+
+
+def test_a_burst_of_readings_in_one_loop_turn_pumps_the_queue_once() -> None:
+    """With ``pump_once_per_turn`` (the live shell), events that would each pump the gateway queue ask
+    for one put-off pump; it decides what every event of the turn freed. Without it (virtual time),
+    each event pumps at once, as before."""
+    from ext_proc.core import Core, Held, Request, null_logger
+    from gpu_probe.snapshot import Snapshot
+
+    nodes = [f"10.0.0.{i}:8000" for i in range(1, 4)]
+
+    def reading(at: float, waiting: int) -> Snapshot:
+        return Snapshot(node="n", at=at, ok=True, kv_usage=0.1, blocks_total=10_000, block_size=16,
+                        running=4, waiting=waiting)
+
+    seen: dict[bool, tuple[int, list[bool], int]] = {}
+    for deferred in (False, True):
+        clock = FakeClock()
+        core = Core(parse_config({
+            "nodes": {"static": [{"address": a, "probe": "http://p"} for a in nodes], "max_waiting_requests": 2},
+            "tenants": [{"name": "rag", "api_key_sha256": [hash_key("r")]}]}), clock, random.Random(1),
+            log=null_logger())
+        turn: list[Any] = []
+        if deferred:
+            core.pump_once_per_turn(turn.append)
+        pumps = 0
+        pump = core.admission.pump
+
+        def counted(pump: Any = pump) -> Any:
+            nonlocal pumps
+            pumps += 1
+            return pump()
+
+        core.admission.pump = counted  # type: ignore[method-assign]
+        for a in nodes:
+            core.snapshot(a, reading(0, 3))  # every node's vLLM queue over its cap: requests are held
+        held = [core.decide(Request("/v1/chat/completions", f"r{i}", "Bearer r", estimate=E(), body_bytes=10))
+                for i in range(3)]
+        assert all(isinstance(h, Held) for h in held)
+        for run_ in turn:
+            run_()
+        turn.clear()
+        assert core.answers() == []
+        pumps = 0
+        clock.advance(0.05)
+        for a in nodes:  # one turn's burst: three readings that free nothing, then one that does
+            core.snapshot(a, reading(0.05, 3))
+        core.snapshot(nodes[0], reading(0.05, 0))
+        if deferred:
+            assert pumps == 0 and core.answers() == [] and len(turn) == 1  # one run asked for, none yet
+            turn.pop()()
+        seen[deferred] = (pumps, [x.decision.admitted for x in core.answers()], core.admission.queued)
+    assert seen[False][0] == len(nodes) + 1 and seen[True][0] == 1
+    assert seen[False][1:] == seen[True][1:] and True in seen[True][1]  # the same requests decided

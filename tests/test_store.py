@@ -858,7 +858,8 @@ def test_an_envoy_gone_releases_what_it_carried_at_every_replica(server: RedisSe
 
 def test_a_sync_that_frees_a_queued_request_answers_it_at_once(server: RedisServer) -> None:
     """Issue 29: a store sync that freed queued requests left their answers in the core's outbox
-    until the shell's next tick (50 ms); the gateway now flushes them as the sync ends."""
+    until the shell's next tick (50 ms); the gateway now pumps and flushes them at the end of the sync's loop
+    turn (no tick runs here: without that, the future would never be done)."""
     from ext_proc.server import Gateway
 
     async def run() -> None:
@@ -882,7 +883,8 @@ def test_a_sync_that_frees_a_queued_request_answers_it_at_once(server: RedisServ
         other.store.forward(Ended(first.ticket, "r1", 200, Usage(5, 5), upstream_answered=True), "a")
         await other.store.sync()
         await gw.store.sync()
-        assert fut.done(), "the answer went with the sync that freed it"
+        await asyncio.sleep(0)  # one loop turn: the pump the sync asked for (``Core.pump_once_per_turn``)
+        assert fut.done(), "the answer went at the end of the turn of the sync that freed it"
         assert fut.result().decision.admitted
         await close_all([other])
         await gw.store.close()

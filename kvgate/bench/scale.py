@@ -181,13 +181,17 @@ def decision_time(nodes: tuple[int, ...] = (10, 100, 1_000), tenants: tuple[int,
     return rows
 
 
-def waiting_queue(n_nodes: int = 1_000, waiting: int = 15, ops: int = 5_000, quiet: bool = False) -> dict[str, Any]:
+def waiting_queue(n_nodes: int = 1_000, waiting: int = 15, ops: int = 5_000, quiet: bool = False,
+                  once_per_turn: bool = False) -> dict[str, Any]:
     """The costs when requests wait: ``n_nodes`` nodes whose KV is all above the admit threshold (a full
     fleet), the gateway queue holding ``waiting`` requests (its ``max_size``), and per millisecond of
     virtual time one new request and a probe reading from 4 nodes (every node read each 250 ms). Every
     event that may free room (a reading, a decision) asks the queue whether anything can go now — what
     it costs with the fleet full is the figure: µs per probe reading (``Core.snapshot``) and per decision
-    (``Core.decide``, p50/p99)."""
+    (``Core.decide``, p50/p99). ``once_per_turn``: as the live shell runs the core
+    (``Core.pump_once_per_turn``), each millisecond is one loop turn whose events ask for one pump at its
+    end; ``turn_us`` (the CPU of a whole millisecond: its readings, its decision and that pump) compares
+    the two."""
     from ext_proc.config import parse_config
     from ext_proc.core import Core, Request, null_logger
     from ext_proc.identity import hash_key
@@ -208,6 +212,9 @@ def waiting_queue(n_nodes: int = 1_000, waiting: int = 15, ops: int = 5_000, qui
     t = [1000.0]
     core = Core(cfg, lambda t=t: t[0], rng=random.Random(1), log=null_logger())  # type: ignore[misc]
     feed = random.Random(3)
+    turn: list[Callable[[], None]] = []
+    if once_per_turn:
+        core.pump_once_per_turn(turn.append)
 
     def full(address: str) -> Snapshot:
         # above the admit threshold (0.92), below the breaker's (0.95): the fleet is full, not sick
@@ -221,8 +228,10 @@ def waiting_queue(n_nodes: int = 1_000, waiting: int = 15, ops: int = 5_000, qui
     warm = min(1_000, ops // 5)
     k = 0
     gc.collect()
+    turns: list[float] = []
     for i in range(warm + ops):
         t[0] += 0.001
+        start = time.perf_counter_ns()
         for _ in range(4):  # 4 readings a millisecond: 1,000 nodes each read every 250 ms
             a = addrs[k % n_nodes]
             k += 1
@@ -237,19 +246,25 @@ def waiting_queue(n_nodes: int = 1_000, waiting: int = 15, ops: int = 5_000, qui
         t0 = time.perf_counter_ns()
         core.decide(req)
         dt = time.perf_counter_ns() - t0
+        while turn:  # the end of the loop turn: the one pump its events asked for
+            turn.pop()()
         core.answers()
+        end = time.perf_counter_ns()
         if i >= warm:
             decides.append(dt / 1000.0)
+            turns.append((end - start) / 1000.0)
             queued += core.queued
     row = {"nodes": n_nodes, "waiting": waiting, "queued_mean": queued / ops, "reading_p50_us": _pct(reads, 50),
            "reading_mean_us": sum(reads) / len(reads), "reading_p99_us": _pct(reads, 99),
-           "decide_p50_us": _pct(decides, 50), "decide_p99_us": _pct(decides, 99), "ops": ops}
+           "decide_p50_us": _pct(decides, 50), "decide_p99_us": _pct(decides, 99), "ops": ops,
+           "once_per_turn": once_per_turn, "turn_mean_us": sum(turns) / len(turns)}
     if not quiet:
-        print(f"\nwith requests waiting: {n_nodes} nodes all full, the gateway queue holding up to {waiting} "
-              f"(mean {row['queued_mean']:.1f}), {ops} decisions and {len(reads)} readings")
-        print(f"{'reading p50 µs':>15} {'mean':>8} {'p99':>8} {'decide p50 µs':>14} {'p99':>8}")
+        how = "one pump per loop turn" if once_per_turn else "a pump per event"
+        print(f"\nwith requests waiting ({how}): {n_nodes} nodes all full, the gateway queue holding up to "
+              f"{waiting} (mean {row['queued_mean']:.1f}), {ops} decisions and {len(reads)} readings")
+        print(f"{'reading p50 µs':>15} {'mean':>8} {'p99':>8} {'decide p50 µs':>14} {'p99':>8} {'per turn µs':>12}")
         print(f"{row['reading_p50_us']:>15.1f} {row['reading_mean_us']:>8.1f} {row['reading_p99_us']:>8.1f}"
-              f" {row['decide_p50_us']:>14.1f} {row['decide_p99_us']:>8.1f}")
+              f" {row['decide_p50_us']:>14.1f} {row['decide_p99_us']:>8.1f} {row['turn_mean_us']:>12.1f}")
     return row
 
 
@@ -433,6 +448,8 @@ def scale(nodes: tuple[int, ...] = (10, 100, 1_000), tenants: tuple[int, ...] = 
     logs.setup("warning")
     decisions = decision_time(nodes, tenants, ops, quiet=quiet) if ops else []
     queue = waiting_queue(waiting_nodes, waiting, max(1_000, ops // 4), quiet=quiet) if ops and waiting_nodes else None
+    per_turn = waiting_queue(waiting_nodes, waiting, max(1_000, ops // 4), quiet=quiet, once_per_turn=True) \
+        if ops and waiting_nodes else None
     follow: list[dict[str, Any]] = []
     for mode in modes:
         follow += follow_cpu(follow_nodes, period, seconds, stream=mode == "stream")
@@ -475,7 +492,8 @@ def scale(nodes: tuple[int, ...] = (10, 100, 1_000), tenants: tuple[int, ...] = 
             print(f"target: following {f['nodes']} nodes at {period * 1000:.0f} ms with <= "
                   f"{FOLLOW_TARGET_SHARE:.0%} of a core ({f['mode']}): {f['measured']:.1%} "
                   f"({'met' if f['met'] else 'MISSED'})")
-    return {"decision": decisions, "follow": follow, "waiting": queue, "targets": targets}
+    return {"decision": decisions, "follow": follow, "waiting": queue, "waiting_once_per_turn": per_turn,
+            "targets": targets}
 
 
 def _main(argv: list[str] | None = None) -> int:
