@@ -304,13 +304,22 @@ class Performance(_Strict):
     d_ms_per_context_token: Annotated[float, Field(ge=0)] | None = None
     max_num_batched_tokens: PositiveInt | None = Field(default=None, description="vLLM's per-step token budget")
     max_num_seqs: PositiveInt | None = None
+    detect: bool = Field(
+        default=True, description="pick each node's profile from the GPU and model its probe reports (a pool "
+        "mixing H100 and A100 nodes gets each its own prior); a node pinned with nodes.static[].profile or "
+        "nodes.dns.profile keeps its pin, and a node whose hardware matches no profile keeps this one")
 
     @field_validator("profile")
     @classmethod
     def _known(cls, v: str) -> str:
-        if v not in PROFILES:
-            raise ValueError(f"unknown profile {v!r}; known: {', '.join(PROFILES)}")
-        return v
+        return known_profile(v)
+
+
+def known_profile(v: str) -> str:
+    """A built-in profile's name, or a ValueError listing them (pydantic names the field)."""
+    if v not in PROFILES:
+        raise ValueError(f"unknown profile {v!r}; known: {', '.join(PROFILES)}")
+    return v
 
 
 _ADDRESS = re.compile(r"^(?:(?P<host>[^\s:/\[\]@?#]+)|\[(?P<v6>[^\s\[\]/]+)\]):(?P<port>\d{1,5})$")
@@ -335,11 +344,19 @@ class NodeEntry(_Strict):
     address: str = Field(description="host:port (or [ipv6]:port) of the vLLM server")
     probe: Annotated[str, Field(pattern=r"^https?://", description="base URL of this node's kvgate probe")]
     kv_admit_threshold: Annotated[float, Field(gt=0, le=1)] | None = None
+    profile: str | None = Field(
+        default=None, description="this node's performance profile, pinned (a pool mixing GPUs): it wins over "
+        "nodes.performance.profile and over what the probe reports")
 
     @field_validator("address")
     @classmethod
     def _address(cls, v: str) -> str:
         return check_address(v)
+
+    @field_validator("profile")
+    @classmethod
+    def _profile(cls, v: str | None) -> str | None:
+        return None if v is None else known_profile(v)
 
 
 class DnsDiscovery(_Strict):
@@ -347,6 +364,14 @@ class DnsDiscovery(_Strict):
     port: Annotated[int, Field(ge=1, le=65535)] = 8000
     probe_port: Annotated[int, Field(ge=1, le=65535)] = 9102
     refresh_seconds: PositiveFloat = 10.0
+    profile: str | None = Field(
+        default=None, description="the performance profile of every node this name resolves to, pinned (one "
+        "GPU kind behind one Service); default: detected per node, else nodes.performance.profile")
+
+    @field_validator("profile")
+    @classmethod
+    def _profile(cls, v: str | None) -> str | None:
+        return None if v is None else known_profile(v)
 
 
 class Nodes(_Strict):

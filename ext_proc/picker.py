@@ -321,8 +321,9 @@ class Picker(NodeBook):
         fastest node's speed (0 with no node)."""
         if not self._order:
             return 0.0
-        fastest = min(n.speed.factor for n in self._order) if len(self._order) <= SCAN_LIMIT else 1.0
-        return self.model.prefill(prompt_tokens, 0, 0) * fastest
+        if len(self._order) > SCAN_LIMIT:
+            return self.model.prefill(prompt_tokens, 0, 0)
+        return min(n.model.prefill(prompt_tokens, 0, 0) * n.speed.factor for n in self._order)
 
     def predict(self, n: Node, prompt_tokens: int, priority: int, now: float) -> float:
         """Seconds until a request of ``prompt_tokens`` at ``priority`` gets its first token on ``n``:
@@ -330,7 +331,7 @@ class Picker(NodeBook):
         progress — or, when a less urgent prefill is running, the rest of it: it keeps every step's
         budget until it is done (vLLM runs running requests first) —, and its own prefill, all at the
         node's learned speed."""
-        m, f = self.model, n.speed.factor
+        m, f = n.model, n.speed.factor
         decode, context = self._load(n)
         busy = n.busy
         ahead = below = 0.0

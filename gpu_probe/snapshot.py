@@ -53,6 +53,12 @@ class Snapshot:
     gpu_memory_used_bytes: int | None = None
     gpu_memory_total_bytes: int | None = None
     gpu_utilization: float | None = None
+    gpu_name: str | None = None
+    """The GPU's model as NVML names it: what kvgate picks the node's performance prior from."""
+    gpu_count: int | None = None
+    """GPUs the node's host shows (a tensor-parallel engine's size)."""
+    model: str | None = None
+    """The model the node serves (vLLM's ``model_name`` label; its first engine's): with the GPU, the prior."""
     engines: list[dict[str, Any]] = field(default_factory=list)
 
     def to_json(self) -> dict[str, Any]:
@@ -153,7 +159,7 @@ _FIELDS: dict[str, type] = {
     "ttft_s": float, "itl_s": float, "prefill_s": float, "prefill_s_per_ktok": float, "latency_fresh": bool,
     "queue_s": float, "step_fresh": bool, "step_tokens": float, "step_decode": float, "prefix_hit_rate": float,
     "gpu_memory_used_bytes": int, "gpu_memory_total_bytes": int, "gpu_utilization": float,
-    "engines": list,
+    "gpu_name": str, "gpu_count": int, "model": str, "engines": list,
 }
 
 
@@ -226,7 +232,8 @@ class Deriver:
             step_fresh="itl" in sums if had_prev else None, step_tokens=step_tokens, step_decode=step_decode,
             prefix_hit_rate=min(1.0, hit / queried) if queried > 0 else None,
             gpu_memory_used_bytes=gpu.get("memory_used"), gpu_memory_total_bytes=gpu.get("memory_total"),
-            gpu_utilization=gpu.get("utilization"),
+            gpu_utilization=gpu.get("utilization"), gpu_name=gpu.get("name"), gpu_count=gpu.get("count"),
+            model=next((r.model for r in readings.values() if r.model), None),
             engines=[{"model": r.model, "engine": r.engine, "kv_usage": r.kv_usage, "running": r.running,
                       "waiting": r.waiting} for r in readings.values()],
         )

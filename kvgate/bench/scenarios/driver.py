@@ -219,9 +219,14 @@ class SimNode:
     hist: dict[str, list[float]] = field(default_factory=dict)
     snapshot_at: float = -1.0
     snapshot: Any = None
+    gpu: dict[str, Any] | None = None
+    """What its probe's NVML reads (GPU name and count) in a pool of mixed nodes; None: no GPU reported
+    (kvgate keeps the pool's prior, as before per-node profiles existed)."""
 
     def __post_init__(self) -> None:
         self.deriver = Deriver(self.address)
+        self.base_profile = self.engine.profile
+        """What it runs when not slowed (a ``Degrade`` of factor 1 gives it back)."""
 
     def observe(self, name: str, value: float) -> None:
         h = self.hist.get(name)
@@ -286,6 +291,9 @@ class RunResult:
     """Each model pool's nodes (the one pool ``default`` without ``pools`` in the config)."""
     pooled: bool = False
     """Whether kvgate's config had ``pools`` (the report shows per-pool figures only then)."""
+    prediction_errors: dict[str, list[float]] = field(default_factory=dict)
+    """Node profile → (predicted - actual) / actual time to the first token, measured from dispatch at the
+    node, of every request kvgate placed there with a prediction (mixed-node runs only; else empty)."""
 
 
 def _content(i: int, r: TraceRequest) -> Prompt | None:
@@ -330,6 +338,9 @@ class SimPool:
     profile: Profile
     size: PoolSize
     cold_start_s: float
+    node_profiles: tuple[Profile, ...] = ()
+    """Mixed nodes: the k-th node provisioned runs ``node_profiles[k % len]`` (and its probe reports its
+    GPU); empty: every node runs ``profile``."""
     law: ControlLaw | None = None
     nodes: list[SimNode] = field(default_factory=list)
     timeline: list[tuple[float, int]] = field(default_factory=list)
@@ -359,7 +370,7 @@ class Run:
     def __init__(self, config: Config, policy: Policy, profile: Profile, trace: list[TraceRequest],
                  seed: int = 0, engine: EngineOptions | None = None, autoscaling: Autoscaling | None = None,
                  cold_start_s: float | None = None, degrade: tuple[Degrade, ...] = (),
-                 outages: tuple[Outage, ...] = ()) -> None:
+                 outages: tuple[Outage, ...] = (), node_profiles: tuple[str, ...] = ()) -> None:
         if outages and policy.admission != "none":
             raise ValueError("outages apply to plain least-request routing (admission none) only")
         self.now = 0.0
@@ -389,6 +400,9 @@ class Run:
         self.transitions: list[tuple[float, str, str, str, str]] = []
         self._inflight: dict[Request, tuple[int, str | None]] = {}
         """Engine request → (outcome index, kvgate ticket)."""
+        self._predicted: dict[Request, float] = {}
+        """Engine request → kvgate's predicted seconds to its first token (mixed-node runs)."""
+        self.prediction_errors: dict[str, list[float]] = {}
         self._held: dict[str, int] = {}
         """Request id of a queued request → outcome index."""
         self.router = Router(config, random.Random(seed))
@@ -405,7 +419,8 @@ class Run:
             if policy.autoscale == "scaler":
                 law = ControlLaw(replace(self.auto.law, min_replicas=size.min_nodes, max_replicas=size.max_nodes,
                                          cold_start_s=cold, window_s=self.auto.window_s))
-            self.pools[spec.name] = SimPool(spec, prof, size, cold, law)
+            self.pools[spec.name] = SimPool(spec, prof, size, cold, law=law,
+                                            node_profiles=tuple(get_profile(name) for name in node_profiles))
         self.core: Core | None = None
         if policy.admission != "none":
             if config.nodes is None and not config.pools:
@@ -430,8 +445,10 @@ class Run:
         i = len(self.nodes)
         opts = replace(self.engine_options, seed=self.seed * 1000 + i)
         address = f"{pool.name}-{i}:8000" if self.pooled else f"node-{i}:8000"
-        n = SimNode(i, address, Engine(pool.profile, opts), self.now,
-                    self.now if ready else self.now + pool.cold_start_s, pool=pool.name)
+        prof = pool.node_profiles[len(pool.nodes) % len(pool.node_profiles)] if pool.node_profiles else pool.profile
+        n = SimNode(i, address, Engine(prof, opts), self.now,
+                    self.now if ready else self.now + pool.cold_start_s, pool=pool.name,
+                    gpu={"name": f"NVIDIA {prof.gpu}", "count": prof.gpus} if pool.node_profiles else None)
         n.engine.every_token = False
         self.nodes.append(n)
         pool.nodes.append(n)
@@ -497,7 +514,7 @@ class Run:
 
     def _probe(self, n: SimNode) -> None:
         if self.now - n.snapshot_at >= PROBE_INTERVAL_S - 1e-9:
-            n.snapshot = n.deriver.update({(n.engine.profile.model_name, "0"): n.reading()}, self.now)
+            n.snapshot = n.deriver.update({(n.engine.profile.model_name, "0"): n.reading()}, self.now, n.gpu)
             n.snapshot_at = self.now
         assert self.core is not None
         self.core.snapshot(n.address, n.snapshot, self.now - n.snapshot_at)
@@ -516,7 +533,7 @@ class Run:
             n.busy = True
             self._push(self.now + dt, "step", n)
 
-    def _send(self, i: int, n: SimNode, ticket: str | None) -> None:
+    def _send(self, i: int, n: SimNode, ticket: str | None, predicted: float | None = None) -> None:
         o = self.outcomes[i]
         r = o.req
         tier = self.config.tiers.get(o.tier)
@@ -528,6 +545,8 @@ class Run:
         model = r.model or ""
         n.served[model] = n.served.get(model, 0) + 1
         self._inflight[sreq] = (i, ticket)
+        if predicted is not None and n.gpu is not None:
+            self._predicted[sreq] = predicted
         o.status, o.node, o.decided_at = 200, n.index, self.now
         self._kick(n)
 
@@ -607,7 +626,7 @@ class Run:
         tenant = o.req.tenant
         if d.admitted:
             assert d.lease is not None and d.lease.node is not None
-            self._send(i, self._by_address[d.lease.node], d.lease.ticket)
+            self._send(i, self._by_address[d.lease.node], d.lease.ticket, d.lease.predicted_ttft)
             if pool is not None:
                 pool.decisions.append((self.now, "admitted", tenant))
                 if d.lease.slo_miss:
@@ -630,6 +649,12 @@ class Run:
             o = self.outcomes[i]
             assert req.first_token is not None and req.finished_at is not None
             o.ttft, o.e2e = req.first_token - o.req.t, req.finished_at - o.req.t
+            predicted = self._predicted.pop(req, None)
+            if predicted is not None:
+                actual = req.first_token - req.arrival
+                if actual > 0:
+                    errors = self.prediction_errors.setdefault(n.base_profile.name, [])
+                    errors.append((predicted - actual) / actual)
             n.observe("e2e", req.finished_at - req.arrival)
             n.observe("request_prompt", float(req.prompt_tokens))
             n.observe("ttft", req.first_token - req.arrival)
@@ -728,7 +753,7 @@ class Run:
                     self._ready(arg)
                 elif kind == "degrade" and arg.node < len(self.nodes):
                     n = self.nodes[arg.node]
-                    n.engine.profile = _slowed(self.pools[n.pool].profile, arg.factor)
+                    n.engine.profile = _slowed(n.base_profile, arg.factor)
                 continue
             if nxt == math.inf:
                 break
@@ -755,7 +780,8 @@ class Run:
                        - n.engine.scheduler.prefix_hits - n.engine.scheduler.preempted_prefix_hits for n in self.nodes)
         first = next(iter(self.pools.values()))
         return RunResult(self.policy, self.outcomes, last - start, gpu_s, first.gpus, self.node_timeline,
-                         self.breaker_opens, lost, dict(self.breaker_opens_by_cause), computed, pools, self.pooled)
+                         self.breaker_opens, lost, dict(self.breaker_opens_by_cause), computed, pools, self.pooled,
+                         self.prediction_errors)
 
     def _busy(self) -> bool:
         return bool(self._inflight or self._held)

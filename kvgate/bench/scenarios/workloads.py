@@ -190,6 +190,9 @@ class Scenario:
     """The reference row (policy none without the disturbance); None: the scenario has no disturbance."""
     reference: Reference | None = None
     """Every policy again over the trace without some streams (``Reference``); None: no such rows."""
+    node_profiles: tuple[str, ...] = ()
+    """A pool of mixed nodes: the k-th node runs ``node_profiles[k % len]`` and its probe reports that
+    profile's GPU; empty: every node runs ``profile``."""
 
     def trace(self, scale: float = 1.0) -> list[TraceRequest]:
         """The scenario's requests; ``scale`` < 1 shortens the run (tests)."""
@@ -580,12 +583,41 @@ def _two_pools() -> Scenario:
     )
 
 
+def _mixed_gpus() -> Scenario:
+    # One 8B pool on two GPU generations: 2 x 8b-h100 and 2 x 8b-a100 (an A100 serves about 12 req/s of
+    # this mix, an H100 about 31: families.node_capacity_rps), at about 65% of the four together. The pool's
+    # prior is the H100's; each probe reports its GPU and kvgate picks that node's own (performance.detect).
+    # Splitting requests evenly (least-request) gives each A100 more than it serves: its queue grows.
+    rate = 62.0
+    streams = (
+        Stream("chat-a", SHORT, const(rate * 0.45)),
+        Stream("chat-b", SHORT, const(rate * 0.40)),
+        Stream("docs", LONG, const(rate * 0.15), max_tokens=1024),
+    )
+    config = {
+        "tenants": [{"name": "chat-a", "tier": "interactive"}, {"name": "chat-b", "tier": "interactive"},
+                    {"name": "docs", "tier": "standard"}],
+        "queue": {"inject_priority": True},
+        "nodes": {**PLACEHOLDER_NODES, "performance": {"profile": "8b-h100"}},
+    }
+    return Scenario(
+        "mixed-gpus", "Mixed GPUs: one 8B pool on H100s and A100s",
+        f"8B model on 2 x 8b-h100 + 2 x 8b-a100 nodes in one pool, {rate:g} req/s (chat-a and chat-b interactive, "
+        "short; docs standard, 15% long), 180 s. kvgate's prior is 8b-h100; each node's probe reports its GPU "
+        "and kvgate picks the node's own profile.",
+        "8b-h100", 180.0, config,
+        (Policy("none", 4), Policy("kv-shed", 4, "kv-shed"), Policy("kvgate", 4, "kvgate")),
+        streams, node_profiles=("8b-h100", "8b-a100"),
+    )
+
+
 SCENARIOS: dict[str, Callable[[], Scenario]] = {
     "noisy-neighbour": _noisy_neighbour,
     "overload": _overload,
     "diurnal": _diurnal,
     "shared-prefix": _shared_prefix,
     "two-pools": _two_pools,
+    "mixed-gpus": _mixed_gpus,
 }
 
 
