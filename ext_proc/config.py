@@ -374,6 +374,20 @@ class DnsDiscovery(_Strict):
         return None if v is None else known_profile(v)
 
 
+class LoraRouting(_Strict):
+    """LoRA adapters (``nodes.lora``): a request for one of the pool's ``adapters`` prefers a node that holds
+    it, unless that node's predicted first token is later by more than a load costs (``picker.py``)."""
+
+    enabled: bool = Field(default=True, description="count adapter loads and slot waits in node choice's "
+                          "predictions; off: an adapter is routed as any model name of its pool")
+    load_seconds: Annotated[float, Field(ge=0)] = Field(
+        default=0.15, description="what loading an adapter a node does not hold adds to a request's first "
+        "token (read from disk into a GPU slot): the prior of the cost a node that holds it saves")
+    max_loras: PositiveInt = Field(
+        default=1, description="adapters one batch holds on a node that does not report it (vLLM --max-loras; "
+        "a node exporting vllm:lora_requests_info says its own)")
+
+
 class Nodes(_Strict):
     """Where requests go: kvgate picks the vLLM node and tells Envoy (ORIGINAL_DST + header)."""
 
@@ -398,6 +412,7 @@ class Nodes(_Strict):
     performance: Performance = Performance()
     breaker: BreakerConfig = BreakerConfig()
     prefix: PrefixAffinity = PrefixAffinity()
+    lora: LoraRouting = Field(default_factory=LoraRouting, description="LoRA adapter affinity (LoraRouting)")
 
     def deprecations(self) -> list[str]:
         """Settings still honoured but on their way out: said once per load (logged by the server)."""

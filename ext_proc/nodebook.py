@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import heapq
 import math
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -45,6 +45,8 @@ ALONE_SLACK = 1e-9
 computes it from the request's own size): too wide only asks node choice once more."""
 DEFAULT_MODEL = from_config(Performance())
 """A node's model until its book sets it (every node the book makes gets its own at once)."""
+LORA_DEFAULT_OUTPUT = 128
+"""Output tokens taken for a node's requests when kvgate sent none there (a slot wait's estimate)."""
 ROOM_SLACK = 1.0
 """Tokens of rounding room between a node's room and the filter's own test (``projected_kv`` against the
 threshold, in fractions of the cache: its rounding is far below a token)."""
@@ -96,6 +98,13 @@ class Node:
     """The profile ``model`` comes from."""
     profile_source: str = "pool"
     """Where that profile came from: pool (``nodes.performance.profile``) | pinned | detected."""
+    loras: OrderedDict[str, None] = field(default_factory=OrderedDict)
+    """The LoRA adapters the node is taken to hold in its GPU slots, least recently used first: vLLM keeps
+    the last ``max_loras`` adapters it ran (an LRU), so the last that many seen running there (its
+    ``lora_requests_info``) or sent there by kvgate."""
+    lora_sent: deque[tuple[float, str]] = field(default_factory=deque)
+    """(when, adapter) of kvgate's requests for an adapter sent since the last reading: running there
+    soon, though the reading does not say so yet."""
     _last_completion: float | None = None
 
     @property
@@ -341,6 +350,8 @@ class NodeBook:
         """``max_capacity_tokens``, kept until a reading changes a node's capacity or the node set
         changes: every request asks for it."""
         self.prefix = PrefixIndex(cfg.prefix.max_blocks_per_node, cfg.prefix.ttl_seconds, cfg.prefix.max_blocks)
+        self.adapters: frozenset[str] = frozenset()
+        """The pool's LoRA adapter names (``pools[].adapters``): a request naming one prefers its holders."""
         self.room = Room()
         """Whether any node might take a request now (:class:`Room`): kept by every change below."""
         self.set_nodes([(n.address, n.probe, n.kv_admit_threshold) for n in cfg.static])
@@ -460,6 +471,8 @@ class NodeBook:
             self._set_prior(n)
         n.fresh_at = now - age_s
         n.shed_pending(now - age_s)
+        if snap.lora_running is not None or n.lora_sent:
+            self._lora_reading(n, snap, now - age_s)
         n._count_waiting()
         ratio = None
         if snap.step_fresh is not False and not repeat:
@@ -523,6 +536,50 @@ class NodeBook:
             old = n.busy.get(lv.priority, now)
             n.busy[lv.priority] = max(seen, min(old, max(now + chunk_s, running_end)))
 
+    # -- LoRA adapters ---------------------------------------------------------------------------
+
+    def _lora_slots(self, n: Node) -> int:
+        """Adapters one batch holds on ``n``: what it reports (``max_lora``), else ``nodes.lora.max_loras``."""
+        s = n.snapshot
+        return (s.max_lora if s is not None and s.max_lora else None) or self.cfg.lora.max_loras
+
+    def _lora_use(self, n: Node, adapter: str) -> None:
+        """``adapter`` runs on ``n`` now: the most recently used of its slots (the least recent leaves)."""
+        loras = n.loras
+        loras[adapter] = None
+        loras.move_to_end(adapter)
+        slots = self._lora_slots(n)
+        while len(loras) > slots:
+            loras.popitem(last=False)
+
+    def _lora_reading(self, n: Node, snap: Snapshot, taken: float) -> None:
+        """A reading's adapters: those running are in slots; what was sent before it is in the reading."""
+        sent = n.lora_sent
+        while sent and sent[0][0] <= taken:
+            sent.popleft()
+        for adapter in snap.lora_running or ():
+            self._lora_use(n, adapter)
+        for _, adapter in sent:  # sent since: used after what the reading shows
+            self._lora_use(n, adapter)
+
+    def lora_cost(self, n: Node, adapter: str) -> float:
+        """Seconds an ``adapter`` request's first token on ``n`` takes beyond what ``predict`` says: a load
+        when the node does not hold it (``nodes.lora.load_seconds``), and, when every slot runs another
+        adapter, the wait for one to free (vLLM skips such a request until a batch has room for its
+        adapter): about half what the node's requests still have to decode."""
+        if adapter in n.loras:
+            return 0.0
+        cost = self.cfg.lora.load_seconds
+        s = n.snapshot
+        running = set(s.lora_running or ()) if s is not None else set()
+        running.update(a for _, a in n.lora_sent)
+        if len(running) >= self._lora_slots(n):
+            outputs = [t - p for t, p, _ in n.requests.values()]
+            left = (sum(outputs) / len(outputs) if outputs else LORA_DEFAULT_OUTPUT) / 2
+            decode, context = self._load(n)
+            cost += left * n.model.step(0, decode, context) * n.speed.factor
+        return cost
+
     def _another_closed(self, node: Node, now: float) -> bool:
         """Whether another live node is closed: a KV trip never opens the last one."""
         return any(n is not node and n.breaker.state is State.CLOSED and self.status(n, now) != "dead"
@@ -560,10 +617,13 @@ class NodeBook:
     # -- request life ----------------------------------------------------------------------------
 
     def dispatched(self, address: str, ticket: str, tokens: int, prompt_tokens: int, now: float,
-                   priority: int = 0, ttft: float | None = None) -> None:
+                   priority: int = 0, ttft: float | None = None, adapter: str | None = None) -> None:
         n = self.nodes.get(address)
         if n is None:
             return
+        if adapter is not None:
+            self._lora_use(n, adapter)
+            n.lora_sent.append((now, adapter))
         n.requests[ticket] = (tokens, prompt_tokens, priority)
         start, cost = self._book(n, tokens, prompt_tokens, priority, now)
         if priority != self.levels[0].priority:

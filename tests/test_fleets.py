@@ -4,20 +4,32 @@ a pool. Virtual time and fixed seeds only: no wall-clock threshold."""
 
 from __future__ import annotations
 
+import copy
 import random
 import statistics
+from pathlib import Path
 from typing import Any
 
+import orjson
 import pytest
+from prometheus_client import generate_latest
 
 from ext_proc.config import ConfigError, parse_config
+from ext_proc.core import Answer, Core, null_logger
+from ext_proc.core import Request as GatewayRequest
+from ext_proc.identity import hash_key
 from ext_proc.nodes import Fleet
 from ext_proc.perf import from_config
 from ext_proc.profiles import detect, get_profile
-from gpu_probe.parse import EngineReading
-from gpu_probe.snapshot import Deriver, Snapshot
-from kvgate.bench.scenarios.driver import Policy, Run
-from kvgate.bench.scenarios.workloads import PLACEHOLDER_NODES, SHORT, Stream, const, poisson
+from gpu_probe.parse import EngineReading, parse
+from gpu_probe.snapshot import Deriver, Snapshot, StreamDecoder
+from kvgate.bench.scenarios.driver import Policy, Run, kv_shed_config
+from kvgate.bench.scenarios.runner import run as run_scenario
+from kvgate.bench.scenarios.workloads import PLACEHOLDER_NODES, SHORT, Stream, const, get_scenario, poisson
+from sim.engine import Engine, EngineOptions
+from sim.metrics import NodeMetrics
+from sim.scheduler import Request as SimRequest
+from tests.helpers import FakeClock
 
 H100 = "NVIDIA H100 80GB HBM3"
 A100 = "NVIDIA A100-SXM4-80GB"
@@ -158,3 +170,238 @@ def test_a_uniform_run_reports_no_gpu_and_records_no_prediction_errors() -> None
     run = Run(cfg, Policy("kvgate", 2, "kvgate"), get_profile("8b-h100"), trace, 1)
     res = run.run()
     assert all(n.gpu is None for n in run.nodes) and res.prediction_errors == {}
+
+
+# == LoRA adapters ========================================================================================
+
+LORA_SAMPLE = Path(__file__).resolve().parent / "fixtures" / "vllm-lora-metrics-sample.txt"
+REFERENCE = Path(__file__).resolve().parent / "fixtures" / "vllm-metrics-sample.txt"
+
+
+# -- the probe reads vllm:lora_requests_info -----------------------------------------------------------------
+
+
+def test_the_probe_reads_the_newest_lora_series_of_a_real_exposition() -> None:
+    text = REFERENCE.read_text() + LORA_SAMPLE.read_text()
+    (r,) = parse(text).values()
+    # three label sets; the newest (the largest time) is the state now: nothing running or waiting
+    assert (r.lora_running, r.lora_waiting, r.max_lora) == ([], [], 2)
+    # the same exposition a moment earlier: adapter_json was running and waiting
+    earlier = text.replace("1.7886264577368872e+09", "1.7886264500000000e+09")
+    (r,) = parse(earlier).values()
+    assert (r.lora_running, r.lora_waiting, r.max_lora) == (["adapter_json"], ["adapter_json"], 2)
+    snap = Deriver("n").update(parse(earlier), 1.0)
+    assert (snap.lora_running, snap.lora_waiting, snap.max_lora) == (["adapter_json"], ["adapter_json"], 2)
+    # no LoRA metric (vLLM without --enable-lora): None, not "no adapter"
+    assert Deriver("n").update(parse(REFERENCE.read_text()), 1.0).lora_running is None
+
+
+def test_a_probe_cannot_send_anything_but_names_as_adapters() -> None:
+    doc = {"node": "n", "at": 1.0, "ok": True, "lora_running": ["a", 3]}
+    with pytest.raises(ValueError, match="lora_running"):
+        Snapshot.from_json(doc)
+    d = StreamDecoder()
+    d.feed({"node": "n", "at": 1.0, "ok": True, "lora_running": ["a"]})
+    with pytest.raises(ValueError, match="lora_running"):
+        d.feed({"at": 2.0, "lora_running": [{"x": 1}]})
+
+
+# -- the simulator: slots, loads, the metric -----------------------------------------------------------------
+
+
+def lora_engine(max_loras: int | None = 1, **opts: Any) -> Engine:
+    return Engine(get_profile("8b-h100"), EngineOptions(max_loras=max_loras, **opts))
+
+
+def run_until_idle(e: Engine, now: float = 0.0) -> float:
+    while (dt := e.begin_step(now)) is not None:
+        now += dt
+        e.end_step(now)
+    return now
+
+
+def test_a_request_whose_adapter_cannot_join_the_batch_waits_and_lets_others_by() -> None:
+    e = lora_engine(1)
+    a = SimRequest("a", 100, 20, 0.0, lora="x")
+    b = SimRequest("b", 100, 20, 0.0, lora="y")  # its adapter needs a slot: the batch's one is x's
+    c = SimRequest("c", 100, 20, 0.0)  # the base model: no slot
+    d = SimRequest("d", 100, 20, 0.0, lora="x")
+    for r in (a, b, c, d):
+        e.add(r)
+    plan = e.scheduler.schedule(0.0)
+    assert [r.id for r, _ in plan.scheduled] == ["a", "c", "d"]
+    assert [r.id for r in e.scheduler.waiting()] == ["b"]  # kept its place
+    e.scheduler.finish_step(plan, 0.01)
+    assert e.scheduler.lora_requests() == ({"x": 2}, {"y": 1})
+    run_until_idle(e, 0.01)
+    assert a.first_token is not None and b.first_scheduled is not None and a.finished_at is not None
+    assert d.finished_at is not None and b.first_scheduled >= max(a.finished_at, d.finished_at)
+
+
+def test_without_max_loras_adapters_are_not_limited() -> None:
+    e = lora_engine(None)
+    for i, lora in enumerate("xyz"):
+        e.add(SimRequest(f"r{i}", 100, 20, 0.0, lora=lora))
+    plan = e.scheduler.schedule(0.0)
+    assert len(plan.scheduled) == 3
+    assert e.begin_step(0.0) == pytest.approx(
+        get_profile("8b-h100").step_ms(plan.prefill_tokens, plan.decode_seqs, plan.context_tokens) / 1000.0)
+
+
+def test_loading_an_adapter_costs_its_step_time_once_until_it_is_evicted() -> None:
+    e = lora_engine(2, lora_load_ms=150.0, lora_swap_ms=2.0)
+    prof = get_profile("8b-h100")
+
+    def step_of(*loras: str) -> float:
+        for i, lora in enumerate(loras):
+            e.add(SimRequest(f"{lora}{e.steps}-{i}", 16, 1, 0.0, lora=lora))
+        dt = e.begin_step(0.0)
+        assert dt is not None and e._plan is not None
+        p = e._plan
+        e.end_step(dt)
+        return dt * 1000.0 - prof.step_ms(p.prefill_tokens, p.decode_seqs, p.context_tokens)
+
+    assert step_of("x", "y") == pytest.approx(2 * 152.0)  # both loaded from disk into a slot
+    assert step_of("x") == pytest.approx(0.0)  # held: nothing to load
+    assert step_of("z") == pytest.approx(152.0)  # y, the least recently used, leaves for z
+    assert step_of("y") == pytest.approx(152.0)
+    assert (e.lora_loads, e.lora_swaps) == (4, 4)
+    # host memory larger than the slots: an evicted adapter comes back from there, cheaply
+    e = lora_engine(1, max_cpu_loras=4, lora_load_ms=150.0, lora_swap_ms=2.0)
+    assert [step_of(x) for x in "xyx"] == pytest.approx([152.0, 152.0, 2.0])
+
+
+def test_the_simulated_node_exports_lora_requests_info_as_vllm_does() -> None:
+    e = lora_engine(1)
+    metrics = NodeMetrics(e, "m")
+    e.add(SimRequest("a", 100, 5, 0.0, lora="x"))
+    e.add(SimRequest("b", 100, 5, 0.0, lora="y"))
+    dt = e.begin_step(0.0)
+    assert dt is not None
+    e.end_step(dt)
+    text = generate_latest(metrics.registry).decode()
+    assert 'vllm:lora_requests_info{max_lora="1",running_lora_adapters="x",waiting_lora_adapters="y"}' in text
+    (r,) = parse(text).values()
+    assert (r.lora_running, r.lora_waiting, r.max_lora) == (["x"], ["y"], 1)
+    run_until_idle(e, dt)
+    (r,) = parse(generate_latest(metrics.registry).decode()).values()  # the older label sets stay; the newest wins
+    assert (r.lora_running, r.lora_waiting) == ([], [])
+
+
+# -- kvgate: adapter affinity ---------------------------------------------------------------------------------
+
+
+def lora_fleet(**lora: Any) -> Fleet:
+    f = fleet(2, lora=lora)
+    f.adapters = frozenset({"x", "y"})
+    return f
+
+
+def lora_reading(running: list[str], at: float = 0.0, waiting: float = 0.0, max_lora: int = 4) -> Snapshot:
+    return Snapshot(node="n", at=at, ok=True, kv_usage=0.1, blocks_total=20_000, block_size=16,
+                    running=float(len(running)), waiting=waiting, lora_running=running, lora_waiting=[],
+                    max_lora=max_lora)
+
+
+def test_a_node_holding_the_adapter_wins_and_a_load_is_counted_in_the_prediction() -> None:
+    f = lora_fleet(load_seconds=0.15)
+    f.on_snapshot("10.0.0.0:8000", lora_reading([]), 0.0)
+    f.on_snapshot("10.0.0.1:8000", lora_reading(["x"]), 0.0)
+    other, holder = f.nodes["10.0.0.0:8000"], f.nodes["10.0.0.1:8000"]
+    for i in range(4):  # the same answer every time, whatever the tie-break among equals would say
+        c = f.choose(300, 0.0, prompt_tokens=200, adapter="x")
+        assert c.node is holder and c.ttft == pytest.approx(f.predict(holder, 200, 0, 0.0)), i
+    c = f.choose(300, 0.0, prompt_tokens=200, adapter="y")  # nobody holds it: a load either way
+    assert c.node is not None and c.ttft == pytest.approx(f.predict(c.node, 200, 0, 0.0) + 0.15)
+    # sent there: held from now on, before any reading says so
+    placed = f.place(300, 200, "t1", 0.0, adapter="y")
+    assert placed.node is not None and "y" in placed.node.loras
+    assert f.choose(300, 0.0, prompt_tokens=200, adapter="y").node is placed.node
+    assert "y" not in (holder if placed.node is other else other).loras
+
+
+@pytest.mark.parametrize(("booked", "holder_wins"), [(400, True), (12000, False)])
+def test_a_holder_loses_when_its_first_token_is_later_by_more_than_a_load(booked: int, holder_wins: bool) -> None:
+    f = lora_fleet(load_seconds=0.15)
+    f.on_snapshot("10.0.0.0:8000", lora_reading([]), 0.0)
+    f.on_snapshot("10.0.0.1:8000", lora_reading(["x"]), 0.0)
+    other, holder = f.nodes["10.0.0.0:8000"], f.nodes["10.0.0.1:8000"]
+    f.booked_elsewhere(holder.address, booked + 100, booked, 0, 0.0)  # prefill queued on the holder
+    gap = f.predict(holder, 200, 0, 0.0) - f.predict(other, 200, 0, 0.0)
+    assert (gap <= 0.15) == holder_wins  # the cases are what they claim
+    c = f.choose(300, 0.0, prompt_tokens=200, adapter="x")
+    assert (c.node is holder) == holder_wins
+
+
+def test_a_slot_wait_counts_when_every_slot_runs_another_adapter() -> None:
+    f = lora_fleet(load_seconds=0.15)
+    f.on_snapshot("10.0.0.0:8000", lora_reading(["a", "b"], max_lora=2), 0.0)
+    n = f.nodes["10.0.0.0:8000"]
+    assert f.lora_cost(n, "a") == 0.0
+    assert f.lora_cost(n, "x") > 0.15  # a load, and the wait for a batch with a free slot
+    f.on_snapshot("10.0.0.0:8000", lora_reading(["a"], at=1.0, max_lora=2), 1.0)
+    assert f.lora_cost(n, "x") == pytest.approx(0.15)  # a slot is free: only the load
+
+
+def test_lora_affinity_can_be_turned_off() -> None:
+    f = lora_fleet(enabled=False)
+    f.on_snapshot("10.0.0.0:8000", lora_reading([]), 0.0)
+    f.on_snapshot("10.0.0.1:8000", lora_reading(["x"]), 0.0)
+    c = f.choose(300, 0.0, prompt_tokens=200, adapter="y")
+    assert c.node is not None and c.ttft == pytest.approx(f.predict(c.node, 200, 0, 0.0))
+
+
+def test_per_adapter_budgets_come_from_per_model_budgets() -> None:
+    cfg = parse_config({
+        "tenants": [{"name": "acme", "api_key_sha256": [hash_key("k")],
+                     "model_budgets": {"sql-lora": {"max_concurrent": 1}}}],
+        "pools": [{"name": "p", "models": ["llama-8b"], "adapters": ["sql-lora", "chat-lora"],
+                   "nodes": {"static": [{"address": "10.0.0.1:8000", "probe": "http://p"}]}}],
+    })
+    clock = FakeClock()
+    core = Core(cfg, clock, rng=random.Random(1), log=null_logger())
+    core.snapshot("10.0.0.1:8000", Snapshot(node="n", at=clock(), ok=True, kv_usage=0.1, blocks_total=20_000,
+                                            block_size=16, running=0.0, waiting=0.0, lora_running=[],
+                                            lora_waiting=[], max_lora=4), 0.0)
+
+    def ask(model: str, rid: str) -> Answer:
+        body = {"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 20}
+        out = core.decide(GatewayRequest("/v1/chat/completions", rid, "Bearer k", orjson.dumps(body)))
+        assert isinstance(out, Answer)
+        return out
+
+    first = ask("sql-lora", "a")
+    assert first.reply is None and first.decision.lease is not None
+    second = ask("sql-lora", "b")  # the adapter's own budget: one at a time
+    assert second.reply is not None and second.reply.status == 429
+    assert second.decision.rejection is not None and second.decision.rejection.reason == "tenant-concurrency"
+    other = ask("chat-lora", "c")  # another adapter of the same pool is not limited by it
+    assert other.reply is None
+    book = core.fleet
+    assert book is not None and book.adapters == frozenset({"sql-lora", "chat-lora"})
+    # the adapter went into the node's slots
+    assert set(book.nodes["10.0.0.1:8000"].loras) == {"sql-lora", "chat-lora"}
+
+
+def test_kv_shed_routes_adapters_as_plain_model_names() -> None:
+    cfg = parse_config({"tenants": [{"name": "t"}], "pools": [
+        {"name": "p", "models": ["m"], "adapters": ["x"],
+         "nodes": {"static": [{"address": "a:1", "probe": "http://p"}]}}]})
+    shed = kv_shed_config(cfg)
+    assert shed["pools"][0]["nodes"]["lora"]["enabled"] is False
+
+
+def test_the_lora_scenario_loads_fewer_adapters_with_kvgate() -> None:
+    sc = get_scenario("lora-adapters")
+    res = run_scenario(sc, scale=0.25)
+    loads = res.lora_loads
+    none, shed, gate = (loads[p.label]["loads"] for p in sc.policies)
+    assert gate < shed and gate < none
+    p99 = {s.result.policy.name: s.tiers["interactive"].ttft[2] for s in res.summaries}
+    assert p99["kvgate"] < p99["kv-shed"]
+    # and it is the adapter affinity that does it: kvgate with it off loads about as many as kv-shed
+    doc = copy.deepcopy(sc.config)
+    doc["pools"][0]["nodes"]["lora"] = {"enabled": False}
+    off = Run(parse_config(doc), sc.policies[2], get_profile(sc.profile), sc.trace(0.25), sc.seed,
+              engine=sc.engine).run()
+    assert gate < off.lora_loads / 1.5

@@ -239,6 +239,10 @@ class SimNode:
     def reading(self) -> EngineReading:
         e = self.engine
         s = e.scheduler
+        lora: dict[str, Any] = {}
+        if e.options.max_loras is not None:  # what vllm:lora_requests_info says now
+            running, waiting = s.lora_requests()
+            lora = {"lora_running": list(running), "lora_waiting": list(waiting), "max_lora": e.options.max_loras}
         return EngineReading(self.engine.profile.model_name, "0", kv_usage=s.kv_usage,
                              kv_metric="vllm:kv_cache_usage_perc",
                              running=float(len(s.running)), waiting=float(s.num_waiting),
@@ -247,7 +251,7 @@ class SimNode:
                              hist={**{k: (v[0], v[1]) for k, v in self.hist.items()},
                                    "itl": (e.itl_sum, float(e.itl_count)),
                                    "iteration": (float(e.step_tokens), float(e.steps))},
-                             num_gpu_blocks=s.cfg.num_gpu_blocks, block_size=s.cfg.block_size)
+                             num_gpu_blocks=s.cfg.num_gpu_blocks, block_size=s.cfg.block_size, **lora)
 
     @property
     def load(self) -> int:
@@ -291,6 +295,10 @@ class RunResult:
     """Each model pool's nodes (the one pool ``default`` without ``pools`` in the config)."""
     pooled: bool = False
     """Whether kvgate's config had ``pools`` (the report shows per-pool figures only then)."""
+    lora_loads: int = 0
+    """LoRA adapters the nodes loaded from disk (``Engine.lora_loads``; 0 without ``max_loras``)."""
+    lora_swaps: int = 0
+    """LoRA adapters the nodes copied into a GPU slot (``Engine.lora_swaps``)."""
     prediction_errors: dict[str, list[float]] = field(default_factory=dict)
     """Node profile → (predicted - actual) / actual time to the first token, measured from dispatch at the
     node, of every request kvgate placed there with a prediction (mixed-node runs only; else empty)."""
@@ -319,6 +327,7 @@ def kv_shed_config(base: Config) -> dict[str, Any]:
         nodes["breaker"] = {"kv_threshold": 1.0, "close_kv": 0.99, "latency_multiplier": 1e9,
                             "close_latency_multiplier": 1e9 - 1}
         nodes["prefix"] = {**(nodes.get("prefix") or {}), "enabled": False}  # KV-aware picking only
+        nodes["lora"] = {**(nodes.get("lora") or {}), "enabled": False}  # an adapter is just a model name
         return nodes
 
     doc: dict[str, Any] = {"tenants": [{"name": t.name} for t in base.tenants], "queue": {"enabled": False}}
@@ -540,7 +549,9 @@ class Run:
         prio = 0
         if tier is not None and self.engine_options.policy == "priority":
             prio = tier.vllm_priority if tier.vllm_priority is not None else tier.priority
-        sreq = Request(f"r{i}", r.prompt_tokens, r.output_tokens, self.now, priority=prio, content=_content(i, r))
+        lora = r.model if r.model is not None and r.model in self.pools[n.pool].spec.adapters else None
+        sreq = Request(f"r{i}", r.prompt_tokens, r.output_tokens, self.now, priority=prio, content=_content(i, r),
+                       lora=lora)
         n.engine.add(sreq)
         model = r.model or ""
         n.served[model] = n.served.get(model, 0) + 1
@@ -781,6 +792,7 @@ class Run:
         first = next(iter(self.pools.values()))
         return RunResult(self.policy, self.outcomes, last - start, gpu_s, first.gpus, self.node_timeline,
                          self.breaker_opens, lost, dict(self.breaker_opens_by_cause), computed, pools, self.pooled,
+                         sum(n.engine.lora_loads for n in self.nodes), sum(n.engine.lora_swaps for n in self.nodes),
                          self.prediction_errors)
 
     def _busy(self) -> bool:

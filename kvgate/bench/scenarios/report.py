@@ -575,3 +575,11 @@ def prediction_table(errors: dict[str, dict[str, dict[str, float]]]) -> str:
         lines.append(f"| {label} | " + " | ".join(
             f"{100 * e[k]['abs']:.1f}% ({100 * e[k]['bias']:+.1f}%)" if k in e else "-" for k in kinds) + " |")
     return "\n".join(lines)
+
+
+def lora_table(loads: dict[str, dict[str, int]]) -> str:
+    """The markdown table of a LoRA scenario's adapter loads per policy (``ScenarioResult.lora_loads``)."""
+    lines = ["LoRA adapters loaded by the nodes (from disk; copied into a GPU slot):", "",
+             "| policy | loads | slot copies |", "|---|---|---|"]
+    lines += [f"| {label} | {v['loads']} | {v['swaps']} |" for label, v in loads.items()]
+    return "\n".join(lines)

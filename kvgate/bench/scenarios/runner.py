@@ -195,6 +195,9 @@ class ScenarioResult:
     prediction_errors: dict[str, dict[str, dict[str, float]]] = field(default_factory=dict)
     """Mixed nodes (``Scenario.node_profiles``): per policy with predictions, each node profile's median
     relative error of kvgate's TTFT predictions (``report.prediction_errors``)."""
+    lora_loads: dict[str, dict[str, int]] = field(default_factory=dict)
+    """LoRA scenarios (``Scenario.engine.max_loras``): per policy, the adapters its nodes loaded from disk
+    (``loads``) and copied into a GPU slot (``swaps``)."""
 
     def markdown(self) -> str:
         sc = self.scenario
@@ -220,6 +223,8 @@ class ScenarioResult:
                           f"Nodes per pool over time [{ref.label}]:", "", report.pool_timelines(self.references), ""]
         if self.prediction_errors:
             parts += [report.prediction_table(self.prediction_errors), ""]
+        if self.lora_loads:
+            parts += [report.lora_table(self.lora_loads), ""]
         parts += ["Per SLA tier:", "", report.by_tier(self.summaries), "",
                   "Per tenant:", "", report.by_tenant(self.summaries), "", "Rejections by reason:", "",
                   report.reasons(self.summaries), ""]
@@ -237,6 +242,8 @@ class ScenarioResult:
                                                    "model": self.scenario.streams[i].model} for i in ref.without]}
         if self.prediction_errors:  # additive: only a scenario of mixed nodes has these
             doc["ttft_prediction_median_error"] = self.prediction_errors
+        if self.lora_loads:  # additive: only a LoRA scenario has these
+            doc["lora_adapter_loads"] = self.lora_loads
         return doc
 
 
@@ -250,12 +257,15 @@ def run(sc: Scenario, trace: list[TraceRequest] | None = None, scale: float = 1.
     degrade = tuple(replace(d, at=d.at * scale) for d in sc.degrade)
     sums = []
     errors: dict[str, dict[str, dict[str, float]]] = {}
+    loras: dict[str, dict[str, int]] = {}
     for p in sc.policies:
         r = simulate(config, p, profile, trace, sc.seed, autoscaling=sc.autoscaling, degrade=degrade,
-                     cold_start_s=sc.cold_start_s, node_profiles=sc.node_profiles)
+                     cold_start_s=sc.cold_start_s, node_profiles=sc.node_profiles, engine=sc.engine)
         sums.append(report.summarize(r, config))
         if r.prediction_errors:
             errors[p.label] = report.prediction_errors(r)
+        if sc.engine is not None and sc.engine.max_loras is not None:
+            loras[p.label] = {"loads": r.lora_loads, "swaps": r.lora_swaps}
     note, scope = "", None
     if sc.ideal is not None:  # the reference: policy none, no disturbance, same seed, same run
         ideal = sc.ideal
@@ -277,7 +287,7 @@ def run(sc: Scenario, trace: list[TraceRequest] | None = None, scale: float = 1.
                          autoscaling=sc.autoscaling, degrade=degrade, cold_start_s=sc.cold_start_s)
             refs.append(report.summarize(r, config))
     return ScenarioResult(sc, config, len(trace), sums, time.perf_counter() - t0, note, scope, refs, offered,
-                          errors)
+                          errors, loras)
 
 
 def write_report(results: list[ScenarioResult], out: Path, plots: bool = True) -> Path:
