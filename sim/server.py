@@ -195,9 +195,14 @@ class SimServer:
                             content_type="text/plain", charset="utf-8")
 
     async def models(self, _: web.Request) -> web.Response:
+        created = int(time.time())
         return web.json_response({"object": "list", "data": [{
-            "id": self.model, "object": "model", "created": int(time.time()), "owned_by": "vllm",
-            "root": self.model, "parent": None, "max_model_len": self.profile.max_model_len}]})
+            "id": self.model, "object": "model", "created": created, "owned_by": "vllm",
+            "root": self.model, "parent": None, "max_model_len": self.profile.max_model_len}, *(
+            # as vLLM lists its --lora-modules: the adapter, its base model as parent
+            {"id": name, "object": "model", "created": created, "owned_by": "vllm", "root": name,
+             "parent": self.model, "max_model_len": self.profile.max_model_len}
+            for name in self.options.lora_modules)]})
 
     def _prompt(self, body: dict[str, Any], chat: bool) -> tuple[int, Prompt]:
         """Prompt tokens and their stand-in content; ValueError (a 400) for a request vLLM's request model

@@ -405,3 +405,23 @@ def test_the_lora_scenario_loads_fewer_adapters_with_kvgate() -> None:
     off = Run(parse_config(doc), sc.policies[2], get_profile(sc.profile), sc.trace(0.25), sc.seed,
               engine=sc.engine).run()
     assert gate < off.lora_loads / 1.5
+
+
+async def test_the_simulated_server_serves_its_lora_modules_and_reports_them() -> None:
+    from aiohttp.test_utils import TestClient, TestServer
+
+    from sim.server import SimOptions, SimServer
+
+    server = SimServer(get_profile("8b-h100"), EngineOptions(max_loras=2),
+                       SimOptions(served_model_name="base", lora_modules=("sql-lora",), mean_output_tokens=4))
+    async with TestClient(TestServer(server.app())) as client:
+        models = await (await client.get("/v1/models")).json()
+        assert [(m["id"], m["parent"]) for m in models["data"]] == [("base", None), ("sql-lora", "base")]
+        ok = await client.post("/v1/completions", json={"model": "sql-lora", "prompt": "hi", "max_tokens": 3})
+        assert ok.status == 200
+        missing = await client.post("/v1/completions", json={"model": "other-lora", "prompt": "hi"})
+        assert missing.status == 404
+        text = await (await client.get("/metrics")).text()
+    assert 'running_lora_adapters="sql-lora"' in text  # while it ran
+    (r,) = parse(text).values()
+    assert r.max_lora == 2 and r.lora_running == []  # the newest state: done
