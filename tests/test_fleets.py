@@ -425,3 +425,41 @@ async def test_the_simulated_server_serves_its_lora_modules_and_reports_them() -
     assert 'running_lora_adapters="sql-lora"' in text  # while it ran
     (r,) = parse(text).values()
     assert r.max_lora == 2 and r.lora_running == []  # the newest state: done
+
+
+# -- the scaler's KV arithmetic over nodes of different sizes -------------------------------------------------
+
+KV_PAGE = """# TYPE kvgate_requests_total counter
+kvgate_requests_total{tenant="a",tier="standard",decision="admit",reason="ok",class="none",pool="p"} 1
+# TYPE kvgate_node_kv_usage_ratio gauge
+kvgate_node_kv_usage_ratio{node="big:8000",pool="p"} 0.9
+kvgate_node_kv_usage_ratio{node="small:8000",pool="p"} 0.1
+"""
+
+
+def test_the_scaler_weighs_each_nodes_kv_usage_by_its_size() -> None:
+    from scaler.signals import parse_kvgate
+
+    sized = KV_PAGE + """# TYPE kvgate_node_kv_capacity_tokens gauge
+kvgate_node_kv_capacity_tokens{node="big:8000",pool="p"} 300000
+kvgate_node_kv_capacity_tokens{node="small:8000",pool="p"} 100000
+"""
+    # 270k of 300k tokens used and 10k of 100k: the pool is 70% full, not the mean ratio's 50%
+    r = parse_kvgate(sized)
+    assert r.pools["p"].kv_usage == pytest.approx(0.7) and r.kv_usage == pytest.approx(0.7)
+    # an older kvgate (no capacity gauge), or a node without a size: the mean ratio, as before
+    assert parse_kvgate(KV_PAGE).pools["p"].kv_usage == pytest.approx(0.5)
+    partial = KV_PAGE + ('# TYPE kvgate_node_kv_capacity_tokens gauge\n'
+                         'kvgate_node_kv_capacity_tokens{node="big:8000",pool="p"} 3\n')
+    assert parse_kvgate(partial).pools["p"].kv_usage == pytest.approx(0.5)
+
+
+def test_kvgate_exports_each_nodes_kv_capacity() -> None:
+    cfg = parse_config({"tenants": [{"name": "t"}], "nodes": {"static": [
+        {"address": "10.0.0.1:8000", "probe": "http://p"}, {"address": "10.0.0.2:8000", "probe": "http://q"}]}})
+    core = Core(cfg, FakeClock(), rng=random.Random(1), log=null_logger())
+    core.snapshot("10.0.0.1:8000", Snapshot(node="n", at=0.0, ok=True, kv_usage=0.5, blocks_total=1000,
+                                            block_size=16), 0.0)
+    text = generate_latest(core.stats.registry).decode()
+    assert 'kvgate_node_kv_capacity_tokens{node="10.0.0.1:8000",pool="default"} 16000.0' in text
+    assert 'kvgate_node_kv_capacity_tokens{node="10.0.0.2:8000"' not in text  # no reading: no size
