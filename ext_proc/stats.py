@@ -252,6 +252,9 @@ class _StateCollector(Collector):
         capacity = GaugeMetricFamily("kvgate_node_kv_capacity_tokens", "Tokens of KV cache each node holds (its "
                                      "probe's num_gpu_blocks x block_size): the weight of its usage in a pool of "
                                      "mixed nodes", labels=["node", "pool"])
+        profile = GaugeMetricFamily("kvgate_node_profile_info", "Each node's performance profile (always 1): its "
+                                    "name, and where it came from (pool | pinned | detected)",
+                                    labels=["node", "pool", "profile", "source"])
         projected = GaugeMetricFamily("kvgate_node_projected_kv_usage_ratio",
                                       "KV usage of each node projected with what kvgate sent since the snapshot",
                                       labels=["node", "pool"])
@@ -307,6 +310,7 @@ class _StateCollector(Collector):
                         if cap is not None:
                             capacity.add_metric(labels, cap)
                     node_inflight.add_metric(labels, n.inflight)
+                    profile.add_metric([*labels, n.profile, n.profile_source], 1)
                     breaker.add_metric(labels, STATE_VALUE[n.breaker.state])
                     if n.fresh_at is not None:
                         age.add_metric(labels, max(0.0, now - n.fresh_at))
@@ -320,5 +324,5 @@ class _StateCollector(Collector):
                         by[mode] = by.get(mode, 0) + 1
                     for mode, count in by.items():
                         follow.add_metric([mode, pool], count)
-        yield from (inflight, fleet, depth, total, kv, capacity, projected, node_inflight, age, breaker, hit, follow,
-                    tombstones, blocks)
+        yield from (inflight, fleet, depth, total, kv, capacity, profile, projected, node_inflight, age, breaker, hit,
+                    follow, tombstones, blocks)

@@ -463,3 +463,34 @@ def test_kvgate_exports_each_nodes_kv_capacity() -> None:
     text = generate_latest(core.stats.registry).decode()
     assert 'kvgate_node_kv_capacity_tokens{node="10.0.0.1:8000",pool="default"} 16000.0' in text
     assert 'kvgate_node_kv_capacity_tokens{node="10.0.0.2:8000"' not in text  # no reading: no size
+
+
+def test_kvgate_says_which_profile_each_node_runs_and_why() -> None:
+    cfg = parse_config({"tenants": [{"name": "t"}], "nodes": {"static": [
+        {"address": "10.0.0.1:8000", "probe": "http://p"},
+        {"address": "10.0.0.2:8000", "probe": "http://q", "profile": "8b-a100"}]}})
+    core = Core(cfg, FakeClock(), rng=random.Random(1), log=null_logger())
+    core.snapshot("10.0.0.1:8000", reading(A100), 0.0)
+    text = generate_latest(core.stats.registry).decode()
+    assert ('kvgate_node_profile_info{node="10.0.0.1:8000",pool="default",profile="8b-a100",source="detected"} 1.0'
+            in text)
+    assert 'kvgate_node_profile_info{node="10.0.0.2:8000",pool="default",profile="8b-a100",source="pinned"}' in text
+
+
+def test_nvml_reports_the_gpus_name_and_count(monkeypatch: pytest.MonkeyPatch) -> None:
+    import sys
+    import types
+
+    from gpu_probe.nvml import Nvml
+
+    fake = types.ModuleType("pynvml")
+    fake.nvmlInit = lambda: None  # type: ignore[attr-defined]
+    fake.nvmlDeviceGetHandleByIndex = lambda i: object()  # type: ignore[attr-defined]
+    fake.nvmlDeviceGetName = lambda h: b"NVIDIA A100-SXM4-80GB"  # type: ignore[attr-defined]  # older pynvml: bytes
+    fake.nvmlDeviceGetCount = lambda: 4  # type: ignore[attr-defined]
+    fake.nvmlDeviceGetMemoryInfo = lambda h: types.SimpleNamespace(used=1, total=2)  # type: ignore[attr-defined]
+    fake.nvmlDeviceGetUtilizationRates = lambda h: types.SimpleNamespace(gpu=50)  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "pynvml", fake)
+    reading = Nvml().read()
+    assert (reading["name"], reading["count"]) == ("NVIDIA A100-SXM4-80GB", 4)
+    assert detect("70b-h100x4", reading["name"], reading["count"]) is None  # an A100 x4 has no built-in profile
