@@ -12,6 +12,8 @@ from typing import Any
 
 import orjson
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from prometheus_client import generate_latest
 
 from ext_proc.config import ConfigError, parse_config
@@ -20,7 +22,7 @@ from ext_proc.core import Request as GatewayRequest
 from ext_proc.identity import hash_key
 from ext_proc.nodes import Fleet
 from ext_proc.perf import from_config
-from ext_proc.profiles import detect, get_profile
+from ext_proc.profiles import PROFILES, detect, get_profile
 from gpu_probe.parse import EngineReading, parse
 from gpu_probe.snapshot import Deriver, Snapshot, StreamDecoder
 from kvgate.bench.scenarios.driver import Policy, Run, kv_shed_config
@@ -494,3 +496,46 @@ def test_nvml_reports_the_gpus_name_and_count(monkeypatch: pytest.MonkeyPatch) -
     reading = Nvml().read()
     assert (reading["name"], reading["count"]) == ("NVIDIA A100-SXM4-80GB", 4)
     assert detect("70b-h100x4", reading["name"], reading["count"]) is None  # an A100 x4 has no built-in profile
+
+
+# -- invariants ----------------------------------------------------------------------------------------------
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from([None, "a", "b", "c", "d", "e"]), st.integers(1, 600), st.integers(1, 40),
+                          st.floats(0, 0.5)), min_size=1, max_size=40),
+       st.integers(1, 3), st.sampled_from(["fcfs", "priority"]))
+def test_a_batch_never_holds_more_adapters_than_max_loras_and_every_request_ends(
+        reqs: list[tuple[str | None, int, int, float]], max_loras: int, policy: str) -> None:
+    e = Engine(get_profile("8b-h100"), EngineOptions(max_loras=max_loras, policy=policy,  # type: ignore[arg-type]
+                                                     num_gpu_blocks=400))
+    pending = sorted((SimRequest(f"r{i}", p, o, t, priority=i % 2, lora=lora)
+                      for i, (lora, p, o, t) in enumerate(reqs)), key=lambda r: r.arrival)
+    now, k, steps = 0.0, 0, 0
+    while k < len(pending) or e.scheduler.has_work():
+        while k < len(pending) and pending[k].arrival <= now:
+            e.add(pending[k])
+            k += 1
+        dt = e.begin_step(now)
+        if dt is None:
+            now = pending[k].arrival
+            continue
+        assert e._plan is not None
+        assert len({r.lora for r, _ in e._plan.scheduled if r.lora is not None}) <= max_loras
+        assert len(e.gpu_loras) <= max_loras
+        now += dt
+        e.end_step(now)
+        steps += 1
+        assert steps < 20_000
+    assert all(r.finished_at is not None for r in pending)
+
+
+@given(st.sampled_from(sorted(PROFILES)), st.text(max_size=30) | st.sampled_from([H100, A100, "NVIDIA L40S"]),
+       st.none() | st.integers(0, 8), st.none() | st.sampled_from([p.model_name for p in PROFILES.values()] + ["x"]))
+def test_a_detected_profile_always_fits_the_reported_hardware(prior: str, gpu: str, count: int | None,
+                                                               model: str | None) -> None:
+    found = detect(prior, gpu, count, model)
+    if found is not None:
+        p = PROFILES[found]
+        assert p.gpu.upper() in gpu.upper() and p.gpus == (count or 1)
+        assert p.model_name in (model, PROFILES[prior].model_name)
