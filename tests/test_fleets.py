@@ -539,3 +539,17 @@ def test_a_detected_profile_always_fits_the_reported_hardware(prior: str, gpu: s
         p = PROFILES[found]
         assert p.gpu.upper() in gpu.upper() and p.gpus == (count or 1)
         assert p.model_name in (model, PROFILES[prior].model_name)
+
+
+def test_a_reload_that_pins_a_node_gives_it_that_prior_and_leaves_the_others_learned() -> None:
+    f = fleet(2)
+    a, b = f.nodes["10.0.0.0:8000"], f.nodes["10.0.0.1:8000"]
+    for n in (a, b):
+        f.on_snapshot(n.address, reading(None), 0.0)
+        n.speed.observe(2.0)
+    cfg = parse_config({"nodes": {"static": [{"address": "10.0.0.0:8000", "probe": "http://p0", "profile": "8b-a100"},
+                                             {"address": "10.0.0.1:8000", "probe": "http://p1"}]}})
+    assert cfg.nodes is not None
+    f.reconfigure(cfg.nodes)
+    assert (a.profile, a.profile_source, a.speed.readings) == ("8b-a100", "pinned", 0)
+    assert (b.profile, b.speed.readings, b.speed.factor) == ("8b-h100", 1, 2.0)
