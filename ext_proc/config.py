@@ -304,13 +304,22 @@ class Performance(_Strict):
     d_ms_per_context_token: Annotated[float, Field(ge=0)] | None = None
     max_num_batched_tokens: PositiveInt | None = Field(default=None, description="vLLM's per-step token budget")
     max_num_seqs: PositiveInt | None = None
+    detect: bool = Field(
+        default=True, description="pick each node's profile from the GPU and model its probe reports (a pool "
+        "mixing H100 and A100 nodes gets each its own prior); a node pinned with nodes.static[].profile or "
+        "nodes.dns.profile keeps its pin, and a node whose hardware matches no profile keeps this one")
 
     @field_validator("profile")
     @classmethod
     def _known(cls, v: str) -> str:
-        if v not in PROFILES:
-            raise ValueError(f"unknown profile {v!r}; known: {', '.join(PROFILES)}")
-        return v
+        return known_profile(v)
+
+
+def known_profile(v: str) -> str:
+    """A built-in profile's name, or a ValueError listing them (pydantic names the field)."""
+    if v not in PROFILES:
+        raise ValueError(f"unknown profile {v!r}; known: {', '.join(PROFILES)}")
+    return v
 
 
 _ADDRESS = re.compile(r"^(?:(?P<host>[^\s:/\[\]@?#]+)|\[(?P<v6>[^\s\[\]/]+)\]):(?P<port>\d{1,5})$")
@@ -335,11 +344,19 @@ class NodeEntry(_Strict):
     address: str = Field(description="host:port (or [ipv6]:port) of the vLLM server")
     probe: Annotated[str, Field(pattern=r"^https?://", description="base URL of this node's kvgate probe")]
     kv_admit_threshold: Annotated[float, Field(gt=0, le=1)] | None = None
+    profile: str | None = Field(
+        default=None, description="this node's performance profile, pinned (a pool mixing GPUs): it wins over "
+        "nodes.performance.profile and over what the probe reports")
 
     @field_validator("address")
     @classmethod
     def _address(cls, v: str) -> str:
         return check_address(v)
+
+    @field_validator("profile")
+    @classmethod
+    def _profile(cls, v: str | None) -> str | None:
+        return None if v is None else known_profile(v)
 
 
 class DnsDiscovery(_Strict):
@@ -347,6 +364,28 @@ class DnsDiscovery(_Strict):
     port: Annotated[int, Field(ge=1, le=65535)] = 8000
     probe_port: Annotated[int, Field(ge=1, le=65535)] = 9102
     refresh_seconds: PositiveFloat = 10.0
+    profile: str | None = Field(
+        default=None, description="the performance profile of every node this name resolves to, pinned (one "
+        "GPU kind behind one Service); default: detected per node, else nodes.performance.profile")
+
+    @field_validator("profile")
+    @classmethod
+    def _profile(cls, v: str | None) -> str | None:
+        return None if v is None else known_profile(v)
+
+
+class LoraRouting(_Strict):
+    """LoRA adapters (``nodes.lora``): a request for one of the pool's ``adapters`` prefers a node that holds
+    it, unless that node's predicted first token is later by more than a load costs (``picker.py``)."""
+
+    enabled: bool = Field(default=True, description="count adapter loads and slot waits in node choice's "
+                          "predictions; off: an adapter is routed as any model name of its pool")
+    load_seconds: Annotated[float, Field(ge=0)] = Field(
+        default=0.15, description="what loading an adapter a node does not hold adds to a request's first "
+        "token (read from disk into a GPU slot): the prior of the cost a node that holds it saves")
+    max_loras: PositiveInt = Field(
+        default=1, description="adapters one batch holds on a node that does not report it (vLLM --max-loras; "
+        "a node exporting vllm:lora_requests_info says its own)")
 
 
 class Nodes(_Strict):
@@ -373,6 +412,7 @@ class Nodes(_Strict):
     performance: Performance = Performance()
     breaker: BreakerConfig = BreakerConfig()
     prefix: PrefixAffinity = PrefixAffinity()
+    lora: LoraRouting = Field(default_factory=LoraRouting, description="LoRA adapter affinity (LoraRouting)")
 
     def deprecations(self) -> list[str]:
         """Settings still honoured but on their way out: said once per load (logged by the server)."""

@@ -227,6 +227,7 @@ class Core:
             else:
                 f.reconfigure(pool.nodes)
             f.set_levels(levels)
+            f.adapters = frozenset(pool.adapters)
             fleets[pool.name] = f
             for warning in pool.nodes.deprecations():
                 self.log.warning("config_deprecated", pool=pool.name, note=warning)
@@ -681,9 +682,10 @@ class Core:
         prefix = est.prefix
         if not prefix and est.document is not None and est.output_tokens and fleet.cfg.prefix.enabled:
             prefix = self._chain(ticket, est.document, fleet)
+        adapter = est.model if est.model is not None and est.model in fleet.adapters else None
         c = fleet.place(est.total, est.prompt_tokens, ticket, self._clock(), force=shadow, reserve=reserve,
                         queue_caps=caps, priority=self._level(tier_name), target=target, limit=limit,
-                        prefix=prefix, retry=not self._pumping)
+                        prefix=prefix, retry=not self._pumping, adapter=adapter)
         return Placed(c.node.address if c.node else None, c.reason, c.retry_after, c.ttft)
 
     def _chain(self, ticket: str, document: dict[str, Any], fleet: Fleet) -> tuple[int, ...]:

@@ -27,21 +27,26 @@ from __future__ import annotations
 
 import heapq
 import math
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from gpu_probe.snapshot import Snapshot
 
 from .breaker import Breaker, BreakerSettings, State
-from .config import Nodes
+from .config import Nodes, Performance
 from .perf import Speed, StepModel, from_config, prefill_heavy, step_ratio
 from .prefix import PrefixIndex
+from .profiles import detect
 
 DEFAULT_BLOCK = 16
 ALONE_SLACK = 1e-9
 """Rounding room in the summary's test of whether a request alone could fit an idle node (the filter
 computes it from the request's own size): too wide only asks node choice once more."""
+DEFAULT_MODEL = from_config(Performance())
+"""A node's model until its book sets it (every node the book makes gets its own at once)."""
+LORA_DEFAULT_OUTPUT = 128
+"""Output tokens taken for a node's requests when kvgate sent none there (a slot wait's estimate)."""
 ROOM_SLACK = 1.0
 """Tokens of rounding room between a node's room and the filter's own test (``projected_kv`` against the
 threshold, in fractions of the cache: its rounding is far below a token)."""
@@ -86,6 +91,20 @@ class Node:
     has not reached its end is still running."""
     waiting_by_level: dict[int, int] = field(default_factory=dict)
     """Prompt tokens vLLM had waiting at the last reading, by priority level (kvgate's requests)."""
+    model: StepModel = DEFAULT_MODEL
+    """The node's performance prior (``perf.py``): its own profile's — pinned, detected from what its
+    probe reports, else the pool's ``nodes.performance`` — so a pool may mix GPUs."""
+    profile: str = ""
+    """The profile ``model`` comes from."""
+    profile_source: str = "pool"
+    """Where that profile came from: pool (``nodes.performance.profile``) | pinned | detected."""
+    loras: OrderedDict[str, None] = field(default_factory=OrderedDict)
+    """The LoRA adapters the node is taken to hold in its GPU slots, least recently used first: vLLM keeps
+    the last ``max_loras`` adapters it ran (an LRU), so the last that many seen running there (its
+    ``lora_requests_info``) or sent there by kvgate."""
+    lora_sent: deque[tuple[float, str]] = field(default_factory=deque)
+    """(when, adapter) of kvgate's requests for an adapter sent since the last reading: running there
+    soon, though the reading does not say so yet."""
     _last_completion: float | None = None
 
     @property
@@ -317,6 +336,8 @@ class NodeBook:
         self.nodes: dict[str, Node] = {}
         self._on_transition = on_transition
         self.model: StepModel = from_config(cfg.performance)
+        """The pool's prior: a node's model unless its own profile (pinned or detected) differs."""
+        self._models: dict[str, StepModel] = {cfg.performance.profile: self.model}
         self.levels: tuple[Level, ...] = (Level(0, None),)
         """The priority levels requests arrive at (``set_levels``), most urgent first."""
         self._order: list[Node] = []
@@ -329,6 +350,8 @@ class NodeBook:
         """``max_capacity_tokens``, kept until a reading changes a node's capacity or the node set
         changes: every request asks for it."""
         self.prefix = PrefixIndex(cfg.prefix.max_blocks_per_node, cfg.prefix.ttl_seconds, cfg.prefix.max_blocks)
+        self.adapters: frozenset[str] = frozenset()
+        """The pool's LoRA adapter names (``pools[].adapters``): a request naming one prefers its holders."""
         self.room = Room()
         """Whether any node might take a request now (:class:`Room`): kept by every change below."""
         self.set_nodes([(n.address, n.probe, n.kv_admit_threshold) for n in cfg.static])
@@ -351,19 +374,46 @@ class NodeBook:
         self.cfg = cfg
         self.prefix.max_blocks, self.prefix.ttl = cfg.prefix.max_blocks_per_node, cfg.prefix.ttl_seconds
         self.prefix.max_total = cfg.prefix.max_blocks
-        model = from_config(cfg.performance)
-        if model != self.model:
-            # speed factors and latency baselines are relative to the prior: learned against the old one,
-            # they would skew every prediction (or read as sickness) until relearned — start over
-            for n in self.nodes.values():
-                n.speed = Speed()
-                n.breaker.forget_baseline()
-        self.model = model
+        self.model = from_config(cfg.performance)
+        self._models = {cfg.performance.profile: self.model}
         settings = breaker_settings(cfg)
         for n in self.nodes.values():
             n.breaker.s = settings
         self.set_nodes([(n.address, n.probe, n.kv_admit_threshold) for n in cfg.static] if cfg.static else
                        [(n.address, n.probe, n.override) for n in self.nodes.values()])
+        for n in self.nodes.values():
+            self._set_prior(n)
+
+    def _model_of(self, profile: str) -> StepModel:
+        """The step model of ``profile`` with the pool's figures over it, made once per profile."""
+        m = self._models.get(profile)
+        if m is None:
+            m = self._models[profile] = from_config(self.cfg.performance, profile)
+        return m
+
+    def _set_prior(self, n: Node) -> None:
+        """Give ``n`` its prior: a profile pinned in the config (its ``nodes.static`` entry, else
+        ``nodes.dns.profile``), else the one its probe's GPU and model match (``performance.detect``),
+        else the pool's. A node whose prior changes starts over: its speed factor and latency baseline
+        are relative to the prior, and learned against the old one they would skew every prediction (or
+        read as sickness) until relearned."""
+        cfg = self.cfg
+        pin = next((e.profile for e in cfg.static if e.address == n.address), None) if cfg.static else None
+        if pin is None and cfg.dns is not None:
+            pin = cfg.dns.profile
+        name, source = cfg.performance.profile, "pool"
+        if pin is not None:
+            name, source = pin, "pinned"
+        elif cfg.performance.detect and n.snapshot is not None:
+            s = n.snapshot
+            found = detect(cfg.performance.profile, s.gpu_name, s.gpu_count, s.model)
+            if found is not None and found != name:
+                name, source = found, "detected"
+        model = self._model_of(name)
+        if model != n.model and n.profile:
+            n.speed = Speed()
+            n.breaker.forget_baseline()
+        n.model, n.profile, n.profile_source = model, name, source
 
     def set_nodes(self, entries: list[tuple[str, str, float | None]]) -> None:
         """The discovered node list; known nodes keep their readings and breakers."""
@@ -375,6 +425,8 @@ class NodeBook:
                 n = Node(address, probe, threshold, Breaker(breaker_settings(self.cfg), self._hook(address)))
             n.probe, n.threshold, n.override = probe, threshold, override
             nodes[address] = n
+            if not n.profile:
+                self._set_prior(n)
         for gone in set(self.nodes) - set(nodes):
             self.prefix.forget(gone)
         self.nodes = nodes
@@ -412,15 +464,21 @@ class NodeBook:
         if self._max_cap_known and (n.snapshot is None or n.snapshot.blocks_total != snap.blocks_total
                                     or n.snapshot.block_size != snap.block_size):
             self._max_cap_known = False
+        hardware = n.snapshot is None or (n.snapshot.gpu_name, n.snapshot.gpu_count, n.snapshot.model) != (
+            snap.gpu_name, snap.gpu_count, snap.model)
         n.snapshot = snap
+        if hardware:
+            self._set_prior(n)
         n.fresh_at = now - age_s
         n.shed_pending(now - age_s)
+        if snap.lora_running is not None or n.lora_sent:
+            self._lora_reading(n, snap, now - age_s)
         n._count_waiting()
         ratio = None
         if snap.step_fresh is not False and not repeat:
             context = self._context(n)
-            ratio = step_ratio(self.model, snap.itl_s, snap.step_tokens, snap.step_decode, snap.running, context)
-            if ratio is not None and prefill_heavy(self.model, snap.step_tokens, snap.step_decode, snap.running,
+            ratio = step_ratio(n.model, snap.itl_s, snap.step_tokens, snap.step_decode, snap.running, context)
+            if ratio is not None and prefill_heavy(n.model, snap.step_tokens, snap.step_decode, snap.running,
                                                    context):
                 # a mostly-prefill interval reads low on a healthy node: trusted only to say "slow"
                 ratio = ratio if ratio >= n.breaker.s.latency_multiplier * (n.breaker.baseline or 1.0) else None
@@ -447,13 +505,13 @@ class NodeBook:
         was sent since."""
         s = n.snapshot
         running = (s.running or 0.0) if s is not None else float(n.inflight)
-        return min(running + len(n.pending), float(self.model.max_seqs)), self._context(n) + n.pending_tokens
+        return min(running + len(n.pending), float(n.model.max_seqs)), self._context(n) + n.pending_tokens
 
     def _correct(self, n: Node, now: float) -> None:
         """A reading shows what vLLM really has waiting: the virtual clocks become that backlog's predicted
         prefill time (by level), plus what was sent since; booked work the reading no longer shows as
         waiting is running or done — at most a chunk of it still ahead."""
-        m, f = self.model, n.speed.factor
+        m, f = n.model, n.speed.factor
         decode, context = self._load(n)
         chunk_s = (m.step(m.chunk(decode), decode, context)) * f
         snap = n.snapshot
@@ -477,6 +535,50 @@ class NodeBook:
             seen = now + m.prefill(behind, decode, context) * f if behind else now
             old = n.busy.get(lv.priority, now)
             n.busy[lv.priority] = max(seen, min(old, max(now + chunk_s, running_end)))
+
+    # -- LoRA adapters ---------------------------------------------------------------------------
+
+    def _lora_slots(self, n: Node) -> int:
+        """Adapters one batch holds on ``n``: what it reports (``max_lora``), else ``nodes.lora.max_loras``."""
+        s = n.snapshot
+        return (s.max_lora if s is not None and s.max_lora else None) or self.cfg.lora.max_loras
+
+    def _lora_use(self, n: Node, adapter: str) -> None:
+        """``adapter`` runs on ``n`` now: the most recently used of its slots (the least recent leaves)."""
+        loras = n.loras
+        loras[adapter] = None
+        loras.move_to_end(adapter)
+        slots = self._lora_slots(n)
+        while len(loras) > slots:
+            loras.popitem(last=False)
+
+    def _lora_reading(self, n: Node, snap: Snapshot, taken: float) -> None:
+        """A reading's adapters: those running are in slots; what was sent before it is in the reading."""
+        sent = n.lora_sent
+        while sent and sent[0][0] <= taken:
+            sent.popleft()
+        for adapter in snap.lora_running or ():
+            self._lora_use(n, adapter)
+        for _, adapter in sent:  # sent since: used after what the reading shows
+            self._lora_use(n, adapter)
+
+    def lora_cost(self, n: Node, adapter: str) -> float:
+        """Seconds an ``adapter`` request's first token on ``n`` takes beyond what ``predict`` says: a load
+        when the node does not hold it (``nodes.lora.load_seconds``), and, when every slot runs another
+        adapter, the wait for one to free (vLLM skips such a request until a batch has room for its
+        adapter): about half what the node's requests still have to decode."""
+        if adapter in n.loras:
+            return 0.0
+        cost = self.cfg.lora.load_seconds
+        s = n.snapshot
+        running = set(s.lora_running or ()) if s is not None else set()
+        running.update(a for _, a in n.lora_sent)
+        if len(running) >= self._lora_slots(n):
+            outputs = [t - p for t, p, _ in n.requests.values()]
+            left = (sum(outputs) / len(outputs) if outputs else LORA_DEFAULT_OUTPUT) / 2
+            decode, context = self._load(n)
+            cost += left * n.model.step(0, decode, context) * n.speed.factor
+        return cost
 
     def _another_closed(self, node: Node, now: float) -> bool:
         """Whether another live node is closed: a KV trip never opens the last one."""
@@ -510,15 +612,18 @@ class NodeBook:
     def _own(self, n: Node, prompt_tokens: int, load: tuple[float, float] | None = None) -> float:
         """A request's own prefill on ``n``, nothing ahead of it (``load``: ``_load(n)``, when known)."""
         decode, context = load if load is not None else self._load(n)
-        return self.model.prefill(prompt_tokens, decode, context) * n.speed.factor
+        return n.model.prefill(prompt_tokens, decode, context) * n.speed.factor
 
     # -- request life ----------------------------------------------------------------------------
 
     def dispatched(self, address: str, ticket: str, tokens: int, prompt_tokens: int, now: float,
-                   priority: int = 0, ttft: float | None = None) -> None:
+                   priority: int = 0, ttft: float | None = None, adapter: str | None = None) -> None:
         n = self.nodes.get(address)
         if n is None:
             return
+        if adapter is not None:
+            self._lora_use(n, adapter)
+            n.lora_sent.append((now, adapter))
         n.requests[ticket] = (tokens, prompt_tokens, priority)
         start, cost = self._book(n, tokens, prompt_tokens, priority, now)
         if priority != self.levels[0].priority:

@@ -107,9 +107,10 @@ def _batch(step_tokens: float | None, step_decode: float | None, running: float 
     return (running or 0.0), 0.0
 
 
-def from_config(p: Performance) -> StepModel:
-    """The prior of ``nodes.performance``: its profile's figures, each overridden where given."""
-    prof = get_profile(p.profile)
+def from_config(p: Performance, profile: str | None = None) -> StepModel:
+    """The prior of ``nodes.performance``: its profile's figures (or ``profile``'s: a node's own, pinned
+    or detected), each overridden where given."""
+    prof = get_profile(profile or p.profile)
 
     def pick(v: float | None, default: float) -> float:
         return (v if v is not None else default) / 1000.0

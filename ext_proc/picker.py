@@ -100,7 +100,7 @@ class Picker(NodeBook):
     def choose(
         self, tokens: int, now: float, force: bool = False, prompt_tokens: int = 0, reserve: float = 0.0,
         queue_caps: bool = True, priority: int = 0, target: float | None = None, limit: float | None = None,
-        prefix: tuple[int, ...] = (), retry: bool = True,
+        prefix: tuple[int, ...] = (), retry: bool = True, adapter: str | None = None,
     ) -> Choice:
         """``force``: any live node, whatever its load or breaker (shadow mode, bodyless routes).
         ``reserve``: KV fraction to leave free below each node's threshold (for more important tiers).
@@ -109,7 +109,9 @@ class Picker(NodeBook):
         its tier's TTFT target leaves from now (None: no target — the soonest node); ``limit``: the latest
         first token still worth serving, in seconds from now (the tier's max wait; default ``target``).
         ``retry`` False: a no-node answer needs no Retry-After (the gateway queue's pump only learns from
-        it that the tier cannot go yet) — it would walk the whole fleet."""
+        it that the tier cannot go yet) — it would walk the whole fleet. ``adapter``: the LoRA adapter the
+        request runs with — each node's prediction counts loading it where the node does not hold it
+        (``lora_cost``), so a holder wins unless its first token is later by more than a load costs."""
         if force:
             return self._any_live(tokens, now)
         if not self.room.might_fit(reserve, now, tokens):
@@ -126,9 +128,9 @@ class Picker(NodeBook):
             # those candidates only: a prompt every node was sent (a common system prompt) is held by the
             # whole fleet, and matching it against every node was most of a decision at 1,000 nodes
             return self._choose(self._scan_order(prefix, now), tokens, now, prompt_tokens, reserve, queue_caps,
-                                priority, target, limit, None, prefix, retry)
+                                priority, target, limit, None, prefix, retry, adapter)
         return self._choose(self._order, tokens, now, prompt_tokens, reserve, queue_caps, priority, target, limit,
-                            self.hits(prefix, prompt_tokens, now), retry=retry)
+                            self.hits(prefix, prompt_tokens, now), retry=retry, adapter=adapter)
 
     def _any_live(self, tokens: int, now: float) -> Choice:
         """Any live node, the roomiest of those looked at (shadow decisions, bodyless routes): a small
@@ -198,7 +200,7 @@ class Picker(NodeBook):
     def _choose(
         self, pool: Iterable[Node], tokens: int, now: float, prompt_tokens: int, reserve: float, queue_caps: bool,
         priority: int, target: float | None, limit: float | None, hits: dict[str, int] | None = None,
-        prefix: tuple[int, ...] | None = None, retry: bool = True,
+        prefix: tuple[int, ...] | None = None, retry: bool = True, adapter: str | None = None,
     ) -> Choice:
         """The filters, the predictions and the pick. ``hits``: prompt tokens each node is expected to hold
         in its prefix cache — that much less to prefill there, that much less new KV. ``prefix`` instead
@@ -267,6 +269,8 @@ class Picker(NodeBook):
                 sample.append(best)
             candidates = sample
         scored = [(self.predict(n, prompt_tokens - hits.get(n.address, 0), priority, now), n) for n in candidates]
+        if adapter is not None and self.cfg.lora.enabled:
+            scored = [(t + self.lora_cost(n, adapter), n) for t, n in scored]
         soonest, first = self._soonest(scored, tokens)
         self._best = first
         lim = limit if limit is not None else target
@@ -321,8 +325,9 @@ class Picker(NodeBook):
         fastest node's speed (0 with no node)."""
         if not self._order:
             return 0.0
-        fastest = min(n.speed.factor for n in self._order) if len(self._order) <= SCAN_LIMIT else 1.0
-        return self.model.prefill(prompt_tokens, 0, 0) * fastest
+        if len(self._order) > SCAN_LIMIT:
+            return self.model.prefill(prompt_tokens, 0, 0)
+        return min(n.model.prefill(prompt_tokens, 0, 0) * n.speed.factor for n in self._order)
 
     def predict(self, n: Node, prompt_tokens: int, priority: int, now: float) -> float:
         """Seconds until a request of ``prompt_tokens`` at ``priority`` gets its first token on ``n``:
@@ -330,7 +335,7 @@ class Picker(NodeBook):
         progress — or, when a less urgent prefill is running, the rest of it: it keeps every step's
         budget until it is done (vLLM runs running requests first) —, and its own prefill, all at the
         node's learned speed."""
-        m, f = self.model, n.speed.factor
+        m, f = n.model, n.speed.factor
         decode, context = self._load(n)
         busy = n.busy
         ahead = below = 0.0

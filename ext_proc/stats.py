@@ -249,6 +249,12 @@ class _StateCollector(Collector):
                                   labels=["discovery", "pool"])
         kv = GaugeMetricFamily("kvgate_node_kv_usage_ratio", "KV-cache usage of each node from its last probe "
                                "snapshot", labels=["node", "pool"])
+        capacity = GaugeMetricFamily("kvgate_node_kv_capacity_tokens", "Tokens of KV cache each node holds (its "
+                                     "probe's num_gpu_blocks x block_size): the weight of its usage in a pool of "
+                                     "mixed nodes", labels=["node", "pool"])
+        profile = GaugeMetricFamily("kvgate_node_profile_info", "Each node's performance profile (always 1): its "
+                                    "name, and where it came from (pool | pinned | detected)",
+                                    labels=["node", "pool", "profile", "source"])
         projected = GaugeMetricFamily("kvgate_node_projected_kv_usage_ratio",
                                       "KV usage of each node projected with what kvgate sent since the snapshot",
                                       labels=["node", "pool"])
@@ -300,7 +306,11 @@ class _StateCollector(Collector):
                     if n.snapshot is not None and n.snapshot.kv_usage is not None:
                         kv.add_metric(labels, n.snapshot.kv_usage)
                         projected.add_metric(labels, n.projected_kv() or 0.0)
+                        cap = n.capacity_tokens()
+                        if cap is not None:
+                            capacity.add_metric(labels, cap)
                     node_inflight.add_metric(labels, n.inflight)
+                    profile.add_metric([*labels, n.profile, n.profile_source], 1)
                     breaker.add_metric(labels, STATE_VALUE[n.breaker.state])
                     if n.fresh_at is not None:
                         age.add_metric(labels, max(0.0, now - n.fresh_at))
@@ -314,5 +324,5 @@ class _StateCollector(Collector):
                         by[mode] = by.get(mode, 0) + 1
                     for mode, count in by.items():
                         follow.add_metric([mode, pool], count)
-        yield from (inflight, fleet, depth, total, kv, projected, node_inflight, age, breaker, hit, follow, tombstones,
-                    blocks)
+        yield from (inflight, fleet, depth, total, kv, capacity, profile, projected, node_inflight, age, breaker, hit,
+                    follow, tombstones, blocks)

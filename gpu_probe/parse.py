@@ -4,6 +4,12 @@ Reads ``vllm:kv_cache_usage_perc`` and falls back to ``vllm:gpu_cache_usage_perc
 0.10, removed in 0.12); likewise the prefix-cache counters ``vllm:prefix_cache_queries`` / ``_hits``
 (in tokens) fall back to ``vllm:gpu_prefix_cache_queries`` / ``_hits`` (the names before 0.9.2). A server
 with several engines or models yields one reading each.
+
+LoRA (``vllm:lora_requests_info``): a gauge without ``model_name`` whose labels carry the state —
+``running_lora_adapters`` and ``waiting_lora_adapters`` (comma-separated adapter names with requests
+running / waiting) and ``max_lora`` — and whose value is when it was set. Every label set it ever had
+stays in the exposition, so the current state is the series with the newest time. vLLM serves LoRA on
+one engine only (no data parallelism), so the state goes on every reading.
 """
 
 from __future__ import annotations
@@ -54,6 +60,12 @@ class EngineReading:
     """name → (sum, count)."""
     num_gpu_blocks: int | None = None
     block_size: int | None = None
+    lora_running: list[str] | None = None
+    """Adapters with requests running (``vllm:lora_requests_info``); None: no LoRA metric."""
+    lora_waiting: list[str] | None = None
+    """Adapters with requests waiting."""
+    max_lora: int | None = None
+    """Adapters one batch may hold (vLLM ``--max-loras``)."""
 
 
 def parse(text: str) -> dict[tuple[str, str], EngineReading]:
@@ -61,6 +73,7 @@ def parse(text: str) -> dict[tuple[str, str], EngineReading]:
     cache_info: dict[str, tuple[int | None, int | None]] = {}
     old_kv: dict[tuple[str, str], float] = {}
     old_counters: dict[tuple[str, str], dict[str, float]] = {}
+    lora: tuple[float, dict[str, str]] | None = None
     try:
         families = list(text_string_to_metric_families(text))
     except Exception as e:  # the parser raises ValueError, TypeError, IndexError on garbage
@@ -83,6 +96,11 @@ def parse(text: str) -> dict[tuple[str, str], EngineReading]:
             for s in fam.samples:
                 cache_info[s.labels.get("engine", "0")] = (_int(s.labels.get("num_gpu_blocks")),
                                                            _int(s.labels.get("block_size")))
+            continue
+        if fam.name == "vllm:lora_requests_info":
+            for s in fam.samples:
+                if lora is None or s.value > lora[0]:
+                    lora = (s.value, s.labels)
             continue
         for s in fam.samples:
             if "model_name" not in s.labels:
@@ -117,9 +135,19 @@ def parse(text: str) -> dict[tuple[str, str], EngineReading]:
             out[key].counters.setdefault(name, value)
     for r in out.values():
         r.num_gpu_blocks, r.block_size = cache_info.get(r.engine, (None, None))
+        if lora is not None:
+            labels = lora[1]
+            r.lora_running, r.lora_waiting = _names(labels.get("running_lora_adapters")), _names(
+                labels.get("waiting_lora_adapters"))
+            r.max_lora = _int(labels.get("max_lora"))
     if not out:
         raise ParseError("no vLLM engine metrics (vllm:* with a model_name label) in the exposition")
     return out
+
+
+def _names(v: str | None) -> list[str]:
+    """A comma-separated list of adapter names ('' for none)."""
+    return [n for n in (v or "").split(",") if n]
 
 
 def _int(v: str | None) -> int | None:

@@ -53,6 +53,19 @@ class Snapshot:
     gpu_memory_used_bytes: int | None = None
     gpu_memory_total_bytes: int | None = None
     gpu_utilization: float | None = None
+    gpu_name: str | None = None
+    """The GPU's model as NVML names it: what kvgate picks the node's performance prior from."""
+    gpu_count: int | None = None
+    """GPUs the node's host shows (a tensor-parallel engine's size)."""
+    model: str | None = None
+    """The model the node serves (vLLM's ``model_name`` label; its first engine's): with the GPU, the prior."""
+    lora_running: list[str] | None = None
+    """LoRA adapters with requests running there (``vllm:lora_requests_info``): loaded in a GPU slot.
+    None: the node reports no LoRA metric (LoRA off, or an older vLLM)."""
+    lora_waiting: list[str] | None = None
+    """LoRA adapters with requests waiting there."""
+    max_lora: int | None = None
+    """Adapters one batch may hold (vLLM ``--max-loras``)."""
     engines: list[dict[str, Any]] = field(default_factory=list)
 
     def to_json(self) -> dict[str, Any]:
@@ -87,6 +100,8 @@ def _checked(k: str, kind: type, v: Any) -> Any:
             raise ValueError(f"snapshot field {k!r}: expected an integer >= 0, got {v!r}")
     elif not isinstance(v, kind):
         raise ValueError(f"snapshot field {k!r}: expected {kind.__name__}, got {v!r}")
+    elif k in NAME_LISTS and not (isinstance(v, list) and all(isinstance(x, str) for x in v)):
+        raise ValueError(f"snapshot field {k!r}: expected a list of names, got {v!r}")
     return v
 
 
@@ -134,7 +149,8 @@ class StreamDecoder:
                 if kind is None:
                     continue  # a newer probe's field: ignored, as by from_json
                 t = type(v)
-                if t is not kind or (t is float and not 0.0 <= v < math.inf) or (t is int and v < 0):
+                if (t is not kind or (t is float and not 0.0 <= v < math.inf) or (t is int and v < 0)
+                        or k in NAME_LISTS):
                     v = _checked(k, kind, v)  # (the common case, a value of the field's own type, is checked inline)
                 fields[k] = v
             # the previous snapshot with these fields changed: a new object (the core keeps the previous
@@ -146,6 +162,8 @@ class StreamDecoder:
 
 
 _ABSENT = object()
+NAME_LISTS = frozenset({"lora_running", "lora_waiting"})
+"""List fields whose items are adapter names: a probe cannot slip other things into node choice."""
 
 _FIELDS: dict[str, type] = {
     "node": str, "at": float, "ok": bool, "error": str, "kv_usage": float, "kv_metric": str, "blocks_total": int,
@@ -153,7 +171,8 @@ _FIELDS: dict[str, type] = {
     "ttft_s": float, "itl_s": float, "prefill_s": float, "prefill_s_per_ktok": float, "latency_fresh": bool,
     "queue_s": float, "step_fresh": bool, "step_tokens": float, "step_decode": float, "prefix_hit_rate": float,
     "gpu_memory_used_bytes": int, "gpu_memory_total_bytes": int, "gpu_utilization": float,
-    "engines": list,
+    "gpu_name": str, "gpu_count": int, "model": str, "lora_running": list, "lora_waiting": list,
+    "max_lora": int, "engines": list,
 }
 
 
@@ -226,13 +245,22 @@ class Deriver:
             step_fresh="itl" in sums if had_prev else None, step_tokens=step_tokens, step_decode=step_decode,
             prefix_hit_rate=min(1.0, hit / queried) if queried > 0 else None,
             gpu_memory_used_bytes=gpu.get("memory_used"), gpu_memory_total_bytes=gpu.get("memory_total"),
-            gpu_utilization=gpu.get("utilization"),
+            gpu_utilization=gpu.get("utilization"), gpu_name=gpu.get("name"), gpu_count=gpu.get("count"),
+            model=next((r.model for r in readings.values() if r.model), None),
+            lora_running=_first(r.lora_running for r in readings.values()),
+            lora_waiting=_first(r.lora_waiting for r in readings.values()),
+            max_lora=_first(r.max_lora for r in readings.values()),
             engines=[{"model": r.model, "engine": r.engine, "kv_usage": r.kv_usage, "running": r.running,
                       "waiting": r.waiting} for r in readings.values()],
         )
 
     def failed(self, error: str, at: float) -> Snapshot:
         return Snapshot(node=self.node, at=at, ok=False, error=error)
+
+
+def _first(values: Any) -> Any:
+    """The first of ``values`` that is not None (the LoRA state: one engine has it)."""
+    return next((v for v in values if v is not None), None)
 
 
 def _sum(values: Any) -> float | None:

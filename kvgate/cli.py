@@ -103,9 +103,11 @@ def _sim(a: argparse.Namespace) -> int:
     engine = EngineOptions(policy=a.scheduling_policy, max_num_queued_reqs=a.max_num_queued_reqs, noise=a.noise,
                            seed=a.seed, num_gpu_blocks=a.num_gpu_blocks, max_num_seqs=a.max_num_seqs,
                            max_num_batched_tokens=a.max_num_batched_tokens,
-                           prefix_caching=a.enable_prefix_caching)
+                           prefix_caching=a.enable_prefix_caching,
+                           max_loras=a.max_loras if a.lora_modules else None, max_cpu_loras=a.max_cpu_loras)
     opts = SimOptions(served_model_name=a.served_model_name, mean_output_tokens=a.mean_output_tokens,
-                      legacy_kv_metric=a.legacy_kv_metric, load_seconds=a.load_seconds)
+                      legacy_kv_metric=a.legacy_kv_metric, load_seconds=a.load_seconds,
+                      lora_modules=tuple(a.lora_modules or ()))
     run(profile, engine, opts, a.host, a.port)
     return 0
 
@@ -415,6 +417,11 @@ def parser(benchmarks: bool = True) -> argparse.ArgumentParser:
     s.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                    help="vLLM's automatic prefix caching (on by default, as in vLLM)")
     s.add_argument("--load-seconds", type=float, default=0.0, help="simulated model load before listening")
+    s.add_argument("--lora-modules", nargs="*", default=None, metavar="NAME",
+                   help="LoRA adapters it serves (as vLLM's --enable-lora --lora-modules): requests naming one run "
+                        "with it, and vllm:lora_requests_info is exported")
+    s.add_argument("--max-loras", type=int, default=1, help="adapters one batch may hold (vLLM's default 1)")
+    s.add_argument("--max-cpu-loras", type=int, default=None, help="adapters kept in host memory (default max-loras)")
     s.set_defaults(fn=_sim)
 
     s = sub.add_parser("probe", help="the per-node probe: vLLM /metrics + NVML -> GET /snapshot and /snapshot/stream")

@@ -55,7 +55,8 @@ NO_POOL = "none"
 POOL_NAME = re.compile(r"^[a-z0-9][a-z0-9_.-]{0,62}$")
 """A pool's name, as kvgate's and the scaler's configs spell it (also what makes it safe inside PromQL)."""
 POOLED = frozenset({"kvgate_requests_total", FLEET_CAUSED, PREDICTED_MISSES, "kvgate_queue_depth_requests",
-                    "kvgate_nodes_total", "kvgate_node_kv_usage_ratio", "kvgate_fleet_inflight_requests"})
+                    "kvgate_nodes_total", "kvgate_node_kv_usage_ratio", "kvgate_fleet_inflight_requests",
+                    "kvgate_node_kv_capacity_tokens"})
 """The families whose ``pool`` label says which pools a kvgate reports (the gauges exist for every pool
 from the start; the counters once a request came)."""
 
@@ -86,12 +87,25 @@ class _Acc:
     held: float = 0.0
     nodes: int | None = None
     kv: list[float] = field(default_factory=list)
+    kv_of: dict[str, float] = field(default_factory=dict)
+    """Node → its KV usage (``kvgate_node_kv_usage_ratio``)."""
+    capacity: dict[str, float] = field(default_factory=dict)
+    """Node → its KV cache in tokens (``kvgate_node_kv_capacity_tokens``; absent from an older kvgate)."""
 
     def add(self, key: tuple[str, str], v: float) -> None:
         self.totals[key] = self.totals.get(key, 0.0) + v
 
     def reading(self) -> Reading:
-        return Reading(self.totals, self.held, self.nodes, sum(self.kv) / len(self.kv) if self.kv else None)
+        return Reading(self.totals, self.held, self.nodes, self.kv_usage())
+
+    def kv_usage(self) -> float | None:
+        """The pool's KV usage: used tokens over held tokens when every node says its size — a pool of
+        mixed nodes (an 80 GB card beside a 40 GB one) is as full as its tokens, not as the mean of its
+        nodes' ratios —, else the mean ratio (as before the capacity gauge existed)."""
+        if self.kv_of and all(self.capacity.get(n) for n in self.kv_of):
+            held = sum(self.capacity[n] for n in self.kv_of)
+            return sum(u * self.capacity[n] for n, u in self.kv_of.items()) / held
+        return sum(self.kv) / len(self.kv) if self.kv else None
 
 
 def parse_kvgate(text: str) -> Reading:
@@ -126,6 +140,9 @@ def parse_kvgate(text: str) -> Reading:
                 a.nodes = (a.nodes or 0) + int(s.value)
             elif s.name == "kvgate_node_kv_usage_ratio":
                 a.kv.append(s.value)
+                a.kv_of[s.labels.get("node", "")] = s.value
+            elif s.name == "kvgate_node_kv_capacity_tokens":
+                a.capacity[s.labels.get("node", "")] = s.value
     if not seen:
         raise ValueError("not a kvgate metrics page (no kvgate_requests_total / kvgate_fleet_inflight_requests)")
     whole = _Acc()
@@ -136,6 +153,8 @@ def parse_kvgate(text: str) -> Reading:
         if a.nodes is not None:
             whole.nodes = (whole.nodes or 0) + a.nodes
         whole.kv += a.kv
+        whole.kv_of.update(a.kv_of)
+        whole.capacity.update(a.capacity)
     r = whole.reading()
     return Reading(r.totals, r.held, r.nodes, r.kv_usage, {p: a.reading() for p, a in acc.items()})
 
@@ -309,6 +328,11 @@ QUERIES = {
     "nodes": "sum by (instance, pool) (kvgate_nodes_total)",
     "kv_sum": "sum by (pool) (kvgate_node_kv_usage_ratio)",
     "kv_count": "count by (pool) (kvgate_node_kv_usage_ratio)",
+    # a pool of mixed nodes: used over held tokens (none from a kvgate without the capacity gauge)
+    "kv_tokens": "sum by (pool) (kvgate_node_kv_usage_ratio * on (instance, node, pool) "
+                 "kvgate_node_kv_capacity_tokens)",
+    "kv_capacity": "sum by (pool) (kvgate_node_kv_capacity_tokens and on (instance, node, pool) "
+                   "kvgate_node_kv_usage_ratio)",
     "pools": "count by (pool) (kvgate_fleet_inflight_requests)",
     "replicas_up": 'count(up{job="%s"} == 1)',
     "replicas_all": 'count(up{job="%s"})',
@@ -414,6 +438,15 @@ class PrometheusSource:
                 kv_sum[pool] = kv_sum.get(pool, 0.0) + v
             for pool, _, v in rows(QUERIES["kv_count"]):
                 kv_count[pool] = kv_count.get(pool, 0.0) + v
+            kv_tokens: dict[str, float] = {}
+            kv_held: dict[str, float] = {}
+            for pool, _, v in rows(QUERIES["kv_tokens"]):
+                kv_tokens[pool] = kv_tokens.get(pool, 0.0) + v
+            for pool, _, v in rows(QUERIES["kv_capacity"]):
+                kv_held[pool] = kv_held.get(pool, 0.0) + v
+            for pool, held_tokens in kv_held.items():
+                if held_tokens > 0:  # weighted by each node's size; the plain mean where no node says it
+                    kv_sum[pool], kv_count[pool] = kv_tokens.get(pool, 0.0), held_tokens
             for _ in rows(QUERIES["pools"]):
                 pass
             up = sum(v for _, v in self.query(QUERIES["replicas_up"] % self.job, at))

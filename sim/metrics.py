@@ -93,6 +93,11 @@ class NodeMetrics:
                "num_gpu_blocks"], registry=r).labels(
             str(sched.cfg.block_size), "auto", str(sched.caching), "0", str(gpu_memory_utilization),
             str(sched.cfg.num_gpu_blocks)).set(1)
+        self.lora: Gauge | None = None
+        if engine.options.max_loras is not None:  # vLLM with --enable-lora; no model_name label, as vLLM's
+            self.lora = Gauge("vllm:lora_requests_info", "Running stats on lora requests.",
+                              ["max_lora", "waiting_lora_adapters", "running_lora_adapters"], registry=r)
+        self._max_lora = str(engine.options.max_loras)
         engine.on_step = self.step
         engine.on_tokens = self.tokens
 
@@ -105,6 +110,11 @@ class NodeMetrics:
             self._queried, self._hit = sched.prefix_queries, sched.prefix_hits
         if plan.preempted:
             self.preemptions.inc(len(plan.preempted))
+        if self.lora is not None:
+            # as vLLM's logger each iteration: the label set of now, valued at the time (the label sets of
+            # earlier states stay in the exposition)
+            running, waiting = sched.lora_requests()
+            self.lora.labels(self._max_lora, ",".join(waiting), ",".join(running)).set(at)
 
     def tokens(self, events: list[TokenEvent], at: float) -> None:
         self.generation_tokens.inc(len(events))

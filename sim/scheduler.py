@@ -20,7 +20,10 @@ What it reproduces (vLLM ``vllm/v1/core/sched/scheduler.py`` and ``kv_cache_mana
   preempted — its blocks freed, its progress dropped, to be recomputed when it is scheduled again —
   and no waiting request is admitted in that step;
 * FCFS or priority order (``priority`` then arrival, lower first) for the waiting queue;
-* an optional cap on queued requests (``--max-num-queued-reqs``), beyond which ``add`` refuses.
+* an optional cap on queued requests (``--max-num-queued-reqs``), beyond which ``add`` refuses;
+* LoRA adapters (``max_loras``, off by default): a step's batch holds requests of at most ``max_loras``
+  adapters; a waiting request of another adapter is skipped — it keeps its place, the requests behind
+  it may go — until a slot frees (vLLM's ``scheduled_loras`` check in the waiting loop).
 
 No clock and no I/O: the engine calls ``schedule`` and then ``finish_step`` with the step's end time.
 """
@@ -74,6 +77,8 @@ class Request:
     """Hashes of the request's full blocks computed so far (vLLM's ``request.block_hashes``)."""
     hashed: list[Block] = field(default_factory=list)
     """The request's leading blocks that carry a hash (the rest of its ``blocks`` are blank)."""
+    lora: str | None = None
+    """The LoRA adapter it runs with (vLLM's ``lora_request``); None: the base model."""
 
     @property
     def num_tokens(self) -> int:
@@ -90,6 +95,8 @@ class SchedulerConfig:
     policy: Policy = "fcfs"
     max_num_queued_reqs: int | None = None
     enable_prefix_caching: bool = True
+    max_loras: int | None = None
+    """Adapters one batch may hold (vLLM ``--max-loras``); None: LoRA off, no check."""
 
 
 @dataclass
@@ -407,10 +414,15 @@ class Scheduler:
             context += computed + num_new
             i += 1
         if not preempted:
+            loras = self._batch_loras(scheduled) if self.cfg.max_loras is not None else None
+            skipped: list[Request] = []
             while budget > 0 and len(running) < self.cfg.max_num_seqs:
                 req = self._peek()  # type: ignore[assignment]
                 if req is None:
                     break
+                if loras is not None and self._lora_blocked(req, loras):
+                    skipped.append(self._pop())
+                    continue
                 need = -(-req.num_tokens // bs)
                 if caching:
                     hits = self._lookup(req) if req.content is not None else []
@@ -449,7 +461,36 @@ class Scheduler:
                 budget -= num_new
                 prefill += num_new
                 context += req.num_computed + num_new
+                if loras is not None and req.lora is not None:
+                    loras.add(req.lora)
+            for req in reversed(skipped):
+                self._push(req, front=True)
         return Plan(list(scheduled.items()), prefill, decode, context, preempted)
+
+    # -- LoRA adapters (``max_loras``) ----------------------------------------------------------------
+
+    @staticmethod
+    def _batch_loras(scheduled: dict[Request, int]) -> set[str]:
+        """The adapters of the running requests this step scheduled: the batch's slots in use."""
+        return {r.lora for r in scheduled if r.lora is not None}
+
+    def _lora_blocked(self, req: Request, loras: set[str]) -> bool:
+        """Whether a waiting request cannot join this step's batch: its adapter is not among the batch's
+        and every slot (``max_loras``) is taken."""
+        return req.lora is not None and req.lora not in loras and len(loras) >= (self.cfg.max_loras or 0)
+
+    def lora_requests(self) -> tuple[dict[str, int], dict[str, int]]:
+        """(adapter → running requests, adapter → waiting requests): what vLLM's ``lora_requests_info``
+        lists as ``running_lora_adapters`` and ``waiting_lora_adapters``."""
+        running: dict[str, int] = {}
+        waiting: dict[str, int] = {}
+        for r in self.running:
+            if r.lora is not None:
+                running[r.lora] = running.get(r.lora, 0) + 1
+        for r in self.waiting():
+            if r.lora is not None:
+                waiting[r.lora] = waiting.get(r.lora, 0) + 1
+        return running, waiting
 
     def finish_step(self, plan: Plan, now: float, every_token: bool = True) -> list[TokenEvent]:
         """Apply a step's results at its end time ``now``: progress, sampled tokens, finished requests.

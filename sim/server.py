@@ -47,6 +47,8 @@ class SimOptions:
     mean_output_tokens: int = 256
     legacy_kv_metric: bool = False
     load_seconds: float = 0.0
+    lora_modules: tuple[str, ...] = ()
+    """LoRA adapters served (vLLM ``--lora-modules``): a request naming one runs with it."""
 
 
 class RealtimeNode:
@@ -193,9 +195,14 @@ class SimServer:
                             content_type="text/plain", charset="utf-8")
 
     async def models(self, _: web.Request) -> web.Response:
+        created = int(time.time())
         return web.json_response({"object": "list", "data": [{
-            "id": self.model, "object": "model", "created": int(time.time()), "owned_by": "vllm",
-            "root": self.model, "parent": None, "max_model_len": self.profile.max_model_len}]})
+            "id": self.model, "object": "model", "created": created, "owned_by": "vllm",
+            "root": self.model, "parent": None, "max_model_len": self.profile.max_model_len}, *(
+            # as vLLM lists its --lora-modules: the adapter, its base model as parent
+            {"id": name, "object": "model", "created": created, "owned_by": "vllm", "root": name,
+             "parent": self.model, "max_model_len": self.profile.max_model_len}
+            for name in self.options.lora_modules)]})
 
     def _prompt(self, body: dict[str, Any], chat: bool) -> tuple[int, Prompt]:
         """Prompt tokens and their stand-in content; ValueError (a 400) for a request vLLM's request model
@@ -229,7 +236,8 @@ class SimServer:
         except (orjson.JSONDecodeError, ValueError) as e:
             return _error(400, f"Invalid request body: {e}")
         model = body.get("model")
-        if model is not None and model != self.model:
+        lora = model if model in self.options.lora_modules else None
+        if model is not None and model != self.model and lora is None:
             return _error(404, f"The model `{model}` does not exist.", "NotFoundError")
         priority = body.get("priority", 0)
         if not isinstance(priority, int):
@@ -256,7 +264,7 @@ class SimServer:
             natural = 1 + int(self._rng.expovariate(1.0 / max(1, self.options.mean_output_tokens - 1)))
             out, reason = (natural, "stop") if natural < limit else (limit, "length")
         req = Request(f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}", prompt, out, self.node.now(),
-                      priority, reason, content=content)
+                      priority, reason, content=content, lora=lora)
         try:
             queue = self.node.submit(req)
         except QueueFull:

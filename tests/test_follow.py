@@ -26,7 +26,7 @@ from ext_proc.nodes import Fleet, Node
 from ext_proc.server import Gateway
 from ext_proc.stats import FOLLOW_MODES
 from gpu_probe.server import NDJSON, STREAM_PATH
-from gpu_probe.snapshot import _FIELDS, Snapshot, StreamDecoder, changes
+from gpu_probe.snapshot import _FIELDS, NAME_LISTS, Snapshot, StreamDecoder, changes
 from kvgate.dev.stack import free_port, wait_port
 
 ADDR = "10.0.0.1:8000"
@@ -362,9 +362,11 @@ async def test_nodes_come_and_go_with_the_node_list() -> None:
 # -- the deltas ------------------------------------------------------------------------------------
 
 
-def _value(kind: type) -> st.SearchStrategy[Any]:
+def _value(kind: type, name: str = "") -> st.SearchStrategy[Any]:
     few: st.SearchStrategy[Any]
-    if kind is float:
+    if name in NAME_LISTS:  # adapter names (a probe may send no other items)
+        few = st.lists(st.sampled_from(["a", "b"]) | st.text(max_size=5), max_size=3)
+    elif kind is float:
         few = st.sampled_from([0.0, 0.5, 1.0]) | st.floats(0, 1e9, allow_nan=False, allow_infinity=False)
     elif kind is int:
         few = st.sampled_from([0, 16]) | st.integers(0, 2**53)
@@ -379,7 +381,8 @@ def _value(kind: type) -> st.SearchStrategy[Any]:
 
 
 _required = {"node": st.sampled_from(["n", "m"]), "at": st.floats(0, 1e10, allow_nan=False), "ok": st.booleans()}
-snapshots = st.builds(Snapshot, **{k: _required[k] if k in _required else _value(kind) for k, kind in _FIELDS.items()})
+snapshots = st.builds(Snapshot, **{k: _required[k] if k in _required else _value(kind, k)
+                                   for k, kind in _FIELDS.items()})
 
 
 @settings(max_examples=300, deadline=None)

@@ -219,9 +219,14 @@ class SimNode:
     hist: dict[str, list[float]] = field(default_factory=dict)
     snapshot_at: float = -1.0
     snapshot: Any = None
+    gpu: dict[str, Any] | None = None
+    """What its probe's NVML reads (GPU name and count) in a pool of mixed nodes; None: no GPU reported
+    (kvgate keeps the pool's prior, as before per-node profiles existed)."""
 
     def __post_init__(self) -> None:
         self.deriver = Deriver(self.address)
+        self.base_profile = self.engine.profile
+        """What it runs when not slowed (a ``Degrade`` of factor 1 gives it back)."""
 
     def observe(self, name: str, value: float) -> None:
         h = self.hist.get(name)
@@ -234,6 +239,10 @@ class SimNode:
     def reading(self) -> EngineReading:
         e = self.engine
         s = e.scheduler
+        lora: dict[str, Any] = {}
+        if e.options.max_loras is not None:  # what vllm:lora_requests_info says now
+            running, waiting = s.lora_requests()
+            lora = {"lora_running": list(running), "lora_waiting": list(waiting), "max_lora": e.options.max_loras}
         return EngineReading(self.engine.profile.model_name, "0", kv_usage=s.kv_usage,
                              kv_metric="vllm:kv_cache_usage_perc",
                              running=float(len(s.running)), waiting=float(s.num_waiting),
@@ -242,7 +251,7 @@ class SimNode:
                              hist={**{k: (v[0], v[1]) for k, v in self.hist.items()},
                                    "itl": (e.itl_sum, float(e.itl_count)),
                                    "iteration": (float(e.step_tokens), float(e.steps))},
-                             num_gpu_blocks=s.cfg.num_gpu_blocks, block_size=s.cfg.block_size)
+                             num_gpu_blocks=s.cfg.num_gpu_blocks, block_size=s.cfg.block_size, **lora)
 
     @property
     def load(self) -> int:
@@ -286,6 +295,13 @@ class RunResult:
     """Each model pool's nodes (the one pool ``default`` without ``pools`` in the config)."""
     pooled: bool = False
     """Whether kvgate's config had ``pools`` (the report shows per-pool figures only then)."""
+    lora_loads: int = 0
+    """LoRA adapters the nodes loaded from disk (``Engine.lora_loads``; 0 without ``max_loras``)."""
+    lora_swaps: int = 0
+    """LoRA adapters the nodes copied into a GPU slot (``Engine.lora_swaps``)."""
+    prediction_errors: dict[str, list[float]] = field(default_factory=dict)
+    """Node profile → (predicted - actual) / actual time to the first token, measured from dispatch at the
+    node, of every request kvgate placed there with a prediction (mixed-node runs only; else empty)."""
 
 
 def _content(i: int, r: TraceRequest) -> Prompt | None:
@@ -311,6 +327,7 @@ def kv_shed_config(base: Config) -> dict[str, Any]:
         nodes["breaker"] = {"kv_threshold": 1.0, "close_kv": 0.99, "latency_multiplier": 1e9,
                             "close_latency_multiplier": 1e9 - 1}
         nodes["prefix"] = {**(nodes.get("prefix") or {}), "enabled": False}  # KV-aware picking only
+        nodes["lora"] = {**(nodes.get("lora") or {}), "enabled": False}  # an adapter is just a model name
         return nodes
 
     doc: dict[str, Any] = {"tenants": [{"name": t.name} for t in base.tenants], "queue": {"enabled": False}}
@@ -330,6 +347,9 @@ class SimPool:
     profile: Profile
     size: PoolSize
     cold_start_s: float
+    node_profiles: tuple[Profile, ...] = ()
+    """Mixed nodes: the k-th node provisioned runs ``node_profiles[k % len]`` (and its probe reports its
+    GPU); empty: every node runs ``profile``."""
     law: ControlLaw | None = None
     nodes: list[SimNode] = field(default_factory=list)
     timeline: list[tuple[float, int]] = field(default_factory=list)
@@ -359,7 +379,7 @@ class Run:
     def __init__(self, config: Config, policy: Policy, profile: Profile, trace: list[TraceRequest],
                  seed: int = 0, engine: EngineOptions | None = None, autoscaling: Autoscaling | None = None,
                  cold_start_s: float | None = None, degrade: tuple[Degrade, ...] = (),
-                 outages: tuple[Outage, ...] = ()) -> None:
+                 outages: tuple[Outage, ...] = (), node_profiles: tuple[str, ...] = ()) -> None:
         if outages and policy.admission != "none":
             raise ValueError("outages apply to plain least-request routing (admission none) only")
         self.now = 0.0
@@ -389,6 +409,9 @@ class Run:
         self.transitions: list[tuple[float, str, str, str, str]] = []
         self._inflight: dict[Request, tuple[int, str | None]] = {}
         """Engine request → (outcome index, kvgate ticket)."""
+        self._predicted: dict[Request, float] = {}
+        """Engine request → kvgate's predicted seconds to its first token (mixed-node runs)."""
+        self.prediction_errors: dict[str, list[float]] = {}
         self._held: dict[str, int] = {}
         """Request id of a queued request → outcome index."""
         self.router = Router(config, random.Random(seed))
@@ -405,7 +428,8 @@ class Run:
             if policy.autoscale == "scaler":
                 law = ControlLaw(replace(self.auto.law, min_replicas=size.min_nodes, max_replicas=size.max_nodes,
                                          cold_start_s=cold, window_s=self.auto.window_s))
-            self.pools[spec.name] = SimPool(spec, prof, size, cold, law)
+            self.pools[spec.name] = SimPool(spec, prof, size, cold, law=law,
+                                            node_profiles=tuple(get_profile(name) for name in node_profiles))
         self.core: Core | None = None
         if policy.admission != "none":
             if config.nodes is None and not config.pools:
@@ -430,8 +454,10 @@ class Run:
         i = len(self.nodes)
         opts = replace(self.engine_options, seed=self.seed * 1000 + i)
         address = f"{pool.name}-{i}:8000" if self.pooled else f"node-{i}:8000"
-        n = SimNode(i, address, Engine(pool.profile, opts), self.now,
-                    self.now if ready else self.now + pool.cold_start_s, pool=pool.name)
+        prof = pool.node_profiles[len(pool.nodes) % len(pool.node_profiles)] if pool.node_profiles else pool.profile
+        n = SimNode(i, address, Engine(prof, opts), self.now,
+                    self.now if ready else self.now + pool.cold_start_s, pool=pool.name,
+                    gpu={"name": f"NVIDIA {prof.gpu}", "count": prof.gpus} if pool.node_profiles else None)
         n.engine.every_token = False
         self.nodes.append(n)
         pool.nodes.append(n)
@@ -497,7 +523,7 @@ class Run:
 
     def _probe(self, n: SimNode) -> None:
         if self.now - n.snapshot_at >= PROBE_INTERVAL_S - 1e-9:
-            n.snapshot = n.deriver.update({(n.engine.profile.model_name, "0"): n.reading()}, self.now)
+            n.snapshot = n.deriver.update({(n.engine.profile.model_name, "0"): n.reading()}, self.now, n.gpu)
             n.snapshot_at = self.now
         assert self.core is not None
         self.core.snapshot(n.address, n.snapshot, self.now - n.snapshot_at)
@@ -516,18 +542,22 @@ class Run:
             n.busy = True
             self._push(self.now + dt, "step", n)
 
-    def _send(self, i: int, n: SimNode, ticket: str | None) -> None:
+    def _send(self, i: int, n: SimNode, ticket: str | None, predicted: float | None = None) -> None:
         o = self.outcomes[i]
         r = o.req
         tier = self.config.tiers.get(o.tier)
         prio = 0
         if tier is not None and self.engine_options.policy == "priority":
             prio = tier.vllm_priority if tier.vllm_priority is not None else tier.priority
-        sreq = Request(f"r{i}", r.prompt_tokens, r.output_tokens, self.now, priority=prio, content=_content(i, r))
+        lora = r.model if r.model is not None and r.model in self.pools[n.pool].spec.adapters else None
+        sreq = Request(f"r{i}", r.prompt_tokens, r.output_tokens, self.now, priority=prio, content=_content(i, r),
+                       lora=lora)
         n.engine.add(sreq)
         model = r.model or ""
         n.served[model] = n.served.get(model, 0) + 1
         self._inflight[sreq] = (i, ticket)
+        if predicted is not None and n.gpu is not None:
+            self._predicted[sreq] = predicted
         o.status, o.node, o.decided_at = 200, n.index, self.now
         self._kick(n)
 
@@ -607,7 +637,7 @@ class Run:
         tenant = o.req.tenant
         if d.admitted:
             assert d.lease is not None and d.lease.node is not None
-            self._send(i, self._by_address[d.lease.node], d.lease.ticket)
+            self._send(i, self._by_address[d.lease.node], d.lease.ticket, d.lease.predicted_ttft)
             if pool is not None:
                 pool.decisions.append((self.now, "admitted", tenant))
                 if d.lease.slo_miss:
@@ -630,6 +660,12 @@ class Run:
             o = self.outcomes[i]
             assert req.first_token is not None and req.finished_at is not None
             o.ttft, o.e2e = req.first_token - o.req.t, req.finished_at - o.req.t
+            predicted = self._predicted.pop(req, None)
+            if predicted is not None:
+                actual = req.first_token - req.arrival
+                if actual > 0:
+                    errors = self.prediction_errors.setdefault(n.base_profile.name, [])
+                    errors.append((predicted - actual) / actual)
             n.observe("e2e", req.finished_at - req.arrival)
             n.observe("request_prompt", float(req.prompt_tokens))
             n.observe("ttft", req.first_token - req.arrival)
@@ -728,7 +764,7 @@ class Run:
                     self._ready(arg)
                 elif kind == "degrade" and arg.node < len(self.nodes):
                     n = self.nodes[arg.node]
-                    n.engine.profile = _slowed(self.pools[n.pool].profile, arg.factor)
+                    n.engine.profile = _slowed(n.base_profile, arg.factor)
                 continue
             if nxt == math.inf:
                 break
@@ -755,7 +791,9 @@ class Run:
                        - n.engine.scheduler.prefix_hits - n.engine.scheduler.preempted_prefix_hits for n in self.nodes)
         first = next(iter(self.pools.values()))
         return RunResult(self.policy, self.outcomes, last - start, gpu_s, first.gpus, self.node_timeline,
-                         self.breaker_opens, lost, dict(self.breaker_opens_by_cause), computed, pools, self.pooled)
+                         self.breaker_opens, lost, dict(self.breaker_opens_by_cause), computed, pools, self.pooled,
+                         sum(n.engine.lora_loads for n in self.nodes), sum(n.engine.lora_swaps for n in self.nodes),
+                         self.prediction_errors)
 
     def _busy(self) -> bool:
         return bool(self._inflight or self._held)

@@ -34,6 +34,7 @@ Definitions (also in the README):
 from __future__ import annotations
 
 import math
+import statistics
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -552,3 +553,33 @@ def plots(name: str, sums: list[Summary], out: Path, config: Config | None = Non
     axes[-1][0].set_xlabel("time (s)")
     paths.append(save(fig, "fleet size" if pools == [None] else "nodes per pool", "nodes"))
     return paths
+
+
+def prediction_errors(r: RunResult) -> dict[str, dict[str, float]]:
+    """Node profile → the median relative error of kvgate's TTFT predictions on nodes of it
+    (``RunResult.prediction_errors``): ``abs``, the median of |error|, and ``bias``, the median signed
+    error (> 0: predicted later than it came) — how well each node's own prior, and the speed it
+    learned, predict. A request arrives at a random point of the step in progress, so part of
+    ``abs`` is noise no prior removes; a wrong prior shows as bias."""
+    return {name: {"abs": statistics.median(abs(e) for e in errs), "bias": statistics.median(errs)}
+            for name, errs in sorted(r.prediction_errors.items()) if errs}
+
+
+def prediction_table(errors: dict[str, dict[str, dict[str, float]]]) -> str:
+    """The markdown table of ``prediction_errors`` per policy (a mixed-node scenario)."""
+    kinds = sorted({k for e in errors.values() for k in e})
+    lines = ["TTFT predictions per node kind, predicted at dispatch against measured at the node: median "
+             "|error| (median signed error, > 0 late):", "",
+             "| policy | " + " | ".join(kinds) + " |", "|---|" + "---|" * len(kinds)]
+    for label, e in errors.items():
+        lines.append(f"| {label} | " + " | ".join(
+            f"{100 * e[k]['abs']:.1f}% ({100 * e[k]['bias']:+.1f}%)" if k in e else "-" for k in kinds) + " |")
+    return "\n".join(lines)
+
+
+def lora_table(loads: dict[str, dict[str, int]]) -> str:
+    """The markdown table of a LoRA scenario's adapter loads per policy (``ScenarioResult.lora_loads``)."""
+    lines = ["LoRA adapters loaded by the nodes (from disk; copied into a GPU slot):", "",
+             "| policy | loads | slot copies |", "|---|---|---|"]
+    lines += [f"| {label} | {v['loads']} | {v['swaps']} |" for label, v in loads.items()]
+    return "\n".join(lines)

@@ -96,6 +96,9 @@ class BenchConfig(BaseModel):
     seed: int = 1
     pools: dict[str, PoolBench] = Field(default_factory=dict)
     """Each model pool's fleet (kvgate's config with ``pools``), by pool name."""
+    node_profiles: list[str] = Field(
+        default_factory=list, description="a pool of mixed nodes: the k-th node runs node_profiles[k % len] and "
+        "its probe reports that profile's GPU (kvgate detects each node's prior); empty: every node runs profile")
 
     def pool_sizes(self) -> tuple[PoolSize, ...]:
         """Every pool of kvgate's config, sized by ``pools`` or the top-level figures."""
@@ -140,9 +143,10 @@ def load_bench_config(path: str | Path) -> BenchConfig:
         cfg = BenchConfig.model_validate(doc)
     except ValidationError as e:
         raise config_error(e, f"{p}: invalid bench configuration") from None
-    if cfg.profile not in PROFILES:
-        raise ConfigError(f"{p}: invalid bench configuration\n  profile: unknown profile {cfg.profile!r}; "
-                          f"known: {', '.join(PROFILES)}")
+    for field_name, name in [("profile", cfg.profile), *(("node_profiles", n) for n in cfg.node_profiles)]:
+        if name not in PROFILES:
+            raise ConfigError(f"{p}: invalid bench configuration\n  {field_name}: unknown profile {name!r}; "
+                              f"known: {', '.join(PROFILES)}")
     kv = dict(cfg.kvgate)
     if not kv.get("pools"):  # with pools each pool lists its own nodes (a top-level nodes is an error)
         kv.setdefault("nodes", PLACEHOLDER_NODES)
@@ -167,7 +171,8 @@ def from_trace(trace_path: str | Path, cfg: BenchConfig) -> tuple[Scenario, list
     name = Path(trace_path).stem
     sc = Scenario(name, f"Trace {Path(trace_path).name}",
                   f"{len(trace)} requests from {trace_path}, {cfg.profile} nodes.", cfg.profile,
-                  trace[-1].t, cfg.kvgate, cfg.policy_list(), (), seed=cfg.seed, autoscaling=cfg.autoscaling())
+                  trace[-1].t, cfg.kvgate, cfg.policy_list(), (), seed=cfg.seed, autoscaling=cfg.autoscaling(),
+                  node_profiles=tuple(cfg.node_profiles))
     return sc, trace
 
 
@@ -187,6 +192,12 @@ class ScenarioResult:
     """The scenario's reference runs (``Scenario.reference``): each policy over the trace without the
     left-out streams; kept apart from ``summaries``, which are all over the one trace."""
     reference_requests: int = 0
+    prediction_errors: dict[str, dict[str, dict[str, float]]] = field(default_factory=dict)
+    """Mixed nodes (``Scenario.node_profiles``): per policy with predictions, each node profile's median
+    relative error of kvgate's TTFT predictions (``report.prediction_errors``)."""
+    lora_loads: dict[str, dict[str, int]] = field(default_factory=dict)
+    """LoRA scenarios (``Scenario.engine.max_loras``): per policy, the adapters its nodes loaded from disk
+    (``loads``) and copied into a GPU slot (``swaps``)."""
 
     def markdown(self) -> str:
         sc = self.scenario
@@ -210,6 +221,10 @@ class ScenarioResult:
                 parts += [f"Per pool, as run / [{ref.label}]:", "",
                           report.against_reference(self.summaries, self.references, ref.label), "",
                           f"Nodes per pool over time [{ref.label}]:", "", report.pool_timelines(self.references), ""]
+        if self.prediction_errors:
+            parts += [report.prediction_table(self.prediction_errors), ""]
+        if self.lora_loads:
+            parts += [report.lora_table(self.lora_loads), ""]
         parts += ["Per SLA tier:", "", report.by_tier(self.summaries), "",
                   "Per tenant:", "", report.by_tenant(self.summaries), "", "Rejections by reason:", "",
                   report.reasons(self.summaries), ""]
@@ -225,6 +240,10 @@ class ScenarioResult:
             doc["reference_scope"] = {"label": ref.label, "requests": self.reference_requests,
                                       "without": [{"tenant": self.scenario.streams[i].tenant,
                                                    "model": self.scenario.streams[i].model} for i in ref.without]}
+        if self.prediction_errors:  # additive: only a scenario of mixed nodes has these
+            doc["ttft_prediction_median_error"] = self.prediction_errors
+        if self.lora_loads:  # additive: only a LoRA scenario has these
+            doc["lora_adapter_loads"] = self.lora_loads
         return doc
 
 
@@ -237,10 +256,16 @@ def run(sc: Scenario, trace: list[TraceRequest] | None = None, scale: float = 1.
     profile = get_profile(sc.profile)
     degrade = tuple(replace(d, at=d.at * scale) for d in sc.degrade)
     sums = []
+    errors: dict[str, dict[str, dict[str, float]]] = {}
+    loras: dict[str, dict[str, int]] = {}
     for p in sc.policies:
         r = simulate(config, p, profile, trace, sc.seed, autoscaling=sc.autoscaling, degrade=degrade,
-                     cold_start_s=sc.cold_start_s)
+                     cold_start_s=sc.cold_start_s, node_profiles=sc.node_profiles, engine=sc.engine)
         sums.append(report.summarize(r, config))
+        if r.prediction_errors:
+            errors[p.label] = report.prediction_errors(r)
+        if sc.engine is not None and sc.engine.max_loras is not None:
+            loras[p.label] = {"loads": r.lora_loads, "swaps": r.lora_swaps}
     note, scope = "", None
     if sc.ideal is not None:  # the reference: policy none, no disturbance, same seed, same run
         ideal = sc.ideal
@@ -261,7 +286,8 @@ def run(sc: Scenario, trace: list[TraceRequest] | None = None, scale: float = 1.
             r = simulate(config, replace(p, reference=sc.reference.label), profile, calm, sc.seed,
                          autoscaling=sc.autoscaling, degrade=degrade, cold_start_s=sc.cold_start_s)
             refs.append(report.summarize(r, config))
-    return ScenarioResult(sc, config, len(trace), sums, time.perf_counter() - t0, note, scope, refs, offered)
+    return ScenarioResult(sc, config, len(trace), sums, time.perf_counter() - t0, note, scope, refs, offered,
+                          errors, loras)
 
 
 def write_report(results: list[ScenarioResult], out: Path, plots: bool = True) -> Path:

@@ -13,6 +13,7 @@ from typing import Any
 from ext_proc.config import Config
 from ext_proc.profiles import Profile
 from scaler.law import LawSettings
+from sim.engine import EngineOptions
 
 from .driver import Autoscaling, Degrade, Outage, Policy, PoolSize
 from .trace import TraceRequest
@@ -190,6 +191,11 @@ class Scenario:
     """The reference row (policy none without the disturbance); None: the scenario has no disturbance."""
     reference: Reference | None = None
     """Every policy again over the trace without some streams (``Reference``); None: no such rows."""
+    engine: EngineOptions | None = None
+    """The simulated nodes' engine options (LoRA slots: ``max_loras``); None: the defaults."""
+    node_profiles: tuple[str, ...] = ()
+    """A pool of mixed nodes: the k-th node runs ``node_profiles[k % len]`` and its probe reports that
+    profile's GPU; empty: every node runs ``profile``."""
 
     def trace(self, scale: float = 1.0) -> list[TraceRequest]:
         """The scenario's requests; ``scale`` < 1 shortens the run (tests)."""
@@ -580,12 +586,78 @@ def _two_pools() -> Scenario:
     )
 
 
+def _mixed_gpus() -> Scenario:
+    # One 8B pool on two GPU generations: 2 x 8b-h100 and 2 x 8b-a100 (an A100 serves about 12 req/s of
+    # this mix, an H100 about 31: families.node_capacity_rps), at about 65% of the four together. The pool's
+    # prior is the H100's; each probe reports its GPU and kvgate picks that node's own (performance.detect).
+    # Splitting requests evenly (least-request) gives each A100 more than it serves: its queue grows.
+    rate = 62.0
+    streams = (
+        Stream("chat-a", SHORT, const(rate * 0.45)),
+        Stream("chat-b", SHORT, const(rate * 0.40)),
+        Stream("docs", LONG, const(rate * 0.15), max_tokens=1024),
+    )
+    config = {
+        "tenants": [{"name": "chat-a", "tier": "interactive"}, {"name": "chat-b", "tier": "interactive"},
+                    {"name": "docs", "tier": "standard"}],
+        "queue": {"inject_priority": True},
+        "nodes": {**PLACEHOLDER_NODES, "performance": {"profile": "8b-h100"}},
+    }
+    return Scenario(
+        "mixed-gpus", "Mixed GPUs: one 8B pool on H100s and A100s",
+        f"8B model on 2 x 8b-h100 + 2 x 8b-a100 nodes in one pool, {rate:g} req/s (chat-a and chat-b interactive, "
+        "short; docs standard, 15% long), 180 s. kvgate's prior is 8b-h100; each node's probe reports its GPU "
+        "and kvgate picks the node's own profile.",
+        "8b-h100", 180.0, config,
+        (Policy("none", 4), Policy("kv-shed", 4, "kv-shed"), Policy("kvgate", 4, "kvgate")),
+        streams, node_profiles=("8b-h100", "8b-a100"),
+    )
+
+
+LORA_ADAPTERS = 40
+LORA_ZIPF = 1.1
+
+
+def _lora_adapters() -> Scenario:
+    # One 8B pool of 4 x 8b-h100 nodes serving 40 LoRA adapters with skewed (Zipf 1.1) popularity: a few
+    # adapters carry most requests, a long tail the rest. Each node holds 4 adapters in its GPU slots and
+    # in host memory (vLLM's --max-loras 4, --max-cpu-loras defaulting to it): a request for another
+    # waits until a batch has a free slot, then loading it from disk takes 150 ms of the step. Interactive
+    # chat on the adapters, a standard-tier batch job on the base model.
+    rate = 15.0
+    weights = [1.0 / (k + 1) ** LORA_ZIPF for k in range(LORA_ADAPTERS)]
+    total = sum(weights)
+    adapters = [f"{SMALL_MODEL}-lora-{k:02d}" for k in range(LORA_ADAPTERS)]
+    chat = [Stream("chat", SHORT, const(rate * 0.85 * w / total), model=name)
+            for w, name in zip(weights, adapters, strict=True)]
+    streams = (*chat, Stream("batch", LONG, const(rate * 0.15), max_tokens=1024, model=SMALL_MODEL))
+    pool = {**_pool("8b", SMALL_MODEL, "8b-h100"), "adapters": adapters}
+    config = {
+        "tenants": [{"name": "chat", "tier": "interactive"}, {"name": "batch", "tier": "standard"}],
+        "queue": {"inject_priority": True},
+        "pools": [pool],
+    }
+    sizes = (PoolSize("8b", 4),)
+    return Scenario(
+        "lora-adapters", "LoRA adapters: 40 adapters over 4 nodes",
+        f"{SMALL_MODEL} on 4 x 8b-h100 with {LORA_ADAPTERS} LoRA adapters (Zipf {LORA_ZIPF} popularity), "
+        f"max_loras 4 per node, 150 ms to load one from disk; {rate:g} req/s (chat: interactive, short, on the "
+        "adapters; batch: standard, long, on the base model), 180 s.",
+        "8b-h100", 180.0, config,
+        (Policy("none", 4, pools=sizes), Policy("kv-shed", 4, "kv-shed", pools=sizes),
+         Policy("kvgate", 4, "kvgate", pools=sizes)),
+        streams, engine=EngineOptions(max_loras=4),
+    )
+
+
 SCENARIOS: dict[str, Callable[[], Scenario]] = {
     "noisy-neighbour": _noisy_neighbour,
     "overload": _overload,
     "diurnal": _diurnal,
     "shared-prefix": _shared_prefix,
     "two-pools": _two_pools,
+    "mixed-gpus": _mixed_gpus,
+    "lora-adapters": _lora_adapters,
 }
 
 
