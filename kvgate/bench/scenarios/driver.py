@@ -52,6 +52,7 @@ from sim.prefix_cache import Prompt
 from sim.scheduler import Request
 
 from .hpa import DEFAULT_SCALE_DOWN, Hpa, HpaSettings, metric_replicas
+from .switches import switch_off
 from .trace import TraceRequest
 
 PUMP_INTERVAL_S = 0.05
@@ -100,6 +101,9 @@ class Policy:
     reference: str = ""
     """A scenario's reference run of this policy (``workloads.Reference``): what its trace was run without
     (``no flood``), in the label; '' for the scenario's own run."""
+    off: tuple[str, ...] = ()
+    """kvgate's mechanisms switched off by their own config keys (``switches.SWITCHES``: the ablation's
+    rows); () for every other policy."""
 
     def size(self, pool: str) -> PoolSize:
         """The nodes and bounds of ``pool`` under this policy."""
@@ -131,6 +135,7 @@ class Policy:
                 section["performance"] = {"profile": profile}
             if not self.prefix:
                 section["prefix"] = {**(section.get("prefix") or {}), "enabled": False}
+        switch_off(doc, self.off)
         for t in doc.get("tenants", []):
             t["api_key_sha256"] = [hash_key(run_key(t["name"]))]
         return parse_config(doc)
