@@ -1,15 +1,23 @@
-"""Bounds and baselines for any trace: the ideal row of ``--trace`` runs (issue 30 §5)."""
+"""Bounds and baselines for any trace (issue 30 §5: the ideal row of ``--trace`` runs) and the ablation's
+switches (§6: each a config of the production core that changes what it does, in virtual time)."""
 
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import yaml
 
-from ext_proc.config import ConfigError
+from ext_proc.breaker import Breaker, BreakerSettings, State
+from ext_proc.config import ConfigError, parse_config
+from ext_proc.profiles import get_profile
+from kvgate.bench.scenarios.driver import Policy, Run, RunResult, simulate
 from kvgate.bench.scenarios.runner import BenchConfig, from_trace, load_bench_config, run
+from kvgate.bench.scenarios.switches import switch_off
+from kvgate.bench.scenarios.trace import TraceRequest
+from kvgate.bench.scenarios.workloads import get_scenario
 
 
 def _trace(path: Path) -> Path:
@@ -51,3 +59,100 @@ def test_the_ideal_row_of_a_trace_can_be_set_or_turned_off(tmp_path: Path) -> No
     cfg.write_text(yaml.safe_dump({"kvgate": TENANTS, "ideal": {"tiers": ["gold"]}}))
     with pytest.raises(ConfigError, match=r"ideal\.tiers: no tier named gold"):
         load_bench_config(cfg)
+
+
+# -- the ablation's switches: each changes what the production core does, in virtual time -------------
+
+NODES = {"static": [{"address": "node-0:8000", "probe": "http://node-0:9102"}]}
+CFG = {"tenants": [{"name": "chat", "tier": "interactive"}, {"name": "bulk", "tier": "batch"}], "nodes": NODES,
+       "queue": {"inject_priority": True}}
+
+
+def _held(r: RunResult) -> int:
+    """Requests decided after they arrived: held in kvgate's gateway queue first."""
+    return sum(1 for o in r.outcomes if o.decided_at is not None and o.decided_at > o.req.t + 1e-9)
+
+
+def _reasons(r: RunResult) -> set[str]:
+    return {o.reason for o in r.outcomes if o.status != 200}
+
+
+def test_quotas_off_removes_the_tenants_limits() -> None:
+    cfg = parse_config({"tenants": [{"name": "a", "requests_per_minute": 1, "request_burst": 3,
+                                     "max_concurrent": 2, "model_budgets": {"*": {"max_concurrent": 1}}}],
+                        "nodes": NODES})
+    trace = [TraceRequest(i * 0.1, "a", 100, 10) for i in range(10)]
+    on = simulate(cfg, Policy("kvgate", 1, "kvgate"), get_profile("8b-h100"), trace)
+    off = simulate(cfg, Policy("kvgate", 1, "kvgate", off=("quotas",)), get_profile("8b-h100"), trace)
+    assert sum(o.klass == "policy" for o in on.outcomes) > 0
+    assert all(o.status == 200 for o in off.outcomes)
+    t = Policy("kvgate", 1, "kvgate", off=("quotas",)).configure(cfg).tenants[0]
+    assert (t.max_concurrent, t.requests_per_minute, t.request_burst, t.model_budgets) == (None, None, None, {})
+
+
+def test_queue_off_answers_at_once_what_the_queue_would_hold() -> None:
+    cfg = parse_config(CFG)
+    trace = [TraceRequest(i * 0.05, "bulk", 6000, 50) for i in range(30)]
+    on = simulate(cfg, Policy("kvgate", 1, "kvgate"), get_profile("34b-h100"), trace)
+    off = simulate(cfg, Policy("kvgate", 1, "kvgate", off=("queue",)), get_profile("34b-h100"), trace)
+    assert _held(on) > 0 and _held(off) == 0
+    assert "fleet-kv" in _reasons(off) and not any(x.startswith("queue-") for x in _reasons(off))
+
+
+def test_priority_off_runs_the_nodes_first_come_first_served() -> None:
+    cfg = parse_config(CFG)
+    trace = [TraceRequest(0.0, "bulk", 100, 5), TraceRequest(0.0, "chat", 100, 5)]
+    on = Run(cfg, Policy("kvgate", 1, "kvgate"), get_profile("8b-h100"), trace)
+    off = Run(cfg, Policy("kvgate", 1, "kvgate", off=("priority",)), get_profile("8b-h100"), trace)
+    assert (on.engine_options.policy, off.engine_options.policy) == ("priority", "fcfs")
+    assert not off.config.queue.inject_priority and on.config.queue.inject_priority
+
+
+def test_breakers_off_never_ejects_the_slowed_node() -> None:
+    sc = get_scenario("overload")
+    cfg = parse_config(sc.config)
+    kvgate = next(p for p in sc.policies if p.name == "kvgate")
+    scale = 0.1
+    runs = {}
+    for off in ((), ("breakers",)):
+        rn = Run(cfg, replace(kvgate, off=off), get_profile(sc.profile), sc.trace(scale), sc.seed,
+                 degrade=tuple(replace(d, at=d.at * scale) for d in sc.degrade))
+        rn.run()
+        runs[off] = [new for _, _, _, new, _ in rn.transitions]
+    assert "open" in runs[()] and runs[("breakers",)] == []
+
+
+def test_a_disabled_breaker_never_opens_and_closes_one_left_open() -> None:
+    b = Breaker(BreakerSettings())
+    b.observe(0.99, None, 0.0)
+    assert b.state is State.OPEN  # KV over the threshold
+    b.s = BreakerSettings(enabled=False)
+    b.observe(0.99, None, 1.0)
+    assert b.state is State.CLOSED and b.allows(1.0)
+    b.observe(1.0, None, 2.0)
+    assert b.state is State.CLOSED
+
+
+def test_predictions_off_holds_instead_of_refusing_what_no_node_can_serve_in_time() -> None:
+    cfg = parse_config(CFG)
+    trace = [TraceRequest(i * 0.05, "chat", 6000, 50) for i in range(30)]
+    on = simulate(cfg, Policy("kvgate", 1, "kvgate"), get_profile("34b-h100"), trace)
+    off = simulate(cfg, Policy("kvgate", 1, "kvgate", off=("predictions",)), get_profile("34b-h100"), trace)
+    assert "queue-deadline" in _reasons(on) and _held(on) == 0  # refused at once: predicted past its max wait
+    assert "queue-deadline" not in _reasons(off) and _held(off) > 0  # no target to predict against: held
+    assert all(t.ttft_target_ms is None for t in Policy("kvgate", 1, "kvgate", off=("predictions",))
+               .configure(cfg).tiers.values())
+
+
+def test_prefix_off_spreads_a_shared_prefix_and_computes_it_again() -> None:
+    cfg = parse_config(CFG)
+    trace = [TraceRequest(i * 0.5, "chat", 5000, 20, segments=(("doc", 4800),)) for i in range(20)]
+    on = simulate(cfg, Policy("kvgate", 2, "kvgate"), get_profile("34b-h100"), trace)
+    off = simulate(cfg, Policy("kvgate", 2, "kvgate", off=("prefix",)), get_profile("34b-h100"), trace)
+    assert {o.node for o in on.outcomes} == {0} and {o.node for o in off.outcomes} == {0, 1}
+    assert on.prefill_tokens_computed < off.prefill_tokens_computed
+
+
+def test_switch_off_names_the_unknown_mechanism() -> None:
+    with pytest.raises(ValueError, match="unknown mechanism 'tiers'; known: quotas, queue"):
+        switch_off({}, ["tiers"])
