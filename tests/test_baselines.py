@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 from dataclasses import replace
 from pathlib import Path
+from types import SimpleNamespace
+from typing import cast
 
 import pytest
 import yaml
@@ -13,7 +15,11 @@ import yaml
 from ext_proc.breaker import Breaker, BreakerSettings, State
 from ext_proc.config import ConfigError, parse_config
 from ext_proc.profiles import get_profile
+from kvgate.bench.scenarios import targets
+from kvgate.bench.scenarios.ablation import run_ablation
 from kvgate.bench.scenarios.driver import Policy, Run, RunResult, simulate
+from kvgate.bench.scenarios.families import run_family
+from kvgate.bench.scenarios.report import Summary
 from kvgate.bench.scenarios.runner import BenchConfig, from_trace, load_bench_config, run
 from kvgate.bench.scenarios.switches import switch_off
 from kvgate.bench.scenarios.trace import TraceRequest
@@ -156,3 +162,52 @@ def test_prefix_off_spreads_a_shared_prefix_and_computes_it_again() -> None:
 def test_switch_off_names_the_unknown_mechanism() -> None:
     with pytest.raises(ValueError, match="unknown mechanism 'tiers'; known: quotas, queue"):
         switch_off({}, ["tiers"])
+
+
+# -- issue 30's targets check ----------------------------------------------------------------------------
+
+def _row(islo: float, slo: float, goodput: float, jain: float, p99: float, gpu_h: float = 1.0) -> Summary:
+    inter = SimpleNamespace(slo=islo, ttft=(None, None, p99))
+    return cast(Summary, SimpleNamespace(tiers={"interactive": inter}, all=SimpleNamespace(slo=slo),
+                                         goodput_per_gpu=goodput, jain_60s_min=jain, gpu_hours=gpu_h))
+
+
+def test_the_targets_apply_the_issues_tolerances_and_give_margins() -> None:
+    rows = {"kv-shed": _row(0.904, 0.90, 1.00, 0.90, 0.100), "none": _row(0.80, 0.95, 1.20, 0.95, 1.0),
+            "kvgate": _row(0.900, 0.90, 0.98, 0.87, 0.105)}
+    by = {(c.against, c.column): c for c in targets.checks(rows)}
+    assert set(by) == {("kv-shed", c) for c in targets.COLUMNS} | {
+        ("none", c) for c in ("interactive_slo", "slo", "goodput_per_gpu")}
+    assert by["kv-shed", "interactive_slo"].met and by["kv-shed", "interactive_slo"].margin == pytest.approx(0.1)
+    assert not by["kv-shed", "goodput_per_gpu"].met  # 0.98 < 0.99 x 1.00
+    assert by["kv-shed", "goodput_per_gpu"].margin == pytest.approx(-1.0101, abs=1e-3)
+    assert by["kv-shed", "interactive_ttft_p99"].met  # exactly 1.05 x kv-shed's
+    assert not by["kv-shed", "jain_60s_min"].met and by["kv-shed", "jain_60s_min"].margin == pytest.approx(-0.01)
+    assert not by["none", "slo"].met and by["none", "interactive_slo"].met
+    assert by["kv-shed", "jain_60s_min"].cell() == "MISS -0.010"
+    text = targets.table([(1, targets.checks(rows))])
+    assert "kvgate vs kv-shed: goodput/GPU" in text and "| met " in text and "4/8" in text
+
+
+def test_the_scaler_targets_need_the_autoscaling_rows() -> None:
+    rows = {"kvgate": _row(0.9, 0.9, 1.0, 0.9, 0.1), "kvgate+scaler": _row(0.9, 0.9, 1.0, 0.9, 0.1, gpu_h=2.0),
+            "autoscale-only": _row(0.5, 0.5, 0.5, 0.5, 1.0, gpu_h=1.5)}
+    cs = targets.checks(rows)
+    assert {(c.policy, c.against) for c in cs} == {("kvgate+scaler", "kvgate"), ("kvgate+scaler", "autoscale-only")}
+    gpu = next(c for c in cs if c.column == "gpu_hours")
+    assert not gpu.met and gpu.margin == pytest.approx(-0.5)
+    assert targets.checks({"kvgate": rows["kvgate"]}) == []
+
+
+def test_families_and_ablation_print_the_targets_and_put_them_in_json() -> None:
+    fam = run_family("bursty-onoff", [1], 0.05, ("none", "kv-shed", "kvgate"))
+    doc = fam.to_json()["targets"][0]
+    assert doc["seed"] == 1 and doc["total"] == 8 and {c["against"] for c in doc["checks"]} == {"kv-shed", "none"}
+    assert "kvgate vs kv-shed: interactive SLO" in fam.table()
+    ab = run_ablation("bursty-onoff", [1], 0.05, switches=("priority", "queue"))
+    seed = ab.to_json()["seeds"][0]
+    assert [r["variant"] for r in seed["rows"]] == ["none", "kv-shed", "kvgate", "kvgate -priority", "kvgate -queue",
+                                                   "kvgate -priority -queue"]
+    assert seed["rows"][3]["off"] == ["priority"] and set(targets.COLUMNS) <= set(seed["rows"][3])
+    assert seed["rows"][2]["targets"]["total"] == 8 and "targets" not in seed["rows"][0]
+    assert "kvgate's targets (issue 30) per seed" in ab.markdown()
