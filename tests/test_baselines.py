@@ -195,7 +195,7 @@ def test_the_scaler_targets_need_the_autoscaling_rows() -> None:
     cs = targets.checks(rows)
     assert {(c.policy, c.against) for c in cs} == {("kvgate+scaler", "kvgate"), ("kvgate+scaler", "autoscale-only")}
     gpu = next(c for c in cs if c.column == "gpu_hours")
-    assert not gpu.met and gpu.margin == pytest.approx(-0.5)
+    assert not gpu.met and gpu.margin == pytest.approx(-100 / 3)  # 0.5 h over 1.5 h
     assert targets.checks({"kvgate": rows["kvgate"]}) == []
 
 
@@ -211,3 +211,18 @@ def test_families_and_ablation_print_the_targets_and_put_them_in_json() -> None:
     assert seed["rows"][3]["off"] == ["priority"] and set(targets.COLUMNS) <= set(seed["rows"][3])
     assert seed["rows"][2]["targets"]["total"] == 8 and "targets" not in seed["rows"][0]
     assert "kvgate's targets (issue 30) per seed" in ab.markdown()
+
+
+def test_the_ablation_command_writes_stable_json(capsys: pytest.CaptureFixture[str]) -> None:
+    from kvgate.cli import main
+
+    assert main(["bench", "ablation", "--family", "mixed", "--seeds", "1", "--scale", "0.05", "--off", "priority",
+                 "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert {"kind", "version", "scale", "seeds", "switches", "rows", "columns", "window_s", "tolerances", "wall_s",
+            "families"} <= set(doc)
+    assert doc["kind"] == "kvgate-bench-ablation" and doc["rows"] == ["none", "kv-shed", "kvgate", "kvgate -priority"]
+    assert doc["switches"] == {"priority": "queue.inject_priority: false"}
+    [fam] = doc["families"]
+    assert fam["family"] == "mixed" and [r["variant"] for r in fam["seeds"][0]["rows"]] == doc["rows"]
+    assert main(["bench", "ablation", "--seeds", "0"]) == 2

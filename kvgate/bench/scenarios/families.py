@@ -674,8 +674,8 @@ class FamilyResult:
                           f"{self.seconds:.1f} s.", "", TARGETS_NOTE, "", targets.table(self.checks()), ""])
 
 
-TARGETS_NOTE = ("Issue 30's targets per seed (`ok`/`MISS` and the margin: SLO in points, goodput in %, TTFT as a "
-                "share of kv-shed's, Jain as an index, GPU-h in hours):")
+TARGETS_NOTE = ("Issue 30's targets per seed (`ok`/`MISS` and the margin: SLO in points, goodput in %, the "
+                "interactive p99 as a share of kv-shed's, Jain as an index, GPU-h in % of autoscale-only's):")
 
 
 def heading(name: str) -> str:

@@ -12,7 +12,9 @@ Per seed, from the rows of that seed's run (a check whose rows or figures are mi
   GPU-hours at most ``autoscale-only``'s.
 
 Each check has a *margin* in the column's own unit (SLO: points; goodput: percent of the bound;
-TTFT: the ratio's distance below the factor; Jain: index; GPU-hours: hours), positive when met.
+TTFT: the ratio's distance below the factor; Jain: index; GPU-hours: percent of autoscale-only's),
+positive when met. GPU-hours are compared as they are, with no tolerance: a run whose last request ends
+a moment later bills its fleet a moment longer, so a margin of -0.01% is that, not a larger fleet.
 Pure: it reads summaries, runs nothing.
 """
 
@@ -69,8 +71,8 @@ class Check:
     def cell(self) -> str:
         """``ok +1.2 pt`` / ``MISS -0.8 pt``: met or not, and by how much."""
         unit = {"interactive_slo": " pt", "slo": " pt", "goodput_per_gpu": "%", "interactive_ttft_p99": "x",
-                "jain_60s_min": "", "gpu_hours": " h"}[self.column]
-        digits = 3 if self.column in ("jain_60s_min", "interactive_ttft_p99") else 1 if unit != " h" else 2
+                "jain_60s_min": "", "gpu_hours": "%"}[self.column]
+        digits = {"jain_60s_min": 3, "interactive_ttft_p99": 3, "gpu_hours": 2}.get(self.column, 1)
         return f"{'ok' if self.met else 'MISS'} {self.margin:+.{digits}f}{unit}"
 
     def to_json(self) -> dict[str, Any]:
@@ -96,7 +98,7 @@ def _check(policy: str, against: str, column: str, mine: dict[str, float | None]
         bound = r - JAIN_TOLERANCE
         return Check(policy, against, column, v, r, bound, v - bound)
     if column == "gpu_hours":
-        return Check(policy, against, column, v, r, r, r - v)
+        return Check(policy, against, column, v, r, r, 100.0 * (r - v) / r if r > 0 else r - v)
     raise ValueError(f"no target for column {column!r}")
 
 
