@@ -65,6 +65,9 @@ def test_the_ideal_row_of_a_trace_can_be_set_or_turned_off(tmp_path: Path) -> No
     cfg.write_text(yaml.safe_dump({"kvgate": TENANTS, "ideal": {"tiers": ["gold"]}}))
     with pytest.raises(ConfigError, match=r"ideal\.tiers: no tier named gold"):
         load_bench_config(cfg)
+    cfg.write_text(yaml.safe_dump({"kvgate": TENANTS, "ideal": {"tiers": []}}))
+    with pytest.raises(ConfigError, match=r"ideal\.tiers"):  # offered nothing, it would be no bar at all
+        load_bench_config(cfg)
 
 
 # -- the ablation's switches: each changes what the production core does, in virtual time -------------

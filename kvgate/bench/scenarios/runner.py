@@ -101,8 +101,8 @@ class IdealBench(BaseModel):
         default=None, description="the ideal row's fleet (each pool's, with pools); default: nodes (and each "
         "pool's size), the static policies' fleet")
     tiers: list[str] | None = Field(
-        default=None, description="the SLA tiers whose tenants the ideal row is offered; default: the most "
-        "urgent tier (lowest priority number) that has requests in the trace")
+        default=None, min_length=1, description="the SLA tiers whose tenants the ideal row is offered; default: "
+        "the most urgent tier (lowest priority number) that has requests in the trace")
 
 
 class BenchConfig(BaseModel):
