@@ -47,6 +47,9 @@ class BreakerSettings:
     latency_trip_readings: int = 3
     """Consecutive slow readings (with new latency) before a latency trip: one busy interval with a
     few unlucky requests is noise, a node that stays slow is not."""
+    enabled: bool = True
+    """False (``nodes.breaker.enabled``): readings never open the breaker, and one left open or half-open
+    when it was switched off closes at the next reading."""
 
 
 def open_cause(why: str) -> str:
@@ -91,8 +94,12 @@ class Breaker:
         past and its peers, so a fleet that is merely loaded trips nothing. ``may_trip_on_kv``: False for
         the last closed node — node choice already sends it nothing while its KV is full, and opening it
         would refuse everything for a whole recovery window after its KV has drained."""
-        self._tick(now)
         s = self.s
+        if not s.enabled:
+            if self.state is not State.CLOSED:
+                self._go(State.CLOSED, "breakers disabled", now)
+            return
+        self._tick(now)
         bar = None if self.baseline is None or self._samples < s.min_baseline_samples else (
             self.baseline if reference is None else max(self.baseline, reference))
         slow = prefill_s is not None and bar is not None and prefill_s > s.latency_multiplier * bar

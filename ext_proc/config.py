@@ -251,6 +251,10 @@ class Limits(_Strict):
 
 
 class BreakerConfig(_Strict):
+    enabled: bool = Field(
+        default=True, description="per-node circuit breakers; false: no node is ever ejected (KV-aware choice "
+        "and the performance model still steer around a full or slow node) — for ablation runs and fleets "
+        "where something else ejects sick nodes")
     kv_threshold: Annotated[float, Field(gt=0, le=1)] = 0.95
     latency_multiplier: Annotated[float, Field(gt=1)] = 3.0
     recovery_window_seconds: PositiveFloat = 30.0

@@ -325,7 +325,7 @@ def breaker_settings(cfg: Nodes) -> BreakerSettings:
     return BreakerSettings(kv_threshold=b.kv_threshold, latency_multiplier=b.latency_multiplier,
                            recovery_window_s=b.recovery_window_seconds, half_open_requests=b.half_open_requests,
                            close_kv=b.close_kv, close_latency_multiplier=b.close_latency_multiplier,
-                           latency_trip_readings=b.latency_trip_readings)
+                           latency_trip_readings=b.latency_trip_readings, enabled=b.enabled)
 
 
 class NodeBook:

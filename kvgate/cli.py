@@ -326,6 +326,42 @@ def _bench_families(a: argparse.Namespace) -> int:
     return 1 if any(s.result.lost for fr in results for sr in fr.runs for s in sr.result.summaries) else 0
 
 
+def _bench_ablation(a: argparse.Namespace) -> int:
+    import time
+
+    from .bench.scenarios.ablation import AblationSeed, run_ablation, to_json
+    from .bench.scenarios.families import FAMILIES, heading
+
+    if a.seeds < 1 or not a.scale > 0:
+        print("kvgate: --seeds must be at least 1 and --scale above 0", file=sys.stderr)
+        return 2
+    names = list(dict.fromkeys(a.family or FAMILIES))
+    switches = list(dict.fromkeys(a.off)) if a.off else None
+    seeds = list(range(1, a.seeds + 1))
+
+    def progress(s: AblationSeed) -> None:
+        if not a.json:
+            print(s.run.markdown() + "\n" + s.table() + "\n", flush=True)
+
+    t0 = time.perf_counter()
+    results = []
+    for name in names:
+        if not a.json:
+            print(heading(name), flush=True)
+        r = run_ablation(name, seeds, a.scale, **({"switches": switches} if switches else {}), on_seed=progress)
+        results.append(r)
+        if not a.json:
+            print(r.closing(), flush=True)
+    wall = time.perf_counter() - t0
+    from .bench.scenarios.switches import SWITCHES
+
+    if a.json:
+        print(json.dumps(to_json(results, seeds, a.scale, switches or list(SWITCHES), wall), indent=2))
+    else:
+        print(f"wall time: {wall:.1f} s ({len(names)} families x {len(seeds)} seeds, scale {a.scale:g})")
+    return 1 if any(x.result.lost for fr in results for s in fr.seeds for x in s.run.result.summaries) else 0
+
+
 def _bench_trace(a: argparse.Namespace) -> int:
     from .bench.scenarios.trace import write_trace
     from .bench.scenarios.workloads import get_scenario
@@ -562,6 +598,18 @@ def parser(benchmarks: bool = True) -> argparse.ArgumentParser:
                    help=f"default: {' '.join(POLICIES)}")
     b.add_argument("--json", action="store_true", help="one JSON document on stdout (stable field names)")
     b.set_defaults(fn=_bench_families)
+    from .bench.scenarios.switches import SWITCHES
+
+    b = bsub.add_parser("ablation", help="kvgate with each mechanism off in turn (quotas, queue, priority, "
+                        "breakers, predictions, prefix) and all off, beside none, kv-shed and kvgate, on the families")
+    b.add_argument("--family", action="append", choices=list(FAMILIES), help="default: all of them (repeatable)")
+    b.add_argument("--seeds", type=int, default=3, help="seeds 1..N per family (default 3, as families)")
+    b.add_argument("--scale", type=float, default=1.0, help="shorten the runs (0.1 = the first tenth of each)")
+    b.add_argument("--off", nargs="+", choices=list(SWITCHES), default=None,
+                   help=f"the mechanisms to switch off in turn (default: {' '.join(SWITCHES)}; with more than "
+                   "one, also all of them at once)")
+    b.add_argument("--json", action="store_true", help="one JSON document on stdout (stable field names)")
+    b.set_defaults(fn=_bench_ablation)
     b = bsub.add_parser("trace", help="write a built-in scenario's trace (JSONL)")
     b.add_argument("--scenario", required=True, choices=list(SCENARIOS))
     b.add_argument("--out", type=Path, required=True)

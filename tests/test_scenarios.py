@@ -279,7 +279,9 @@ def test_trace_and_replay_commands(tmp_path: Path) -> None:
     assert "| none (2 nodes)" in r.stdout and "| kvgate (2 nodes)" in r.stdout
     assert (out / "report.md").is_file() and (out / "nn-latency-cdf.png").stat().st_size > 1000
     doc = json.loads((out / "results.json").read_text())
-    assert [p["policy"] for p in doc[0]["policies"]] == ["none (2 nodes)", "kvgate (2 nodes)"]
+    # a trace run has an ideal row too: the interactive tier alone on the static fleet
+    assert [p["policy"] for p in doc[0]["policies"]] == ["none (2 nodes)", "kvgate (2 nodes)", "ideal (2 nodes)"]
+    assert doc[0]["policies"][2]["ideal"] and doc[0]["policies"][2]["ideal_scope"]["tenants"] == ["chat-a"]
     assert doc[0]["policies"][1]["tenants"]["rag"]["rejected_429"] > 0
 
 

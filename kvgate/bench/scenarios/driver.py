@@ -51,6 +51,8 @@ from sim.engine import Engine, EngineOptions
 from sim.prefix_cache import Prompt
 from sim.scheduler import Request
 
+from .hpa import DEFAULT_SCALE_DOWN, Hpa, HpaSettings, metric_replicas
+from .switches import switch_off
 from .trace import TraceRequest
 
 PUMP_INTERVAL_S = 0.05
@@ -99,6 +101,9 @@ class Policy:
     reference: str = ""
     """A scenario's reference run of this policy (``workloads.Reference``): what its trace was run without
     (``no flood``), in the label; '' for the scenario's own run."""
+    off: tuple[str, ...] = ()
+    """kvgate's mechanisms switched off by their own config keys (``switches.SWITCHES``: the ablation's
+    rows); () for every other policy."""
 
     def size(self, pool: str) -> PoolSize:
         """The nodes and bounds of ``pool`` under this policy."""
@@ -130,6 +135,7 @@ class Policy:
                 section["performance"] = {"profile": profile}
             if not self.prefix:
                 section["prefix"] = {**(section.get("prefix") or {}), "enabled": False}
+        switch_off(doc, self.off)
         for t in doc.get("tenants", []):
             t["api_key_sha256"] = [hash_key(run_key(t["name"]))]
         return parse_config(doc)
@@ -143,18 +149,32 @@ def run_key(tenant: str) -> str:
 @dataclass(frozen=True)
 class Autoscaling:
     """Settings of both autoscalers. ``queue``: what KEDA on vLLM's queue depth does (HPA AverageValue
-    of ``vllm:num_requests_waiting``, its default 300 s scale-down stabilisation); ``scaler``: kvgate's
-    control law on capacity rejections."""
+    of ``vllm:num_requests_waiting`` with the HPA's default behaviour, ``hpa.py``: 10% tolerance, 300 s
+    scale-down stabilisation, up by max(4 pods, 100%) per 15 s, never below the fleet it starts with);
+    ``scaler``: kvgate's control law on capacity rejections."""
 
     interval_s: float = 15.0
     """KEDA's pollingInterval."""
     waiting_per_node: float = 4.0
     """The queue autoscaler's target: requests waiting in vLLM per node."""
+    kv_usage_per_node: float = 0.5
+    """The queue autoscaler's second trigger: ``vllm:kv_cache_usage_perc`` summed over the nodes, per node
+    (AverageValue): what holds the fleet at a peak where vLLM's queue is empty because every request fits."""
     scale_down_window_s: float = 300.0
+    """The queue autoscaler's scale-down stabilisation window (the HPA's default)."""
     window_s: float = 60.0
     """The scaler's signal window."""
     law: LawSettings = field(default_factory=lambda: LawSettings(min_replicas=1, max_replicas=16, step=2,
                                                                   cooldown_s=600.0))
+
+    def hpa(self, size: PoolSize) -> HpaSettings:
+        """The queue autoscaler's HPA for one pool: ``minReplicas`` is the fleet the pool starts with (a
+        tuned deployment does not scale below its provisioned baseline: scaling a day's fleet down to one
+        node because vLLM's queue is empty at the peak is what an untuned HPA does, not a baseline),
+        ``maxReplicas`` the pool's bound; Kubernetes' default behaviour otherwise."""
+        low = min(size.nodes, size.max_nodes)
+        return HpaSettings(low, max(low, size.max_nodes),
+                           scale_down=replace(DEFAULT_SCALE_DOWN, stabilization_s=self.scale_down_window_s))
 
 
 @dataclass(frozen=True)
@@ -357,7 +377,8 @@ class SimPool:
     """(time, kind, tenant) for this pool's scaler window: admitted | capacity | policy, and besides those
     budget (a policy 429 for the tenant's own budget), fleet (a 429 the fleet caused), slo_miss (admitted,
     predicted to miss its TTFT target) — only of the requests routed to this pool."""
-    desired_history: deque[tuple[float, int]] = field(default_factory=deque)
+    hpa: Hpa | None = None
+    """The ``autoscale-only`` policy's HPA (``hpa.py``); None for the other policies."""
     next_poll: float = 0.0
 
     @property
@@ -428,7 +449,8 @@ class Run:
             if policy.autoscale == "scaler":
                 law = ControlLaw(replace(self.auto.law, min_replicas=size.min_nodes, max_replicas=size.max_nodes,
                                          cold_start_s=cold, window_s=self.auto.window_s))
-            self.pools[spec.name] = SimPool(spec, prof, size, cold, law=law,
+            hpa = Hpa(self.auto.hpa(size)) if policy.autoscale == "queue" else None
+            self.pools[spec.name] = SimPool(spec, prof, size, cold, law=law, hpa=hpa,
                                             node_profiles=tuple(get_profile(name) for name in node_profiles))
         self.core: Core | None = None
         if policy.admission != "none":
@@ -698,17 +720,16 @@ class Run:
         """One autoscaler evaluation of one pool, on that pool's own signals."""
         ready = [n for n in pool.nodes if n.state == "ready"]
         provisioned = sum(1 for n in pool.nodes if n.state in ("loading", "ready"))
-        size = pool.size
         if self.policy.autoscale == "queue":
+            # KEDA on vLLM's queue depth (AverageValue): the HPA's replica rules (``hpa.py``)
+            assert pool.hpa is not None
             waiting = sum(n.engine.scheduler.num_waiting for n in ready)
-            want = max(size.min_nodes, min(size.max_nodes, math.ceil(waiting / self.auto.waiting_per_node)))
-            pool.desired_history.append((self.now, want))
-            while pool.desired_history and pool.desired_history[0][0] < self.now - self.auto.scale_down_window_s:
-                pool.desired_history.popleft()
-            if want > provisioned:  # the HPA's default scale-up limit: 4 pods or 100% per period
-                target = min(want, provisioned + max(4, provisioned))
-            else:  # scale down only to the highest recommendation of the stabilisation window
-                target = max(w for _, w in pool.desired_history)
+            kv_sum = sum(n.engine.scheduler.kv_usage for n in ready)
+            tol = pool.hpa.settings.tolerance
+            # two triggers, as a tuned ScaledObject has: the HPA takes the larger recommendation
+            want = max(metric_replicas(waiting, self.auto.waiting_per_node, provisioned, tol),
+                       metric_replicas(kv_sum, self.auto.kv_usage_per_node, provisioned, tol))
+            target = pool.hpa.decide(self.now, provisioned, want)
         else:
             assert pool.law is not None and self.core is not None
             horizon = self.now - self.auto.window_s

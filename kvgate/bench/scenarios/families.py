@@ -74,7 +74,7 @@ from typing import Any
 
 from ext_proc.profiles import Profile, get_profile
 
-from . import report
+from . import report, targets
 from .runner import BenchConfig, PolicyName, ScalerSettings, ScenarioResult, run
 from .trace import TraceRequest
 from .workloads import (
@@ -652,10 +652,15 @@ class FamilyResult:
                                  better) for m, (_, better) in METRICS.items()}
                 for p in self.policies}
 
+    def checks(self) -> list[tuple[int, list[targets.Check]]]:
+        """Issue 30's targets on each seed (``targets.py``)."""
+        return [(r.scenario.seed, targets.checks(targets.rows_by_policy(r.result.summaries))) for r in self.runs]
+
     def to_json(self) -> dict[str, Any]:
         return {"family": self.family, "about": FAMILIES[self.family], "wall_s": round(self.seconds, 3),
                 "seeds": [r.to_json() for r in self.runs],
-                "policies": [{"policy": p, **ms} for p, ms in self.rows().items()]}
+                "policies": [{"policy": p, **ms} for p, ms in self.rows().items()],
+                "targets": [{"seed": seed, **targets.summary_json(cs)} for seed, cs in self.checks()]}
 
     def markdown(self) -> str:
         return "\n".join([heading(self.family), *(r.markdown() for r in self.runs), self.table()])
@@ -666,7 +671,11 @@ class FamilyResult:
         highest = "GPU-h" + (", TTFT and prefill" if any(m in EXTRA_METRICS for m in cols) else "")
         return "\n".join([table(self.rows(), cols), "", f"Each cell: median / worst of {len(self.runs)} seed(s) "
                           f"(worst: the lowest, the highest for {highest}). Wall time for the family: "
-                          f"{self.seconds:.1f} s.", ""])
+                          f"{self.seconds:.1f} s.", "", TARGETS_NOTE, "", targets.table(self.checks()), ""])
+
+
+TARGETS_NOTE = ("Issue 30's targets per seed (`ok`/`MISS` and the margin: SLO in points, goodput in %, the "
+                "interactive p99 as a share of kv-shed's, Jain as an index, GPU-h in % of autoscale-only's):")
 
 
 def heading(name: str) -> str:

@@ -35,7 +35,7 @@ from scaler.law import LawSettings
 from . import report
 from .driver import Autoscaling, Policy, PoolSize, simulate
 from .trace import TraceRequest, read_trace
-from .workloads import PLACEHOLDER_NODES, Scenario, get_scenario
+from .workloads import PLACEHOLDER_NODES, Ideal, Scenario, get_scenario
 
 PolicyName = Literal["none", "kv-shed", "kvgate", "autoscale-only", "kvgate+scaler"]
 DEFAULT_POLICIES: tuple[PolicyName, ...] = ("none", "kv-shed", "kvgate")
@@ -58,6 +58,12 @@ class ScalerSettings(BaseModel):
     """KEDA's pollingInterval (both autoscalers)."""
     waiting_per_node: Annotated[float, Field(gt=0)] = 4.0
     """autoscale-only: requests waiting in vLLM per node (its HPA target)."""
+    kv_usage_per_node: Annotated[float, Field(gt=0, le=1)] = Field(
+        default=0.5, description="autoscale-only's second HPA trigger: vLLM's KV-cache usage per node (0..1, "
+        "AverageValue of the nodes' sum); the HPA follows whichever trigger asks for more nodes")
+    scale_down_window_s: Annotated[float, Field(ge=0, le=3600)] = Field(
+        default=300.0, description="autoscale-only: the HPA's scale-down stabilisation window (Kubernetes' "
+        "default 300 s; 0-3600 as the HPA allows)")
     concentration: Annotated[float, Field(gt=0, le=1)] = 0.8
     trend_window_s: Annotated[float, Field(gt=0)] = 60.0
     spread_share: Annotated[float, Field(gt=0, le=1)] = 0.30
@@ -82,6 +88,23 @@ class PoolBench(BaseModel):
     max_nodes: Annotated[int, Field(ge=1, le=256)] | None = None
 
 
+class IdealBench(BaseModel):
+    """The ideal row of a ``--trace`` run (``ideal:`` in a bench config): policy none on the static fleet,
+    offered only the requests of the tiers kvgate protects, so the row is the bar for those tenants —
+    what they get on the same nodes when nobody else is there (the noisy-neighbour scenario's ideal,
+    for any trace)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    enabled: bool = Field(default=True, description="add the ideal row to a --trace run")
+    nodes: Annotated[int, Field(ge=1, le=64)] | None = Field(
+        default=None, description="the ideal row's fleet (each pool's, with pools); default: nodes (and each "
+        "pool's size), the static policies' fleet")
+    tiers: list[str] | None = Field(
+        default=None, min_length=1, description="the SLA tiers whose tenants the ideal row is offered; default: "
+        "the most urgent tier (lowest priority number) that has requests in the trace")
+
+
 class BenchConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -99,6 +122,7 @@ class BenchConfig(BaseModel):
     node_profiles: list[str] = Field(
         default_factory=list, description="a pool of mixed nodes: the k-th node runs node_profiles[k % len] and "
         "its probe reports that profile's GPU (kvgate detects each node's prior); empty: every node runs profile")
+    ideal: IdealBench = Field(default_factory=IdealBench, description="the ideal row of a --trace run")
 
     def pool_sizes(self) -> tuple[PoolSize, ...]:
         """Every pool of kvgate's config, sized by ``pools`` or the top-level figures."""
@@ -130,7 +154,8 @@ class BenchConfig(BaseModel):
                           concentration=s.concentration, trend_window_s=s.trend_window_s, spread_share=s.spread_share,
                           spread_tenants=s.spread_tenants, scale_down_kv_usage=s.scale_down_kv_usage,
                           warm_pool_kv_usage=s.warm_pool_kv_usage, window_s=s.window_s)
-        return Autoscaling(interval_s=s.interval_s, waiting_per_node=s.waiting_per_node, window_s=s.window_s, law=law)
+        return Autoscaling(interval_s=s.interval_s, waiting_per_node=s.waiting_per_node, window_s=s.window_s, law=law,
+                           kv_usage_per_node=s.kv_usage_per_node, scale_down_window_s=s.scale_down_window_s)
 
 
 def load_bench_config(path: str | Path) -> BenchConfig:
@@ -154,6 +179,10 @@ def load_bench_config(path: str | Path) -> BenchConfig:
         parsed = parse_config(kv)
     except ConfigError as e:
         raise ConfigError(f"{p}: kvgate: {e}") from None
+    bad = [t for t in cfg.ideal.tiers or [] if t not in parsed.tiers]
+    if bad:
+        raise ConfigError(f"{p}: invalid bench configuration\n  ideal.tiers: no tier named {', '.join(bad)} in "
+                          f"kvgate's config (tiers: {', '.join(parsed.tiers)})")
     unknown = sorted(set(cfg.pools) - {pool.name for pool in parsed.pools})
     if unknown:
         known = ", ".join(pool.name for pool in parsed.pools)
@@ -172,8 +201,26 @@ def from_trace(trace_path: str | Path, cfg: BenchConfig) -> tuple[Scenario, list
     sc = Scenario(name, f"Trace {Path(trace_path).name}",
                   f"{len(trace)} requests from {trace_path}, {cfg.profile} nodes.", cfg.profile,
                   trace[-1].t, cfg.kvgate, cfg.policy_list(), (), seed=cfg.seed, autoscaling=cfg.autoscaling(),
-                  node_profiles=tuple(cfg.node_profiles))
+                  node_profiles=tuple(cfg.node_profiles), ideal=trace_ideal(cfg, trace))
     return sc, trace
+
+
+def trace_ideal(cfg: BenchConfig, trace: list[TraceRequest]) -> Ideal | None:
+    """The ideal row of a trace run (``IdealBench``): the built-in scenarios each hand-set theirs from
+    the disturbance they stage; a trace has no staged disturbance, only tenants disturbing each other,
+    so its bar is the protected tier alone on the same fleet. None: ``ideal.enabled`` is off."""
+    spec = cfg.ideal
+    if not spec.enabled:
+        return None
+    config = parse_config(cfg.kvgate)
+    tiers = spec.tiers
+    if tiers is None:
+        present = {t.tier if (t := config.tenant(r.tenant)) is not None else config.lowest_tier for r in trace}
+        tiers = [min(present, key=lambda n: config.tiers[n].priority)]
+    n = spec.nodes if spec.nodes is not None else cfg.nodes
+    pools = tuple(replace(p, nodes=spec.nodes) for p in cfg.pool_sizes()) if spec.nodes is not None \
+        else cfg.pool_sizes()
+    return Ideal(n, tiers=tuple(tiers), pools=pools)
 
 
 @dataclass

@@ -111,10 +111,12 @@ class Ideal:
     are not offered at all, so the row's figures (SLO, latency, Jain) are over the kept tenants alone."""
     out: tuple[Outage, ...] = ()
     """Nodes out of service, each for a window (scaled with ``--scale`` as ``degrade`` is)."""
+    pools: tuple[PoolSize, ...] = ()
+    """Each model pool's nodes (a config with ``pools``; as the static policies get them)."""
 
     @property
     def policy(self) -> Policy:
-        return Policy("ideal", self.nodes, ideal=True)
+        return Policy("ideal", self.nodes, ideal=True, pools=self.pools)
 
     def tenants(self, config: Config, trace: list[TraceRequest]) -> tuple[list[str], list[str]]:
         """(kept, removed) tenants of ``trace``; a tenant the config lacks counts in its lowest tier, as
