@@ -1,7 +1,7 @@
 """What a run means: latency percentiles per tier and tenant, SLO attainment, goodput, rejections by
 reason, fairness, GPU-hours; printed as Markdown tables (readable in a terminal too), with PNG plots.
 
-Definitions (also in the README):
+Definitions (also in docs/benchmarks/index.md):
 
 * TTFT and e2e are measured from the client's arrival, gateway queueing included, over the requests
   that were admitted; a rejection has no latency but counts against SLO attainment.
