@@ -175,9 +175,9 @@ class Stats:
         names come from the config, never from the request: the label stays bounded."""
         r = d.rejection
         t = d.tenant if d.tenant in self._allowed else OTHER
-        # a caller refused before any tenant was found has no tier (the core files it under the lowest, where
-        # shadow mode would run it): labelled tier="none", as its pool is, so no tier's refusals count it
-        tier = "none" if d.tenant == UNKNOWN_TENANT and not d.admitted else d.tier
+        # a caller refused before any tenant was found has no tier (the core files it under the lowest as a
+        # placeholder): labelled tier="none", as its pool is, so no tier's refusals count it
+        tier = d.tier if d.identified else "none"
         if r is None:
             self.requests.inc((t, tier, "admit", "ok", "none", pool))
         else:

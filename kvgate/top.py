@@ -113,6 +113,15 @@ class Pool:
 
 UNIDENTIFIED = "unknown"
 """The tenant label kvgate gives a request whose key names no tenant (``admission.UNKNOWN_TENANT``)."""
+NO_TENANT_REASONS = frozenset({"unknown-key", "invalid-authorization"})
+
+
+def _unidentified(labels: dict[str, str]) -> bool:
+    """A series of callers no tenant was found for: labelled ``unknown`` and either refused before
+    identity (``tier="none"``) or for their key (shadow mode admits them in the lowest tier; an older
+    kvgate labelled their refusals so). A configured tenant named ``unknown`` is still a tenant."""
+    return labels.get("tenant") == UNIDENTIFIED and (labels.get("tier") == "none"
+                                                    or labels.get("reason") in NO_TENANT_REASONS)
 
 
 @dataclass
@@ -182,7 +191,7 @@ def build(prev: list[Scrape], cur: list[Scrape], title: str = "kvgate top") -> V
             continue
         if name == "kvgate_requests_total":
             rate = d / interval if interval else 0.0
-            if labels.get("tenant") == UNIDENTIFIED:
+            if _unidentified(labels):
                 pools[pool].unidentified += rate
                 continue
             row = pools[pool].tenants[labels.get("tenant", "?")]
@@ -207,8 +216,9 @@ def build(prev: list[Scrape], cur: list[Scrape], title: str = "kvgate top") -> V
         for s in sc.samples:
             p = pools[s.labels.get("pool", "")]
             if s.name == "kvgate_inflight_requests":
-                if s.labels.get("tenant") != UNIDENTIFIED:  # (never any: an unknown key is never admitted)
-                    p.tenants[s.labels.get("tenant", "?")].inflight += s.value
+                name = s.labels.get("tenant", "?")
+                if name != UNIDENTIFIED or name in p.tenants:  # the unknown slot's gauge, unless a tenant's
+                    p.tenants[name].inflight += s.value
             elif s.name == "kvgate_queue_depth_requests":
                 p.tiers[s.labels.get("tier", "?")].queued += s.value
             elif s.name == "kvgate_node_kv_usage_ratio":

@@ -7,10 +7,13 @@ from __future__ import annotations
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from ext_proc.admission import UNKNOWN_TENANT, Decision
-from ext_proc.reasons import reject
-from ext_proc.stats import Stats
+from ext_proc.admission import UNKNOWN_TENANT
+from ext_proc.config import parse_config
+from ext_proc.core import Core, Request, null_logger
+from ext_proc.estimate import Estimate
+from ext_proc.identity import hash_key
 from kvgate import top
+from tests.helpers import FakeClock
 
 
 def _scrape(text: str, at: float) -> top.Scrape:
@@ -76,14 +79,27 @@ def test_each_frame_says_where_its_figures_come_from() -> None:
 
 
 def test_a_caller_refused_before_any_tenant_is_labelled_tier_none() -> None:
-    """The core files an unidentified caller under the lowest tier (shadow mode runs it there); its refusal
-    used to be counted as tier="batch", so a dashboard of the batch tier's refusals counted 401s."""
-    stats = Stats()
-    stats.set_tenants(["chat"])
-    stats.decision(Decision(UNKNOWN_TENANT, "batch", None, reject("unknown-key")), "none")
-    stats.decision(Decision("chat", "batch", None, reject("tenant-requests")), "default")
-    text = generate_latest(stats.registry).decode()
+    """The core files an unidentified caller under the lowest tier as a placeholder; its refusal was
+    counted as tier="batch", so a dashboard of the batch tier's refusals counted 401s. A configured
+    tenant that happens to be named ``unknown`` keeps its own tier."""
+    cfg = parse_config({"tenants": [{"name": "unknown", "tier": "standard", "api_key_sha256": [hash_key("k")],
+                                     "max_concurrent": 1}]})
+    core = Core(cfg, FakeClock(), log=null_logger())
+    for rid, key in (("r1", "Bearer nobody"), ("r2", "Bearer k"), ("r3", "Bearer k")):
+        core.decide(Request("/v1/chat/completions", rid, key, estimate=Estimate(10, 10, parsed=True), body_bytes=10))
+    text = generate_latest(core.stats.registry).decode()
     assert ('kvgate_requests_total{class="auth",decision="reject",pool="none",reason="unknown-key",'
             'tenant="unknown",tier="none"} 1.0') in text
-    assert ('kvgate_requests_total{class="policy",decision="reject",pool="default",reason="tenant-requests",'
-            'tenant="chat",tier="batch"} 1.0') in text
+    assert 'reason="tenant-concurrency",tenant="unknown",tier="standard"} 1.0' in text
+
+
+def test_a_tenant_named_unknown_is_a_tenant_in_top() -> None:
+    text = ("# TYPE kvgate_requests_total counter\n"
+            + _requests("unknown", "standard", "default", "reject", "policy", 0)
+            + _requests("unknown", "none", "default", "reject", "auth", 0))
+    later = ("# TYPE kvgate_requests_total counter\n"
+             + _requests("unknown", "standard", "default", "reject", "policy", 6)
+             + _requests("unknown", "none", "default", "reject", "auth", 2))
+    v = top.build([_scrape(text, 0.0)], [_scrape(later, 2.0)])
+    (pool,) = v.pools.values()
+    assert pool.tenants["unknown"].r429 == 3.0 and pool.unidentified == 1.0
