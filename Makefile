@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-unit lint typecheck unit bench envoy-config proto clean
+.PHONY: demo test test-unit lint typecheck unit bench bench-docs envoy-config proto docs docs-reference docs-check image clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -26,6 +26,7 @@ demo: $(STAMP)
 test: $(STAMP) lint typecheck
 	$(BIN)/kvgate envoy-config --check
 	$(BIN)/python -m scaler.codegen --check
+	$(BIN)/python -m kvgate.dev.docs --check
 	$(BIN)/python -m pytest -q -p no:cacheprovider
 
 # the in-process tier only (tests/tiers.py): no Envoy, no child process; about a minute on 2 cores
@@ -52,5 +53,25 @@ envoy-config: $(STAMP)
 proto: $(STAMP)
 	$(BIN)/python -m scaler.codegen
 
+# the docs site (docs/, mkdocs.yml) into site/; --strict: a broken link or a page left out of the nav fails
+docs: $(STAMP)
+	$(BIN)/mkdocs build --strict
+
+# regenerate docs/reference/{config,metrics,cli}.md from the pydantic models, the metric declarations and argparse
+docs-reference: $(STAMP)
+	$(BIN)/python -m kvgate.dev.docs
+
+docs-check: $(STAMP)
+	$(BIN)/python -m kvgate.dev.docs --check
+
+# the container image, tagged as the chart pulls it (helm/kvgate: image.repository, appVersion);
+# needs a working docker, podman or buildah (else says so and fails). IMAGE=repo:tag to name it, PUSH=1 to push
+image: $(STAMP)
+	$(BIN)/python -m kvgate.dev.image $(if $(IMAGE),--tag $(IMAGE)) $(if $(PUSH),--push)
+
+# the benchmarks page's figures and plots: the pinned scenarios into docs/benchmarks/results (report.md, PNGs)
+bench-docs: $(STAMP)
+	$(BIN)/kvgate bench scenarios --out docs/benchmarks/results
+
 clean:
-	rm -rf $(VENV) .kvgate-run .pytest_cache .mypy_cache .ruff_cache *.egg-info
+	rm -rf $(VENV) .kvgate-run .pytest_cache .mypy_cache .ruff_cache *.egg-info site

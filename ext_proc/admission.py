@@ -146,6 +146,9 @@ class Decision:
     borrow_also: str | None = None
     """With ``borrow``: the tenant's per-model budget is short here too (both are borrowed at once: a
     second decision could not borrow again)."""
+    identified: bool = True
+    """False for a request refused before any tenant was found (no known key, a malformed
+    ``Authorization``): ``tenant`` is then ``unknown`` and ``tier`` only the lowest, a placeholder."""
 
     @property
     def admitted(self) -> bool:

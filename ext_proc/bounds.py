@@ -5,7 +5,7 @@ must have a bound that holds whatever the traffic: a client that sends 200 disti
 names, or disconnects 10,000 times a second, must not be able to grow the process until its memory
 limit kills it (and every replica with it). Each structure here is bounded by count (and, where the
 keys come from clients, by bytes) and says what happens at the bound; the bounds themselves, their
-defaults and their consequences are listed in the README ("Memory bounds").
+defaults and their consequences are listed in docs/operator/configuration.md ("Memory bounds").
 
 Pure: no clock of its own (times are passed in), no I/O.
 """

@@ -36,16 +36,22 @@ class _Strict(BaseModel):
 class Quota(_Strict):
     """Per-tenant limits. ``None`` means unlimited for that dimension."""
 
-    max_concurrent: PositiveInt | None = None
-    requests_per_minute: PositiveFloat | None = None
+    max_concurrent: PositiveInt | None = Field(
+        default=None, description="requests in flight at once; beyond it 429 tenant-concurrency; None: no cap")
+    requests_per_minute: PositiveFloat | None = Field(
+        default=None, description="request budget, refilled continuously; empty: 429 tenant-requests; None: no "
+        "budget")
     request_burst: PositiveInt | None = Field(
         default=None, description="bucket size for requests; default: one minute's worth, at least 1"
     )
-    tokens_per_minute: PositiveFloat | None = None
+    tokens_per_minute: PositiveFloat | None = Field(
+        default=None, description="token budget (prompt estimate + output reservation, reconciled with the "
+        "reported usage); short: 429 tenant-tokens; None: no budget")
     token_burst: PositiveInt | None = Field(
         default=None, description="bucket size for tokens; default: one minute's worth, at least 1"
     )
-    max_prompt_tokens: PositiveInt | None = None
+    max_prompt_tokens: PositiveInt | None = Field(
+        default=None, description="largest estimated prompt; above it 400 prompt-too-long; None: no cap")
     max_context_tokens: PositiveInt | None = Field(
         default=None, description="cap on estimated prompt tokens + reserved output tokens"
     )
@@ -68,27 +74,38 @@ class ModelBudget(_Strict):
     """A tenant's own limits on one model (``tenants[i].model_budgets``): on top of its overall quota, so
     the 70B cannot take all of a tenant's tokens per minute. ``None``: no separate limit."""
 
-    max_concurrent: PositiveInt | None = None
-    requests_per_minute: PositiveFloat | None = None
-    request_burst: PositiveInt | None = None
-    tokens_per_minute: PositiveFloat | None = None
-    token_burst: PositiveInt | None = None
+    max_concurrent: PositiveInt | None = Field(
+        default=None, description="this tenant's requests in flight on the model at once")
+    requests_per_minute: PositiveFloat | None = Field(
+        default=None, description="this tenant's request budget on the model")
+    request_burst: PositiveInt | None = Field(
+        default=None, description="bucket size for requests on the model; default: one minute's worth, at least 1")
+    tokens_per_minute: PositiveFloat | None = Field(default=None, description="this tenant's token budget on the model")
+    token_burst: PositiveInt | None = Field(
+        default=None, description="bucket size for tokens on the model; default: one minute's worth, at least 1")
 
 
 class Tenant(Quota):
-    name: Annotated[str, Field(pattern=_NAME)]
+    """A tenant (``tenants[i]``): who it is (its API keys), its tier and its quota."""
+
+    name: Annotated[str, Field(pattern=_NAME)] = Field(
+        description="the tenant's name: the tenant label on metrics and logs")
     models: list[ModelName] | None = Field(
         default=None, description="the models (names or patterns) this tenant may use: any other is 403 "
         "model_not_allowed; None: every model the pools serve")
     model_budgets: dict[ModelName, ModelBudget] = Field(
         default_factory=dict, description="per-model limits (key: a model name or pattern; the first that "
         "matches applies), enforced besides the tenant's own")
-    api_key_sha256: list[str] = Field(default_factory=list)
-    tier: Annotated[str, Field(pattern=_NAME)] = "standard"
+    api_key_sha256: list[str] = Field(
+        default_factory=list,
+        description="hex SHA-256 of each API key of this tenant (kvgate hash-key KEY), never the key itself")
+    tier: Annotated[str, Field(pattern=_NAME)] = Field(
+        default="standard", description="the SLA tier (a key of tiers) its requests are queued and judged in")
     weight: PositiveFloat = Field(
         default=1.0, description="share of its tier when the queue decides whose turn it is (fair queueing)"
     )
-    mode: Mode | None = None
+    mode: Mode | None = Field(
+        default=None, description="this tenant's own mode (enforce | shadow); None: the global mode")
 
     @field_validator("api_key_sha256")
     @classmethod
@@ -106,10 +123,14 @@ class Tenant(Quota):
 
 
 class Identity(_Strict):
+    """How a request's tenant is found: the API key, and optionally a header set by a trusted filter."""
+
     unknown_keys: Literal["reject", "default"] = Field(
         default="reject", description="reject: 401; default: account to the tenant named by default_tenant"
     )
-    default_tenant: Annotated[str, Field(pattern=_NAME)] | None = None
+    default_tenant: Annotated[str, Field(pattern=_NAME)] | None = Field(
+        default=None, description="with unknown_keys: default, the tenant requests without a known key are "
+        "accounted to")
     trusted_header: str | None = Field(
         default=None,
         description="a header set by a trusted filter in front of kvgate naming the tenant; off by default",
@@ -131,10 +152,17 @@ class Identity(_Strict):
 
 
 class Estimation(_Strict):
-    chars_per_token: PositiveFloat = 4.0
-    per_message_tokens: Annotated[int, Field(ge=0)] = 4
-    default_max_tokens: PositiveInt = 256
-    tokenizer_json: Path | None = None
+    """How a request's tokens are estimated before it runs (reconciled with the reported usage after)."""
+
+    chars_per_token: PositiveFloat = Field(
+        default=4.0, description="prompt tokens are estimated as characters / this (no tokenizer is downloaded)")
+    per_message_tokens: Annotated[int, Field(ge=0)] = Field(
+        default=4, description="tokens added per chat message for its framing")
+    default_max_tokens: PositiveInt = Field(
+        default=256, description="output tokens reserved when a request sets no max_tokens (a tenant's own "
+        "default_max_tokens wins)")
+    tokenizer_json: Path | None = Field(
+        default=None, description="a local tokenizer.json for exact prompt counts (needs kvgate[tokenizer])")
 
     @field_validator("tokenizer_json")
     @classmethod
@@ -151,14 +179,20 @@ class Estimation(_Strict):
 
 
 class Fleet(_Strict):
+    """A cap on the whole fleet's requests in flight, when kvgate does not pick the node itself."""
+
     max_inflight: PositiveInt | None = Field(
         default=None, description="requests in flight across all tenants before 503"
     )
 
 
 class Retry(_Strict):
-    jitter: Annotated[float, Field(ge=0, le=1)] = 0.2
-    min_ms: Annotated[int, Field(ge=1)] = 100
+    """How Retry-After is computed for 429s and 503s."""
+
+    jitter: Annotated[float, Field(ge=0, le=1)] = Field(
+        default=0.2, description="Retry-After is stretched by up to this fraction, so refused clients do not come "
+        "back together")
+    min_ms: Annotated[int, Field(ge=1)] = Field(default=100, description="the shortest Retry-After given, in ms")
     default_request_seconds: PositiveFloat = Field(
         default=2.0, description="expected request duration before any has been seen"
     )
@@ -171,13 +205,15 @@ MAX_QUEUE_WAIT_MS = 55_000
 class Tier(_Strict):
     """An SLA tier. Tiers are served in strict ``priority`` order (0 first), with a starvation guard."""
 
-    priority: Annotated[int, Field(ge=0)]
+    priority: Annotated[int, Field(ge=0)] = Field(
+        description="the tier's rank: 0 is served first; each tier needs its own")
     max_queue_wait_ms: Annotated[int, Field(ge=1, le=MAX_QUEUE_WAIT_MS)] = Field(
         description="longest a request of this tier may wait in kvgate's queue; past it (or as soon as it "
         "cannot make it) it gets 503 + Retry-After"
     )
     ttft_target_ms: PositiveInt | None = Field(default=None, description="the tier's time-to-first-token target")
-    ttft_percentile: Annotated[float, Field(gt=0, le=100)] = 99.0
+    ttft_percentile: Annotated[float, Field(gt=0, le=100)] = Field(
+        default=99.0, description="the percentile of TTFT the target applies to")
     reserve_kv: Annotated[float, Field(ge=0, le=0.5)] = Field(
         default=0.0, description="KV-cache fraction this tier leaves free for more important ones: its "
         "requests go to a node only below the node's kv_admit_threshold minus this"
@@ -198,7 +234,7 @@ DEFAULT_TIERS: dict[str, Tier] = {
 class Queue(_Strict):
     """kvgate's gateway queue: requests no node can take yet wait here, not in vLLM's unbounded queue."""
 
-    enabled: bool = True
+    enabled: bool = Field(default=True, description="hold requests no node can take yet; false: 503 at once")
     max_size: PositiveInt = Field(default=1024, description="requests held at once, all tiers together")
     starvation_guard: PositiveInt = Field(
         default=8, description="after this many releases from higher tiers in a row, a waiting lower tier gets one"
@@ -213,19 +249,30 @@ class Queue(_Strict):
 
 
 class Server(_Strict):
-    grpc_address: str = "127.0.0.1:9001"
-    metrics_address: str = "127.0.0.1:9101"
-    drain_seconds: PositiveFloat = 30.0
+    """kvgate's listening addresses and shutdown (these need a restart, not a reload)."""
+
+    grpc_address: str = Field(
+        default="127.0.0.1:9001", description="where kvgate serves Envoy's ext_proc, the access log and gRPC "
+        "health (needs a restart)")
+    metrics_address: str = Field(
+        default="127.0.0.1:9101", description="where kvgate serves Prometheus /metrics (needs a restart)")
+    drain_seconds: PositiveFloat = Field(
+        default=30.0, description="on SIGTERM: NOT_SERVING, then open streams get this long to finish")
     lease_timeout_seconds: PositiveFloat = Field(
         default=900.0, description="a lease with no completion after this long is reclaimed"
     )
 
 
 class Metrics(_Strict):
-    max_tenant_labels: PositiveInt = 100
+    """Prometheus metrics: label cardinality."""
+
+    max_tenant_labels: PositiveInt = Field(
+        default=100, description="tenants named in metric labels at most; the rest are reported as tenant='other'")
 
 
 class Logs(_Strict):
+    """Log volume under floods."""
+
     reject_interval_seconds: Annotated[float, Field(ge=0)] = Field(
         default=1.0, description="at most one 'reject' line per tenant, reason and pool in this interval; the "
         "ones between are counted into the next line ('folded') or a 'reject_folded' line; 0: every refusal")
@@ -234,7 +281,8 @@ class Logs(_Strict):
 class Limits(_Strict):
     """What any request may ask for, whoever sends it; beyond these it is a 400 naming the parameter."""
 
-    max_body_bytes: PositiveInt = 4 * 1024 * 1024
+    max_body_bytes: PositiveInt = Field(
+        default=4 * 1024 * 1024, description="largest request body; above it 413 body-too-large")
     max_n: PositiveInt = Field(default=16, description="largest n (and best_of) a request may ask for")
     max_model_name_chars: Annotated[int, Field(ge=16)] = Field(
         default=256, description="longest 'model' a request may name (and GET /v1/models/{id} ask for): a "
@@ -251,16 +299,25 @@ class Limits(_Strict):
 
 
 class BreakerConfig(_Strict):
+    """Per-node circuit breakers (``nodes.breaker``): a node that is full or slow gets no traffic until it recovers."""
+
     enabled: bool = Field(
         default=True, description="per-node circuit breakers; false: no node is ever ejected (KV-aware choice "
         "and the performance model still steer around a full or slow node) — for ablation runs and fleets "
         "where something else ejects sick nodes")
-    kv_threshold: Annotated[float, Field(gt=0, le=1)] = 0.95
-    latency_multiplier: Annotated[float, Field(gt=1)] = 3.0
-    recovery_window_seconds: PositiveFloat = 30.0
-    half_open_requests: PositiveInt = 5
-    close_kv: Annotated[float, Field(gt=0, le=1)] = 0.85
-    close_latency_multiplier: Annotated[float, Field(gt=1)] = 1.5
+    kv_threshold: Annotated[float, Field(gt=0, le=1)] = Field(
+        default=0.95, description="a node's KV-cache usage at or above this opens its breaker")
+    latency_multiplier: Annotated[float, Field(gt=1)] = Field(
+        default=3.0, description="a node's step time over this x its learned baseline (observed / modelled) counts "
+        "as slow")
+    recovery_window_seconds: PositiveFloat = Field(
+        default=30.0, description="an open breaker waits this long before it lets trial requests through "
+        "(half-open)")
+    half_open_requests: PositiveInt = Field(default=5, description="trial requests a half-open breaker lets through")
+    close_kv: Annotated[float, Field(gt=0, le=1)] = Field(
+        default=0.85, description="a half-open breaker closes only with KV usage below this (below kv_threshold)")
+    close_latency_multiplier: Annotated[float, Field(gt=1)] = Field(
+        default=1.5, description="... and its step time below this x its baseline")
     latency_trip_readings: PositiveInt = Field(
         default=3, description="consecutive slow probe readings (each with new latency) before a latency trip")
     max_open_fraction: Annotated[float, Field(ge=0, le=1)] = Field(
@@ -273,7 +330,7 @@ class PrefixAffinity(_Strict):
     """Prefix-cache awareness (``nodes.prefix``): kvgate remembers which prompt prefixes it sent to which
     node and counts the expected cache hit in that node's TTFT prediction and KV projection."""
 
-    enabled: bool = True
+    enabled: bool = Field(default=True, description="count expected prefix-cache hits when choosing a node")
     block_chars: Annotated[int, Field(ge=16, le=4096)] = Field(
         default=512, description="characters of prompt text per index block (~128 tokens at 4 chars a token)")
     max_blocks_per_node: Annotated[int, Field(ge=16)] = Field(
@@ -302,12 +359,17 @@ class Performance(_Strict):
     slower it really is, so the prior only has to be of the right shape."""
 
     profile: str = Field(default="8b-h100", description="a built-in step-time profile")
-    a_ms: Annotated[float, Field(ge=0)] | None = None
-    b_ms_per_prefill_token: Annotated[float, Field(ge=0)] | None = None
-    c_ms_per_decode_seq: Annotated[float, Field(ge=0)] | None = None
-    d_ms_per_context_token: Annotated[float, Field(ge=0)] | None = None
+    a_ms: Annotated[float, Field(ge=0)] | None = Field(
+        default=None, description="fixed ms per engine step (overrides the profile's)")
+    b_ms_per_prefill_token: Annotated[float, Field(ge=0)] | None = Field(
+        default=None, description="ms per prefill token in a step (overrides the profile's)")
+    c_ms_per_decode_seq: Annotated[float, Field(ge=0)] | None = Field(
+        default=None, description="ms per decoding sequence in a step (overrides the profile's)")
+    d_ms_per_context_token: Annotated[float, Field(ge=0)] | None = Field(
+        default=None, description="ms per token of context held by the decoding sequences (overrides the "
+        "profile's)")
     max_num_batched_tokens: PositiveInt | None = Field(default=None, description="vLLM's per-step token budget")
-    max_num_seqs: PositiveInt | None = None
+    max_num_seqs: PositiveInt | None = Field(default=None, description="vLLM's sequences per step (--max-num-seqs)")
     detect: bool = Field(
         default=True, description="pick each node's profile from the GPU and model its probe reports (a pool "
         "mixing H100 and A100 nodes gets each its own prior); a node pinned with nodes.static[].profile or "
@@ -345,9 +407,12 @@ def check_address(v: str) -> str:
 
 
 class NodeEntry(_Strict):
+    """One vLLM node (``nodes.static[i]``) and its kvgate probe."""
+
     address: str = Field(description="host:port (or [ipv6]:port) of the vLLM server")
     probe: Annotated[str, Field(pattern=r"^https?://", description="base URL of this node's kvgate probe")]
-    kv_admit_threshold: Annotated[float, Field(gt=0, le=1)] | None = None
+    kv_admit_threshold: Annotated[float, Field(gt=0, le=1)] | None = Field(
+        default=None, description="this node's own kv_admit_threshold; default: the pool's")
     profile: str | None = Field(
         default=None, description="this node's performance profile, pinned (a pool mixing GPUs): it wins over "
         "nodes.performance.profile and over what the probe reports")
@@ -364,10 +429,14 @@ class NodeEntry(_Strict):
 
 
 class DnsDiscovery(_Strict):
+    """Nodes found by DNS (``nodes.dns``): every address of a headless Service is a node."""
+
     name: str = Field(description="a headless Service, e.g. vllm.llm.svc.cluster.local")
-    port: Annotated[int, Field(ge=1, le=65535)] = 8000
-    probe_port: Annotated[int, Field(ge=1, le=65535)] = 9102
-    refresh_seconds: PositiveFloat = 10.0
+    port: Annotated[int, Field(ge=1, le=65535)] = Field(
+        default=8000, description="the vLLM port on every address the name resolves to")
+    probe_port: Annotated[int, Field(ge=1, le=65535)] = Field(
+        default=9102, description="the kvgate probe's port on every address")
+    refresh_seconds: PositiveFloat = Field(default=10.0, description="how often the name is resolved again")
     profile: str | None = Field(
         default=None, description="the performance profile of every node this name resolves to, pinned (one "
         "GPU kind behind one Service); default: detected per node, else nodes.performance.profile")
@@ -395,12 +464,18 @@ class LoraRouting(_Strict):
 class Nodes(_Strict):
     """Where requests go: kvgate picks the vLLM node and tells Envoy (ORIGINAL_DST + header)."""
 
-    static: list[NodeEntry] = Field(default_factory=list)
-    dns: DnsDiscovery | None = None
-    kv_admit_threshold: Annotated[float, Field(gt=0, le=1)] = 0.92
-    poll_interval_seconds: PositiveFloat = 0.25
-    stale_after_seconds: PositiveFloat = 2.0
-    dead_after_seconds: PositiveFloat = 10.0
+    static: list[NodeEntry] = Field(
+        default_factory=list, description="the vLLM nodes by address, each with its probe")
+    dns: DnsDiscovery | None = Field(
+        default=None, description="or discover them: every address of a headless Service is a node")
+    kv_admit_threshold: Annotated[float, Field(gt=0, le=1)] = Field(
+        default=0.92, description="no new request goes to a node whose projected KV-cache usage passes this")
+    poll_interval_seconds: PositiveFloat = Field(
+        default=0.25, description="how often a probe without the snapshot stream is polled")
+    stale_after_seconds: PositiveFloat = Field(
+        default=2.0, description="a node whose last snapshot is older is 'unknown' (see unknown)")
+    dead_after_seconds: PositiveFloat = Field(
+        default=10.0, description="a node whose last snapshot is older still gets no traffic at all")
     unknown: Literal["fallback", "serve", "avoid"] = Field(
         default="fallback",
         description="nodes with a stale snapshot: fallback (only when no fresh node can take it) | serve | avoid",
@@ -437,6 +512,8 @@ class Nodes(_Strict):
 
 
 class PoolQueue(_Strict):
+    """A pool's own gateway queue (``pools[i].queue``)."""
+
     max_size: PositiveInt | None = Field(
         default=None, description="requests this pool's gateway queue holds at once; default: queue.max_size")
 
@@ -446,7 +523,7 @@ class Pool(_Strict):
     (``nodes.performance.profile``), KV thresholds, breakers and gateway queue. A request goes to the pool
     that serves its ``model``."""
 
-    name: Annotated[str, Field(pattern=_NAME)]
+    name: Annotated[str, Field(pattern=_NAME)] = Field(description="the pool's name: the pool label on metrics")
     models: list[ModelName] = Field(
         min_length=1, description="model names the pool serves, exactly as clients send them, or patterns "
         "('llama-3.1-8b-*'); an exact name wins over a pattern, then patterns in file order")
@@ -517,7 +594,11 @@ class Store(_Strict):
 
 
 class Config(_Strict):
-    mode: Mode = "enforce"
+    """The whole kvgate configuration file."""
+
+    mode: Mode = Field(
+        default="enforce", description="enforce, or shadow: decide, count and log, but admit everything (a "
+        "tenant's own mode wins)")
     server: Server = Server()
     identity: Identity = Identity()
     estimation: Estimation = Estimation()
@@ -527,13 +608,16 @@ class Config(_Strict):
     metrics: Metrics = Metrics()
     logs: Logs = Logs()
     nodes: Nodes | None = None
-    tiers: dict[Annotated[str, Field(pattern=_NAME)], Tier] = Field(default_factory=lambda: dict(DEFAULT_TIERS))
+    tiers: dict[Annotated[str, Field(pattern=_NAME)], Tier] = Field(
+        default_factory=lambda: dict(DEFAULT_TIERS),
+        description="the SLA tiers by name; leave out for interactive / standard / batch")
     queue: Queue = Queue()
     store: Store = Store()
     pools: list[Pool] = Field(
         default_factory=list, description="several models, each on its own nodes; none: one pool named "
         "'default' serving every model on the nodes of 'nodes'")
-    tenants: list[Tenant] = Field(default_factory=list)
+    tenants: list[Tenant] = Field(
+        default_factory=list, description="the tenants, each with its API keys' digests, tier and quota")
 
     @model_validator(mode="after")
     def _consistent(self) -> Config:

@@ -343,7 +343,7 @@ class Core:
         """A decision taken before the admission core (who is asking, what the request is), accounted
         to the tenant when it is known and to ``unknown`` in the lowest tier when not."""
         if tenant is None:
-            return Decision(UNKNOWN_TENANT, self.config.lowest_tier, None, rejection)
+            return Decision(UNKNOWN_TENANT, self.config.lowest_tier, None, rejection, identified=False)
         return Decision(tenant.name, tenant.tier, None, rejection)
 
     def _never_fits(self, est: Estimate) -> Rejection | None:

@@ -3,7 +3,7 @@ simulated node in ``sim/`` runs on.
 
 Step time follows the model published simulators fit to real vLLM runs (BLIS; Vidur reports <9%
 error with profiled kernels): ``step_ms = a + b·prefill_tokens + c·decode_seqs + d·context_tokens``.
-Sources of each figure are in the README ("Simulated vLLM node"). KV capacity is given in tokens as
+Sources of each figure are in docs/development/simulator.md. KV capacity is given in tokens as
 measured/derived for one card at ``gpu_memory_utilization`` 0.9, and turned into blocks here.
 """
 

@@ -19,7 +19,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
-from .admission import Admission, Completion, Decision
+from .admission import UNKNOWN_TENANT, Admission, Completion, Decision
 from .breaker import STATE_VALUE, State
 from .config import Config
 from .nodes import Fleet
@@ -156,7 +156,7 @@ class Stats:
     def set_tenants(self, names: list[str], max_labels: int | None = None) -> None:
         if max_labels is not None:
             self._max = max_labels
-        self._allowed = frozenset(names[: self._max]) | {"unknown"}
+        self._allowed = frozenset(names[: self._max]) | {UNKNOWN_TENANT}
 
     def forget_node(self, node: str, pool: str) -> None:
         """A node left its pool (a pod churned away, a reload): its breaker-transition series go with it.
@@ -175,10 +175,13 @@ class Stats:
         names come from the config, never from the request: the label stays bounded."""
         r = d.rejection
         t = d.tenant if d.tenant in self._allowed else OTHER
+        # a caller refused before any tenant was found has no tier (the core files it under the lowest as a
+        # placeholder): labelled tier="none", as its pool is, so no tier's refusals count it
+        tier = d.tier if d.identified else "none"
         if r is None:
-            self.requests.inc((t, d.tier, "admit", "ok", "none", pool))
+            self.requests.inc((t, tier, "admit", "ok", "none", pool))
         else:
-            self.requests.inc((t, d.tier, "shadow_reject" if d.admitted else "reject", r.reason, r.klass, pool))
+            self.requests.inc((t, tier, "shadow_reject" if d.admitted else "reject", r.reason, r.klass, pool))
         if d.lease is not None:
             self.tokens.inc((t, "reserved", pool), d.lease.reserved_tokens)
             if d.lease.slo_miss:

@@ -5,6 +5,12 @@ and breaker state; per tier: gateway-queue depth and admission-to-completion lat
 two scrapes (counters summed over every ``--metrics`` URL, so several replicas read as one gateway).
 Where the metrics carry a ``pool`` label, every table is split by pool.
 
+The view shows what the metrics can tell and nothing else: a column or table with no figure in it is
+left out (``/metrics`` has no time to first token, so the TTFT columns appear only where a caller adds
+them, as ``kvgate demo`` does), and requests refused because no known key named a tenant are counted
+on their own line, not as a tenant called ``unknown`` (their metrics put them in the lowest tier only
+because a label must have a value). Each frame ends with where its figures come from.
+
 With ``rich`` on a terminal the view refreshes in place; otherwise (a pipe, a log file, ``--once``
 without a terminal) it prints plain text frames. ``kvgate demo`` renders the same view with the
 client-side TTFT of each tenant added.
@@ -98,6 +104,24 @@ class Pool:
     tenants: dict[str, TenantRow] = field(default_factory=lambda: defaultdict(TenantRow))
     nodes: dict[str, NodeRow] = field(default_factory=lambda: defaultdict(NodeRow))
     tiers: dict[str, TierRow] = field(default_factory=lambda: defaultdict(TierRow))
+    unidentified: float = 0.0
+    """Requests per second refused because no known API key named a tenant (``tenant="unknown"``)."""
+
+    def empty(self) -> bool:
+        return not (self.tenants or self.nodes or self.tiers or self.unidentified)
+
+
+UNIDENTIFIED = "unknown"
+"""The tenant label kvgate gives a request whose key names no tenant (``admission.UNKNOWN_TENANT``)."""
+NO_TENANT_REASONS = frozenset({"unknown-key", "invalid-authorization"})
+
+
+def _unidentified(labels: dict[str, str]) -> bool:
+    """A series of callers no tenant was found for: labelled ``unknown`` and either refused before
+    identity (``tier="none"``) or for their key (shadow mode admits them in the lowest tier; an older
+    kvgate labelled their refusals so). A configured tenant named ``unknown`` is still a tenant."""
+    return labels.get("tenant") == UNIDENTIFIED and (labels.get("tier") == "none"
+                                                    or labels.get("reason") in NO_TENANT_REASONS)
 
 
 @dataclass
@@ -120,6 +144,8 @@ class View:
     title: str = "kvgate top"
     store: Store | None = None
     """None: no replica has a shared store."""
+    ttft_source: str | None = None
+    """Where the tenants' TTFT figures come from, set by whoever adds them (``kvgate demo``)."""
 
 
 def _counters(scrapes: Iterable[Scrape]) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
@@ -164,8 +190,11 @@ def build(prev: list[Scrape], cur: list[Scrape], title: str = "kvgate top") -> V
             store.borrows += d / interval if interval else 0.0
             continue
         if name == "kvgate_requests_total":
-            row = pools[pool].tenants[labels.get("tenant", "?")]
             rate = d / interval if interval else 0.0
+            if _unidentified(labels):
+                pools[pool].unidentified += rate
+                continue
+            row = pools[pool].tenants[labels.get("tenant", "?")]
             decision, klass = labels.get("decision"), labels.get("class")
             if decision == "admit":
                 row.admit += rate
@@ -187,7 +216,9 @@ def build(prev: list[Scrape], cur: list[Scrape], title: str = "kvgate top") -> V
         for s in sc.samples:
             p = pools[s.labels.get("pool", "")]
             if s.name == "kvgate_inflight_requests":
-                p.tenants[s.labels.get("tenant", "?")].inflight += s.value
+                name = s.labels.get("tenant", "?")
+                if name != UNIDENTIFIED or name in p.tenants:  # the unknown slot's gauge, unless a tenant's
+                    p.tenants[name].inflight += s.value
             elif s.name == "kvgate_queue_depth_requests":
                 p.tiers[s.labels.get("tier", "?")].queued += s.value
             elif s.name == "kvgate_node_kv_usage_ratio":
@@ -212,9 +243,10 @@ def _one_pool(pools: dict[str, Pool]) -> dict[str, Pool]:
     """A config without pools shows as one table with no pool heading: its pool (``default``), the
     requests refused before routing (``none``) and an older kvgate's unlabelled series are one."""
     if not set(pools) <= {"", "default", "none"}:
-        return pools
+        return {name: p for name, p in pools.items() if not p.empty()}
     one = Pool()
     for p in pools.values():
+        one.unidentified += p.unidentified
         for name, row in p.tenants.items():
             into = one.tenants[name]
             for f in fields(row):
@@ -243,28 +275,61 @@ def _bar(ratio: float | None, width: int = 20) -> str:
     return "[" + "#" * n + "." * (width - n) + "]"
 
 
+def _has_ttft(v: View) -> bool:
+    return any(r.ttft_p50 is not None or r.ttft_p99 is not None for p in v.pools.values() for r in p.tenants.values())
+
+
+def _has_latency(p: Pool) -> bool:
+    return any(tr.p50 is not None or tr.p99 is not None for tr in p.tiers.values())
+
+
+def sources(v: View) -> list[str]:
+    """Where each figure of the frame comes from (only those the frame shows)."""
+    out = [f"rates: kvgate_requests_total, difference of two scrapes {v.interval:.1f}s apart"
+           + (f", summed over {v.sources} replicas" if v.sources > 1 else "")
+           + "; in flight: kvgate_inflight_requests"]
+    if _has_ttft(v):
+        out.append(f"TTFT: {v.ttft_source or 'added by the caller'} (kvgate's /metrics has no TTFT)")
+    if any(p.nodes for p in v.pools.values()):
+        out.append("nodes: kvgate_node_kv_usage_ratio (each probe's last snapshot), kvgate_node_inflight_requests, "
+                   "kvgate_node_breaker_state")
+    if any(p.tiers for p in v.pools.values()):
+        out.append("tiers: kvgate_queue_depth_requests"
+                   + ("; latency: kvgate_request_duration_seconds (admission to the end of the response, "
+                      "not TTFT)" if any(_has_latency(p) for p in v.pools.values()) else ""))
+    if any(p.unidentified for p in v.pools.values()):
+        out.append('no known key: kvgate_requests_total{tenant="unknown"} (callers, not a tenant)')
+    return out
+
+
 def text(v: View) -> str:
     """A plain-text frame (no colours, no cursor movement): for pipes, logs and tests."""
     lines = [f"{v.title}: {v.sources} source(s), rates over {v.interval:.1f}s"]
+    ttft = _has_ttft(v)
     for name, p in sorted(v.pools.items()):
         ind = "  "
         if name:
             lines.append(f"pool {name}")
             ind = "    "
-        lines.append(f"{ind}{'tenant':<12}{'admit/s':>9}{'429/s':>8}{'503/s':>8}{'other/s':>9}{'shadow/s':>10}"
-                     f"{'inflight':>10}{'TTFT p50':>10}{'p99 ms':>8}")
+        if p.tenants:
+            lines.append(f"{ind}{'tenant':<12}{'admit/s':>9}{'429/s':>8}{'503/s':>8}{'other/s':>9}{'shadow/s':>10}"
+                         f"{'inflight':>10}" + (f"{'TTFT p50':>10}{'p99 ms':>8}" if ttft else ""))
         for t, r in sorted(p.tenants.items()):
             lines.append(f"{ind}{t:<12}{r.admit:>9.1f}{r.r429:>8.1f}{r.r503:>8.1f}{r.other:>9.1f}{r.shadow:>10.1f}"
-                         f"{r.inflight:>10.0f}{_ms(r.ttft_p50):>10}{_ms(r.ttft_p99):>8}")
+                         f"{r.inflight:>10.0f}" + (f"{_ms(r.ttft_p50):>10}{_ms(r.ttft_p99):>8}" if ttft else ""))
+        if p.unidentified:
+            lines.append(f"{ind}no known key: {p.unidentified:.1f}/s (401; admitted in shadow mode)")
         for n, nr in sorted(p.nodes.items()):
             kv = "  ?" if nr.kv is None else f"{nr.kv:>4.0%}"
             lines.append(f"{ind}node {n:<22} KV {_bar(nr.kv)} {kv}  in flight {nr.inflight:>3.0f}  "
                          f"breaker {BREAKER.get(nr.breaker, '?')}")
+        latency = _has_latency(p)
         for t, tr in sorted(p.tiers.items()):
-            lines.append(f"{ind}tier {t:<12} queued {tr.queued:>4.0f}   latency p50 {_ms(tr.p50):>6} ms  "
-                         f"p99 {_ms(tr.p99):>6} ms (admission to end)")
+            lines.append(f"{ind}tier {t:<12} queued {tr.queued:>4.0f}" + (
+                f"   latency p50 {_ms(tr.p50):>6} ms  p99 {_ms(tr.p99):>6} ms (admission to end)" if latency else ""))
     if v.store is not None:
         lines.append(_store_line(v.store))
+    lines += ["sources:", *(f"  {s}" for s in sources(v))]
     return "\n".join(lines)
 
 
@@ -280,17 +345,21 @@ def rich_view(v: View) -> Any:
     from rich.text import Text
 
     parts: list[Any] = [Text(f"{v.title} — {v.sources} source(s), rates over {v.interval:.1f}s", style="bold")]
+    ttft = _has_ttft(v)
     for name, p in sorted(v.pools.items()):
         sfx = f" (pool {name})" if name else ""
-        t = Table(title=f"tenants{sfx}", title_justify="left", expand=False)
-        for col in ("tenant", "admit/s", "429/s", "503/s", "other/s", "shadow/s", "in flight", "TTFT p50 ms",
-                    "TTFT p99 ms"):
-            t.add_column(col, justify="left" if col == "tenant" else "right")
-        for tn, r in sorted(p.tenants.items()):
-            t.add_row(tn, f"{r.admit:.1f}", Text(f"{r.r429:.1f}", style="yellow" if r.r429 else ""),
-                      Text(f"{r.r503:.1f}", style="red" if r.r503 else ""), f"{r.other:.1f}", f"{r.shadow:.1f}",
-                      f"{r.inflight:.0f}", _ms(r.ttft_p50), _ms(r.ttft_p99))
-        parts.append(t)
+        if p.tenants:
+            t = Table(title=f"tenants{sfx}", title_justify="left", expand=False)
+            cols = ["tenant", "admit/s", "429/s", "503/s", "other/s", "shadow/s", "in flight"]
+            for col in cols + (["TTFT p50 ms", "TTFT p99 ms"] if ttft else []):
+                t.add_column(col, justify="left" if col == "tenant" else "right")
+            for tn, r in sorted(p.tenants.items()):
+                t.add_row(tn, f"{r.admit:.1f}", Text(f"{r.r429:.1f}", style="yellow" if r.r429 else ""),
+                          Text(f"{r.r503:.1f}", style="red" if r.r503 else ""), f"{r.other:.1f}", f"{r.shadow:.1f}",
+                          f"{r.inflight:.0f}", *((_ms(r.ttft_p50), _ms(r.ttft_p99)) if ttft else ()))
+            parts.append(t)
+        if p.unidentified:
+            parts.append(Text(f"no known key{sfx}: {p.unidentified:.1f}/s (401; admitted in shadow mode)"))
         if p.nodes:
             nt = Table(title=f"nodes{sfx}", title_justify="left")
             for col in ("node", "KV", "", "in flight", "breaker"):
@@ -302,15 +371,18 @@ def rich_view(v: View) -> Any:
                            f"{nr.inflight:.0f}", Text(state, style={"closed": "green", "open": "red"}.get(state,
                                                                                                    "yellow")))
             parts.append(nt)
-        qt = Table(title=f"tiers{sfx}", title_justify="left")
-        for col in ("tier", "queued", "latency p50 ms", "p99 ms (admission to end)"):
-            qt.add_column(col, justify="left" if col == "tier" else "right")
-        for tn, tr in sorted(p.tiers.items()):
-            qt.add_row(tn, f"{tr.queued:.0f}", _ms(tr.p50), _ms(tr.p99))
-        parts.append(qt)
+        if p.tiers:
+            latency = _has_latency(p)
+            qt = Table(title=f"tiers{sfx}", title_justify="left")
+            for col in ("tier", "queued") + (("latency p50 ms", "p99 ms (admission to end)") if latency else ()):
+                qt.add_column(col, justify="left" if col == "tier" else "right")
+            for tn, tr in sorted(p.tiers.items()):
+                qt.add_row(tn, f"{tr.queued:.0f}", *((_ms(tr.p50), _ms(tr.p99)) if latency else ()))
+            parts.append(qt)
     if v.store is not None:
         bad = v.store.up < v.store.replicas or v.store.local_split or len(v.store.versions) > 1
         parts.append(Text(_store_line(v.store), style="yellow" if bad else ""))
+    parts.append(Text("sources: " + "\n  ".join(sources(v)), style="dim"))
     return Group(*parts)
 
 

@@ -17,13 +17,20 @@ class _Strict(BaseModel):
 
 
 class Pool(_Strict):
-    min_replicas: Annotated[int, Field(ge=0)] = 1
-    max_replicas: Annotated[int, Field(ge=1)] = 10
-    step: Annotated[int, Field(ge=1)] = 2
-    scale_up_threshold: Annotated[float, Field(gt=0, lt=1)] = 0.25
-    scale_down_threshold: Annotated[float, Field(ge=0, lt=1)] = 0.05
-    cooldown_seconds: Annotated[float, Field(ge=0)] = 600.0
-    warm_pool: Annotated[int, Field(ge=0)] = 0
+    """One pool's scaling law (``pools.<name>``): one per KEDA ScaledObject."""
+
+    min_replicas: Annotated[int, Field(ge=0)] = Field(default=1, description="fewest vLLM replicas the scaler asks for")
+    max_replicas: Annotated[int, Field(ge=1)] = Field(default=10, description="most vLLM replicas the scaler asks for")
+    step: Annotated[int, Field(ge=1)] = Field(default=2, description="the least a scale-up adds")
+    scale_up_threshold: Annotated[float, Field(gt=0, lt=1)] = Field(
+        default=0.25, description="unmet-demand rate (share of the demand the fleet could not serve within SLO) "
+        "above which the pool scales up")
+    scale_down_threshold: Annotated[float, Field(ge=0, lt=1)] = Field(
+        default=0.05, description="unmet-demand rate below which the pool may scale down (after the cooldown)")
+    cooldown_seconds: Annotated[float, Field(ge=0)] = Field(
+        default=600.0, description="no scale-down sooner than this after the last change")
+    warm_pool: Annotated[int, Field(ge=0)] = Field(
+        default=0, description="replicas kept beyond what the demand needs, for bursts")
     concentration: Annotated[float, Field(gt=0, le=1)] = Field(
         default=0.8, description="one tenant's share of capacity rejections that makes them its problem")
     cold_start_seconds: Annotated[float, Field(ge=0)] = Field(
@@ -65,11 +72,15 @@ class Pool(_Strict):
 
 
 class Source(_Strict):
+    """Where the scaler reads kvgate's counters: every replica's /metrics, or Prometheus."""
+
     kvgate: list[Annotated[str, Field(pattern=r"^https?://")]] = Field(
         default_factory=list, description="every kvgate replica's metrics URL")
     kvgate_dns: Annotated[str, Field(pattern=r"^[^\s:/]+:\d{1,5}$")] | None = Field(
         default=None, description="host:port of a headless Service of kvgate's metrics: every address is a replica")
-    prometheus: Annotated[str, Field(pattern=r"^https?://")] | None = None
+    prometheus: Annotated[str, Field(pattern=r"^https?://")] | None = Field(
+        default=None, description="or a Prometheus server's URL that scrapes every kvgate replica (job names the "
+        "job)")
     job: str = Field(default="kvgate", description="kvgate's scrape job in Prometheus")
 
     @model_validator(mode="after")
@@ -81,12 +92,19 @@ class Source(_Strict):
 
 
 class ScalerConfig(_Strict):
-    grpc_address: str = "0.0.0.0:9105"
-    metrics_address: str = "0.0.0.0:9106"
+    """The whole scaler configuration file."""
+
+    grpc_address: str = Field(
+        default="0.0.0.0:9105", description="where the scaler serves KEDA's external-scaler gRPC API")
+    metrics_address: str = Field(
+        default="0.0.0.0:9106", description="where the scaler serves its own Prometheus /metrics")
     source: Source
-    window_seconds: Annotated[float, Field(gt=0)] = 60.0
-    interval_seconds: Annotated[float, Field(gt=0)] = 5.0
-    stale_after_seconds: Annotated[float, Field(gt=0)] = 60.0
+    window_seconds: Annotated[float, Field(gt=0)] = Field(
+        default=60.0, description="the window kvgate's counters are read over")
+    interval_seconds: Annotated[float, Field(gt=0)] = Field(
+        default=5.0, description="how often the signal is read and the law evaluated")
+    stale_after_seconds: Annotated[float, Field(gt=0)] = Field(
+        default=60.0, description="a signal older than this holds the replica count (no blind changes)")
     pools: dict[Annotated[str, Field(pattern=r"^[a-z0-9][a-z0-9_.-]{0,62}$")], Pool] = Field(
         default_factory=lambda: {"default": Pool()},
         description="one per ScaledObject; its scalerMetadata 'pool' names it, and it scales on kvgate's pool of "

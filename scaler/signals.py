@@ -14,7 +14,7 @@ labels requests refused before routing (no key, a bad body, a model no pool serv
 any pool's capacity, so they count nowhere, not even in the fleet-wide sums. (A model the tenant may not
 use is labelled with the pool that serves it; its 403 is class ``auth``, never demand.)
 
-The PromQL of ``TRIGGER_QUERY`` (fleet-wide) and ``trigger_query(pool)`` (one pool) is what the README
+The PromQL of ``TRIGGER_QUERY`` (fleet-wide) and ``trigger_query(pool)`` (one pool) is what docs/operator/autoscaling.md
 offers as a KEDA Prometheus trigger, for users who want no scaler service; ``TRIGGER_QUERY_BY_POOL`` is
 the shipped recording rule ``kvgate:capacity_reject_ratio:rate2m`` (one series per pool).
 """
@@ -350,7 +350,7 @@ def _ratio(selector: str) -> str:
 
 
 TRIGGER_QUERY = _ratio("")
-"""The simple path (README): the capacity reject ratio as a KEDA Prometheus trigger, metricType Value.
+"""The simple path (docs, Autoscaling): the capacity reject ratio as a KEDA Prometheus trigger, metricType Value.
 Fleet-wide: for a kvgate without pools (every series its pool ``default``, labelled or not)."""
 
 

@@ -1,4 +1,4 @@
-"""The user-facing commands run end to end (figures are printed, not asserted: see README)."""
+"""The user-facing commands run end to end (figures are printed, not asserted)."""
 
 from __future__ import annotations
 

@@ -127,14 +127,44 @@ def test_top_says_how_the_replicas_share_their_store() -> None:
 
 
 def test_the_report_writes_its_plots(tmp_path: Path) -> None:
+    """Each plot that has something to show, and a note for each that has not: overload refuses nothing and
+    keeps its 3 nodes (its rejections plot was an empty chart, its nodes plot flat lines); diurnal refuses
+    and scales. Legends sit under the plots, never inside an axes over the curves."""
     pytest.importorskip("matplotlib")
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from ext_proc.config import parse_config
+    from kvgate.bench.scenarios import report
     from kvgate.bench.scenarios.runner import run, write_report
     from kvgate.bench.scenarios.workloads import get_scenario
 
-    md = write_report([run(get_scenario("overload"), scale=0.05)], tmp_path)
+    overload, diurnal = run(get_scenario("overload"), scale=0.05), run(get_scenario("diurnal"), scale=0.05)
+    md = write_report([overload, diurnal], tmp_path)
     text = md.read_text()
-    for what in ("latency-cdf", "rejections", "nodes"):
-        png = tmp_path / f"overload-{what}.png"
-        assert png.stat().st_size > 5000, png
-        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-        assert f"]({png.name})" in text
+    written = {"overload": ("latency-cdf", "ttft-over-time"),
+               "diurnal": ("latency-cdf", "ttft-over-time", "rejections", "nodes")}
+    for name, whats in written.items():
+        for what in whats:
+            png = tmp_path / f"{name}-{what}.png"
+            assert png.stat().st_size > 5000, png
+            assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+            assert f"]({png.name})" in text
+    assert not (tmp_path / "overload-rejections.png").exists() and not (tmp_path / "overload-nodes.png").exists()
+    overload_part = text.split("overload-ttft-over-time.png)")[1].split("## ")[0]
+    assert "No rejections plot: no policy answered any request 429 or 503." in overload_part
+    assert "No fleet-size plot: every policy keeps the same nodes (3) the whole run." in overload_part
+    assert "No rejections plot" not in text.split("overload-ttft-over-time.png)")[1].split("## ", 1)[1]
+
+    colors = ["C0", "C1", "C2", "C3", "C4", "C5"]
+    config = parse_config({})
+    for fig in (report.cdf_figure(overload.summaries, config, plt, colors),
+                report.ttft_time_figure(overload.summaries, config, plt, colors),
+                report.nodes_figure(diurnal.summaries, plt, colors)):
+        assert fig is not None and len(fig.legends) == 1
+        assert all(ax.get_legend() is None for ax in fig.axes)
+        plt.close(fig)
+    assert report.rejections_figure(overload.summaries, plt, colors) is None
+    assert report.nodes_figure(overload.summaries, plt, colors) is None

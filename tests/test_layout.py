@@ -1,4 +1,4 @@
-"""The layout's one rule (README, Layout): the product never imports the tooling, so the image's
+"""The layout's one rule (docs/development/layout.md): the product never imports the tooling, so the image's
 admission service, probe and scaler do not depend on the simulator, the dev stack or the benchmarks.
 Read from the source (every import, at module level or inside a function), not from what one run
 happens to import."""
@@ -13,7 +13,7 @@ ROOT = Path(__file__).resolve().parents[1]
 PRODUCT = ("ext_proc", "gpu_probe", "scaler", "kvgate/__init__.py", "kvgate/envoy_config.py", "kvgate/top.py")
 TOOLING = ("sim", "kvgate.dev", "kvgate.bench", "tests")
 ALLOWED = {("kvgate/top.py", "kvgate.dev.stack")}
-"""``kvgate top`` borrows the stack's plain HTTP GET (README, Layout)."""
+"""``kvgate top`` borrows the stack's plain HTTP GET (docs/development/layout.md)."""
 
 
 def imports(path: Path) -> list[tuple[str, bool]]:

@@ -28,7 +28,7 @@ from tests.test_pools import ask, core_and_clock, fresh, nodes, pools_config
 
 
 def test_a_model_name_longer_than_the_cap_is_400_and_reaches_no_cache() -> None:
-    """The README's own pattern pool (``llama-8b-*``) matched a 1 MB name: admitted, and the name kept
+    """The docs' own pattern pool (``llama-8b-*``) matched a 1 MB name: admitted, and the name kept
     in the router's caches (200 of them took RSS 157 → 331 MiB)."""
     core, _ = core_and_clock()
     a = ask(core, "llama-8b-" + "x" * 1_000_000, key="k-intern")

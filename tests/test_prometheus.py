@@ -1,6 +1,6 @@
 """The Prometheus path against a real Prometheus (Debian's) scraping a real kvgate behind Envoy.
 
-The scaler's Prometheus source, the README's KEDA trigger query, the shipped recording/alert rules
+The scaler's Prometheus source, the docs' KEDA trigger query (Autoscaling), the shipped recording/alert rules
 (promtool) and every query of the Grafana dashboard run there and return data.
 """
 

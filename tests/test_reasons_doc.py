@@ -1,5 +1,6 @@
-"""The README's table of rejection reasons lists exactly ``ext_proc.reasons.REASONS``, with the same status
-and class: a reason added to (or removed from) the code without the documentation fails here."""
+"""The docs' table of rejection reasons (docs/reference/troubleshooting.md) lists exactly
+``ext_proc.reasons.REASONS``, with the same status and class, and says what to do about each: a reason
+added to (or removed from) the code without the documentation fails here."""
 
 from __future__ import annotations
 
@@ -8,14 +9,15 @@ from pathlib import Path
 
 from ext_proc.reasons import REASONS
 
-README = Path(__file__).resolve().parents[1] / "README.md"
-HEADER = "| status | `x-kvgate-reject-reason` | class | when |"
+PAGE = Path(__file__).resolve().parents[1] / "docs" / "reference" / "troubleshooting.md"
+HEADER = "| status | `x-kvgate-reject-reason` | class | when | what to do |"
 
 
-def readme_reasons() -> dict[str, tuple[int, str]]:
-    """reason → (status, class), from the README's reason table (one reason per row)."""
-    lines = README.read_text().splitlines()
-    assert lines.count(HEADER) == 1, "the README has exactly one reason table"
+def doc_reasons() -> dict[str, tuple[int, str]]:
+    """reason → (status, class), from the troubleshooting page's reason table (one reason per row, each
+    with something in its "what to do" cell)."""
+    lines = PAGE.read_text().splitlines()
+    assert lines.count(HEADER) == 1, "the troubleshooting page has exactly one reason table"
     rows: dict[str, tuple[int, str]] = {}
     for line in lines[lines.index(HEADER) + 2:]:
         if not line.startswith("|"):
@@ -24,17 +26,18 @@ def readme_reasons() -> dict[str, tuple[int, str]]:
         m = re.fullmatch(r"`([a-z0-9-]+)`", cells[1])
         assert m is not None, f"one reason per row, in backquotes: {line!r}"
         assert m.group(1) not in rows, f"{m.group(1)} listed twice"
+        assert cells[4], f"{m.group(1)}: no 'what to do'"
         rows[m.group(1)] = (int(cells[0]), cells[2])
     return rows
 
 
-def test_every_reason_in_the_code_is_in_the_readme_and_vice_versa() -> None:
-    doc = readme_reasons()
-    assert sorted(set(REASONS) - set(doc)) == [], "in ext_proc/reasons.py but not in the README's table"
-    assert sorted(set(doc) - set(REASONS)) == [], "in the README's table but not in ext_proc/reasons.py"
+def test_every_reason_in_the_code_is_in_the_docs_and_vice_versa() -> None:
+    doc = doc_reasons()
+    assert sorted(set(REASONS) - set(doc)) == [], "in ext_proc/reasons.py but not in the troubleshooting table"
+    assert sorted(set(doc) - set(REASONS)) == [], "in the troubleshooting table but not in ext_proc/reasons.py"
 
 
-def test_the_readme_gives_each_reason_its_status_and_class() -> None:
-    doc = readme_reasons()
+def test_the_docs_give_each_reason_its_status_and_class() -> None:
+    doc = doc_reasons()
     wrong = {n: (doc[n], (r.status, r.klass)) for n, r in REASONS.items() if n in doc and doc[n] != (r.status, r.klass)}
-    assert wrong == {}, "README (status, class) vs ext_proc/reasons.py"
+    assert wrong == {}, "troubleshooting page (status, class) vs ext_proc/reasons.py"

@@ -214,6 +214,7 @@ def _decorate(results: list[Result], window: float = 5.0) -> Any:
 
     def add(v: top.View) -> None:
         now = time.monotonic() - start
+        v.ttft_source = f"measured by the demo's clients over their requests of the last {window:g} s"
         by: dict[str, list[float]] = {}
         for r in list(results):
             if r.status == 200 and r.ttft_s is not None and r.sent_at >= now - window:

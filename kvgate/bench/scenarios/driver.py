@@ -10,7 +10,7 @@ tenant of the config gets an API key for the run and every request carries it, s
 production path too; the one shortcut is that token counts are known exactly (no body is built and
 estimated).
 
-Simplifications, all documented in the README: a probe reads its node every ``PROBE_INTERVAL_S``
+Simplifications, all documented in docs/benchmarks/index.md: a probe reads its node every ``PROBE_INTERVAL_S``
 (the default ``kvgate probe --interval``) with no network delay; TTFT/queue observations enter the
 probe's histograms when a request finishes (vLLM observes TTFT at the first token); clients do not
 retry a rejection; a node being removed first drains its requests.

@@ -468,7 +468,7 @@ def family(name: str, seed: int, policies: Sequence[PolicyName] = POLICIES) -> F
         streams.append(Stream(tname, LONG, _part(k * share, u, p, long=True), max_tokens=reserve))
         quota: list[tuple[str, int]] = []
         if tier == "batch":
-            # sized as the README says: its request rate x its requests' duration on a healthy fleet, with
+            # sized as the families page says: its request rate x its requests' duration on a healthy fleet, with
             # headroom for its bursts (a fixed 8 against 40 req/s measured the operator, not kvgate)
             seconds = request_seconds(get_profile(profile), la, s_m, l_m)
             peak = k * share * _peak(u, duration)

@@ -1,7 +1,7 @@
 """What a run means: latency percentiles per tier and tenant, SLO attainment, goodput, rejections by
 reason, fairness, GPU-hours; printed as Markdown tables (readable in a terminal too), with PNG plots.
 
-Definitions (also in the README):
+Definitions (also in docs/benchmarks/index.md):
 
 * TTFT and e2e are measured from the client's arrival, gateway queueing included, over the requests
   that were admitted; a rejection has no latency but counts against SLO attainment.
@@ -434,54 +434,76 @@ def plots_available() -> bool:
     return True
 
 
-def plots(name: str, sums: list[Summary], out: Path, config: Config | None = None) -> list[Path]:
-    """The figures a platform engineer reads at a glance, one PNG each:
+def refused(sums: list[Summary]) -> bool:
+    """Whether any policy answered a request 429 or 503: without one a rejections plot is an empty chart."""
+    return any(o.status in (429, 503) for s in sums for o in s.result.outcomes)
 
-    * ``NAME-latency-cdf.png``: TTFT CDF per SLA tier, a line per policy, the tier's
-      ``ttft_target_ms`` as a dashed vertical line (reading: where each line crosses it);
-    * ``NAME-rejections.png``: rejections over time per policy, stacked 429 (policy) vs 503
-      (capacity) on the left and by tenant on the right;
-    * ``NAME-nodes.png``: fleet size over time per policy.
 
-    ``config``: kvgate's config of the scenario, for the tiers' targets (default: the default tiers).
-    Returns [] when matplotlib is not installed."""
-    if not plots_available():
-        return []
-    import matplotlib
+def _timeline(s: Summary, pool: str | None) -> list[tuple[float, int]] | None:
+    if pool is None:
+        return s.result.node_timeline or [(0.0, s.result.policy.nodes)]
+    if pool in s.pools:
+        return s.pools[pool].pool.node_timeline or [(0.0, s.pools[pool].pool.nodes)]
+    return None
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
 
-    if config is None:
-        from ext_proc.config import parse_config
+def _pools(sums: list[Summary]) -> list[str | None]:
+    return list(dict.fromkeys(n for s in sums for n in s.pools)) or [None]
 
-        config = parse_config({})
-    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
-    paths = []
 
-    def save(fig: Any, title: str, what: str) -> Path:
-        fig.suptitle(f"{name}: {title}", fontsize=12)
-        fig.tight_layout(rect=(0, 0.03, 1, 1))
-        p = out / f"{name}-{what}.png"
-        fig.savefig(p, dpi=100)
-        plt.close(fig)
-        return p
+def fleet_changes(sums: list[Summary]) -> bool:
+    """Whether any policy's fleet (or a pool of it) changes size: without that a nodes plot is flat lines."""
+    return any(len({c for _, c in tl}) > 1 for s in sums for pool in _pools(sums)
+               if (tl := _timeline(s, pool)) is not None)
 
-    # TTFT CDF per tier, with the SLO line
-    tiers = sorted({o.tier for s in sums for o in s.result.outcomes},
-                   key=lambda n: config.tiers[n].priority if n in config.tiers else 99)
-    fig, axes = plt.subplots(1, max(1, len(tiers)), figsize=(4.6 * max(1, len(tiers)), 4.0), squeeze=False)
+
+def plot_notes(sums: list[Summary]) -> list[str]:
+    """Why a plot was left out, for the report (a reader then knows it was not lost)."""
+    notes = []
+    if not refused(sums):
+        notes.append("No rejections plot: no policy answered any request 429 or 503.")
+    if not fleet_changes(sums):
+        sizes = sorted({c for s in sums for pool in _pools(sums) if (tl := _timeline(s, pool)) for _, c in tl})
+        notes.append(f"No fleet-size plot: every policy keeps the same nodes ({', '.join(map(str, sizes))}) "
+                     "the whole run.")
+    return notes
+
+
+def _tiers(sums: list[Summary], config: Config) -> list[str]:
+    return sorted({o.tier for s in sums for o in s.result.outcomes},
+                  key=lambda n: config.tiers[n].priority if n in config.tiers else 99)
+
+
+def _legend_below(fig: Any, ax: Any, ncol: int) -> None:
+    """One legend for the figure, under the plots: inside an axes it covered the curves where they
+    crowd (a CDF's top, where kvgate and the ideal row overlap)."""
+    handles, labels = ax.get_legend_handles_labels()
+    if handles:
+        fig.legend(handles, labels, loc="lower center", ncol=max(1, min(ncol, 5)), fontsize=8, frameon=False)
+
+
+def _bins(sums: list[Summary]) -> tuple[float, int]:
+    horizon = max((o.req.t for s in sums for o in s.result.outcomes), default=0.0)
+    bin_s = float(max(1, round(horizon / 60)))
+    return bin_s, int(horizon // bin_s) + 1
+
+
+def cdf_figure(sums: list[Summary], config: Config, plt: Any, colors: list[str]) -> Any:
+    """TTFT CDF per SLA tier, a line per policy, the tier's target dashed (read: where each line crosses
+    it). Share of *offered* requests: a policy that refuses never reaches 1.0."""
+    tiers = _tiers(sums, config)
+    fig, axes = plt.subplots(1, max(1, len(tiers)), figsize=(4.6 * max(1, len(tiers)), 4.3), squeeze=False)
     for ax, tier in zip(axes[0], tiers, strict=False):
         target = config.tiers[tier].ttft_target_ms if tier in config.tiers else None
         for i, s in enumerate(sums):
             offered = [o for o in s.result.outcomes if o.tier == tier]
             xs = sorted(o.ttft for o in offered if o.status == 200 and o.ttft is not None)
-            if xs:  # share of *offered* requests: rejections never reach 1.0
+            if xs:
                 ax.step(xs, [(k + 1) / len(offered) for k in range(len(xs))], where="post",
                         color=colors[i % len(colors)], label=s.label)
         if target:
             ax.axvline(target / 1000, color="black", linestyle="--", linewidth=1.2)
-            ax.annotate(f"SLO {target} ms", (target / 1000, 0.02), rotation=90, fontsize=8, ha="right",
+            ax.annotate(f"target {target} ms", (target / 1000, 0.02), rotation=90, fontsize=8, ha="right",
                         va="bottom")
         ax.set_xscale("log")
         ax.set_ylim(0, 1.02)
@@ -489,19 +511,54 @@ def plots(name: str, sums: list[Summary], out: Path, config: Config | None = Non
         ax.set_xlabel("TTFT (s, log scale)")
         ax.grid(True, which="both", alpha=0.3)
     axes[0][0].set_ylabel("share of offered requests served by then")
-    axes[0][0].legend(fontsize=8, loc="upper left")
-    paths.append(save(fig, "TTFT CDF per tier (dashed: the tier's TTFT target)", "latency-cdf"))
+    _legend_below(fig, axes[0][0], len(sums))
+    return fig
 
-    # rejections over time: 429 vs 503, and by tenant
-    horizon = max((o.req.t for s in sums for o in s.result.outcomes), default=0.0)
-    bin_s = float(max(1, round(horizon / 60)))
-    n = int(horizon // bin_s) + 1
+
+def ttft_time_figure(sums: list[Summary], config: Config, plt: Any, colors: list[str]) -> Any:
+    """p99 TTFT over time per SLA tier, a line per policy, the target dashed: when a disturbance (a
+    flood, a slow node, a peak) hurts whom, and for how long, which a CDF over the whole run hides."""
+    from matplotlib.ticker import FormatStrFormatter, LogLocator, NullFormatter
+
+    tiers = _tiers(sums, config)
+    bin_s, n = _bins(sums)
+    fig, axes = plt.subplots(len(tiers) or 1, 1, figsize=(13, 2.6 * max(1, len(tiers)) + 0.8), squeeze=False,
+                             sharex=True)
+    for ax, tier in zip((row[0] for row in axes), tiers, strict=False):
+        target = config.tiers[tier].ttft_target_ms if tier in config.tiers else None
+        for i, s in enumerate(sums):
+            per: list[list[float]] = [[] for _ in range(n)]
+            for o in s.result.outcomes:
+                if o.tier == tier and o.status == 200 and o.ttft is not None:
+                    per[int(o.req.t // bin_s)].append(o.ttft)
+            pts = [(k * bin_s, q) for k, xs in enumerate(per) if (q := percentile(xs, 99)) is not None]
+            if pts:
+                ax.plot([x for x, _ in pts], [y for _, y in pts], color=colors[i % len(colors)], label=s.label,
+                        linewidth=1.4, drawstyle="steps-post")
+        if target:
+            ax.axhline(target / 1000, color="black", linestyle="--", linewidth=1.2)
+        ax.set_yscale("log")
+        ax.yaxis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
+        ax.yaxis.set_major_formatter(FormatStrFormatter("%g"))
+        ax.yaxis.set_minor_formatter(NullFormatter())
+        ax.set_ylabel(f"tier {tier}\nTTFT p99 (s)", fontsize=9)
+        ax.grid(True, which="both", alpha=0.3)
+    axes[-1][0].set_xlabel(f"time (s; p99 of the requests sent in each {bin_s:g} s)")
+    _legend_below(fig, axes[0][0], len(sums))
+    return fig
+
+
+def rejections_figure(sums: list[Summary], plt: Any, colors: list[str]) -> Any | None:
+    """Who got refused and why, over time: per policy that refused anything, 429 (policy) vs 503
+    (capacity) on the left and by tenant on the right. None when nobody refused anything."""
+    if not refused(sums):
+        return None
+    bin_s, n = _bins(sums)
     xs_t = [i * bin_s for i in range(n)]
     tenants = sorted({o.req.tenant for s in sums for o in s.result.outcomes})
-    rejecting = [s for s in sums if any(o.status in (429, 503) for o in s.result.outcomes)]
-    quiet = [s.label for s in sums if s not in rejecting]
-    shown = rejecting or sums[:1]
-    fig, axes = plt.subplots(len(shown), 2, figsize=(13, 2.4 * len(shown) + 1.0), squeeze=False, sharex=True)
+    shown = [s for s in sums if any(o.status in (429, 503) for o in s.result.outcomes)]
+    quiet = [s.label for s in sums if s not in shown]
+    fig, axes = plt.subplots(len(shown), 2, figsize=(13, 2.4 * len(shown) + 1.4), squeeze=False, sharex=True)
     for row, s in zip(axes, shown, strict=True):
         by_code = {429: [0.0] * n, 503: [0.0] * n}
         by_tenant = {t: [0.0] * n for t in tenants}
@@ -527,31 +584,70 @@ def plots(name: str, sums: list[Summary], out: Path, config: Config | None = Non
         ax.set_xlabel(f"time (s; {bin_s:g} s bins)")
     if quiet:
         fig.text(0.5, 0.005, f"no 429 or 503 at all: {', '.join(quiet)}", ha="center", va="bottom", fontsize=9)
-    paths.append(save(fig, "rejections over time", "rejections"))
+    return fig
 
-    # fleet size: the whole fleet, or each model pool's own (each pool scales on its own)
-    pools: list[str | None] = list(dict.fromkeys(n for s in sums for n in s.pools)) or [None]
-    fig, axes = plt.subplots(len(pools), 1, figsize=(13, 3.2 * len(pools)), squeeze=False,
-                             sharex=True)
+
+def nodes_figure(sums: list[Summary], plt: Any, colors: list[str]) -> Any | None:
+    """Nodes over time per policy: the whole fleet, or each model pool's own (each pool scales on its
+    own). None when no policy's fleet changes size (flat lines say nothing the tables do not)."""
+    if not fleet_changes(sums):
+        return None
+    pools = _pools(sums)
+    fig, axes = plt.subplots(len(pools), 1, figsize=(13, 3.2 * len(pools) + 0.6), squeeze=False, sharex=True)
     for ax, pool in zip((row[0] for row in axes), pools, strict=True):
         for i, s in enumerate(sums):
-            if pool is None:
-                tl = s.result.node_timeline or [(0.0, s.result.policy.nodes)]
-            elif pool in s.pools:
-                tl = s.pools[pool].pool.node_timeline or [(0.0, s.pools[pool].pool.nodes)]
-            else:
+            tl = _timeline(s, pool)
+            if tl is None:
                 continue
             ax.step([t for t, _ in tl] + [s.result.duration_s], [c for _, c in tl] + [tl[-1][1]], where="post",
                     color=colors[i % len(colors)], label=s.label, linewidth=2 - 0.25 * i)
         ax.set_ylabel("nodes provisioned" if pool is None else f"pool {pool}: nodes")
         ax.set_ylim(bottom=0)
         ax.grid(True, alpha=0.3)
-        if pool is None:
-            ax.legend(fontsize=8, loc="upper left")
-        elif pool == pools[0]:  # one legend for every pool's panel, where the lines are not
-            ax.legend(fontsize=8, loc="lower right")
     axes[-1][0].set_xlabel("time (s)")
-    paths.append(save(fig, "fleet size" if pools == [None] else "nodes per pool", "nodes"))
+    _legend_below(fig, axes[0][0], len(sums))
+    return fig
+
+
+def plots(name: str, sums: list[Summary], out: Path, config: Config | None = None) -> list[Path]:
+    """The figures a platform engineer reads at a glance, one PNG each, only those with something to show
+    (:func:`plot_notes` says why one is left out):
+
+    * ``NAME-latency-cdf.png``: TTFT CDF per SLA tier against the tier's target (:func:`cdf_figure`);
+    * ``NAME-ttft-over-time.png``: p99 TTFT over time per tier (:func:`ttft_time_figure`);
+    * ``NAME-rejections.png``: who got refused and why, over time (:func:`rejections_figure`);
+    * ``NAME-nodes.png``: fleet size over time, when it changes (:func:`nodes_figure`).
+
+    ``config``: kvgate's config of the scenario, for the tiers' targets (default: the default tiers).
+    Returns [] when matplotlib is not installed."""
+    if not plots_available():
+        return []
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    if config is None:
+        from ext_proc.config import parse_config
+
+        config = parse_config({})
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    figures = [("TTFT CDF per tier (dashed: the tier's TTFT target)", "latency-cdf",
+                cdf_figure(sums, config, plt, colors)),
+               ("p99 TTFT over time per tier (dashed: the target)", "ttft-over-time",
+                ttft_time_figure(sums, config, plt, colors)),
+               ("rejections over time", "rejections", rejections_figure(sums, plt, colors)),
+               ("fleet size" if _pools(sums) == [None] else "nodes per pool", "nodes", nodes_figure(sums, plt, colors))]
+    paths = []
+    for title, what, fig in figures:
+        if fig is None:
+            continue
+        fig.suptitle(f"{name}: {title}", fontsize=12)
+        fig.tight_layout(rect=(0, 0.07, 1, 1))
+        p = out / f"{name}-{what}.png"
+        fig.savefig(p, dpi=100)
+        plt.close(fig)
+        paths.append(p)
     return paths
 
 

@@ -347,6 +347,8 @@ def write_report(results: list[ScenarioResult], out: Path, plots: bool = True) -
         if plots:
             for p in report.plots(r.scenario.name, r.summaries, out, r.config):
                 lines += [f"![{p.stem}]({p.name})", ""]
+            if report.plots_available():
+                lines += [f"*{n}*\n" for n in report.plot_notes(r.summaries)]
     md = out / "report.md"
     md.write_text("\n".join(lines))
     (out / "results.json").write_text(json.dumps([r.to_json() for r in results], indent=2))

@@ -1,6 +1,6 @@
 """The built-in scenarios: the field guide's three cases, each a generated trace (fixed seed), a kvgate
 config and the policies compared side by side. Every parameter is here, in one place, and printed
-with the results; the README says where and why they differ from the guide's own figures."""
+with the results; docs/benchmarks/index.md says where and why they differ from the guide's own figures."""
 
 from __future__ import annotations
 
@@ -215,7 +215,7 @@ PLACEHOLDER_NODES = {"static": [{"address": "node-0:8000", "probe": "http://node
 
 def _noisy_neighbour() -> Scenario:
     # Two chat tenants (interactive) and a RAG pipeline (standard tier) that floods: 60% short and
-    # 40% long requests by count, as in the guide. Rate scaled to a 34B on A100s (see README).
+    # 40% long requests by count, as in the guide. Rate scaled to a 34B on A100s (see docs/benchmarks/index.md).
     rate = 5.0
     streams = (
         Stream("chat-a", SHORT, const(rate * 0.3)),

@@ -1,0 +1,105 @@
+"""``kvgate top`` shows what the metrics tell and hides what they cannot: no TTFT columns unless a caller
+adds TTFT, no table heading with nothing under it, callers with no known key on their own line (not a
+tenant called ``unknown`` in the lowest tier), and each frame names where its figures come from."""
+
+from __future__ import annotations
+
+from prometheus_client import generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
+from ext_proc.admission import UNKNOWN_TENANT
+from ext_proc.config import parse_config
+from ext_proc.core import Core, Request, null_logger
+from ext_proc.estimate import Estimate
+from ext_proc.identity import hash_key
+from kvgate import top
+from tests.helpers import FakeClock
+
+
+def _scrape(text: str, at: float) -> top.Scrape:
+    return top.Scrape(at, [top.Sample(s.name, dict(s.labels), s.value)
+                           for f in text_string_to_metric_families(text) for s in f.samples])
+
+
+def _requests(tenant: str, tier: str, pool: str, decision: str, klass: str, n: int) -> str:
+    return (f'kvgate_requests_total{{tenant="{tenant}",tier="{tier}",decision="{decision}",reason="r",'
+            f'class="{klass}",pool="{pool}"}} {n}\n')
+
+
+def _metrics(n: int) -> str:
+    return ("# TYPE kvgate_requests_total counter\n"
+            + _requests("chat", "interactive", "p1", "admit", "none", 10 * n)
+            + _requests("unknown", "none", "none", "reject", "auth", 4 * n)
+            + "# TYPE kvgate_inflight_requests gauge\n"
+            + 'kvgate_inflight_requests{tenant="chat",pool="p1"} 1\n'
+            + 'kvgate_inflight_requests{tenant="unknown",pool="p1"} 0\n'
+            + "# TYPE kvgate_queue_depth_requests gauge\n"
+            + 'kvgate_queue_depth_requests{tier="interactive",pool="p1"} 0\n'
+            + 'kvgate_queue_depth_requests{tier="interactive",pool="p2"} 0\n')
+
+
+def _view() -> top.View:
+    return top.build([_scrape(_metrics(1), 0.0)], [_scrape(_metrics(2), 2.0)])
+
+
+def test_callers_with_no_known_key_are_not_a_tenant() -> None:
+    v = _view()
+    assert all(UNKNOWN_TENANT not in p.tenants for p in v.pools.values())
+    assert v.pools["none"].unidentified == 2.0
+    frame = top.text(v)
+    assert "no known key: 2.0/s" in frame
+    assert "\n      unknown" not in frame and "\n  unknown" not in frame
+
+
+def test_no_heading_without_rows_and_no_ttft_columns_without_ttft() -> None:
+    frame = top.text(_view())
+    assert "TTFT" not in frame
+    assert "latency" not in frame  # no request completed: no latency to show
+    # pool none has no tenant (only the unknown callers), pool p2 no tenant either: no tenant heading there
+    for pool in ("none", "p2"):
+        block = frame.split(f"pool {pool}\n")[1].split("\npool ")[0].split("\nsources:")[0]
+        assert "tenant" not in block, block
+    assert frame.count("tenant ") == 1  # pool p1's heading only
+
+
+def test_ttft_columns_appear_with_their_source_when_a_caller_adds_them() -> None:
+    v = _view()
+    v.pools["p1"].tenants["chat"].ttft_p50 = 0.02
+    v.ttft_source = "measured by the demo's clients"
+    frame = top.text(v)
+    assert "TTFT p50" in frame and "TTFT: measured by the demo's clients" in frame
+
+
+def test_each_frame_says_where_its_figures_come_from() -> None:
+    frame = top.text(_view())
+    sources = frame.split("\nsources:\n")[1]
+    assert "kvgate_requests_total" in sources and "kvgate_queue_depth_requests" in sources
+    assert "nodes:" not in sources  # no node in these metrics
+    assert 'tenant="unknown"' in sources
+
+
+def test_a_caller_refused_before_any_tenant_is_labelled_tier_none() -> None:
+    """The core files an unidentified caller under the lowest tier as a placeholder; its refusal was
+    counted as tier="batch", so a dashboard of the batch tier's refusals counted 401s. A configured
+    tenant that happens to be named ``unknown`` keeps its own tier."""
+    cfg = parse_config({"tenants": [{"name": "unknown", "tier": "standard", "api_key_sha256": [hash_key("k")],
+                                     "max_concurrent": 1}]})
+    core = Core(cfg, FakeClock(), log=null_logger())
+    for rid, key in (("r1", "Bearer nobody"), ("r2", "Bearer k"), ("r3", "Bearer k")):
+        core.decide(Request("/v1/chat/completions", rid, key, estimate=Estimate(10, 10, parsed=True), body_bytes=10))
+    text = generate_latest(core.stats.registry).decode()
+    assert ('kvgate_requests_total{class="auth",decision="reject",pool="none",reason="unknown-key",'
+            'tenant="unknown",tier="none"} 1.0') in text
+    assert 'reason="tenant-concurrency",tenant="unknown",tier="standard"} 1.0' in text
+
+
+def test_a_tenant_named_unknown_is_a_tenant_in_top() -> None:
+    text = ("# TYPE kvgate_requests_total counter\n"
+            + _requests("unknown", "standard", "default", "reject", "policy", 0)
+            + _requests("unknown", "none", "default", "reject", "auth", 0))
+    later = ("# TYPE kvgate_requests_total counter\n"
+             + _requests("unknown", "standard", "default", "reject", "policy", 6)
+             + _requests("unknown", "none", "default", "reject", "auth", 2))
+    v = top.build([_scrape(text, 0.0)], [_scrape(later, 2.0)])
+    (pool,) = v.pools.values()
+    assert pool.tenants["unknown"].r429 == 3.0 and pool.unidentified == 1.0
