@@ -15,6 +15,7 @@ from typing import Annotated, Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from .prices import Price, SpendBudget
 from .profiles import PROFILES
 
 Mode = Literal["enforce", "shadow"]
@@ -89,6 +90,19 @@ class Tenant(Quota):
         default=1.0, description="share of its tier when the queue decides whose turn it is (fair queueing)"
     )
     mode: Mode | None = None
+    budgets: list[SpendBudget] = Field(
+        default_factory=list, description="spend budgets (money or weighted tokens per window): see "
+        "docs/budgets.md")
+
+    @field_validator("budgets")
+    @classmethod
+    def _budget_names(cls, v: list[SpendBudget]) -> list[SpendBudget]:
+        seen: set[str] = set()
+        for b in v:
+            if b.name in seen:
+                raise ValueError(f"budget {b.name!r} is defined twice; each budget of a tenant needs its own name")
+            seen.add(b.name)
+        return v
 
     @field_validator("api_key_sha256")
     @classmethod
@@ -490,6 +504,9 @@ class Config(_Strict):
         default_factory=list, description="several models, each on its own nodes; none: one pool named "
         "'default' serving every model on the nodes of 'nodes'")
     tenants: list[Tenant] = Field(default_factory=list)
+    prices: dict[ModelName, Price] = Field(
+        default_factory=dict, description="price per million tokens, by model name, pattern or pool name "
+        "(what currency spend budgets charge): see docs/budgets.md")
 
     @model_validator(mode="after")
     def _consistent(self) -> Config:
@@ -510,6 +527,9 @@ class Config(_Strict):
             if t.name in names:
                 raise ValueError(f"tenants[{i}].name: tenant {t.name!r} is defined twice")
             names.add(t.name)
+            if not self.prices and any(b.unit == "currency" for b in t.budgets):
+                raise ValueError(f"tenants[{i}].budgets: a currency budget needs prices (the top-level "
+                                 "`prices` table is empty)")
             for digest in t.api_key_sha256:
                 if digest in owners:
                     raise ValueError(

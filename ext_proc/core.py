@@ -158,13 +158,14 @@ Observer = Callable[[str, State, State, str], None]
 
 class Core:
     def __init__(self, config: Config, clock: Callable[[], float], rng: random.Random | None = None,
-                 stats: Stats | None = None, log: Any = None, on_transition: Observer | None = None) -> None:
+                 stats: Stats | None = None, log: Any = None, on_transition: Observer | None = None,
+                 wall: Callable[[], float] | None = None) -> None:
         self._clock = clock
         self._rng = rng or random.Random()
         self.log = log if log is not None else logs.get("kvgate.core")
         self.stats = stats if stats is not None else Stats(max_tenant_labels=config.metrics.max_tenant_labels)
         self._observer = on_transition
-        self.admission = Admission(config, clock, rng=random.Random(self._rng.getrandbits(32)))
+        self.admission = Admission(config, clock, rng=random.Random(self._rng.getrandbits(32)), wall=wall)
         self.fleets: dict[str, Fleet] = {}
         """Each pool's nodes (``pools.py``), by pool name; none for a pool whose nodes Envoy picks."""
         self.router = Router(config, random.Random(self._rng.getrandbits(32)))
@@ -393,6 +394,8 @@ class Core:
             meta["buffered"] = True  # the answer comes whole: Envoy's longer first-byte timeout applies
         if lease.node is not None:
             meta["endpoint"] = lease.node  # the Lua helper turns it into the ORIGINAL_DST header
+        if self.admission.spend.accounts and (left := self.admission.budget_left(d.tenant)) is not None:
+            meta["budget_remaining"] = left  # the Lua helper puts it on the response
         return Answer(request_id, d, None, body, meta, pool=pool)
 
     def _rewrite(self, est: Estimate | None, tier_name: str) -> tuple[bytes | None, bool]:

@@ -233,7 +233,7 @@ class Gateway:
         self.config_path = config_path
         self.overrides = overrides or {}
         """``server.*`` settings from the command line: they win over the file's at every reload."""
-        self.core = Core(config, time.monotonic, log=logs.get("kvgate.core"))
+        self.core = Core(config, time.monotonic, log=logs.get("kvgate.core"), wall=time.time)
         self._waiters: dict[str, asyncio.Future[Answer]] = {}
         self._seen = _stat(config_path)
         self._pending_stat: tuple[float, int] | None = None
