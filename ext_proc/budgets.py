@@ -195,10 +195,32 @@ class Refusal:
     message: str
 
 
-def _amount(b: SpendBudget, price: Price | None, prompt: int, output_cap: int) -> float | None:
+def rates(b: SpendBudget, price: Price | None) -> Price | None:
+    """What ``b`` charges a request at: its token weights, or the model's price (None: no price)."""
+    return (b.weights or UNIT_WEIGHTS) if b.unit == "tokens" else price
+
+
+def worst(b: SpendBudget, price: Price | None, prompt: int, output_cap: int) -> float | None:
+    """A request's worst case on ``b`` (None: a currency budget and no price for the model)."""
     if b.unit == "tokens":
         return worst_cost(b.weights or UNIT_WEIGHTS, prompt, output_cap)
     return None if price is None else worst_cost(price, prompt, output_cap)
+
+
+def refusal_message(b: SpendBudget, need: float, left: float, wait: float) -> str:
+    """A ``tenant-budget`` 429's body: the budget, what the request may cost, what is left, and when it
+    frees up — in words too, since a monthly budget's Retry-After is days."""
+    unit = "" if b.unit == "currency" else " weighted tokens"
+    when = "as spend leaves the rolling window" if b.window == "rolling" else f"when the {b.window} window resets"
+    return (f"Spend budget {b.name!r} of this tenant is exhausted: this request may cost up to "
+            f"{need:.6g}{unit} and {left:.6g}{unit} of the {b.limit:g}{unit} {b.window} budget is left. "
+            f"It frees up {when}, in {human(wait)} (Retry-After: {math.ceil(wait)} s); lower max_tokens "
+            "to reserve less.")
+
+
+def unpriced_message(b: SpendBudget, model: str | None) -> str:
+    return (f"No price is configured for model {model!r}, so budget {b.name!r} of this tenant cannot be "
+            "checked; ask the operator to add it to `prices`.")
 
 
 class BudgetBook:
@@ -245,13 +267,11 @@ class BudgetBook:
             b = a.budget
             if not applies(b, model, pool):
                 continue
-            need = _amount(b, price, prompt, output_cap)
+            need = worst(b, price, prompt, output_cap)
             if need is None:  # a currency budget and no price: fail closed where the budget is hard
                 if b.mode == "hard":
                     a.refused += 1
-                    return Refusal(a, math.inf, a.left(now), a.frees_in(0.0, now),
-                                   f"No price is configured for model {model!r}, so budget {b.name!r} of this "
-                                   "tenant cannot be checked; ask the operator to add it to `prices`.")
+                    return Refusal(a, math.inf, a.left(now), a.frees_in(0.0, now), unpriced_message(b, model))
                 continue
             left = a.left(now)
             if need > left + 1e-12 and b.mode != "soft":
@@ -260,8 +280,8 @@ class BudgetBook:
                 else:
                     a.refused += 1
                     wait = a.frees_in(need, now)
-                    return Refusal(a, need, left, wait, self._message(a, need, left, wait))
-            items.append((a, need, b.weights or UNIT_WEIGHTS if b.unit == "tokens" else price or UNIT_WEIGHTS))
+                    return Refusal(a, need, left, wait, refusal_message(b, need, left, wait))
+            items.append((a, need, rates(b, price) or UNIT_WEIGHTS))
         if not items:
             return None
         for a, need, _ in items:
@@ -269,17 +289,6 @@ class BudgetBook:
         hold = Hold(ticket, tuple(items))
         self._holds[ticket] = hold
         return hold
-
-    @staticmethod
-    def _message(a: Account, need: float, left: float, wait: float) -> str:
-        b = a.budget
-        unit = "" if b.unit == "currency" else " weighted tokens"
-        when = ("as spend leaves the rolling window" if b.window == "rolling"
-                else f"when the {b.window} window resets")
-        return (f"Spend budget {b.name!r} of this tenant is exhausted: this request may cost up to "
-                f"{need:.6g}{unit} and {left:.6g}{unit} of the {b.limit:g}{unit} {b.window} budget is left. "
-                f"It frees up {when}, in {human(wait)} (Retry-After: {math.ceil(wait)} s); lower max_tokens "
-                "to reserve less.")
 
     def settle(self, ticket: str, used: Spent | None, now: float) -> float | None:
         """Release a hold exactly once and charge its real cost (``used``; None: the whole reservation —
