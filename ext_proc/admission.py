@@ -392,6 +392,10 @@ class Admission:
         view = BudgetView(a.budget.name, a.budget.limit, got.left, got.retry_after)
         return replace(reject("tenant-budget", got.message, got.retry_after), budget=view)
 
+    def wall(self) -> float:
+        """Epoch seconds now (the clock spend budgets' windows are counted in)."""
+        return self._wall()
+
     def budget_left(self, tenant: str) -> str | None:
         """What is left of each of ``tenant``'s spend budgets, as ``name=left`` pairs joined by ``, ``
         (the ``x-kvgate-budget-remaining`` response header); None: it has none."""

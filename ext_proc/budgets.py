@@ -73,15 +73,22 @@ def window(b: SpendBudget, now: float) -> Span:
     return Span(ident, start_ts, nxt.replace(tzinfo=tz).timestamp())
 
 
-def price_for(prices: Mapping[str, Price], model: str | None, pool: str | None) -> Price | None:
-    """The price of ``model``: its exact name, then the first pattern that matches, then its pool."""
+def price_key(prices: Mapping[str, Price], model: str | None, pool: str | None) -> str | None:
+    """The ``prices`` key that prices ``model``: its exact name, then the first pattern that matches, then
+    its pool (None: none). Also the ``model`` label of the spend metrics: a config key, so bounded."""
     if model is not None:
         if model in prices:
-            return prices[model]
-        for key, p in prices.items():
+            return model
+        for key in prices:
             if any(c in key for c in "*?[") and fnmatchcase(model, key):
-                return p
-    return prices.get(pool) if pool is not None else None
+                return key
+    return pool if pool is not None and pool in prices else None
+
+
+def price_for(prices: Mapping[str, Price], model: str | None, pool: str | None) -> Price | None:
+    """The price of ``model`` (:func:`price_key`)."""
+    key = price_key(prices, model, pool)
+    return None if key is None else prices[key]
 
 
 def applies(b: SpendBudget, model: str | None, pool: str | None) -> bool:
@@ -180,6 +187,9 @@ class Hold:
 
     ticket: str
     items: tuple[tuple[Account, float, Price], ...]
+    priced: tuple[str, Price, float] | None = None
+    """(``prices`` key, price, worst case in money) of its model: what the chargeback counters charge
+    (None: unpriced)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -230,6 +240,10 @@ class BudgetBook:
         self.prices: Mapping[str, Price] = {}
         self.accounts: dict[str, list[Account]] = {}
         self._holds: dict[str, Hold] = {}
+        self.spent_by: dict[tuple[str, str], float] = {}
+        """Money charged since start by (tenant, ``prices`` key): the chargeback counter."""
+        self.reserved_by: dict[tuple[str, str], float] = {}
+        """Money held by requests in flight, by (tenant, ``prices`` key)."""
         self.configure(prices, budgets, now)
 
     def configure(self, prices: Mapping[str, Price], budgets: Mapping[str, Sequence[SpendBudget]], now: float) -> None:
@@ -261,7 +275,8 @@ class BudgetBook:
         accs = self.accounts.get(tenant)
         if not accs:
             return None
-        price = price_for(self.prices, model, pool)
+        key = price_key(self.prices, model, pool)
+        price = None if key is None else self.prices[key]
         items: list[tuple[Account, float, Price]] = []
         for a in accs:
             b = a.budget
@@ -286,7 +301,11 @@ class BudgetBook:
             return None
         for a, need, _ in items:
             a.reserved += need
-        hold = Hold(ticket, tuple(items))
+        money = None if key is None or price is None else (key, price, worst_cost(price, prompt, output_cap))
+        hold = Hold(ticket, tuple(items), money)
+        if money is not None:
+            k = (tenant, money[0])
+            self.reserved_by[k] = self.reserved_by.get(k, 0.0) + money[2]
         self._holds[ticket] = hold
         return hold
 
@@ -297,6 +316,7 @@ class BudgetBook:
         hold = self._holds.pop(ticket, None)
         if hold is None:
             return None
+        self._unhold(hold, used)
         first: float | None = None
         for a, need, price in hold.items:
             a.reserved = max(0.0, a.reserved - need)
@@ -310,9 +330,21 @@ class BudgetBook:
         hold = self._holds.pop(ticket, None)
         if hold is None:
             return False
+        self._unhold(hold, Spent(0, 0))
         for a, need, _ in hold.items:
             a.reserved = max(0.0, a.reserved - need)
         return True
+
+    def _unhold(self, hold: Hold, used: Spent | None) -> None:
+        """The chargeback counters: the hold's money leaves ``reserved_by``, its real cost (None: the
+        reservation) joins ``spent_by``."""
+        if hold.priced is None:
+            return
+        key, price, worst_case = hold.priced
+        k = (hold.items[0][0].tenant, key)
+        self.reserved_by[k] = max(0.0, self.reserved_by.get(k, 0.0) - worst_case)
+        charge = worst_case if used is None else cost(price, used)
+        self.spent_by[k] = self.spent_by.get(k, 0.0) + charge
 
     def holds(self) -> int:
         return len(self._holds)

@@ -36,6 +36,7 @@ RESERVE = ROLL + (LUA / "spend_reserve.lua").read_text()
 SETTLE = ROLL + (LUA / "spend_settle.lua").read_text()
 SPEND_SCRIPTS = {"spend_reserve": RESERVE, "spend_settle": SETTLE}
 PREFIX = "kvgate:spend:"
+"""Where the ledger's keys live with the default ``store.redis.key_prefix`` (``kvgate``)."""
 DAY_TTL_S = 400 * 86400
 """The per-day record is kept a little over a year: chargeback for the last billing year."""
 ALIVE_TTL_S = 30.0
@@ -71,7 +72,8 @@ class SpendStore:
     """One replica's handle on the shared ledger."""
 
     def __init__(self, client: aioredis.Redis, replica: str, prices: Mapping[str, Price],
-                 budgets: Mapping[str, Sequence[SpendBudget]]) -> None:
+                 budgets: Mapping[str, Sequence[SpendBudget]], key_prefix: str = "kvgate") -> None:
+        self.prefix = f"{key_prefix}:spend:"
         self.client = client
         self.replica = replica
         self.prices = prices
@@ -79,12 +81,11 @@ class SpendStore:
         self._reserve = client.register_script(RESERVE)
         self._settle = client.register_script(SETTLE)
 
-    @staticmethod
-    def account(tenant: str, b: SpendBudget) -> str:
-        return f"{PREFIX}acct:{tenant}/{b.name}"
+    def account(self, tenant: str, b: SpendBudget) -> str:
+        return f"{self.prefix}acct:{tenant}/{b.name}"
 
     def holds(self, replica: str | None = None) -> str:
-        return f"{PREFIX}holds:{replica or self.replica}"
+        return f"{self.prefix}holds:{replica or self.replica}"
 
     @staticmethod
     def _slots(b: SpendBudget, now: float) -> tuple[str, int, int]:
@@ -97,7 +98,7 @@ class SpendStore:
 
     async def alive(self) -> None:
         """Say this replica is alive (every sync): its holds are not reaped while it is."""
-        await self.client.set(f"{PREFIX}alive:{self.replica}", "1", px=int(ALIVE_TTL_S * 1000))
+        await self.client.set(f"{self.prefix}alive:{self.replica}", "1", px=int(ALIVE_TTL_S * 1000))
 
     async def reserve(self, ticket: str, tenant: str, model: str | None, pool: str | None, prompt: int,
                       output_cap: int, now: float) -> Held | Refused | None:
@@ -145,7 +146,7 @@ class SpendStore:
         day = 0.0
         if held.price is not None and used is not None:
             day = cost(held.price, used)
-        keys.append(f"{PREFIX}day:{day_of(now)}")
+        keys.append(f"{self.prefix}day:{day_of(now)}")
         args += [f"{held.tenant}|{held.model or ''}" if day > 0 else "", repr(day)]
         done = int(await self._settle(keys=keys, args=args)) == 1
         if done and day > 0:
@@ -170,9 +171,9 @@ class SpendStore:
         """Charge the holds of replicas taken for dead at their reservation: nothing a dead replica
         admitted is lost. Returns how many holds were charged."""
         n = 0
-        async for key in self.client.scan_iter(match=f"{PREFIX}holds:*"):
+        async for key in self.client.scan_iter(match=f"{self.prefix}holds:*"):
             replica = _text(key).rsplit(":", 1)[1]
-            if replica == self.replica or await self.client.exists(f"{PREFIX}alive:{replica}"):
+            if replica == self.replica or await self.client.exists(f"{self.prefix}alive:{replica}"):
                 continue
             for ticket, payload in (await self.client.hgetall(key)).items():
                 held = self._parse(_text(ticket), _text(payload))
@@ -186,7 +187,7 @@ class SpendStore:
         tenant = ""
         for pair in payload.split(","):
             key = pair.split("=", 1)[0]
-            tenant, name = key[len(PREFIX) + len("acct:"):].split("/", 1)
+            tenant, name = key[len(self.prefix) + len("acct:"):].split("/", 1)
             b = next((x for x in self.budgets.get(tenant, ()) if x.name == name), None)
             if b is None:
                 continue  # a budget removed since: its reservation is dropped with it

@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 from ext_proc.admission import Admission, Usage
 from ext_proc.budgets import BudgetBook, Hold, Refusal, human, window
+from ext_proc.budgetstats import BudgetCollector
 from ext_proc.config import ConfigError, parse_config
 from ext_proc.estimate import Estimate
 from ext_proc.prices import Price, SpendBudget, Spent, cost, worst_cost
@@ -213,3 +214,24 @@ def test_admission_releases_the_budget_of_a_request_refused_for_capacity() -> No
     d = a.decide(t, "r2", Estimate(10, 10, parsed=True, model="m"), 10)
     assert d.rejection is not None and d.rejection.reason == "fleet-inflight"
     assert a.spend.holds() == 1
+
+
+def _samples(bk: BudgetBook) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    fams = BudgetCollector(lambda: bk, lambda t: t, lambda: DEC_5).collect()
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value for f in fams for s in f.samples}
+
+
+def test_metrics_read_the_ledger_with_labels_from_config_only() -> None:
+    bk = book(limit=1.0, mode="shadow", alert_at=[0.5, 0.9])
+    h = bk.reserve("a", "t", "m", None, 1000, 1000, DEC_5)
+    assert isinstance(h, Hold)
+    bk.reserve("b", "t", "a-model-nobody-configured", None, 10, 10, DEC_5)  # unpriced: no series for it
+    tm = (("model", "m"), ("tenant", "t"))
+    assert _samples(bk)[("kvgate_spend_reserved", tm)] == pytest.approx(worst_cost(PRICE, 1000, 1000))
+    bk.settle("a", Spent(1000, 10), DEC_5)
+    samples = _samples(bk)
+    assert samples[("kvgate_spend_total", tm)] == pytest.approx(cost(PRICE, Spent(1000, 10)))
+    assert samples[("kvgate_spend_reserved", tm)] == pytest.approx(0)
+    assert samples[("kvgate_budget_limit", (("budget", "b"), ("mode", "shadow"), ("tenant", "t")))] == 1.0
+    assert samples[("kvgate_budget_alert_threshold", (("budget", "b"), ("tenant", "t"), ("threshold", "0.9")))] == 0.9
+    assert {dict(k[1]).get("model") for k in samples if k[0].startswith("kvgate_spend")} == {"m"}

@@ -5,16 +5,19 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import json
 import time
 from collections.abc import AsyncIterator, Iterator
-from datetime import datetime
+from datetime import date, datetime
 from zoneinfo import ZoneInfo
 
 import pytest
 import redis
 import redis.asyncio as aioredis
 
+from ext_proc.config import parse_config
 from ext_proc.prices import Price, SpendBudget, Spent, cost, worst_cost
+from ext_proc.spendreport import read, render
 from ext_proc.spendstore import PREFIX, Held, Refused, SpendStore, day_of
 
 from .redis_server import RedisServer
@@ -147,3 +150,27 @@ async def test_store_killed_and_restarted_with_aof_loses_at_most_about_a_second(
     finally:
         await c.aclose()
         srv.stop()
+
+
+async def test_kvgate_spend_reads_the_day_record_and_the_windows(clients: list[aioredis.Redis]) -> None:
+    tenant = f"report{next(_tenants)}"
+    b = SpendBudget(name="day", limit=5.0, window="day")
+    s = SpendStore(clients[0], "r0", {"m": PRICE}, {tenant: [b]}, key_prefix="rep")
+    for i, when in enumerate((NOW - 86400, NOW, NOW)):
+        h = await s.reserve(f"t{i}", tenant, "m", None, 1000, 1000, when)
+        assert isinstance(h, Held)
+        await s.settle(h, Spent(1000, 1000), when)
+    cfg = parse_config({"prices": {"m": PRICE.model_dump()},
+                        "tenants": [{"name": tenant, "budgets": [b.model_dump()]}]})
+    one = cost(PRICE, Spent(1000, 1000))
+    rows, budgets = await read(s, cfg, date(2026, 12, 4), date(2026, 12, 5), NOW)
+    assert [(r.day, r.tenant, r.model) for r in rows] == [("2026-12-04", tenant, "m"), ("2026-12-05", tenant, "m")]
+    assert [r.spend for r in rows] == [pytest.approx(one), pytest.approx(2 * one)]
+    assert [(x.budget, x.spent, x.reserved) for x in budgets] == [("day", pytest.approx(2 * one), 0)]
+    rows5, _ = await read(s, cfg, date(2026, 12, 5), date(2026, 12, 5), NOW)  # --since/--until
+    assert len(rows5) == 1
+    doc = json.loads(render(rows, budgets, "json"))
+    assert doc["days"][1]["spend"] == pytest.approx(2 * one) and doc["budgets"][0]["limit"] == 5.0
+    assert render(rows, budgets, "csv").splitlines() == [
+        "day,tenant,model,spend", f"2026-12-04,{tenant},m,{one:.6f}", f"2026-12-05,{tenant},m,{2 * one:.6f}"]
+    assert "total" in render(rows, budgets, "table")
