@@ -376,7 +376,7 @@ class Admission:
                 return Decision(state.name, tier, None, rejection)
             return self._shadow(state, request_id, estimate, rejection, now)
         ticket = held or self._ticket()
-        d = self._admit(state, ticket, request_id, estimate, now)
+        d = self._admit(state, ticket, request_id, estimate, now, held)
         if held is not None and d.lease is None:
             self.spend.release(held)  # refused for capacity: its spend reservation goes back
         return d
@@ -402,8 +402,11 @@ class Admission:
         got = self.spend.remaining(tenant, self._wall())
         return ", ".join(f"{a.budget.name}={left:.6g}" for a, left in got) if got else None
 
-    def _admit(self, state: TenantState, ticket: str, request_id: str, estimate: Estimate, now: float) -> Decision:
-        """Past every policy check: dispatch it now, queue it, or refuse it for capacity."""
+    def _admit(self, state: TenantState, ticket: str, request_id: str, estimate: Estimate, now: float,
+               held: str | None) -> Decision:
+        """Past every policy check: dispatch it now, queue it, or refuse it for capacity. ``held``: the
+        ticket its spend reservation is under (a shadow admission keeps it; None: a fresh ticket, as before
+        budgets existed)."""
         tier = state.config.tier
         placed: Placed | None = None
         if not (self.config.queue.enabled and self.queue_of(estimate.pool).waiting_at_or_above(tier)):
@@ -413,12 +416,12 @@ class Admission:
                 self._predicted(lease, placed, 0.0)
                 return Decision(state.name, tier, lease, None)
             if state.mode == "shadow":
-                return self._shadow(state, request_id, estimate, capacity, now, ticket)
+                return self._shadow(state, request_id, estimate, capacity, now, held)
             if not self.config.queue.enabled:
                 return Decision(state.name, tier, None, capacity)
         elif state.mode == "shadow":
             return self._shadow(state, request_id, estimate, self._queue_rejection(state, "queue-ahead", 0.0), now,
-                                ticket)
+                                held)
         return self._enqueue(state, ticket, request_id, estimate, now, placed)
 
     def _budget_of(self, s: TenantState, model: str | None) -> TenantState | None:

@@ -119,6 +119,14 @@ def _value(v: Any) -> struct_pb2.Value:
     return out
 
 
+def _part(v: struct_pb2.Value | None, whole: float) -> int:
+    """A part of a usage count (cached prompt, reasoning tokens): 0 when absent or not a count within it."""
+    if v is None:
+        return 0
+    x = v.number_value
+    return int(x) if math.isfinite(x) and 0 <= x <= whole else 0
+
+
 def _immediate(reply: Reply) -> ep.ProcessingResponse:
     reason = next((v for k, v in reply.headers if k == REASON_HEADER), "reject" if reply.status >= 400 else "answer")
     headers = ep.HeaderMutation(
@@ -425,7 +433,7 @@ class Gateway:
             cv = uf.get("completion_tokens")
             c = cv.number_value if cv is not None else 0.0
             if math.isfinite(p) and math.isfinite(c) and 0 <= p < 1e12 and 0 <= c < 1e12:  # else: unreported
-                usage = Usage(int(p), int(c))
+                usage = Usage(int(p), int(c), _part(uf.get("cached_tokens"), p), _part(uf.get("reasoning_tokens"), c))
         e = Ended(
             ticket or None, entry.request.request_id, entry.response.response_code.value, usage,
             upstream_answered=common.HasField("time_to_first_upstream_rx_byte"),

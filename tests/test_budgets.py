@@ -235,3 +235,14 @@ def test_metrics_read_the_ledger_with_labels_from_config_only() -> None:
     assert samples[("kvgate_budget_limit", (("budget", "b"), ("mode", "shadow"), ("tenant", "t")))] == 1.0
     assert samples[("kvgate_budget_alert_threshold", (("budget", "b"), ("tenant", "t"), ("threshold", "0.9")))] == 0.9
     assert {dict(k[1]).get("model") for k in samples if k[0].startswith("kvgate_spend")} == {"m"}
+
+
+def test_the_access_log_usage_parts_are_counts_within_the_whole() -> None:
+    from google.protobuf import struct_pb2
+
+    from ext_proc.server import _part
+
+    assert _part(None, 10) == 0
+    assert _part(struct_pb2.Value(number_value=4), 10) == 4
+    assert _part(struct_pb2.Value(number_value=11), 10) == 0  # more cached than the prompt: not believed
+    assert _part(struct_pb2.Value(number_value=float("nan")), 10) == 0
