@@ -20,7 +20,7 @@ this module is the one replica's ledger and the arithmetic both use (windows, pr
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from fnmatch import fnmatchcase
@@ -190,6 +190,8 @@ class Hold:
     priced: tuple[str, Price, float] | None = None
     """(``prices`` key, price, worst case in money) of its model: what the chargeback counters charge
     (None: unpriced)."""
+    request: tuple[str, str | None, str | None, int, int] = ("", None, None, 0, 0)
+    """(tenant, model, pool, prompt estimate, output cap): what the shared ledger reserves again."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -244,6 +246,9 @@ class BudgetBook:
         """Money charged since start by (tenant, ``prices`` key): the chargeback counter."""
         self.reserved_by: dict[tuple[str, str], float] = {}
         """Money held by requests in flight, by (tenant, ``prices`` key)."""
+        self.on_end: Callable[[str, Spent | None], None] | None = None
+        """Told each hold's end, exactly once: (ticket, what it used; None: charged its reservation; a
+        release is ``Spent(0, 0)``). The shell's shared ledger (``spendgate.py``) settles it in Redis."""
         self.configure(prices, budgets, now)
 
     def configure(self, prices: Mapping[str, Price], budgets: Mapping[str, Sequence[SpendBudget]], now: float) -> None:
@@ -302,7 +307,7 @@ class BudgetBook:
         for a, need, _ in items:
             a.reserved += need
         money = None if key is None or price is None else (key, price, worst_cost(price, prompt, output_cap))
-        hold = Hold(ticket, tuple(items), money)
+        hold = Hold(ticket, tuple(items), money, (tenant, model, pool, prompt, output_cap))
         if money is not None:
             k = (tenant, money[0])
             self.reserved_by[k] = self.reserved_by.get(k, 0.0) + money[2]
@@ -317,6 +322,8 @@ class BudgetBook:
         if hold is None:
             return None
         self._unhold(hold, used)
+        if self.on_end is not None:
+            self.on_end(ticket, used)
         first: float | None = None
         for a, need, price in hold.items:
             a.reserved = max(0.0, a.reserved - need)
@@ -331,6 +338,8 @@ class BudgetBook:
         if hold is None:
             return False
         self._unhold(hold, Spent(0, 0))
+        if self.on_end is not None:
+            self.on_end(ticket, Spent(0, 0))
         for a, need, _ in hold.items:
             a.reserved = max(0.0, a.reserved - need)
         return True
@@ -345,6 +354,9 @@ class BudgetBook:
         self.reserved_by[k] = max(0.0, self.reserved_by.get(k, 0.0) - worst_case)
         charge = worst_case if used is None else cost(price, used)
         self.spent_by[k] = self.spent_by.get(k, 0.0) + charge
+
+    def hold(self, ticket: str) -> Hold | None:
+        return self._holds.get(ticket)
 
     def holds(self) -> int:
         return len(self._holds)

@@ -52,6 +52,7 @@ from .sizes import grpc_receive_bytes
 from .stats import Stats
 
 if TYPE_CHECKING:
+    from .spendgate import SpendGate
     from .store import SharedStore
 from .wire import REASON_HEADER, Reply, reject_reply
 
@@ -264,6 +265,17 @@ class Gateway:
 
             # a sync that frees queued requests answers them at once, not at the next tick
             self.store = SharedStore(config.store.redis, self.core, self.stats.registry, on_change=self.flush)
+        self.spend: SpendGate | None = None
+        """The shared spend ledger (``spendgate.py``): with a store, every tenant's budgets are checked
+        fleet-wide in Redis before an admission goes out."""
+        if self.store is not None and config.store.redis is not None:
+            from .spendgate import SpendGate
+            from .spendstore import SpendStore
+
+            rs = config.store.redis
+            self.spend = SpendGate(SpendStore(self.store.client, self.core.admission.replica, config.prices,
+                                              {t.name: t.budgets for t in config.tenants if t.budgets},
+                                              key_prefix=rs.key_prefix), self.core, rs.timeout_ms / 1000.0)
         self._apply(config)
 
     def _measure_parts(self) -> None:
@@ -323,6 +335,8 @@ class Gateway:
             log.warning("config_store_changed", note="store.* settings take effect on restart only")
             new = new.model_copy(update={"store": self.config.store})
         self.core.reconfigure(new)
+        if self.spend is not None:
+            self.spend.configure(self.core)
         self._apply(new)
         self.flush()
         self.stats.reloads.labels("ok").inc()
@@ -522,6 +536,8 @@ class ExtProcServicer:
                             gw.forget(held)
                     else:
                         answer = out
+                    if gw.spend is not None and answer.reply is None:
+                        answer = await gw.spend.gate(answer)  # the fleet's spend budgets (one round trip)
                     yield self.reply(answer)
                     # Done: closing the stream cleanly lets Envoy go on without kvgate. A kvgate restart
                     # from here on does not touch this request.
@@ -695,6 +711,8 @@ async def serve(config: Config, config_path: Path | None, ready: asyncio.Event |
     sup.start("node_discovery", lambda: discover_nodes(gw))
     if gw.store is not None:
         sup.start("store_sync", gw.store.run)
+    if gw.spend is not None:
+        sup.start("spend_sync", gw.spend.run)
     await stop.wait()
     log.info("draining", open_streams=gw.open_streams, grace_s=config.server.drain_seconds)
     await set_health(False)

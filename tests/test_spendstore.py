@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
+import random
 import time
 from collections.abc import AsyncIterator, Iterator
 from datetime import date, datetime
@@ -15,10 +16,16 @@ import pytest
 import redis
 import redis.asyncio as aioredis
 
+from ext_proc.admission import Usage
 from ext_proc.config import parse_config
+from ext_proc.core import Answer, Core, Ended, Request, null_logger
+from ext_proc.estimate import Estimate
+from ext_proc.identity import hash_key
 from ext_proc.prices import Price, SpendBudget, Spent, cost, worst_cost
+from ext_proc.spendgate import SpendGate
 from ext_proc.spendreport import read, render
 from ext_proc.spendstore import PREFIX, Held, Refused, SpendStore, day_of
+from tests.helpers import FakeClock
 
 from .redis_server import RedisServer
 
@@ -174,3 +181,47 @@ async def test_kvgate_spend_reads_the_day_record_and_the_windows(clients: list[a
     assert render(rows, budgets, "csv").splitlines() == [
         "day,tenant,model,spend", f"2026-12-04,{tenant},m,{one:.6f}", f"2026-12-05,{tenant},m,{2 * one:.6f}"]
     assert "total" in render(rows, budgets, "table")
+
+
+def _core(replica_seed: int) -> Core:
+    cfg = parse_config({"prices": {"m": PRICE.model_dump()}, "tenants": [
+        {"name": "t", "api_key_sha256": [hash_key("k-t")], "budgets": [{"name": "month", "limit": 0.05}]},
+        {"name": "free", "api_key_sha256": [hash_key("k-free")]}]})
+    return Core(cfg, FakeClock(), random.Random(replica_seed), log=null_logger(), wall=lambda: NOW)
+
+
+async def test_the_gate_enforces_the_fleets_budget_across_replica_cores(clients: list[aioredis.Redis]) -> None:
+    """Two replicas, each admitting on its own view: the shared ledger refuses what the fleet cannot pay,
+    releases the refused lease, and settles each completion once in Redis."""
+    prefix = f"gate{next(_tenants)}"
+    cores = [_core(i) for i in range(2)]
+    gates = [SpendGate(SpendStore(c, core.admission.replica, core.config.prices,
+                                  {"t": core.config.tenants[0].budgets}, key_prefix=prefix), core, 2.0)
+             for c, core in zip(clients[:2], cores, strict=True)]
+    answers = []
+    for i in range(12):  # worst case 0.006 each (1000 prompt + 2500 output): 8 fit in 0.05 fleet-wide
+        core = cores[i % 2]
+        out = core.decide(Request("/v1/chat/completions", f"r{i}", "Bearer k-t",
+                                  estimate=Estimate(1000, 2500, True, model="m"), body_bytes=4000))
+        assert isinstance(out, Answer) and out.reply is None  # each replica alone would admit all 6
+        answers.append(await gates[i % 2].gate(out))
+    admitted = [a for a in answers if a.reply is None]
+    refused = [a for a in answers if a.reply is not None]
+    assert len(admitted) == 8 and {a.reply.status for a in refused if a.reply} == {429}
+    assert all(dict(a.reply.headers)["x-kvgate-budget"] == "month" for a in refused if a.reply)
+    assert sum(c.admission.open_leases for c in cores) == 8  # refused leases were released
+    b = cores[0].config.tenants[0].budgets[0]
+    assert (await gates[0].store.state("t", b, NOW))[1] == pytest.approx(8 * worst_cost(PRICE, 1000, 2500))
+    free = cores[0].decide(Request("/v1/chat/completions", "rf", "Bearer k-free",
+                                   estimate=Estimate(1000, 2500, True, model="m"), body_bytes=4000))
+    assert isinstance(free, Answer) and await gates[0].gate(free) is free  # no budget: no round trip
+    for i, a in enumerate(answers):
+        if a.reply is None and a.ticket is not None:
+            core = cores[i % 2]
+            core.ended(Ended(a.ticket, a.request_id, 200, Usage(1000, 500), upstream_answered=True))
+            core.ended(Ended(a.ticket, a.request_id, 200, Usage(1000, 500), upstream_answered=True))  # once
+    for g in gates:
+        await g.flush()
+    spent, reserved = await gates[1].store.state("t", b, NOW)
+    assert reserved == pytest.approx(0, abs=1e-12)
+    assert spent == pytest.approx(8 * cost(PRICE, Spent(1000, 500)))
