@@ -95,7 +95,7 @@ def applies(b: SpendBudget, model: str | None, pool: str | None) -> bool:
     """Whether a request for ``model`` (routed to ``pool``) counts against ``b``."""
     if b.models is None:
         return True
-    return any((model is not None and fnmatchcase(model, m)) or m == pool for m in b.models)
+    return any(m in (model, pool) or (model is not None and fnmatchcase(model, m)) for m in b.models)
 
 
 def human(seconds: float) -> str:
@@ -124,6 +124,8 @@ class Account:
     """Worst cases of the requests in flight (counted against whichever window is current)."""
     slots: dict[int, float] = field(default_factory=dict)
     """Rolling windows: charges by slot index (``now // slot length``)."""
+    oldest: int = -(2**62)
+    """Rolling windows: the oldest slot still in the window at the last :meth:`roll`."""
     total_spent: float = 0.0
     """Every charge since this process started (a Prometheus counter never goes down)."""
     refused: int = 0
@@ -140,12 +142,13 @@ class Account:
         b = self.budget
         if b.window == "rolling":
             assert b.rolling_seconds is not None
-            slot_s = b.rolling_seconds / ROLLING_SLOTS
-            oldest = math.floor(now / slot_s) - ROLLING_SLOTS + 1
-            for k in [k for k in self.slots if k < oldest]:
-                del self.slots[k]
-            self.spent = sum(self.slots.values())
-            self.span = window(b, now)
+            oldest = math.floor(now / (b.rolling_seconds / ROLLING_SLOTS)) - ROLLING_SLOTS + 1
+            if oldest != self.oldest:  # the window moved on by a slot (at most 60 times a window)
+                self.oldest = oldest
+                for k in [k for k in self.slots if k < oldest]:
+                    del self.slots[k]
+                self.spent = sum(self.slots.values())
+                self.span = window(b, now)
         elif now >= self.span.end or now < self.span.start:
             self.span = window(b, now)
             self.spent = 0.0

@@ -104,19 +104,37 @@ class Spent:
     reasoning: int = 0
 
 
+_RATES: dict[int, tuple[Price, tuple[float, float, float, float]]] = {}
+
+
+def _rates(p: Price) -> tuple[float, float, float, float]:
+    """(prompt, cached prompt, completion, reasoning) prices with the defaults applied, computed once per
+    price object (the request path settles with them)."""
+    got = _RATES.get(id(p))
+    if got is not None and got[0] is p:
+        return got[1]
+    r = (p.prompt, p.prompt if p.cached_prompt is None else p.cached_prompt, p.completion,
+         p.completion if p.reasoning is None else p.reasoning)
+    if len(_RATES) > 4096:  # prices come from configs; reloads make new ones: forget the old
+        _RATES.clear()
+    _RATES[id(p)] = (p, r)  # (keeps p alive, so its id is not reused while cached)
+    return r
+
+
 def cost(p: Price, used: Spent) -> float:
     """The real cost of ``used`` at ``p`` (cached prompt and reasoning tokens at their own prices)."""
-    cached = min(max(used.cached, 0), used.prompt)
-    reasoning = min(max(used.reasoning, 0), used.completion)
-    cached_price = p.prompt if p.cached_prompt is None else p.cached_prompt
-    reasoning_price = p.completion if p.reasoning is None else p.reasoning
-    return ((used.prompt - cached) * p.prompt + cached * cached_price
-            + (used.completion - reasoning) * p.completion + reasoning * reasoning_price) / MILLION
+    prompt_price, cached_price, completion_price, reasoning_price = _rates(p)
+    prompt, completion = used.prompt, used.completion
+    cached = used.cached if 0 <= used.cached <= prompt else (0 if used.cached < 0 else prompt)
+    reasoning = used.reasoning if 0 <= used.reasoning <= completion else (0 if used.reasoning < 0 else completion)
+    return ((prompt - cached) * prompt_price + cached * cached_price
+            + (completion - reasoning) * completion_price + reasoning * reasoning_price) / MILLION
 
 
 def worst_cost(p: Price, prompt: int, output_cap: int) -> float:
     """The most a request of ``prompt`` tokens with ``output_cap`` output tokens can cost: no prompt
-    token cached, every output token at the dearer of completion and reasoning."""
-    reasoning_price = p.completion if p.reasoning is None else p.reasoning
-    cached_price = p.prompt if p.cached_prompt is None else p.cached_prompt
-    return (prompt * max(p.prompt, cached_price) + output_cap * max(p.completion, reasoning_price)) / MILLION
+    token cached (or every one, if cached tokens cost more), every output token at the dearer of
+    completion and reasoning."""
+    prompt_price, cached_price, completion_price, reasoning_price = _rates(p)
+    return (prompt * (prompt_price if prompt_price >= cached_price else cached_price)
+            + output_cap * (completion_price if completion_price >= reasoning_price else reasoning_price)) / MILLION

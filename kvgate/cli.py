@@ -289,6 +289,12 @@ def _bench_queue(a: argparse.Namespace) -> int:
     return _emit(a, rows)
 
 
+def _bench_budgets(a: argparse.Namespace) -> int:
+    from .bench.budgets import budgets
+
+    return _emit(a, budgets(a.requests, quiet=a.json))
+
+
 def _bench_scale(a: argparse.Namespace) -> int:
     from .bench.scale import scale
 
@@ -570,6 +576,11 @@ def parser(benchmarks: bool = True) -> argparse.ArgumentParser:
     b.add_argument("--ops", type=int, default=3000)
     b.add_argument("--json", action="store_true")
     b.set_defaults(fn=_bench_queue)
+    b = bsub.add_parser("budgets", help="what spend budgets (reserve the worst case, settle the real cost) add to "
+                        "a decision that pays no store round trip")
+    b.add_argument("--requests", type=int, default=20_000)
+    b.add_argument("--json", action="store_true")
+    b.set_defaults(fn=_bench_budgets)
     b = bsub.add_parser("scale", help="decision time against nodes and tenants, and the CPU of following 10, 100 "
                         "and 1,000 simulated probes (streamed, and polled as older probes are)")
     b.add_argument("--nodes", type=int, nargs="+", default=[10, 100, 1_000], help="fleet sizes for decision time")

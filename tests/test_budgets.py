@@ -246,3 +246,11 @@ def test_the_access_log_usage_parts_are_counts_within_the_whole() -> None:
     assert _part(struct_pb2.Value(number_value=4), 10) == 4
     assert _part(struct_pb2.Value(number_value=11), 10) == 0  # more cached than the prompt: not believed
     assert _part(struct_pb2.Value(number_value=float("nan")), 10) == 0
+
+
+def test_bench_budgets_reports_its_figures() -> None:
+    from kvgate.bench.budgets import budgets
+
+    r = budgets(300, quiet=True)
+    assert set(r) == {"requests", "p50_us_without_budgets", "p50_us_with_3_budgets", "p50_us_added"}
+    assert r["p50_us_with_3_budgets"] > 0 and r["requests"] == 300
