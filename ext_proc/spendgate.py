@@ -81,6 +81,9 @@ class SpendGate:
             return self._refuse(answer, r)
         if got is None:
             return answer
+        if got.left and "budget_remaining" in answer.metadata:  # the fleet's figure, not this replica's view
+            answer.metadata["budget_remaining"] = ", ".join(
+                f"{b.name}={max(0.0, x):.6g}" for (b, _), x in zip(got.items, got.left, strict=False))
         if lease.ticket in self.ended:  # (ended while the reservation was on its way: settle it now)
             self._retry.append((got, self.ended.pop(lease.ticket)[0], now))
         else:

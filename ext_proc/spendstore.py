@@ -52,6 +52,8 @@ class Held:
     model: str | None
     price: Price | None
     items: tuple[tuple[SpendBudget, Price], ...]
+    left: tuple[float, ...] = ()
+    """What was left of each budget fleet-wide once this reservation was made (the response header)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -125,7 +127,8 @@ class SpendStore:
             return None
         got = await self._reserve(keys=[*keys, self.holds()], args=args)
         if int(got[0]) == 1:
-            return Held(ticket, tenant, model, price, tuple(items))
+            remaining = tuple(float(x) for x in _text(got[2]).split(",") if x) if len(got) > 2 else ()
+            return Held(ticket, tenant, model, price, tuple(items), remaining)
         b = items[int(got[1]) - 1][0]
         spent, reserved = float(got[2]), float(got[3])
         need = float(args[1 + (int(got[1]) - 1) * 5 + 3])

@@ -230,6 +230,12 @@ def _spend(a: argparse.Namespace) -> int:
     return 0
 
 
+def _demo_budgets(a: argparse.Namespace) -> int:
+    from .dev.budgetdemo import main
+
+    return main(a)
+
+
 def _top(a: argparse.Namespace) -> int:
     from .top import main
 
@@ -521,6 +527,11 @@ def parser(benchmarks: bool = True) -> argparse.ArgumentParser:
     fmt.add_argument("--json", action="store_true")
     fmt.add_argument("--csv", action="store_true")
     s.set_defaults(fn=_spend)
+
+    s = sub.add_parser("demo-budgets", help="a tenant runs into a small daily spend budget (2 replicas, Redis)")
+    s.add_argument("--workdir", type=Path, default=Path(".kvgate-demo-budgets"))
+    s.add_argument("--json", action="store_true")
+    s.set_defaults(fn=_demo_budgets)
 
     s = sub.add_parser("top", help="a live view of running kvgate replicas from their /metrics")
     s.add_argument("--metrics", action="append", required=True, metavar="URL",

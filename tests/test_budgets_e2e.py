@@ -1,0 +1,30 @@
+"""Spend budgets end to end (issue 31): Envoy, two kvgate replicas sharing the Redis ledger, simulated
+vLLM nodes reporting cached prompt tokens — the ``kvgate demo-budgets`` run, checked."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from kvgate.dev.budgetdemo import LIMIT, run
+
+pytestmark = [pytest.mark.e2e, pytest.mark.envoy, pytest.mark.redis]  # (run starts the Stack: Envoy, redis-server)
+
+
+def test_a_tenant_runs_into_its_daily_budget_across_two_replicas(tmp_path: Path) -> None:
+    r = run(tmp_path, quiet=True)
+    answers, refusal, ledger = r["answers"], r["refusal"], r["ledger"]
+    assert len(answers) >= 8 and refusal is not None
+    assert refusal["status"] == 429 and refusal["reason"] == "tenant-budget"
+    assert int(refusal["retry_after"]) > 0 and "resets" in refusal["message"] and "daily" in refusal["message"]
+    assert refusal["headers"]["x-kvgate-budget"] == "daily"
+    assert float(refusal["headers"]["x-ratelimit-limit-budget"]) == LIMIT
+    # what the nodes reported (each answer's usage, cached tokens at their price) is what the ledger
+    # charged — also for completions whose access log reached the other replica — and within the limit
+    assert any(a["cached_tokens"] > 0 for a in answers)
+    assert ledger["spent"] == pytest.approx(r["node_spend"], rel=1e-6) and r["node_spend"] <= LIMIT
+    assert ledger["reserved"] == pytest.approx(0, abs=1e-9)
+    # the remaining budget on each answer is the fleet's, so it only goes down
+    left = [float(a["remaining"].split("=")[1]) for a in answers]
+    assert left == sorted(left, reverse=True)
