@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections import deque
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
@@ -34,6 +35,10 @@ if TYPE_CHECKING:
 
 log = logs.get("kvgate.spend")
 ENDED_KEEP_S = 60.0
+MAX_UNSETTLED = 1_000_000
+"""Ended holds kept for the store while it is away (~200 bytes each). Past it the oldest are given up:
+their reservation stays held in the store (never charged less than it may have cost) until this replica
+is gone and another reaps it — a store away this long is an outage to alert on."""
 
 
 class SpendGate:
@@ -46,7 +51,7 @@ class SpendGate:
         """Holds that ended before their reservation in Redis was made (what they used, when): the gate
         settles them as soon as it is; forgotten after ``ENDED_KEEP_S`` (a hold never gated: a queued
         request refused, a shadow admission)."""
-        self._retry: list[tuple[Held, Spent | None, float]] = []
+        self._retry: deque[tuple[Held, Spent | None, float]] = deque()
         core.admission.spend.on_end = self._on_end
 
     def configure(self, core: Core) -> None:
@@ -107,11 +112,14 @@ class SpendGate:
         if held is None:
             self.ended[ticket] = (used, time.time())
             return
+        if len(self._retry) >= MAX_UNSETTLED:
+            dropped = self._retry.popleft()
+            log.error("spend_unsettled_dropped", ticket=dropped[0].ticket, note="the store has been away too long")
         self._retry.append((held, used, time.time()))
 
     async def flush(self) -> None:
         """Settle every ended hold in Redis; what fails stays for the next round."""
-        todo, self._retry = self._retry, []
+        todo, self._retry = self._retry, deque()
         for held, used, when in todo:
             try:
                 await asyncio.wait_for(self.store.settle(held, used, when), self.timeout_s)

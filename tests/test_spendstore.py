@@ -25,6 +25,7 @@ from ext_proc.prices import Price, SpendBudget, Spent, cost, worst_cost
 from ext_proc.spendgate import SpendGate
 from ext_proc.spendreport import read, render
 from ext_proc.spendstore import PREFIX, Held, Refused, SpendStore, day_of
+from kvgate.dev.stack import free_port
 from tests.helpers import FakeClock
 
 from .redis_server import RedisServer
@@ -225,3 +226,19 @@ async def test_the_gate_enforces_the_fleets_budget_across_replica_cores(clients:
     spent, reserved = await gates[1].store.state("t", b, NOW)
     assert reserved == pytest.approx(0, abs=1e-12)
     assert spent == pytest.approx(8 * cost(PRICE, Spent(1000, 500)))
+
+
+async def test_the_gate_refuses_503_when_the_store_cannot_be_asked_and_releases_the_lease() -> None:
+    core = _core(7)
+    dead = aioredis.Redis.from_url(f"redis://127.0.0.1:{free_port()}/0", socket_connect_timeout=0.2)
+    try:
+        gate = SpendGate(SpendStore(dead, "r", core.config.prices, {"t": core.config.tenants[0].budgets}), core, 0.5)
+        out = core.decide(Request("/v1/chat/completions", "r1", "Bearer k-t",
+                                  estimate=Estimate(100, 100, True, model="m"), body_bytes=400))
+        assert isinstance(out, Answer) and out.reply is None
+        got = await gate.gate(out)
+        assert got.reply is not None and got.reply.status == 503
+        assert dict(got.reply.headers)["x-kvgate-reject-reason"] == "quota-unavailable"
+        assert core.admission.open_leases == 0 and core.admission.spend.holds() == 0
+    finally:
+        await dead.aclose()
