@@ -252,6 +252,9 @@ class BudgetBook:
         self.on_end: Callable[[str, Spent | None], None] | None = None
         """Told each hold's end, exactly once: (ticket, what it used; None: charged its reservation; a
         release is ``Spent(0, 0)``). The shell's shared ledger (``spendgate.py``) settles it in Redis."""
+        self.on_shadow: Callable[[Account, float, float], None] | None = None
+        """Told each request a shadow budget would have refused: (its account, the worst case, what was
+        left). The core logs it (folded like its other refusals)."""
         self.configure(prices, budgets, now)
 
     def configure(self, prices: Mapping[str, Price], budgets: Mapping[str, Sequence[SpendBudget]], now: float) -> None:
@@ -300,6 +303,8 @@ class BudgetBook:
             if need > left + 1e-12 and b.mode != "soft":
                 if b.mode == "shadow":
                     a.would_refuse += 1
+                    if self.on_shadow is not None:
+                        self.on_shadow(a, need, left)
                 else:
                     a.refused += 1
                     wait = a.frees_in(need, now)

@@ -14,6 +14,7 @@ from ext_proc.budgets import BudgetBook, Hold, Refusal, human, window
 from ext_proc.budgetstats import BudgetCollector
 from ext_proc.config import ConfigError, parse_config
 from ext_proc.estimate import Estimate
+from ext_proc.identity import hash_key
 from ext_proc.prices import Price, SpendBudget, Spent, cost, worst_cost
 from ext_proc.wire import reject_reply
 from tests.helpers import FakeClock
@@ -254,3 +255,27 @@ def test_bench_budgets_reports_its_figures() -> None:
     r = budgets(300, quiet=True)
     assert set(r) == {"requests", "p50_us_without_budgets", "p50_us_with_3_budgets", "p50_us_added"}
     assert r["p50_us_with_3_budgets"] > 0 and r["requests"] == 300
+
+
+def test_a_shadow_budgets_would_be_refusals_are_logged_folded_and_the_request_admitted() -> None:
+    from ext_proc.core import Core, Request
+
+    lines: list[tuple[str, dict[str, Any]]] = []
+
+    class Log:
+        def info(self, event: str, **kw: Any) -> None:
+            lines.append((event, kw))
+
+        debug = warning = error = exception = info
+
+    c = parse_config({"prices": {"m": {"prompt": 1.0, "completion": 2.0}}, "tenants": [
+        {"name": "t", "api_key_sha256": [hash_key("k")], "budgets": [{"name": "trial", "limit": 1e-4,
+                                                                      "mode": "shadow"}]}]})
+    core = Core(c, FakeClock(), random.Random(1), log=Log(), wall=lambda: DEC_5)
+    for i in range(3):
+        out = core.decide(Request("/v1/chat/completions", f"r{i}", "Bearer k",
+                                  estimate=Estimate(100, 100, True, model="m"), body_bytes=400))
+        assert getattr(out, "reply", None) is None  # admitted all the same
+    shadow = [kw for event, kw in lines if event == "budget_shadow_reject"]
+    assert len(shadow) == 1 and shadow[0]["budget"] == "trial" and shadow[0]["tenant"] == "t"
+    assert core.admission.spend.accounts["t"][0].would_refuse == 3
