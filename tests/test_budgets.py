@@ -279,3 +279,20 @@ def test_a_shadow_budgets_would_be_refusals_are_logged_folded_and_the_request_ad
     shadow = [kw for event, kw in lines if event == "budget_shadow_reject"]
     assert len(shadow) == 1 and shadow[0]["budget"] == "trial" and shadow[0]["tenant"] == "t"
     assert core.admission.spend.accounts["t"][0].would_refuse == 3
+
+
+def test_a_reload_keeps_each_budgets_spend_and_holds() -> None:
+    clock = FakeClock()
+    c = parse_config(cfg(limit=1.0))
+    a = Admission(c, clock, random.Random(1), wall=lambda: DEC_5)
+    t = c.tenant("t")
+    d = a.decide(t, "r1", Estimate(1000, 1000, parsed=True, model="m"), 10)
+    assert d.lease is not None
+    a.complete(d.lease.ticket, Usage(1000, 500), responded=True)
+    d2 = a.decide(t, "r2", Estimate(1000, 1000, parsed=True, model="m"), 10)
+    assert d2.lease is not None
+    a.reconfigure(parse_config(cfg(limit=0.5)))  # a lower limit, the same budget name: spend kept
+    acc = a.spend.accounts["t"][0]
+    assert acc.budget.limit == 0.5 and acc.spent == pytest.approx(2000e-6) and acc.reserved == pytest.approx(3000e-6)
+    a.complete(d2.lease.ticket, Usage(1000, 1000), responded=True)
+    assert acc.reserved == 0 and acc.spent == pytest.approx(5000e-6)

@@ -242,3 +242,18 @@ async def test_the_gate_refuses_503_when_the_store_cannot_be_asked_and_releases_
         assert core.admission.open_leases == 0 and core.admission.spend.holds() == 0
     finally:
         await dead.aclose()
+
+
+async def test_a_rolling_budget_in_the_store_frees_as_its_slots_age_out(clients: list[aioredis.Redis]) -> None:
+    tenant = f"roll{next(_tenants)}"
+    b = SpendBudget(name="hour", limit=0.01, window="rolling", rolling_seconds=3600)
+    s = replicas(clients, tenant, b)[0]
+    h = await s.reserve("a", tenant, "m", None, 1000, 4000, NOW)  # worst 0.009
+    assert isinstance(h, Held)
+    assert await s.settle(h, None, NOW)
+    assert isinstance(await s.reserve("b", tenant, "m", None, 1000, 4000, NOW + 600), Refused)
+    assert (await s.state(tenant, b, NOW + 600))[0] == pytest.approx(worst_cost(PRICE, 1000, 4000))
+    # an hour (and a slot) later the charge has left the window
+    later = NOW + 3600 + 60
+    assert (await s.state(tenant, b, later))[0] == 0
+    assert isinstance(await s.reserve("b", tenant, "m", None, 1000, 4000, later), Held)
