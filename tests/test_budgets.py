@@ -296,3 +296,15 @@ def test_a_reload_keeps_each_budgets_spend_and_holds() -> None:
     assert acc.budget.limit == 0.5 and acc.spent == pytest.approx(2000e-6) and acc.reserved == pytest.approx(3000e-6)
     a.complete(d2.lease.ticket, Usage(1000, 1000), responded=True)
     assert acc.reserved == 0 and acc.spent == pytest.approx(5000e-6)
+
+
+def test_the_docs_example_config_is_valid() -> None:
+    from pathlib import Path
+
+    from ext_proc.config import load_yaml
+
+    text = (Path(__file__).parent.parent / "docs" / "budgets.md").read_text()
+    block = text.split("```yaml\n", 1)[1].split("```", 1)[0]
+    c = parse_config(load_yaml(block))
+    assert [b.name for b in c.tenants[0].budgets] == ["monthly", "daily-70b", "tokens-24h", "trial"]
+    assert c.tenants[0].budgets[2].weights is not None
