@@ -42,7 +42,7 @@ def budget_config() -> dict[str, Any]:
     }
 
 
-def _post(url: str, body: dict[str, Any]) -> tuple[int, dict[str, str], bytes]:
+def post(url: str, body: dict[str, Any]) -> tuple[int, dict[str, str], bytes]:
     req = urllib.request.Request(url, data=json.dumps(body).encode(), method="POST",
                                  headers={"content-type": "application/json", "authorization": f"Bearer {KEY}"})
     try:
@@ -52,17 +52,32 @@ def _post(url: str, body: dict[str, Any]) -> tuple[int, dict[str, str], bytes]:
         return e.code, {k.lower(): v for k, v in e.headers.items()}, e.read()
 
 
+def served_model(st: Stack) -> str:
+    models = urllib.request.Request(st.url + "/v1/models", headers={"authorization": f"Bearer {KEY}"})
+    with urllib.request.urlopen(models, timeout=10) as r:
+        return str(json.loads(r.read())["data"][0]["id"])
+
+
+def request_body(model: str) -> dict[str, Any]:
+    """The intern's request: the same long prompt each time (the nodes' prefix caches serve most of it)."""
+    return {"model": model, "max_tokens": 200, "ignore_eos": True,
+            "messages": [{"role": "user", "content": "Summarise the quarterly report. " * 40}]}
+
+
+def stack(workdir: Path, token_ms: float = 2.0) -> Stack:
+    """Envoy, two kvgate replicas sharing a local redis-server, two simulated vLLM nodes."""
+    return Stack(workdir, budget_config(), token_ms=token_ms, replicas=2, sim_args=["--profile", "8b-h100"])
+
+
 def run(workdir: Path, max_requests: int = 80, quiet: bool = False, token_ms: float = 2.0) -> dict[str, Any]:
     """Send the intern's requests until the budget refuses one; what happened, for the caller to print or
     check: each answer's status and remaining budget, the refusal's headers and message, the spend the
     nodes reported and the ledger's."""
     say = (lambda *_: None) if quiet else print
-    st = Stack(workdir, budget_config(), token_ms=token_ms, replicas=2, sim_args=["--profile", "8b-h100"])
+    st = stack(workdir, token_ms)
     st.start()
     try:
-        models = urllib.request.Request(st.url + "/v1/models", headers={"authorization": f"Bearer {KEY}"})
-        with urllib.request.urlopen(models, timeout=10) as r:
-            model = json.loads(r.read())["data"][0]["id"]
+        model = served_model(st)
         price = Price(**PRICE)
         answers: list[dict[str, Any]] = []
         refusal: dict[str, Any] | None = None
@@ -70,9 +85,7 @@ def run(workdir: Path, max_requests: int = 80, quiet: bool = False, token_ms: fl
         say(f"kvgate demo-budgets: tenant 'intern', daily budget ${LIMIT} at ${PRICE['prompt']}/M prompt, "
             f"${PRICE['cached_prompt']}/M cached prompt, ${PRICE['completion']}/M completion; 2 kvgate replicas")
         for i in range(max_requests):
-            body = {"model": model, "max_tokens": 200, "ignore_eos": True,
-                    "messages": [{"role": "user", "content": "Summarise the quarterly report. " * 40}]}
-            status, headers, raw = _post(st.url + "/v1/chat/completions", body)
+            status, headers, raw = post(st.url + "/v1/chat/completions", request_body(model))
             if status == 200:
                 usage = json.loads(raw)["usage"]
                 cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
@@ -92,16 +105,16 @@ def run(workdir: Path, max_requests: int = 80, quiet: bool = False, token_ms: fl
                 say(f"    {k}: {v}")
             break
         time.sleep(0.5)  # the last completions reach the ledger (access log, then the settle)
-        ledger = asyncio.run(_ledger(st))
-        say(f"\nspend the nodes reported ${node_spend:.5f}, the ledger ${ledger['spent']:.5f} "
-            f"(reserved {ledger['reserved']:.5f}), limit ${LIMIT}")
-        say("\n" + ledger["table"])
-        return {"answers": answers, "refusal": refusal, "node_spend": node_spend, "ledger": ledger}
+        book = asyncio.run(ledger(st))
+        say(f"\nspend the nodes reported ${node_spend:.5f}, the ledger ${book['spent']:.5f} "
+            f"(reserved {book['reserved']:.5f}), limit ${LIMIT}")
+        say("\n" + book["table"])
+        return {"answers": answers, "refusal": refusal, "node_spend": node_spend, "ledger": book}
     finally:
         st.stop()
 
 
-async def _ledger(st: Stack) -> dict[str, Any]:
+async def ledger(st: Stack) -> dict[str, Any]:
     import redis.asyncio as aioredis
 
     from ext_proc.spendreport import read, render
