@@ -1,6 +1,6 @@
 """``kvgate spend``: who spent what, read from the ledger (``spendstore.py``) — chargeback for an operator.
 
-Two readings of the store: the durable per-day record (``<prefix>:spend:day:YYYY-MM-DD``, field
+Two readings of the store: the durable per-day record (``{<key_prefix>}:spend:day:YYYY-MM-DD``, field
 ``tenant|model``, money at the configured prices; UTC days, kept ``DAY_TTL_S``) for the days from
 ``since`` to ``until``, and each configured budget's current window (spent, reserved, limit). Rendered as
 a table, JSON or CSV. No HTTP endpoint: it asks Redis directly, with the store's own credentials.

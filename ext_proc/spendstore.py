@@ -35,8 +35,9 @@ ROLL = (LUA / "spend_roll.lua").read_text()
 RESERVE = ROLL + (LUA / "spend_reserve.lua").read_text()
 SETTLE = ROLL + (LUA / "spend_settle.lua").read_text()
 SPEND_SCRIPTS = {"spend_reserve": RESERVE, "spend_settle": SETTLE}
-PREFIX = "kvgate:spend:"
-"""Where the ledger's keys live with the default ``store.redis.key_prefix`` (``kvgate``)."""
+PREFIX = "{kvgate}:spend:"
+"""Where the ledger's keys live with the default ``store.redis.key_prefix`` (``kvgate``): in braces, as
+``store.py``'s keys, so that a Redis Cluster keeps every key a script touches in one slot."""
 DAY_TTL_S = 400 * 86400
 """The per-day record is kept a little over a year: chargeback for the last billing year."""
 ALIVE_TTL_S = 30.0
@@ -75,7 +76,7 @@ class SpendStore:
 
     def __init__(self, client: aioredis.Redis, replica: str, prices: Mapping[str, Price],
                  budgets: Mapping[str, Sequence[SpendBudget]], key_prefix: str = "kvgate") -> None:
-        self.prefix = f"{key_prefix}:spend:"
+        self.prefix = "{" + key_prefix + "}:spend:"
         self.client = client
         self.replica = replica
         self.prices = prices
