@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-unit lint typecheck unit bench bench-docs envoy-config proto docs docs-reference docs-check image clean
+.PHONY: demo demo-budgets test test-unit lint typecheck unit bench bench-docs envoy-config proto docs docs-reference docs-check image clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -22,6 +22,10 @@ $(STAMP): pyproject.toml
 
 demo: $(STAMP)
 	$(BIN)/kvgate demo
+
+# a tenant runs into a small daily spend budget and sees the 429 with its reset time (docs/budgets.md)
+demo-budgets: $(STAMP)
+	$(BIN)/kvgate demo-budgets
 
 test: $(STAMP) lint typecheck
 	$(BIN)/kvgate envoy-config --check

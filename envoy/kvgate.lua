@@ -3,7 +3,8 @@
 -- Request: removes client-supplied x-kvgate-* headers and, unless Envoy runs fail-open, refuses a
 -- request that kvgate never saw (a POST without a body skips the buffered-body message), and holds
 -- each inference request until kvgate has decided on its body.
--- Response: copies the final `usage` of admitted requests into dynamic metadata `kvgate.usage`, which
+-- Response: copies the final `usage` of admitted requests (cached and reasoning tokens included, when
+-- reported) into dynamic metadata `kvgate.usage`, which
 -- Envoy's gRPC access log hands to kvgate when the stream ends. Chat/completions and embeddings
 -- report prompt_tokens/completion_tokens (embeddings: no completion_tokens, recorded as 0); the
 -- Responses API reports input_tokens/output_tokens. For streaming responses it looks at each chunk
@@ -31,6 +32,16 @@ local function record(h, s)
     local md = h:streamInfo():dynamicMetadata()
     md:set("kvgate.usage", "prompt_tokens", tonumber(p))
     md:set("kvgate.usage", "completion_tokens", tonumber(c or "0"))
+    -- spend budgets price them apart: prompt tokens served from the prefix cache (vLLM's
+    -- usage.prompt_tokens_details.cached_tokens) and reasoning tokens among the completion's
+    local cached = string.match(s, '"cached_tokens"%s*:%s*(%d+)')
+    if cached ~= nil then
+      md:set("kvgate.usage", "cached_tokens", tonumber(cached))
+    end
+    local reasoning = string.match(s, '"reasoning_tokens"%s*:%s*(%d+)')
+    if reasoning ~= nil then
+      md:set("kvgate.usage", "reasoning_tokens", tonumber(reasoning))
+    end
   end
 end
 
@@ -118,6 +129,10 @@ function envoy_on_response(h)
   local kv = h:streamInfo():dynamicMetadata():get("kvgate")
   if kv == nil or kv["ticket"] == nil then
     return
+  end
+  if kv["budget_remaining"] ~= nil then
+    -- what is left of the tenant's spend budgets once this request's worst case was reserved
+    h:headers():replace("x-kvgate-budget-remaining", kv["budget_remaining"])
   end
   local ct = h:headers():get("content-type") or ""
   if string.find(ct, "text/event-stream", 1, true) == nil then

@@ -28,13 +28,15 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import NamedTuple
 
+from .budgets import BudgetBook, Refusal
 from .config import Config, Mode, ModelBudget, Tenant
 from .estimate import Estimate
 from .limits import Credit, TokenBucket, default_burst
 from .pools import DEFAULT_POOL, PoolSpec, Router, pools_of
+from .prices import Spent
 from .queue import Entry, FairQueue, TierSpec
 from .quota import Bucket, LeasedQuota, Limit, LocalQuota, Quota, ShareReport, SplitQuota, whole_tokens
-from .reasons import UNKNOWN_KEY, RateLimitView, Rejection, reject
+from .reasons import UNKNOWN_KEY, BudgetView, RateLimitView, Rejection, reject
 
 __all__ = ["UNKNOWN_KEY", "RateLimitView", "Rejection"]
 
@@ -189,6 +191,11 @@ class _Held:
 class Usage:
     prompt_tokens: int
     completion_tokens: int
+    cached_tokens: int = 0
+    """Prompt tokens served from the node's prefix cache (``usage.prompt_tokens_details.cached_tokens``):
+    spend budgets charge them at the cached price."""
+    reasoning_tokens: int = 0
+    """Of the completion tokens, reasoning ones (``usage.completion_tokens_details.reasoning_tokens``)."""
 
     @property
     def total(self) -> int:
@@ -209,9 +216,14 @@ class Completion:
 class Admission:
     def __init__(
         self, config: Config, clock: Callable[[], float], rng: random.Random | None = None,
-        pick: Picker | None = None,
+        pick: Picker | None = None, wall: Callable[[], float] | None = None,
     ) -> None:
         self._clock = clock
+        self._wall = wall or clock
+        """Epoch seconds, for spend budgets' calendar windows (the decision clock may be monotonic or
+        virtual; by default the same clock)."""
+        self.spend = BudgetBook({}, {}, self._wall())
+        """Spend budgets (``budgets.py``): reserved with the decision, settled at completion."""
         self._rng = rng or random.Random()
         self.pick = pick
         """Node choice (``nodes.Fleet.place``), or None when Envoy's own cluster picks the node."""
@@ -290,6 +302,7 @@ class Admission:
         self._tenants = tenants
         self._model_budgets = budgets
         self.config = config
+        self.spend.configure(config.prices, {t.name: t.budgets for t in config.tenants if t.budgets}, self._wall())
         if isinstance(self.quota, SplitQuota):
             self.quota.split(now)  # new limits, split the same way
         self._pools = {p.name: p for p in (pools if pools is not None else pools_of(config))}
@@ -357,11 +370,47 @@ class Admission:
             if rejection is BORROW:
                 return Decision(state.name, state.config.tier, None, None, borrow=True)
         tier = state.config.tier
+        held: str | None = None
+        if rejection is None and tenant is not None and self.spend.accounts:
+            held = self._ticket()
+            rejection = self._reserve(state, held, estimate)
         if rejection is not None:
             if state.mode == "enforce":
                 return Decision(state.name, tier, None, rejection)
             return self._shadow(state, request_id, estimate, rejection, now)
-        ticket = self._ticket()
+        ticket = held or self._ticket()
+        d = self._admit(state, ticket, request_id, estimate, now, held)
+        if held is not None and d.lease is None:
+            self.spend.release(held)  # refused for capacity: its spend reservation goes back
+        return d
+
+    def _reserve(self, s: TenantState, ticket: str, est: Estimate) -> Rejection | None:
+        """Reserve the request's worst-case spend on the tenant's budgets (``budgets.py``): a hard budget
+        that cannot pay it refuses it (429 ``tenant-budget``, Retry-After until the window resets)."""
+        got = self.spend.reserve(ticket, s.name, est.model, est.pool, est.prompt_tokens, est.output_tokens,
+                                 self._wall())
+        if not isinstance(got, Refusal):
+            return None
+        a = got.account
+        view = BudgetView(a.budget.name, a.budget.limit, got.left, got.retry_after)
+        return replace(reject("tenant-budget", got.message, got.retry_after), budget=view)
+
+    def wall(self) -> float:
+        """Epoch seconds now (the clock spend budgets' windows are counted in)."""
+        return self._wall()
+
+    def budget_left(self, tenant: str) -> str | None:
+        """What is left of each of ``tenant``'s spend budgets, as ``name=left`` pairs joined by ``, ``
+        (the ``x-kvgate-budget-remaining`` response header); None: it has none."""
+        got = self.spend.remaining(tenant, self._wall())
+        return ", ".join(f"{a.budget.name}={left:.6g}" for a, left in got) if got else None
+
+    def _admit(self, state: TenantState, ticket: str, request_id: str, estimate: Estimate, now: float,
+               held: str | None) -> Decision:
+        """Past every policy check: dispatch it now, queue it, or refuse it for capacity. ``held``: the
+        ticket its spend reservation is under (a shadow admission keeps it; None: a fresh ticket, as before
+        budgets existed)."""
+        tier = state.config.tier
         placed: Placed | None = None
         if not (self.config.queue.enabled and self.queue_of(estimate.pool).waiting_at_or_above(tier)):
             placed, capacity = self._place(estimate, ticket, tier, now)
@@ -370,11 +419,12 @@ class Admission:
                 self._predicted(lease, placed, 0.0)
                 return Decision(state.name, tier, lease, None)
             if state.mode == "shadow":
-                return self._shadow(state, request_id, estimate, capacity, now)
+                return self._shadow(state, request_id, estimate, capacity, now, held)
             if not self.config.queue.enabled:
                 return Decision(state.name, tier, None, capacity)
         elif state.mode == "shadow":
-            return self._shadow(state, request_id, estimate, self._queue_rejection(state, "queue-ahead", 0.0), now)
+            return self._shadow(state, request_id, estimate, self._queue_rejection(state, "queue-ahead", 0.0), now,
+                                held)
         return self._enqueue(state, ticket, request_id, estimate, now, placed)
 
     def _budget_of(self, s: TenantState, model: str | None) -> TenantState | None:
@@ -392,9 +442,10 @@ class Admission:
         if placed.ttft is not None and tier is not None and tier.ttft_target_ms is not None:
             lease.slo_miss = waited + placed.ttft > tier.ttft_target_ms / 1000.0
 
-    def _shadow(self, s: TenantState, request_id: str, est: Estimate, rejection: Rejection, now: float) -> Decision:
+    def _shadow(self, s: TenantState, request_id: str, est: Estimate, rejection: Rejection, now: float,
+                ticket: str | None = None) -> Decision:
         """Shadow mode: admitted all the same, holding no quota, on the least bad live node."""
-        ticket = self._ticket()
+        ticket = ticket or self._ticket()
         node = None
         if self.pick is not None:
             node = self.pick(est, True, ticket, s.config.tier, 0.0).node
@@ -537,6 +588,7 @@ class Admission:
 
     def _refund(self, lease: Lease, now: float) -> None:
         """A queued request that never went: everything it took goes back, its budget's too."""
+        self.spend.release(lease.ticket)
         for s in (lease.tenant, lease.budget):
             if s is None:
                 continue
@@ -820,6 +872,12 @@ class Admission:
         if lease is None:
             return None
         now = self._clock()
+        if not responded:
+            self.spend.release(ticket)
+        elif self.spend.accounts:
+            used = None if usage is None else Spent(usage.prompt_tokens, usage.completion_tokens,
+                                                    usage.cached_tokens, usage.reasoning_tokens)
+            self.spend.settle(ticket, used, self._wall())
         charged_tokens = usage.total if usage is not None else (lease.reserved_tokens if responded else 0)
         s = lease.tenant
         if lease.charged:

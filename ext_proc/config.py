@@ -15,6 +15,7 @@ from typing import Annotated, Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from .prices import Price, SpendBudget
 from .profiles import PROFILES
 
 Mode = Literal["enforce", "shadow"]
@@ -106,6 +107,19 @@ class Tenant(Quota):
     )
     mode: Mode | None = Field(
         default=None, description="this tenant's own mode (enforce | shadow); None: the global mode")
+    budgets: list[SpendBudget] = Field(
+        default_factory=list, description="spend budgets (money or weighted tokens per window): see "
+        "docs/guides/budgets.md")
+
+    @field_validator("budgets")
+    @classmethod
+    def _budget_names(cls, v: list[SpendBudget]) -> list[SpendBudget]:
+        seen: set[str] = set()
+        for b in v:
+            if b.name in seen:
+                raise ValueError(f"budget {b.name!r} is defined twice; each budget of a tenant needs its own name")
+            seen.add(b.name)
+        return v
 
     @field_validator("api_key_sha256")
     @classmethod
@@ -618,6 +632,9 @@ class Config(_Strict):
         "'default' serving every model on the nodes of 'nodes'")
     tenants: list[Tenant] = Field(
         default_factory=list, description="the tenants, each with its API keys' digests, tier and quota")
+    prices: dict[ModelName, Price] = Field(
+        default_factory=dict, description="price per million tokens, by model name, pattern or pool name "
+        "(what currency spend budgets charge): see docs/guides/budgets.md")
 
     @model_validator(mode="after")
     def _consistent(self) -> Config:
@@ -638,6 +655,9 @@ class Config(_Strict):
             if t.name in names:
                 raise ValueError(f"tenants[{i}].name: tenant {t.name!r} is defined twice")
             names.add(t.name)
+            if not self.prices and any(b.unit == "currency" for b in t.budgets):
+                raise ValueError(f"tenants[{i}].budgets: a currency budget needs prices (the top-level "
+                                 "`prices` table is empty)")
             for digest in t.api_key_sha256:
                 if digest in owners:
                     raise ValueError(

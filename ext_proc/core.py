@@ -39,6 +39,7 @@ from . import logs
 from .admission import UNKNOWN_TENANT, Admission, Completion, Decision, Outcome, Placed, Usage
 from .bounds import Expiring, shown
 from .breaker import State, open_cause
+from .budgets import Account
 from .config import Config, Tenant
 from .estimate import Estimate, Estimator
 from .identity import Identifier
@@ -158,13 +159,14 @@ Observer = Callable[[str, State, State, str], None]
 
 class Core:
     def __init__(self, config: Config, clock: Callable[[], float], rng: random.Random | None = None,
-                 stats: Stats | None = None, log: Any = None, on_transition: Observer | None = None) -> None:
+                 stats: Stats | None = None, log: Any = None, on_transition: Observer | None = None,
+                 wall: Callable[[], float] | None = None) -> None:
         self._clock = clock
         self._rng = rng or random.Random()
         self.log = log if log is not None else logs.get("kvgate.core")
         self.stats = stats if stats is not None else Stats(max_tenant_labels=config.metrics.max_tenant_labels)
         self._observer = on_transition
-        self.admission = Admission(config, clock, rng=random.Random(self._rng.getrandbits(32)))
+        self.admission = Admission(config, clock, rng=random.Random(self._rng.getrandbits(32)), wall=wall)
         self.fleets: dict[str, Fleet] = {}
         """Each pool's nodes (``pools.py``), by pool name; none for a pool whose nodes Envoy picks."""
         self.router = Router(config, random.Random(self._rng.getrandbits(32)))
@@ -199,6 +201,7 @@ class Core:
         """A put-off pump is scheduled and has not run yet."""
         self.breaker_opens: dict[str, int] = {}
         """Breaker opens by cause (kv | latency | trial): what the benchmarks report."""
+        self.admission.spend.on_shadow = self._budget_shadow
         self.stats.bind(self)
         self.reconfigure(config)
 
@@ -398,7 +401,18 @@ class Core:
             meta["buffered"] = True  # the answer comes whole: Envoy's longer first-byte timeout applies
         if lease.node is not None:
             meta["endpoint"] = lease.node  # the Lua helper turns it into the ORIGINAL_DST header
+        if self.admission.spend.accounts and (left := self.admission.budget_left(d.tenant)) is not None:
+            meta["budget_remaining"] = left  # the Lua helper puts it on the response
         return Answer(request_id, d, None, body, meta, pool=pool)
+
+    def _budget_shadow(self, a: Account, need: float, left: float) -> None:
+        """A shadow spend budget would have refused a request (it was admitted): logged, folded per
+        tenant and budget like the other refusals (``kvgate_budget_refusals_total`` counts each)."""
+        # (the key's shape is the other refusals': event, tenant, reason — here the budget —, pool)
+        folded = self._reject_log.take(("budget_shadow_reject", a.tenant, a.budget.name, NO_POOL), self._clock())
+        if folded is not None:
+            self.log.info("budget_shadow_reject", tenant=a.tenant, budget=a.budget.name, worst_case=round(need, 6),
+                          left=round(left, 6), limit=a.budget.limit, **({"folded": folded} if folded else {}))
 
     def _rewrite(self, est: Estimate | None, tier_name: str) -> tuple[bytes | None, bool]:
         """The body kvgate sends on: usage asked for (so completions can be reconciled) and the tier's

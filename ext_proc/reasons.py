@@ -85,6 +85,9 @@ _TABLE: tuple[Reason, ...] = (
            "Rate limit reached for requests."),
     Reason("tenant-tokens", 429, "policy", "tokens", "rate_limit_exceeded",
            "Rate limit reached for tokens."),
+    Reason("tenant-budget", 429, "policy", "budget", "budget_exceeded",
+           "The tenant's spend budget for the current window is exhausted; it resets at the indicated "
+           "time (which can be days away)."),
     # -- capacity: the fleet cannot take it now (503) -----------------------------------------------
     Reason("fleet-inflight", 503, "capacity", "server_error", "fleet_at_capacity",
            "The inference fleet is at capacity" + _RETRY),
@@ -135,6 +138,17 @@ class RateLimitView:
 
 
 @dataclass(frozen=True, slots=True)
+class BudgetView:
+    """A spend budget as the ``x-ratelimit-*-budget`` headers report it: limit and remaining in its unit
+    (currency or weighted tokens, not whole numbers), reset when its window resets."""
+
+    name: str
+    limit: float
+    remaining: float
+    reset_seconds: float
+
+
+@dataclass(frozen=True, slots=True)
 class Rejection:
     status: int
     reason: str
@@ -147,6 +161,8 @@ class Rejection:
     tokens: RateLimitView | None = None
     param: str | None = None
     """The request parameter at fault (OpenAI ``error.param``), for invalid requests."""
+    budget: BudgetView | None = None
+    """A spend budget's refusal (``tenant-budget``): what its ``x-ratelimit-*-budget`` headers say."""
     fleet_caused: bool = False
     """A policy (429) rejection the fleet caused rather than the tenant: a concurrency-cap 429 for a
     tenant inside its request and token budgets whose requests now last clearly longer than its own

@@ -52,6 +52,7 @@ from .sizes import grpc_receive_bytes
 from .stats import Stats
 
 if TYPE_CHECKING:
+    from .spendgate import SpendGate
     from .store import SharedStore
 from .wire import REASON_HEADER, Reply, reject_reply
 
@@ -117,6 +118,14 @@ def _value(v: Any) -> struct_pb2.Value:
     s.update({"v": v})
     out.CopyFrom(s.fields["v"])
     return out
+
+
+def _part(v: struct_pb2.Value | None, whole: float) -> int:
+    """A part of a usage count (cached prompt, reasoning tokens): 0 when absent or not a count within it."""
+    if v is None:
+        return 0
+    x = v.number_value
+    return int(x) if math.isfinite(x) and 0 <= x <= whole else 0
 
 
 def _immediate(reply: Reply) -> ep.ProcessingResponse:
@@ -233,7 +242,7 @@ class Gateway:
         self.config_path = config_path
         self.overrides = overrides or {}
         """``server.*`` settings from the command line: they win over the file's at every reload."""
-        self.core = Core(config, time.monotonic, log=logs.get("kvgate.core"))
+        self.core = Core(config, time.monotonic, log=logs.get("kvgate.core"), wall=time.time)
         self.core.pump_once_per_turn(self._later)
         self._waiters: dict[str, asyncio.Future[Answer]] = {}
         self._seen = _stat(config_path)
@@ -257,6 +266,17 @@ class Gateway:
 
             # a sync that frees queued requests answers them at once, not at the next tick
             self.store = SharedStore(config.store.redis, self.core, self.stats.registry, on_change=self.flush)
+        self.spend: SpendGate | None = None
+        """The shared spend ledger (``spendgate.py``): with a store, every tenant's budgets are checked
+        fleet-wide in Redis before an admission goes out."""
+        if self.store is not None and config.store.redis is not None:
+            from .spendgate import SpendGate
+            from .spendstore import SpendStore
+
+            rs = config.store.redis
+            self.spend = SpendGate(SpendStore(self.store.client, self.core.admission.replica, config.prices,
+                                              {t.name: t.budgets for t in config.tenants if t.budgets},
+                                              key_prefix=rs.key_prefix), self.core, rs.timeout_ms / 1000.0)
         self._apply(config)
 
     def _measure_parts(self) -> None:
@@ -316,6 +336,8 @@ class Gateway:
             log.warning("config_store_changed", note="store.* settings take effect on restart only")
             new = new.model_copy(update={"store": self.config.store})
         self.core.reconfigure(new)
+        if self.spend is not None:
+            self.spend.configure(self.core)
         self._apply(new)
         self.flush()
         self.stats.reloads.labels("ok").inc()
@@ -440,7 +462,7 @@ class Gateway:
             cv = uf.get("completion_tokens")
             c = cv.number_value if cv is not None else 0.0
             if math.isfinite(p) and math.isfinite(c) and 0 <= p < 1e12 and 0 <= c < 1e12:  # else: unreported
-                usage = Usage(int(p), int(c))
+                usage = Usage(int(p), int(c), _part(uf.get("cached_tokens"), p), _part(uf.get("reasoning_tokens"), c))
         e = Ended(
             ticket or None, entry.request.request_id, entry.response.response_code.value, usage,
             upstream_answered=common.HasField("time_to_first_upstream_rx_byte"),
@@ -529,6 +551,8 @@ class ExtProcServicer:
                             gw.forget(held)
                     else:
                         answer = out
+                    if gw.spend is not None and answer.reply is None:
+                        answer = await gw.spend.gate(answer)  # the fleet's spend budgets (one round trip)
                     yield self.reply(answer)
                     # Done: closing the stream cleanly lets Envoy go on without kvgate. A kvgate restart
                     # from here on does not touch this request.
@@ -702,6 +726,8 @@ async def serve(config: Config, config_path: Path | None, ready: asyncio.Event |
     sup.start("node_discovery", lambda: discover_nodes(gw))
     if gw.store is not None:
         sup.start("store_sync", gw.store.run)
+    if gw.spend is not None:
+        sup.start("spend_sync", gw.spend.run)
     await stop.wait()
     log.info("draining", open_streams=gw.open_streams, grace_s=config.server.drain_seconds)
     await set_health(False)

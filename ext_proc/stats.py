@@ -21,6 +21,7 @@ from prometheus_client.utils import floatToGoString
 
 from .admission import UNKNOWN_TENANT, Admission, Completion, Decision
 from .breaker import STATE_VALUE, State
+from .budgetstats import BudgetCollector
 from .config import Config
 from .nodes import Fleet
 
@@ -147,6 +148,9 @@ class Stats:
         r.register(_CountsCollector([self.requests, self.tokens, self.completions, self.service, self.fleet_caused,
                                      self.slo_misses], [self.decision_seconds, self.request_seconds]))
         r.register(_StateCollector(self))
+        r.register(BudgetCollector(lambda: self._state.admission.spend if self._state is not None else None,
+                                   self.label,
+                                   lambda: self._state.admission.wall() if self._state is not None else 0.0))
 
     def bind(self, state: _State) -> None:
         """The core whose state the gauges report; read at scrape time, so each gauge equals the state

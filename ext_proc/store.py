@@ -556,6 +556,9 @@ class SharedStore:
                     if isinstance(d, list) and len(d) == 4]
             fwd = [e for e in doc.get("e") or [] if isinstance(e, list) and len(e) == 8
                    and e[0] in (self.me, "*")]
+            parts = doc.get("u")
+            if isinstance(parts, list) and len(parts) == 2 and len(fwd) == 1:  # (one forwarded completion)
+                fwd = [[*fwd[0], int(parts[0]), int(parts[1])]]
             gone = [str(g) for g in doc.get("g") or [] if isinstance(g, str)]
         except (TypeError, ValueError, IndexError, AttributeError):
             log.warning("store_event_unreadable", entry=eid)
@@ -564,8 +567,10 @@ class SharedStore:
 
     def _deliver(self, e: list[Any]) -> None:
         try:
-            owner, ticket, request_id, status, prompt, completion, answered, disconnected = e
-            usage = Usage(int(prompt), int(completion)) if prompt is not None and completion is not None else None
+            owner, ticket, request_id, status, prompt, completion, answered, disconnected = e[:8]
+            cached, reasoning = (int(e[8]), int(e[9])) if len(e) >= 10 else (0, 0)
+            usage = (Usage(int(prompt), int(completion), cached, reasoning)
+                     if prompt is not None and completion is not None else None)
             done = self.core.ended(Ended(ticket or None, str(request_id), int(status), usage, bool(answered),
                                          bool(disconnected)))
         except (TypeError, ValueError) as err:
@@ -778,7 +783,12 @@ class SharedStore:
             # the store is away: its owner learns of it only when the store answers; the slot is
             # taken over here meanwhile, so a tenant far under its cap is not refused by full splits
             self._changed()
-        self._forward.append((owner, e.ticket, tenant or "-", budget, orjson.dumps({"r": self.me, "e": [event]})))
+        doc: dict[str, Any] = {"r": self.me, "e": [event]}
+        if u is not None and (u.cached_tokens or u.reasoning_tokens):
+            # spend budgets price cached prompt and reasoning tokens apart; a key of its own, which a
+            # replica of an older version ignores (an event of another length it would drop)
+            doc["u"] = [u.cached_tokens, u.reasoning_tokens]
+        self._forward.append((owner, e.ticket, tenant or "-", budget, orjson.dumps(doc)))
 
     async def close(self) -> None:
         """A clean stop: leave at once (the others need not wait for its TTL), giving back every slot

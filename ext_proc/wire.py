@@ -15,6 +15,11 @@ import orjson
 from .reasons import REASONS, RateLimitView, Rejection
 
 REASON_HEADER = "x-kvgate-reject-reason"
+BUDGET_HEADER = "x-kvgate-budget"
+"""The spend budget a ``tenant-budget`` 429 names."""
+REMAINING_HEADER = "x-kvgate-budget-remaining"
+"""On admitted responses: ``name=left`` for each of the tenant's budgets (set by the Envoy Lua filter
+from the ``budget_remaining`` metadata kvgate attaches)."""
 
 @dataclass(frozen=True, slots=True)
 class Reply:
@@ -44,6 +49,11 @@ def reject_reply(r: Rejection) -> Reply:
     for kind, view in (("requests", r.requests), ("tokens", r.tokens)):
         if view is not None:
             headers.extend(ratelimit_headers(kind, view))
+    if r.budget is not None:
+        b = r.budget
+        headers += [(BUDGET_HEADER, b.name), ("x-ratelimit-limit-budget", f"{b.limit:.6g}"),
+                    ("x-ratelimit-remaining-budget", f"{max(0.0, b.remaining):.6g}"),
+                    ("x-ratelimit-reset-budget", format_duration(b.reset_seconds))]
     return Reply(r.status, headers, error_body(r.message, type_, code, r.param))
 
 

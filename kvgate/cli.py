@@ -187,6 +187,57 @@ def _demo(a: argparse.Namespace) -> int:
     return demo(a)
 
 
+def _spend(a: argparse.Namespace) -> int:
+    import asyncio
+    import time
+    from datetime import UTC, date, datetime
+
+    import redis.asyncio as aioredis
+
+    from ext_proc.config import load_config
+    from ext_proc.spendreport import read, render
+    from ext_proc.spendstore import SpendStore
+
+    cfg = load_config(a.config)
+    rs = cfg.store.redis
+    url = a.redis or (rs.url if rs is not None else None)
+    if url is None:
+        print("kvgate spend: the config has no store.redis and no --redis URL was given: the ledger is in Redis",
+              file=sys.stderr)
+        return 2
+    today = datetime.now(UTC).date()
+    try:
+        since = date.fromisoformat(a.since) if a.since else today.replace(day=1)
+        until = date.fromisoformat(a.until) if a.until else today
+    except ValueError as e:
+        print(f"kvgate spend: --since/--until: {e} (use YYYY-MM-DD)", file=sys.stderr)
+        return 2
+    kw: dict[str, object] = {}
+    if rs is not None and rs.password_file is not None and not a.redis:
+        kw["password"] = rs.password_file.read_text().strip()
+    if rs is not None and rs.tls_ca_file is not None and not a.redis:
+        kw["ssl_ca_certs"] = str(rs.tls_ca_file)
+
+    async def go() -> str:
+        client = aioredis.Redis.from_url(url, **kw)  # type: ignore[arg-type]
+        try:
+            store = SpendStore(client, "kvgate-spend", cfg.prices, {t.name: t.budgets for t in cfg.tenants},
+                               key_prefix=rs.key_prefix if rs is not None else "kvgate")
+            rows, budgets = await read(store, cfg, since, until, time.time())
+            return render(rows, budgets, "json" if a.json else "csv" if a.csv else "table")
+        finally:
+            await client.aclose()
+
+    print(asyncio.run(go()))
+    return 0
+
+
+def _demo_budgets(a: argparse.Namespace) -> int:
+    from .dev.budgetdemo import main
+
+    return main(a)
+
+
 def _top(a: argparse.Namespace) -> int:
     from .top import main
 
@@ -244,6 +295,12 @@ def _bench_queue(a: argparse.Namespace) -> int:
 
     rows = queue_scaling(tuple(a.sizes), a.ops, quiet=a.json)
     return _emit(a, rows)
+
+
+def _bench_budgets(a: argparse.Namespace) -> int:
+    from .bench.budgets import budgets
+
+    return _emit(a, budgets(a.requests, quiet=a.json))
 
 
 def _bench_scale(a: argparse.Namespace) -> int:
@@ -503,6 +560,22 @@ def parser(benchmarks: bool = True) -> argparse.ArgumentParser:
                            help="print only the before/after summary, as one JSON document on stdout")
         s.set_defaults(fn=fn, subparser=s)
 
+    s = sub.add_parser("spend", help="spend per tenant, model and day, and each budget's window, from the ledger")
+    s.add_argument("--config", required=True, help="kvgate YAML config (its store.redis, prices and budgets)")
+    s.add_argument("--redis", default=None, metavar="URL", help="read this Redis instead of store.redis.url")
+    s.add_argument("--since", default=None, metavar="YYYY-MM-DD",
+                   help="first day (UTC); default: the 1st of this month")
+    s.add_argument("--until", default=None, metavar="YYYY-MM-DD", help="last day (UTC), included; default: today")
+    fmt = s.add_mutually_exclusive_group()
+    fmt.add_argument("--json", action="store_true")
+    fmt.add_argument("--csv", action="store_true")
+    s.set_defaults(fn=_spend)
+
+    s = sub.add_parser("demo-budgets", help="a tenant runs into a small daily spend budget (2 replicas, Redis)")
+    s.add_argument("--workdir", type=Path, default=Path(".kvgate-demo-budgets"))
+    s.add_argument("--json", action="store_true")
+    s.set_defaults(fn=_demo_budgets)
+
     s = sub.add_parser("top", help="a live view of running kvgate replicas from their /metrics")
     s.add_argument("--metrics", action="append", required=True, metavar="URL",
                    help="a kvgate /metrics URL (repeatable: several replicas add up)")
@@ -557,6 +630,11 @@ def parser(benchmarks: bool = True) -> argparse.ArgumentParser:
     b.add_argument("--ops", type=int, default=3000)
     b.add_argument("--json", action="store_true")
     b.set_defaults(fn=_bench_queue)
+    b = bsub.add_parser("budgets", help="what spend budgets (reserve the worst case, settle the real cost) add to "
+                        "a decision that pays no store round trip")
+    b.add_argument("--requests", type=int, default=20_000)
+    b.add_argument("--json", action="store_true")
+    b.set_defaults(fn=_bench_budgets)
     b = bsub.add_parser("scale", help="decision time against nodes and tenants, and the CPU of following 10, 100 "
                         "and 1,000 simulated probes (streamed, and polled as older probes are)")
     b.add_argument("--nodes", type=int, nargs="+", default=[10, 100, 1_000], help="fleet sizes for decision time")

@@ -285,9 +285,15 @@ class SimServer:
                 self.metrics.finished(req, "abort")
             self.node.release(req)
 
-    def _usage(self, req: Request) -> dict[str, int]:
-        return {"prompt_tokens": req.prompt_tokens, "total_tokens": req.prompt_tokens + req.output_tokens,
-                "completion_tokens": req.output_tokens}
+    def _usage(self, req: Request) -> dict[str, Any]:
+        """vLLM's usage object, with the prompt tokens its prefix cache served (``cached_tokens``, what
+        vLLM reports in ``prompt_tokens_details`` when caching is on): spend budgets price them apart."""
+        usage: dict[str, Any] = {"prompt_tokens": req.prompt_tokens,
+                                 "total_tokens": req.prompt_tokens + req.output_tokens,
+                                 "completion_tokens": req.output_tokens}
+        if self.engine.scheduler.caching:
+            usage["prompt_tokens_details"] = {"cached_tokens": req.cached_tokens}
+        return usage
 
     async def _complete(self, req: Request, queue: asyncio.Queue[TokenEvent], chat: bool) -> web.Response:
         n = 0

@@ -27,11 +27,13 @@ class RedisServer:
     def url(self) -> str:
         return f"redis://127.0.0.1:{self.port}/0"
 
-    def start(self) -> RedisServer:
-        """Start it (again, on the same port, empty: nothing is saved)."""
+    def start(self, aof: bool = False) -> RedisServer:
+        """Start it (again, on the same port). Empty, nothing saved; with ``aof``, as the chart runs the
+        spend ledger's store: an append-only file fsynced every second, replayed at the next start."""
         log = open(self.workdir / "redis.log", "ab")  # noqa: SIM115 (lives as long as the process)
+        durability = ["--appendonly", "yes", "--appendfsync", "everysec"] if aof else ["--appendonly", "no"]
         self.proc = subprocess.Popen(
-            [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+            [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", *durability,
              "--dir", str(self.workdir)], stdout=log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline:

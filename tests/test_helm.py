@@ -213,8 +213,10 @@ def test_the_notes_say_which_pools_scale_on_what(tmp_path: Path) -> None:
     assert "WARNING: config.pools" not in notes(tmp_path)  # one pool: nothing to warn about
 
 
-NOT_PER_POOL = ("kvgate_scaler_", "kvgate_decision_duration", "kvgate_unparsed", "kvgate_config_", "kvgate_store_")
-"""kvgate's families without a pool label (the pools contract), and the scaler's (its pools are ScaledObjects')."""
+NOT_PER_POOL = ("kvgate_scaler_", "kvgate_decision_duration", "kvgate_unparsed", "kvgate_config_", "kvgate_store_",
+                "kvgate_spend", "kvgate_budget_")
+"""kvgate's families without a pool label (the pools contract), and the scaler's (its pools are ScaledObjects'); spend
+budgets are a tenant's money across pools (labels tenant, model, budget)."""
 
 
 def test_the_dashboard_filters_every_per_pool_metric_by_the_pool_variable() -> None:
@@ -308,11 +310,21 @@ def test_the_charts_own_redis_admits_only_kvgate(tmp_path: Path) -> None:
     pod = dep["spec"]["template"]["spec"]
     (c,) = pod["containers"]
     assert c["image"].startswith("redis:7.2.") and c["image"].endswith("-alpine")
-    assert c["args"][:5] == ["redis-server", "--save", "", "--appendonly", "no"]
+    # the spend ledger's durability (docs/guides/budgets.md): an append-only file fsynced every second, on /data
+    assert c["args"][:9] == ["redis-server", "--save", "", "--appendonly", "yes", "--appendfsync", "everysec",
+                             "--dir", "/data"]
     assert c["resources"]["requests"]
     assert c["securityContext"]["readOnlyRootFilesystem"] is True and pod["securityContext"]["runAsNonRoot"] is True
     (data,) = [v for v in pod["volumes"] if v["name"] == "data"]
     assert "emptyDir" in data and {"name": "data", "mountPath": "/data"} in c["volumeMounts"]
+    assert not of(docs, "PersistentVolumeClaim")
+    persistence = {"enabled": True, "size": "5Gi"}
+    kept = render(tmp_path, **{**CHART_REDIS, "redis": {"enabled": True, "persistence": persistence}})
+    (pvc,) = of(kept, "PersistentVolumeClaim")
+    assert pvc["spec"]["resources"]["requests"]["storage"] == "5Gi"
+    (data,) = [v for v in named(kept, "Deployment", "demo-kvgate-redis")["spec"]["template"]["spec"]["volumes"]
+               if v["name"] == "data"]
+    assert data["persistentVolumeClaim"] == {"claimName": pvc["metadata"]["name"]}
     np = named(docs, "NetworkPolicy", "demo-kvgate-redis")
     assert np["spec"]["podSelector"] == dep["spec"]["selector"] == {"matchLabels": svc["spec"]["selector"]}
     kvgate_pods = named(docs, "Deployment", "demo-kvgate")["spec"]["selector"]

@@ -193,7 +193,25 @@ def test_responses_api_json_usage() -> None:
                        "usage": {"input_tokens": 21, "input_tokens_details": {"cached_tokens": 0},
                                  "output_tokens": 5, "output_tokens_details": {"reasoning_tokens": 0},
                                  "total_tokens": 26}})
-    assert on_response(body=body, sse=False).usage == {"prompt_tokens": 21, "completion_tokens": 5}
+    assert on_response(body=body, sse=False).usage == {"prompt_tokens": 21, "completion_tokens": 5,
+                                                       "cached_tokens": 0, "reasoning_tokens": 0}
+
+
+def test_cached_and_reasoning_tokens_are_carried_for_spend_budgets() -> None:
+    usage = {"prompt_tokens": 300, "completion_tokens": 40, "total_tokens": 340,
+             "prompt_tokens_details": {"cached_tokens": 256}, "completion_tokens_details": {"reasoning_tokens": 30}}
+    r = on_response([CONTENT, ev({"choices": [], "usage": usage}) + DONE], strip=True)
+    assert r.usage == {"prompt_tokens": 300, "completion_tokens": 40, "cached_tokens": 256, "reasoning_tokens": 30}
+
+
+def test_the_remaining_budget_kvgate_attached_goes_on_the_response() -> None:
+    rt = lua()
+    md = {"kvgate": _table(rt, {"ticket": "t1", "budget_remaining": "monthly=12.5"})}
+    headers = rt.table_from({"content-type": "application/json"})
+    h = rt.globals().make_handle(headers, rt.table_from(md), "{}", rt.table_from([]))
+    rt.globals().envoy_on_response(h)
+    assert headers["x-kvgate-budget-remaining"] == "monthly=12.5"
+    assert on_response(body="{}", sse=False).usage is None  # no budget: no header, nothing recorded
 
 
 def test_responses_api_stream_usage() -> None:

@@ -163,7 +163,9 @@ def test_every_dashboard_query_runs_and_the_kvgate_ones_return_data(scraped: tup
             if not rows:
                 empty.append(panel["title"])
     # the scaler is not scraped here, no breaker or latency quantile needs data to be a valid query, and
-    # this kvgate runs alone, without a shared store
+    # this kvgate runs alone, without a shared store, and its tenants have no spend budgets
     assert set(empty) <= {"Scaler: desired replicas by pool", "Queue wait p99 by pool and tier",
-                          "Replicas: shared store (up, local split, borrows/s)"}, empty
+                          "Replicas: shared store (up, local split, borrows/s)",
+                          "Spend by tenant and model (money per hour, at the configured prices)",
+                          "Spend budgets: share of each window spent"}, empty
     assert "Replicas: config version each runs" not in empty

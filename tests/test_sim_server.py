@@ -55,10 +55,22 @@ def test_ignore_eos_fixes_the_output_length_and_usage_reports_it(sim: Sim) -> No
         "model": MODEL, "messages": [{"role": "user", "content": "x" * 400}], "max_tokens": 7, "ignore_eos": True})
     assert code == 200
     doc = json.loads(body)
-    assert doc["usage"] == {"prompt_tokens": 104, "completion_tokens": 7, "total_tokens": 111}
+    assert doc["usage"] == {"prompt_tokens": 104, "completion_tokens": 7, "total_tokens": 111,
+                            "prompt_tokens_details": {"cached_tokens": 0}}
     assert doc["choices"][0]["finish_reason"] == "length"
     code, _, body = completion(sim.url, prompt=[1, 2, 3, 4, 5], max_tokens=2, ignore_eos=True)
     assert json.loads(body)["usage"]["prompt_tokens"] == 5
+
+
+def test_usage_reports_the_prompt_tokens_its_prefix_cache_served(sim: Sim) -> None:
+    """As vLLM does (``usage.prompt_tokens_details.cached_tokens``): spend budgets price them apart."""
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "cached " * 300}], "max_tokens": 2,
+            "ignore_eos": True}
+    first = json.loads(post(sim.url + "/v1/chat/completions", body)[2])["usage"]
+    again = json.loads(post(sim.url + "/v1/chat/completions", body)[2])["usage"]
+    assert again["prompt_tokens"] == first["prompt_tokens"]
+    # whole blocks of the same prompt, never its last token
+    assert 0 < again["prompt_tokens_details"]["cached_tokens"] < again["prompt_tokens"]
 
 
 def test_without_ignore_eos_requests_stop_at_a_natural_length(sim: Sim) -> None:

@@ -18,6 +18,7 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from ext_proc.limits import Credit
+from ext_proc.spendstore import SPEND_SCRIPTS
 from ext_proc.store import BUCKET, LUA, SCRIPTS
 
 from .redis_server import RedisServer
@@ -45,8 +46,8 @@ def client(server: RedisServer) -> Iterator[redis.Redis]:
 
 def test_every_script_file_is_shipped_and_compiles(client: redis.Redis) -> None:
     files = sorted(p.stem for p in LUA.glob("*.lua"))
-    assert files == ["bucket", "end", "fair", "hello", "slots"]
-    for name, src in SCRIPTS.items():
+    assert files == ["bucket", "end", "fair", "hello", "slots", "spend_reserve", "spend_roll", "spend_settle"]
+    for name, src in {**SCRIPTS, **SPEND_SCRIPTS}.items():
         assert client.script_load(src), name  # Redis compiles it (a syntax error raises)
     lupa = pytest.importorskip("lupa")
     rt = lupa.LuaRuntime()
