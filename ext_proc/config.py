@@ -304,6 +304,10 @@ class Performance(_Strict):
     d_ms_per_context_token: Annotated[float, Field(ge=0)] | None = None
     max_num_batched_tokens: PositiveInt | None = Field(default=None, description="vLLM's per-step token budget")
     max_num_seqs: PositiveInt | None = None
+    long_prefill_token_threshold: int = Field(
+        default=0, ge=0, description="the nodes' vLLM --long-prefill-token-threshold (0: vLLM's default, off): "
+        "the most prompt tokens one request prefills per step, so a long prompt takes more steps and a short one "
+        "behind it waits for less (docs/vllm-settings.md)")
 
     @field_validator("profile")
     @classmethod

@@ -103,7 +103,8 @@ def _sim(a: argparse.Namespace) -> int:
     engine = EngineOptions(policy=a.scheduling_policy, max_num_queued_reqs=a.max_num_queued_reqs, noise=a.noise,
                            seed=a.seed, num_gpu_blocks=a.num_gpu_blocks, max_num_seqs=a.max_num_seqs,
                            max_num_batched_tokens=a.max_num_batched_tokens,
-                           prefix_caching=a.enable_prefix_caching)
+                           prefix_caching=a.enable_prefix_caching,
+                           long_prefill_token_threshold=a.long_prefill_token_threshold)
     opts = SimOptions(served_model_name=a.served_model_name, mean_output_tokens=a.mean_output_tokens,
                       legacy_kv_metric=a.legacy_kv_metric, load_seconds=a.load_seconds)
     run(profile, engine, opts, a.host, a.port)
@@ -407,6 +408,8 @@ def parser(benchmarks: bool = True) -> argparse.ArgumentParser:
     s.add_argument("--max-num-seqs", type=int, default=None)
     s.add_argument("--max-num-batched-tokens", type=int, default=None)
     s.add_argument("--num-gpu-blocks", type=int, default=None, help="override the profile's KV capacity")
+    s.add_argument("--long-prefill-token-threshold", type=int, default=0,
+                   help="vLLM's: the most prompt tokens one request prefills per step (0: off)")
     s.add_argument("--served-model-name", default=None)
     s.add_argument("--mean-output-tokens", type=int, default=256)
     s.add_argument("--noise", type=float, default=0.0, help="relative std-dev of step time")

@@ -29,6 +29,9 @@ class EngineOptions:
     max_num_seqs: int | None = None
     prefix_caching: bool = True
     """vLLM's automatic prefix caching, on by default as in vLLM (``--no-enable-prefix-caching``)."""
+    long_prefill_token_threshold: int = 0
+    """vLLM's ``--long-prefill-token-threshold``: the most prompt tokens one request prefills per step (0: off,
+    vLLM's default)."""
 
 
 @dataclass
@@ -49,6 +52,7 @@ class Engine:
             policy=o.policy,
             max_num_queued_reqs=o.max_num_queued_reqs,
             enable_prefix_caching=o.prefix_caching,
+            long_prefill_token_threshold=o.long_prefill_token_threshold,
         ))
         self._rng = random.Random(o.seed)
         self._plan: Plan | None = None

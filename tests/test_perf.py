@@ -125,6 +125,21 @@ def test_the_top_tier_is_predicted_ahead_of_less_urgent_backlog() -> None:
     assert f.predict(n, 200, 2, 0.0) > low  # and the less urgent wait behind it
 
 
+def test_the_nodes_long_prefill_token_threshold_is_the_models_chunk() -> None:
+    """``nodes.performance.long_prefill_token_threshold``: kvgate's prior chunks a prompt as the node does
+    (vLLM caps one request's share of a step at it), so a long prompt's prefill takes more steps."""
+    cfg = parse_config({"nodes": {"static": [{"address": "a:1", "probe": "http://p"}],
+                                  "performance": {"profile": "8b-h100", "long_prefill_token_threshold": 2048}}})
+    assert cfg.nodes is not None
+    capped, plain = from_config(cfg.nodes.performance), from_config(Performance(profile="8b-h100"))
+    assert (capped.chunk(10), plain.chunk(10)) == (2048, 8182)
+    assert capped.prefill(8000, 10, 0) > plain.prefill(8000, 10, 0)
+    assert capped.prefill(1000, 10, 0) == plain.prefill(1000, 10, 0)  # a short prompt: one step either way
+    with pytest.raises(ConfigError, match="long_prefill_token_threshold"):
+        parse_config({"nodes": {"static": [{"address": "a:1", "probe": "http://p"}],
+                                "performance": {"long_prefill_token_threshold": -1}}})
+
+
 # -- b. the speed factor -------------------------------------------------------------------------------
 
 
