@@ -96,6 +96,9 @@ class BenchConfig(BaseModel):
     seed: int = 1
     pools: dict[str, PoolBench] = Field(default_factory=dict)
     """Each model pool's fleet (kvgate's config with ``pools``), by pool name."""
+    long_prefill_token_threshold: int = Field(
+        default=0, ge=0, description="the simulated nodes' vLLM --long-prefill-token-threshold (0: off, vLLM's "
+        "default); kvgate's performance prior gets it too unless kvgate's config sets nodes.performance")
 
     def pool_sizes(self) -> tuple[PoolSize, ...]:
         """Every pool of kvgate's config, sized by ``pools`` or the top-level figures."""
@@ -167,7 +170,8 @@ def from_trace(trace_path: str | Path, cfg: BenchConfig) -> tuple[Scenario, list
     name = Path(trace_path).stem
     sc = Scenario(name, f"Trace {Path(trace_path).name}",
                   f"{len(trace)} requests from {trace_path}, {cfg.profile} nodes.", cfg.profile,
-                  trace[-1].t, cfg.kvgate, cfg.policy_list(), (), seed=cfg.seed, autoscaling=cfg.autoscaling())
+                  trace[-1].t, cfg.kvgate, cfg.policy_list(), (), seed=cfg.seed, autoscaling=cfg.autoscaling(),
+                  long_prefill_token_threshold=cfg.long_prefill_token_threshold)
     return sc, trace
 
 
@@ -237,16 +241,17 @@ def run(sc: Scenario, trace: list[TraceRequest] | None = None, scale: float = 1.
     profile = get_profile(sc.profile)
     degrade = tuple(replace(d, at=d.at * scale) for d in sc.degrade)
     sums = []
+    engine = sc.engine()
     for p in sc.policies:
         r = simulate(config, p, profile, trace, sc.seed, autoscaling=sc.autoscaling, degrade=degrade,
-                     cold_start_s=sc.cold_start_s)
+                     cold_start_s=sc.cold_start_s, engine=engine)
         sums.append(report.summarize(r, config))
     note, scope = "", None
     if sc.ideal is not None:  # the reference: policy none, no disturbance, same seed, same run
         ideal = sc.ideal
         outages = ideal.scaled(scale)
         r = simulate(config, ideal.policy, profile, ideal.offered(config, trace), sc.seed,
-                     autoscaling=sc.autoscaling, outages=outages, cold_start_s=sc.cold_start_s)
+                     autoscaling=sc.autoscaling, outages=outages, cold_start_s=sc.cold_start_s, engine=engine)
         sums.append(report.summarize(r, config))
         kept, removed = ideal.tenants(config, trace)
         note = ideal.describe(config, trace, scale)
@@ -259,7 +264,7 @@ def run(sc: Scenario, trace: list[TraceRequest] | None = None, scale: float = 1.
         offered = len(calm)
         for p in sc.policies:
             r = simulate(config, replace(p, reference=sc.reference.label), profile, calm, sc.seed,
-                         autoscaling=sc.autoscaling, degrade=degrade, cold_start_s=sc.cold_start_s)
+                         autoscaling=sc.autoscaling, degrade=degrade, cold_start_s=sc.cold_start_s, engine=engine)
             refs.append(report.summarize(r, config))
     return ScenarioResult(sc, config, len(trace), sums, time.perf_counter() - t0, note, scope, refs, offered)
 

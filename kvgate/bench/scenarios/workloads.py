@@ -13,6 +13,7 @@ from typing import Any
 from ext_proc.config import Config
 from ext_proc.profiles import Profile
 from scaler.law import LawSettings
+from sim.engine import EngineOptions
 
 from .driver import Autoscaling, Degrade, Outage, Policy, PoolSize
 from .trace import TraceRequest
@@ -190,6 +191,14 @@ class Scenario:
     """The reference row (policy none without the disturbance); None: the scenario has no disturbance."""
     reference: Reference | None = None
     """Every policy again over the trace without some streams (``Reference``); None: no such rows."""
+    long_prefill_token_threshold: int = 0
+    """The simulated nodes' vLLM ``--long-prefill-token-threshold`` (0: off, vLLM's default); kvgate's
+    performance prior is told the same unless its config sets ``nodes.performance``."""
+
+    def engine(self) -> EngineOptions | None:
+        """The simulated nodes' engine settings beyond the profile's (None: vLLM's defaults)."""
+        t = self.long_prefill_token_threshold
+        return EngineOptions(long_prefill_token_threshold=t) if t else None
 
     def trace(self, scale: float = 1.0) -> list[TraceRequest]:
         """The scenario's requests; ``scale`` < 1 shortens the run (tests)."""
