@@ -53,6 +53,9 @@ at SCAN_LIMIT looked at with one passing: the filters cost per node too. Only wh
 does the scan go on, to the whole fleet before a capacity answer."""
 TOP_RECENT_S = 10.0
 """The top tier counts as active (and keeps a node free of long prefills) this long after its last request."""
+HORIZON_STEPS = 1.0
+"""A less urgent prefill booked to start within this many full steps from now counts as running on its node
+(vLLM admits it into the step that runs the last chunk of the one booked before it)."""
 
 
 @dataclass(frozen=True)
@@ -344,7 +347,9 @@ class Picker(NodeBook):
         # arrives on average halfway through the step in progress
         low = n.running_low
         full = step + m.b * m.chunk(decode) * f
-        running = self._running_low_end(low, now, now + full, priority) if low and self._low_booked(n, now) else None
+        running = None
+        if low and self._low_booked(n, now):
+            running = self._running_low_end(low, now, now + HORIZON_STEPS * full, priority)
         if running is not None:
             current = running - now  # (one at its own level or a more urgent one is in ``ahead``)
         else:
@@ -358,8 +363,8 @@ class Picker(NodeBook):
         The book starts each prefill when the one before it ends, but vLLM admits a waiting request into
         any step with budget left, whatever waits behind it: into the step that runs the last chunk of the
         one before, up to a full step earlier than booked. So every less urgent prefill booked to start
-        within a full step from now (``horizon``) is running when this request reaches vLLM's queue, and
-        all of it goes ahead of it (running requests first, whatever their priority)."""
+        before ``horizon`` (``HORIZON_STEPS`` full steps from now) is running when this request reaches
+        vLLM's queue, and all of it goes ahead of it (running requests first, whatever their priority)."""
         end = None
         for s, e, level, _ in low:
             if s <= horizon and level > priority and e > now and (end is None or e > end):
