@@ -120,9 +120,7 @@ def test_the_top_tier_is_predicted_ahead_of_less_urgent_backlog() -> None:
     for i in range(6):
         f.place(8200, 8000, f"low{i}", 0.0, priority=2)
     top, low = f.predict(n, 200, 0, 0.0), f.predict(n, 200, 2, 0.0)
-    # vLLM's priority queue runs it first: after what it already runs (the first prompt, and the second,
-    # which the first's last chunk leaves budget for), not after the rest
-    assert low > 1.0 and top < low / 2
+    assert low > 1.0 and top < low / 3  # vLLM's priority queue runs it first: at most the chunk running
     f.place(300, 200, "top", 0.0, priority=0)
     assert f.predict(n, 200, 2, 0.0) > low  # and the less urgent wait behind it
 
