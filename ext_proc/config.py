@@ -388,6 +388,10 @@ class Performance(_Strict):
         default=True, description="pick each node's profile from the GPU and model its probe reports (a pool "
         "mixing H100 and A100 nodes gets each its own prior); a node pinned with nodes.static[].profile or "
         "nodes.dns.profile keeps its pin, and a node whose hardware matches no profile keeps this one")
+    long_prefill_token_threshold: int = Field(
+        default=0, ge=0, description="the nodes' vLLM --long-prefill-token-threshold (0: vLLM's default, off): "
+        "the most prompt tokens one request prefills per step, so a long prompt takes more steps and a short one "
+        "behind it waits for less (docs/guides/vllm-settings.md)")
 
     @field_validator("profile")
     @classmethod

@@ -44,14 +44,20 @@ class StepModel:
     """Per token of context attended (s)."""
     max_batched_tokens: int = 8192
     max_seqs: int = 1024
+    long_prefill_token_threshold: int = 0
+    """vLLM's per-request cap on new tokens in one step (0: none but the step's budget)."""
 
     def step(self, prefill: float, decode: float, context: float) -> float:
         return self.a + self.b * prefill + self.c * decode + self.d * context
 
     def chunk(self, decode: float) -> float:
         """Prefill tokens one step has room for beside ``decode`` running sequences (vLLM schedules
-        running requests first: each decode takes one token of the step's budget)."""
-        return max(self.max_batched_tokens - min(decode, self.max_seqs), self.max_batched_tokens / 16)
+        running requests first: each decode takes one token of the step's budget), and no more than
+        ``long_prefill_token_threshold`` when the node caps one request's share of a step (vLLM v1 caps a
+        running and a waiting request alike)."""
+        room = max(self.max_batched_tokens - min(decode, self.max_seqs), self.max_batched_tokens / 16)
+        cap = self.long_prefill_token_threshold
+        return min(room, cap) if cap > 0 else room
 
     def prefill(self, tokens: float, decode: float, context: float) -> float:
         """Seconds to prefill ``tokens`` with nothing ahead, beside ``decode`` sequences holding
@@ -118,4 +124,5 @@ def from_config(p: Performance, profile: str | None = None) -> StepModel:
     return StepModel(pick(p.a_ms, prof.a_ms), pick(p.b_ms_per_prefill_token, prof.b_ms_per_prefill_token),
                      pick(p.c_ms_per_decode_seq, prof.c_ms_per_decode_seq),
                      pick(p.d_ms_per_context_token, prof.d_ms_per_context_token),
-                     p.max_num_batched_tokens or prof.max_num_batched_tokens, p.max_num_seqs or prof.max_num_seqs)
+                     p.max_num_batched_tokens or prof.max_num_batched_tokens, p.max_num_seqs or prof.max_num_seqs,
+                     p.long_prefill_token_threshold)

@@ -104,7 +104,8 @@ def _sim(a: argparse.Namespace) -> int:
                            seed=a.seed, num_gpu_blocks=a.num_gpu_blocks, max_num_seqs=a.max_num_seqs,
                            max_num_batched_tokens=a.max_num_batched_tokens,
                            prefix_caching=a.enable_prefix_caching,
-                           max_loras=a.max_loras if a.lora_modules else None, max_cpu_loras=a.max_cpu_loras)
+                           max_loras=a.max_loras if a.lora_modules else None, max_cpu_loras=a.max_cpu_loras,
+                           long_prefill_token_threshold=a.long_prefill_token_threshold)
     opts = SimOptions(served_model_name=a.served_model_name, mean_output_tokens=a.mean_output_tokens,
                       legacy_kv_metric=a.legacy_kv_metric, load_seconds=a.load_seconds,
                       lora_modules=tuple(a.lora_modules or ()))
@@ -502,6 +503,8 @@ def parser(benchmarks: bool = True) -> argparse.ArgumentParser:
     s.add_argument("--max-num-seqs", type=int, default=None)
     s.add_argument("--max-num-batched-tokens", type=int, default=None)
     s.add_argument("--num-gpu-blocks", type=int, default=None, help="override the profile's KV capacity")
+    s.add_argument("--long-prefill-token-threshold", type=int, default=0,
+                   help="vLLM's: the most prompt tokens one request prefills per step (0: off)")
     s.add_argument("--served-model-name", default=None)
     s.add_argument("--mean-output-tokens", type=int, default=256)
     s.add_argument("--noise", type=float, default=0.0, help="relative std-dev of step time")

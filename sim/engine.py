@@ -39,6 +39,9 @@ class EngineOptions:
     runs it. A ~40 MB rank-16 adapter of an 8B model; kvgate's own prior is ``nodes.lora.load_seconds``."""
     lora_swap_ms: float = 2.0
     """Copying an adapter held in host memory into a free GPU slot (PCIe)."""
+    long_prefill_token_threshold: int = 0
+    """vLLM's ``--long-prefill-token-threshold``: the most prompt tokens one request prefills per step (0: off,
+    vLLM's default)."""
 
 
 @dataclass
@@ -60,6 +63,7 @@ class Engine:
             max_num_queued_reqs=o.max_num_queued_reqs,
             enable_prefix_caching=o.prefix_caching,
             max_loras=o.max_loras,
+            long_prefill_token_threshold=o.long_prefill_token_threshold,
         ))
         self._rng = random.Random(o.seed)
         self._plan: Plan | None = None

@@ -4,7 +4,10 @@ What it reproduces (vLLM ``vllm/v1/core/sched/scheduler.py`` and ``kv_cache_mana
 
 * a per-step token budget (``max_num_batched_tokens``) and a cap on running sequences (``max_num_seqs``);
 * running requests are scheduled first, then waiting ones; a decode costs 1 token of budget, a prefill
-  as many as fit (chunked prefill: the rest of the prompt continues next step);
+  as many as fit (chunked prefill: the rest of the prompt continues next step), at most
+  ``long_prefill_token_threshold`` of one request in one step when that is set (> 0), running or waiting
+  alike — vLLM v1's only partial-prefill knob (``max_num_partial_prefills`` / ``max_long_partial_prefills``
+  are V0 scheduler settings that v1 refuses at other than 1 and later removed);
 * paged KV: blocks of ``block_size`` tokens; a waiting request is admitted only when blocks for its
   whole prompt are free; a running request grows by a block every ``block_size`` tokens;
 * automatic prefix caching (on by default, as in vLLM; ``kv_cache_manager.py``, ``block_pool.py``,
@@ -97,6 +100,10 @@ class SchedulerConfig:
     enable_prefix_caching: bool = True
     max_loras: int | None = None
     """Adapters one batch may hold (vLLM ``--max-loras``); None: LoRA off, no check."""
+    long_prefill_token_threshold: int = 0
+    """vLLM's ``--long-prefill-token-threshold``: the most new tokens one request gets in one step (0: no
+    cap but the step's budget). A long prompt then takes several steps however empty the budget is, and
+    leaves the rest of each step's budget to the requests behind it."""
 
 
 @dataclass
@@ -363,6 +370,7 @@ class Scheduler:
         bs = self.cfg.block_size
         budget = self.cfg.max_num_batched_tokens
         caching = self.caching
+        cap = self.cfg.long_prefill_token_threshold
         scheduled: dict[Request, int] = {}
         preempted: list[Request] = []
         running = self.running
@@ -373,6 +381,8 @@ class Scheduler:
             computed = req.num_computed
             remaining = req.prompt_tokens + req.output_tokens - computed
             num_new = remaining if remaining < budget else budget
+            if 0 < cap < num_new:
+                num_new = cap
             need = -(-(computed + num_new) // bs) - req.blocks
             if need > self.free_blocks:
                 while need > self.free_blocks:
@@ -455,6 +465,8 @@ class Scheduler:
                     req.first_scheduled = now
                 running.append(req)
                 num_new = min(req.num_tokens - req.num_computed, budget)
+                if 0 < cap < num_new:
+                    num_new = cap
                 if caching and req.content is not None:
                     self._cache_full_blocks(req, req.num_computed + num_new)
                 scheduled[req] = num_new

@@ -20,7 +20,7 @@ from ext_proc.profiles import Profile, get_profile
 from gpu_probe.parse import EngineReading
 from gpu_probe.snapshot import Deriver, Snapshot
 from sim.engine import Engine, EngineOptions
-from sim.scheduler import Request
+from sim.scheduler import Policy, Request
 
 PROBE_S = 0.5
 """As ``kvgate probe --interval``'s default (and the scenario driver's)."""
@@ -56,6 +56,8 @@ class Bench:
     slow: dict[int, float] = field(default_factory=dict)
     seed: int = 1
     nodes_config: dict[str, object] = field(default_factory=dict)
+    policy: Policy = "fcfs"
+    """The engines' scheduling policy (``priority``: vLLM's ``--scheduling-policy priority``)."""
 
     def __post_init__(self) -> None:
         cfg = parse_config({"nodes": {
@@ -66,7 +68,8 @@ class Bench:
         base = get_profile(self.profile)
         self.engines: list[Engine] = []
         for i in range(self.nodes):
-            e = Engine(slowed(base, self.slow[i]) if i in self.slow else base, EngineOptions(seed=self.seed + i))
+            prof = slowed(base, self.slow[i]) if i in self.slow else base
+            e = Engine(prof, EngineOptions(policy=self.policy, seed=self.seed + i))
             e.every_token = False
             self.engines.append(e)
         self.derivers = [Deriver(self.address(i)) for i in range(self.nodes)]
@@ -108,20 +111,21 @@ class Bench:
             dt = self.engines[i].begin_step(self.now)
             self.busy[i] = None if dt is None else self.now + dt
 
-    def send(self, prompt: int, output: int, node: int | None = None) -> Sent | None:
-        """Place a request now (``node``: on that node, with the fleet's prediction for it) and start it."""
+    def send(self, prompt: int, output: int, node: int | None = None, priority: int = 0) -> Sent | None:
+        """Place a request now (``node``: on that node, with the fleet's prediction for it) and start it;
+        ``priority``: the vLLM priority written into its body (and the level kvgate books it at)."""
         self._n += 1
         ticket = f"t{self._n}"
         if node is None:
-            c = self.fleet.place(prompt + output, prompt, ticket, self.now)
+            c = self.fleet.place(prompt + output, prompt, ticket, self.now, priority=priority)
             if c.node is None:
                 return None
             i, predicted = int(c.node.address.split("-")[1].split(":")[0]), c.ttft
         else:
             i = node
-            predicted = self.fleet.predict(self.fleet.nodes[self.address(i)], prompt, 0, self.now)
-            self.fleet.dispatched(self.address(i), ticket, prompt + output, prompt, self.now, 0, predicted)
-        req = Request(ticket, prompt, output, self.now)
+            predicted = self.fleet.predict(self.fleet.nodes[self.address(i)], prompt, priority, self.now)
+            self.fleet.dispatched(self.address(i), ticket, prompt + output, prompt, self.now, priority, predicted)
+        req = Request(ticket, prompt, output, self.now, priority)
         self.engines[i].add(req)
         self.tickets[req] = ticket
         s = Sent(i, predicted, req)

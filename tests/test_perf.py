@@ -125,6 +125,41 @@ def test_the_top_tier_is_predicted_ahead_of_less_urgent_backlog() -> None:
     assert f.predict(n, 200, 2, 0.0) > low  # and the less urgent wait behind it
 
 
+def test_the_top_tier_waits_for_every_less_urgent_prefill_vllm_already_runs() -> None:
+    """vLLM (priority policy) admits a waiting request into any step with budget left: two long standard
+    prompts sent together both run from the first step (6,000 + 2,192 of 8,192), and an interactive one
+    arriving after cannot start before the running ones leave budget — it waits for both, not for the
+    first only (kvgate predicted ~0.09 s for a ~0.21 s wait: issue 30's late short interactive prompts)."""
+    from ext_proc.nodes import Level
+
+    b = Bench("8b-h100", policy="priority")
+    b.fleet.set_levels([Level(0, 0.2), Level(1, 1.0)])
+    b.advance(1.0)  # the probe has read the idle node
+    for _ in range(2):
+        b.send(6000, 16, node=0, priority=1)
+    b.advance(1.05)
+    top = b.send(200, 16, node=0, priority=0)
+    assert top is not None and top.predicted is not None
+    b.drain()
+    assert top.realised is not None and top.realised > 0.15
+    assert top.predicted == pytest.approx(top.realised, rel=0.25)
+
+
+def test_the_nodes_long_prefill_token_threshold_is_the_models_chunk() -> None:
+    """``nodes.performance.long_prefill_token_threshold``: kvgate's prior chunks a prompt as the node does
+    (vLLM caps one request's share of a step at it), so a long prompt's prefill takes more steps."""
+    cfg = parse_config({"nodes": {"static": [{"address": "a:1", "probe": "http://p"}],
+                                  "performance": {"profile": "8b-h100", "long_prefill_token_threshold": 2048}}})
+    assert cfg.nodes is not None
+    capped, plain = from_config(cfg.nodes.performance), from_config(Performance(profile="8b-h100"))
+    assert (capped.chunk(10), plain.chunk(10)) == (2048, 8182)
+    assert capped.prefill(8000, 10, 0) > plain.prefill(8000, 10, 0)
+    assert capped.prefill(1000, 10, 0) == plain.prefill(1000, 10, 0)  # a short prompt: one step either way
+    with pytest.raises(ConfigError, match="long_prefill_token_threshold"):
+        parse_config({"nodes": {"static": [{"address": "a:1", "probe": "http://p"}],
+                                "performance": {"long_prefill_token_threshold": -1}}})
+
+
 # -- b. the speed factor -------------------------------------------------------------------------------
 
 

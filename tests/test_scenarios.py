@@ -18,7 +18,7 @@ from kvgate.bench.scenarios import report
 from kvgate.bench.scenarios.driver import Policy, Run, simulate
 from kvgate.bench.scenarios.runner import ScenarioResult, run
 from kvgate.bench.scenarios.trace import TraceError, TraceRequest, read_trace, write_trace
-from kvgate.bench.scenarios.workloads import SCENARIOS, get_scenario
+from kvgate.bench.scenarios.workloads import PLACEHOLDER_NODES, SCENARIOS, get_scenario
 
 NODES = {"static": [{"address": "node-0:8000", "probe": "http://node-0:9102"}]}
 
@@ -355,3 +355,26 @@ def test_a_bench_config_sets_the_autoscalers_start_size_and_the_scaler_law(tmp_p
     cfg.write_text(yaml.safe_dump({"scaler": {"stepp": 3}}))
     with pytest.raises(ConfigError, match=r"scaler\.stepp"):
         load_bench_config(cfg)
+
+
+def test_a_bench_config_runs_its_nodes_with_a_long_prefill_token_threshold(tmp_path: Path) -> None:
+    """``long_prefill_token_threshold`` in a bench config: the simulated nodes cap a prompt's tokens per step
+    (a short prompt behind a long one gets its first token sooner) and kvgate's prior is told the same."""
+    from kvgate.bench.scenarios.runner import BenchConfig, from_trace
+
+    trace = tmp_path / "long-then-short.jsonl"
+    trace.write_text("".join(json.dumps({"t": t, "tenant": "a", "prompt_tokens": p, "output_tokens": 4,
+                                         "stream": False}) + "\n" for t, p in ((0.0, 8000), (0.001, 50))))
+    ttft = {}
+    for threshold in (0, 1024):
+        bc = BenchConfig(nodes=1, policies=["none", "kvgate"],
+                         kvgate={"tenants": [{"name": "a"}], "nodes": PLACEHOLDER_NODES},
+                         long_prefill_token_threshold=threshold)
+        sc, reqs = from_trace(trace, bc)
+        kvgate = Run(parse_config(sc.config), sc.policies[1], get_profile(sc.profile), reqs, engine=sc.engine_options())
+        assert kvgate.nodes[0].engine.scheduler.cfg.long_prefill_token_threshold == threshold
+        assert kvgate.config.nodes is not None
+        assert kvgate.config.nodes.performance.long_prefill_token_threshold == threshold
+        res = run(sc, reqs)
+        ttft[threshold] = res.summaries[0].result.outcomes[1].ttft
+    assert ttft[1024] is not None and ttft[0] is not None and ttft[1024] < ttft[0] / 2

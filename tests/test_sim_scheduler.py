@@ -254,3 +254,56 @@ def test_exported_gauges_read_the_scheduler_state() -> None:
     assert val("vllm:cache_config_info", {"block_size": "16", "cache_dtype": "auto", "enable_prefix_caching": "True",
                                           "engine": "0", "gpu_memory_utilization": "0.9",
                                           "num_gpu_blocks": "40"}) == 1
+
+
+def _lpt(threshold: int, budget: int = 64, policy: str = "fcfs") -> Scheduler:
+    return Scheduler(SchedulerConfig(num_gpu_blocks=200, block_size=4, max_num_batched_tokens=budget, max_num_seqs=8,
+                                     policy=policy, long_prefill_token_threshold=threshold))  # type: ignore[arg-type]
+
+
+def test_long_prefill_token_threshold_caps_one_requests_tokens_per_step() -> None:
+    """vLLM v1's ``--long-prefill-token-threshold``: a prompt gets at most that many tokens a step, running
+    or newly admitted, and the rest of the budget goes to the requests behind it in the same step."""
+    s = _lpt(16)
+    long, short = R("long", 40, out=1), R("short", 10, out=1)
+    s.add(long)
+    s.add(short)
+    plan = s.schedule(0)
+    assert [(r.id, n) for r, n in plan.scheduled] == [("long", 16), ("short", 10)]
+    s.finish_step(plan, 1)
+    assert short.first_token == 1 and long.first_token is None  # the short one no longer waits for it
+    sizes = []
+    for t in range(1, 4):
+        plan = s.schedule(float(t))
+        sizes.append([(r.id, n) for r, n in plan.scheduled])
+        s.finish_step(plan, t + 1.0)
+    assert sizes == [[("long", 16)], [("long", 8)], []]
+    assert long.first_token == 3
+
+
+def test_without_the_threshold_a_long_prompt_takes_the_whole_budget() -> None:
+    s = _lpt(0)
+    long, short = R("long", 70, out=1), R("short", 10, out=1)
+    s.add(long)
+    s.add(short)
+    assert [(r.id, n) for r, n in s.schedule(0).scheduled] == [("long", 64)]
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.integers(1, 120), st.integers(1, 6)), min_size=1, max_size=12),
+       st.integers(1, 40), st.sampled_from(["fcfs", "priority"]))
+def test_no_request_gets_more_than_the_threshold_in_a_step(reqs: list[tuple[int, int]], threshold: int,
+                                                          policy: str) -> None:
+    s = _lpt(threshold, policy=policy)
+    added = [Request(f"r{i}", prompt, out, 0.0, i % 3) for i, (prompt, out) in enumerate(reqs)]
+    for r in added:
+        s.add(r)
+    t = 0.0
+    while s.has_work():
+        plan = s.schedule(t)
+        assert plan.tokens <= 64
+        assert all(n <= threshold for _, n in plan.scheduled)
+        t += 1.0
+        s.finish_step(plan, t)
+        assert t < 2000
+    assert all(r.status is Status.FINISHED for r in added)

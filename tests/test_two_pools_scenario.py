@@ -145,8 +145,9 @@ def test_the_report_and_the_json_show_each_pool_and_the_reference(res: ScenarioR
     for needle in ("Per model pool", "Nodes per pool over time", "Per pool, as run / [no flood]", "[no flood]"):
         assert needle in md, needle
     side = md.split("Per pool, as run / [no flood]")[1]
-    assert any(line.startswith("| kvgate+scaler ") and "| 70b " in line and "| 3 / 1 " in line
-               for line in side.splitlines())  # the most 70B nodes: 3 with the flood, 1 without
+    most = large["nodes_max"]  # (3 or more with the flood: asserted above)
+    assert any(line.startswith("| kvgate+scaler ") and "| 70b " in line and f"| {most} / 1 " in line
+               for line in side.splitlines())  # the most 70B nodes: with the flood, and 1 without
 
 
 def test_a_single_pool_scenario_has_no_pool_or_reference_fields() -> None:
@@ -205,11 +206,13 @@ POLICIES = (Policy("none", 2), Policy("kv-shed", 2, "kv-shed"), Policy("kvgate",
             Policy("autoscale-only", 1, autoscale="queue", max_nodes=4),
             Policy("kvgate+scaler", 1, "kvgate", autoscale="scaler", max_nodes=4))
 PINNED = {"none": ("0c4d544868a956f5", 600, 0, 0), "kv-shed": ("99eb6190d4909da5", 218, 382, 0),
-          "kvgate": ("dfc1bff00fe83774", 223, 319, 58), "autoscale-only": ("20b78234ecef11bc", 600, 0, 0),
-          "kvgate+scaler": ("cb982d647c7dcad0", 103, 450, 47)}
+          "kvgate": ("c7fff1fe3d51e781", 227, 316, 57), "autoscale-only": ("20b78234ecef11bc", 600, 0, 0),
+          "kvgate+scaler": ("79f6f7b2b1faa7aa", 90, 453, 57)}
 """What the driver before model pools gave for ``small_trace`` (digest, admitted, 503, 429): every
 request's status, reason, TTFT, e2e, node and decision time, the node timeline, GPU-seconds, breaker
-opens and prefill tokens. No RNG draws the trace; the run's own RNGs are seeded."""
+opens and prefill tokens. No RNG draws the trace; the run's own RNGs are seeded. (kvgate's rows re-pinned
+when the picker began counting every less urgent prefill vLLM runs ahead of a request, issue 30: kvgate
+223/319/58 before, kvgate+scaler 103/450/47.)"""
 
 
 def small_trace(model: str | None = None) -> list[TraceRequest]:

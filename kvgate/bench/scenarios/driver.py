@@ -117,11 +117,12 @@ class Policy:
         label = f"{self.name} ({fleet} nodes)"
         return f"{label} [{self.reference}]" if self.reference else label
 
-    def configure(self, base: Config, profile: str | None = None) -> Config:
+    def configure(self, base: Config, profile: str | None = None, long_prefill_token_threshold: int = 0) -> Config:
         """The kvgate config this policy runs with; every tenant gets the run's API key. ``profile``: the
         simulated nodes' step-time profile, the prior of kvgate's performance model unless the config
         names one (what an operator sets in ``nodes.performance`` for the model and GPU the pool runs);
-        with ``pools``, the same for each pool's ``nodes`` (a pool that names its profile runs nodes of it)."""
+        with ``pools``, the same for each pool's ``nodes`` (a pool that names its profile runs nodes of it).
+        ``long_prefill_token_threshold``: the nodes' (0: off), told to that same prior."""
         doc = kv_shed_config(base) if self.admission == "kv-shed" else base.model_dump(mode="json")
         sections: list[tuple[Nodes | None, dict[str, Any]]]
         if base.pools:
@@ -133,6 +134,8 @@ class Policy:
         for given, section in sections:
             if profile is not None and given is not None and "performance" not in given.model_fields_set:
                 section["performance"] = {"profile": profile}
+                if long_prefill_token_threshold:
+                    section["performance"]["long_prefill_token_threshold"] = long_prefill_token_threshold
             if not self.prefix:
                 section["prefix"] = {**(section.get("prefix") or {}), "enabled": False}
         switch_off(doc, self.off)
@@ -413,7 +416,8 @@ class Run:
         self.degrade = sorted(degrade, key=lambda d: d.at)
         self.outages = tuple(outages)
         self.base_config = config
-        self.config = config = policy.configure(config, profile.name)
+        self.config = config = policy.configure(config, profile.name,
+                                                (engine or EngineOptions()).long_prefill_token_threshold)
         self.pooled = bool(config.pools)
         priority = policy.admission == "kvgate" and config.queue.inject_priority
         self.engine_options = replace(engine or EngineOptions(), policy="priority" if priority else "fcfs")

@@ -123,6 +123,9 @@ class BenchConfig(BaseModel):
         default_factory=list, description="a pool of mixed nodes: the k-th node runs node_profiles[k % len] and "
         "its probe reports that profile's GPU (kvgate detects each node's prior); empty: every node runs profile")
     ideal: IdealBench = Field(default_factory=IdealBench, description="the ideal row of a --trace run")
+    long_prefill_token_threshold: int = Field(
+        default=0, ge=0, description="the simulated nodes' vLLM --long-prefill-token-threshold (0: off, vLLM's "
+        "default); kvgate's performance prior gets it too unless kvgate's config sets nodes.performance")
 
     def pool_sizes(self) -> tuple[PoolSize, ...]:
         """Every pool of kvgate's config, sized by ``pools`` or the top-level figures."""
@@ -201,7 +204,8 @@ def from_trace(trace_path: str | Path, cfg: BenchConfig) -> tuple[Scenario, list
     sc = Scenario(name, f"Trace {Path(trace_path).name}",
                   f"{len(trace)} requests from {trace_path}, {cfg.profile} nodes.", cfg.profile,
                   trace[-1].t, cfg.kvgate, cfg.policy_list(), (), seed=cfg.seed, autoscaling=cfg.autoscaling(),
-                  node_profiles=tuple(cfg.node_profiles), ideal=trace_ideal(cfg, trace))
+                  node_profiles=tuple(cfg.node_profiles), ideal=trace_ideal(cfg, trace),
+                  long_prefill_token_threshold=cfg.long_prefill_token_threshold)
     return sc, trace
 
 
@@ -305,9 +309,10 @@ def run(sc: Scenario, trace: list[TraceRequest] | None = None, scale: float = 1.
     sums = []
     errors: dict[str, dict[str, dict[str, float]]] = {}
     loras: dict[str, dict[str, int]] = {}
+    engine = sc.engine_options()
     for p in sc.policies:
         r = simulate(config, p, profile, trace, sc.seed, autoscaling=sc.autoscaling, degrade=degrade,
-                     cold_start_s=sc.cold_start_s, node_profiles=sc.node_profiles, engine=sc.engine)
+                     cold_start_s=sc.cold_start_s, node_profiles=sc.node_profiles, engine=engine)
         sums.append(report.summarize(r, config))
         if r.prediction_errors:
             errors[p.label] = report.prediction_errors(r)
@@ -318,7 +323,7 @@ def run(sc: Scenario, trace: list[TraceRequest] | None = None, scale: float = 1.
         ideal = sc.ideal
         outages = ideal.scaled(scale)
         r = simulate(config, ideal.policy, profile, ideal.offered(config, trace), sc.seed,
-                     autoscaling=sc.autoscaling, outages=outages, cold_start_s=sc.cold_start_s)
+                     autoscaling=sc.autoscaling, outages=outages, cold_start_s=sc.cold_start_s, engine=engine)
         sums.append(report.summarize(r, config))
         kept, removed = ideal.tenants(config, trace)
         note = ideal.describe(config, trace, scale)
@@ -331,7 +336,7 @@ def run(sc: Scenario, trace: list[TraceRequest] | None = None, scale: float = 1.
         offered = len(calm)
         for p in sc.policies:
             r = simulate(config, replace(p, reference=sc.reference.label), profile, calm, sc.seed,
-                         autoscaling=sc.autoscaling, degrade=degrade, cold_start_s=sc.cold_start_s)
+                         autoscaling=sc.autoscaling, degrade=degrade, cold_start_s=sc.cold_start_s, engine=engine)
             refs.append(report.summarize(r, config))
     return ScenarioResult(sc, config, len(trace), sums, time.perf_counter() - t0, note, scope, refs, offered,
                           errors, loras)

@@ -198,6 +198,17 @@ class Scenario:
     node_profiles: tuple[str, ...] = ()
     """A pool of mixed nodes: the k-th node runs ``node_profiles[k % len]`` and its probe reports that
     profile's GPU; empty: every node runs ``profile``."""
+    long_prefill_token_threshold: int = 0
+    """The simulated nodes' vLLM ``--long-prefill-token-threshold`` (0: off, vLLM's default); kvgate's
+    performance prior is told the same unless its config sets ``nodes.performance``."""
+
+    def engine_options(self) -> EngineOptions | None:
+        """The simulated nodes' engine settings beyond the profile's: ``engine`` with the long-prefill
+        threshold (None: vLLM's defaults)."""
+        t = self.long_prefill_token_threshold
+        if not t:
+            return self.engine
+        return replace(self.engine or EngineOptions(), long_prefill_token_threshold=t)
 
     def trace(self, scale: float = 1.0) -> list[TraceRequest]:
         """The scenario's requests; ``scale`` < 1 shortens the run (tests)."""
