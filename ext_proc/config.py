@@ -625,6 +625,9 @@ class Config(_Strict):
             raise ValueError("tiers: define at least one tier (or leave the setting out for the defaults)")
         ranks: dict[int, str] = {}
         for name, tier in self.tiers.items():
+            if name == "none":
+                raise ValueError("tiers.none: 'none' is reserved (the metrics' tier label of a caller refused "
+                                 "before any tenant was found)")
             if tier.priority in ranks:
                 raise ValueError(f"tiers.{name}.priority: tier {ranks[tier.priority]!r} already has priority "
                                  f"{tier.priority}; each tier needs its own")
