@@ -335,7 +335,7 @@ def text(v: View) -> str:
             lines.append(f"{ind}{t:<12}{r.admit:>9.1f}{r.r429:>8.1f}{r.r503:>8.1f}{r.other:>9.1f}{r.shadow:>10.1f}"
                          f"{r.inflight:>10.0f}" + (f"{_ms(r.ttft_p50):>10}{_ms(r.ttft_p99):>8}" if ttft else ""))
         if p.unidentified:
-            lines.append(f"{ind}no known key: {p.unidentified:.1f}/s (401; admitted in shadow mode)")
+            lines.append(f"{ind}no known key: {p.unidentified:.1f}/s (401 when enforcing; admitted in shadow mode)")
         for n, nr in sorted(p.nodes.items()):
             kv = "  ?" if nr.kv is None else f"{nr.kv:>4.0%}"
             lines.append(f"{ind}node {n:<22} KV {_bar(nr.kv)} {kv}  in flight {nr.inflight:>3.0f}  "
@@ -379,7 +379,7 @@ def rich_view(v: View) -> Any:
                           f"{r.inflight:.0f}", *((_ms(r.ttft_p50), _ms(r.ttft_p99)) if ttft else ()))
             parts.append(t)
         if p.unidentified:
-            parts.append(Text(f"no known key{sfx}: {p.unidentified:.1f}/s (401; admitted in shadow mode)"))
+            parts.append(Text(f"no known key{sfx}: {p.unidentified:.1f}/s (401 when enforcing; admitted in shadow mode)"))
         if p.nodes:
             nt = Table(title=escape(f"nodes{sfx}"), title_justify="left")
             for col in ("node", "KV", "", "in flight", "breaker"):
