@@ -610,7 +610,8 @@ class Config(_Strict):
     nodes: Nodes | None = None
     tiers: dict[Annotated[str, Field(pattern=_NAME)], Tier] = Field(
         default_factory=lambda: dict(DEFAULT_TIERS),
-        description="the SLA tiers by name; leave out for interactive / standard / batch")
+        description="the SLA tiers by name (not none: the metrics label unidentified callers so); leave out for "
+        "interactive / standard / batch")
     queue: Queue = Queue()
     store: Store = Store()
     pools: list[Pool] = Field(
