@@ -379,7 +379,8 @@ def rich_view(v: View) -> Any:
                           f"{r.inflight:.0f}", *((_ms(r.ttft_p50), _ms(r.ttft_p99)) if ttft else ()))
             parts.append(t)
         if p.unidentified:
-            parts.append(Text(f"no known key{sfx}: {p.unidentified:.1f}/s (401 when enforcing; admitted in shadow mode)"))
+            parts.append(Text(f"no known key{sfx}: {p.unidentified:.1f}/s "
+                              "(401 when enforcing; admitted in shadow mode)"))
         if p.nodes:
             nt = Table(title=escape(f"nodes{sfx}"), title_justify="left")
             for col in ("node", "KV", "", "in flight", "breaker"):
