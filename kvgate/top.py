@@ -106,13 +106,18 @@ class Pool:
     tiers: dict[str, TierRow] = field(default_factory=lambda: defaultdict(TierRow))
     unidentified: float = 0.0
     """Requests per second refused because no known API key named a tenant (``tenant="unknown"``)."""
+    late: float = 0.0
+    """Requests per second kvgate decided after Envoy had given up waiting (Envoy answered them 503
+    ``gateway-unavailable`` itself): kvgate does not look up whose they were, so their series read
+    ``tenant="unknown"``, ``tier="none"`` like callers with no known key, but their keys may be fine."""
 
     def empty(self) -> bool:
-        return not (self.tenants or self.nodes or self.tiers or self.unidentified)
+        return not (self.tenants or self.nodes or self.tiers or self.unidentified or self.late)
 
 
 UNIDENTIFIED = "unknown"
 """The tenant label kvgate gives a request whose key names no tenant (``admission.UNKNOWN_TENANT``)."""
+LATE = "decided after Envoy gave up (it answered 503 gateway-unavailable; whose is not known)"
 NO_TENANT_REASONS = frozenset({"unknown-key", "invalid-authorization"})
 
 
@@ -204,7 +209,10 @@ def build(prev: list[Scrape], cur: list[Scrape], title: str = "kvgate top") -> V
         if name == "kvgate_requests_total":
             rate = d / interval if interval else 0.0
             if _unidentified(labels):
-                pools[pool].unidentified += rate
+                if labels.get("class") == "gateway":
+                    pools[pool].late += rate
+                else:
+                    pools[pool].unidentified += rate
                 continue
             row = pools[pool].tenants[labels.get("tenant", "?")]
             decision, klass = labels.get("decision"), labels.get("class")
@@ -264,6 +272,7 @@ def _one_pool(pools: dict[str, Pool]) -> dict[str, Pool]:
     one = Pool()
     for p in pools.values():
         one.unidentified += p.unidentified
+        one.late += p.late
         for name, row in p.tenants.items():
             into = one.tenants[name]
             for f in fields(row):
@@ -316,6 +325,8 @@ def sources(v: View) -> list[str]:
                       "not TTFT)" if any(_has_latency(p) for p in v.pools.values()) else ""))
     if any(p.unidentified for p in v.pools.values()):
         out.append('no known key: kvgate_requests_total{tenant="unknown"} (callers, not a tenant)')
+    if any(p.late for p in v.pools.values()):
+        out.append('decided after Envoy gave up: kvgate_requests_total{tenant="unknown",class="gateway"}')
     return out
 
 
@@ -336,6 +347,8 @@ def text(v: View) -> str:
                          f"{r.inflight:>10.0f}" + (f"{_ms(r.ttft_p50):>10}{_ms(r.ttft_p99):>8}" if ttft else ""))
         if p.unidentified:
             lines.append(f"{ind}no known key: {p.unidentified:.1f}/s (401 when enforcing; admitted in shadow mode)")
+        if p.late:
+            lines.append(f"{ind}{LATE}: {p.late:.1f}/s")
         for n, nr in sorted(p.nodes.items()):
             kv = "  ?" if nr.kv is None else f"{nr.kv:>4.0%}"
             lines.append(f"{ind}node {n:<22} KV {_bar(nr.kv)} {kv}  in flight {nr.inflight:>3.0f}  "
@@ -381,6 +394,8 @@ def rich_view(v: View) -> Any:
         if p.unidentified:
             parts.append(Text(f"no known key{sfx}: {p.unidentified:.1f}/s "
                               "(401 when enforcing; admitted in shadow mode)"))
+        if p.late:
+            parts.append(Text(f"{LATE}{sfx}: {p.late:.1f}/s", style="yellow"))
         if p.nodes:
             nt = Table(title=escape(f"nodes{sfx}"), title_justify="left")
             for col in ("node", "KV", "", "in flight", "breaker"):

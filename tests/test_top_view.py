@@ -177,3 +177,20 @@ def test_any_metrics_page_gives_a_frame(before: list[top.Sample], after: list[to
     frame = top.text(v)
     assert all(c.isprintable() for line in frame.split("\n") for c in line)
     assert _render(v)
+
+
+def test_a_request_envoy_gave_up_on_is_not_a_caller_with_no_known_key() -> None:
+    """kvgate labels a decision that came after Envoy gave up (a tombstone) ``tenant="unknown"``,
+    ``tier="none"``, class ``gateway``: whose it was is not looked up. ``top`` counted it on the "no known
+    key (401)" line, blaming a key that may be fine; it has its own line."""
+    text = ("# TYPE kvgate_requests_total counter\n"
+            'kvgate_requests_total{tenant="unknown",tier="none",decision="reject",reason="gateway-unavailable",'
+            'class="gateway",pool="none"} %d\n')
+    v = top.build([_scrape(text % 0, 0.0)], [_scrape(text % 4, 2.0)])
+    (pool,) = v.pools.values()
+    assert pool.unidentified == 0.0 and pool.late == 2.0 and not pool.tenants
+    frame = top.text(v)
+    assert "no known key" not in frame
+    assert f"{top.LATE}: 2.0/s" in frame
+    assert 'class="gateway"' in frame.split("sources:")[1]
+    assert top.LATE in _render(v)
