@@ -628,7 +628,8 @@ class Config(_Strict):
     nodes: Nodes | None = None
     tiers: dict[Annotated[str, Field(pattern=_NAME)], Tier] = Field(
         default_factory=lambda: dict(DEFAULT_TIERS),
-        description="the SLA tiers by name; leave out for interactive / standard / batch")
+        description="the SLA tiers by name (not none: the metrics label unidentified callers so); leave out for "
+        "interactive / standard / batch")
     queue: Queue = Queue()
     store: Store = Store()
     pools: list[Pool] = Field(
@@ -646,6 +647,9 @@ class Config(_Strict):
             raise ValueError("tiers: define at least one tier (or leave the setting out for the defaults)")
         ranks: dict[int, str] = {}
         for name, tier in self.tiers.items():
+            if name == "none":
+                raise ValueError("tiers.none: 'none' is reserved (the metrics' tier label of a caller refused "
+                                 "before any tenant was found)")
             if tier.priority in ranks:
                 raise ValueError(f"tiers.{name}.priority: tier {ranks[tier.priority]!r} already has priority "
                                  f"{tier.priority}; each tier needs its own")

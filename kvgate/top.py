@@ -106,13 +106,18 @@ class Pool:
     tiers: dict[str, TierRow] = field(default_factory=lambda: defaultdict(TierRow))
     unidentified: float = 0.0
     """Requests per second refused because no known API key named a tenant (``tenant="unknown"``)."""
+    late: float = 0.0
+    """Requests per second kvgate decided after Envoy had given up waiting (Envoy answered them 503
+    ``gateway-unavailable`` itself): kvgate does not look up whose they were, so their series read
+    ``tenant="unknown"``, ``tier="none"`` like callers with no known key, but their keys may be fine."""
 
     def empty(self) -> bool:
-        return not (self.tenants or self.nodes or self.tiers or self.unidentified)
+        return not (self.tenants or self.nodes or self.tiers or self.unidentified or self.late)
 
 
 UNIDENTIFIED = "unknown"
 """The tenant label kvgate gives a request whose key names no tenant (``admission.UNKNOWN_TENANT``)."""
+LATE = "decided after Envoy gave up (it answered 503 gateway-unavailable; whose is not known)"
 NO_TENANT_REASONS = frozenset({"unknown-key", "invalid-authorization"})
 
 
@@ -148,13 +153,25 @@ class View:
     """Where the tenants' TTFT figures come from, set by whoever adds them (``kvgate demo``)."""
 
 
+def _clean(labels: dict[str, str]) -> dict[str, str]:
+    """Label values fit to print: ``top`` reads whatever page its URL serves, so a control character (a
+    terminal escape sequence, a newline that would forge a row of the frame) becomes ``?``."""
+    return {k: v if v.isprintable() else "".join(c if c.isprintable() else "?" for c in v)
+            for k, v in labels.items()}
+
+
+def _int(x: float, default: int = 0) -> int:
+    """A gauge read as a whole number; ``default`` for NaN or an infinity (``int()`` would raise)."""
+    return int(x) if math.isfinite(x) else default
+
+
 def _counters(scrapes: Iterable[Scrape]) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
     out: dict[tuple[str, tuple[tuple[str, str], ...]], float] = defaultdict(float)
     for i, sc in enumerate(scrapes):
         for s in sc.samples:
             if s.name in ("kvgate_requests_total", "kvgate_store_borrows_total") or \
                     s.name.startswith("kvgate_request_duration_seconds_bucket"):
-                out[(s.name, (("_src", str(i)), *sorted(s.labels.items())))] += s.value
+                out[(s.name, (("_src", str(i)), *sorted(_clean(s.labels).items())))] += s.value
     return out
 
 
@@ -192,7 +209,10 @@ def build(prev: list[Scrape], cur: list[Scrape], title: str = "kvgate top") -> V
         if name == "kvgate_requests_total":
             rate = d / interval if interval else 0.0
             if _unidentified(labels):
-                pools[pool].unidentified += rate
+                if labels.get("class") == "gateway":
+                    pools[pool].late += rate
+                else:
+                    pools[pool].unidentified += rate
                 continue
             row = pools[pool].tenants[labels.get("tenant", "?")]
             decision, klass = labels.get("decision"), labels.get("class")
@@ -207,35 +227,40 @@ def build(prev: list[Scrape], cur: list[Scrape], title: str = "kvgate top") -> V
             else:
                 row.other += rate
         else:
-            le = float(labels.get("le", "inf"))
+            try:
+                le = float(labels.get("le", "inf"))
+            except ValueError:
+                continue  # not a bucket bound: no quantile can use it
             hist[(pool, labels.get("tier", "?"))][le] += d
     for (pool, tier), b in hist.items():
         t = pools[pool].tiers[tier]
         t.p50, t.p99 = _quantile(list(b.items()), 0.5), _quantile(list(b.items()), 0.99)
     for sc in cur:
         for s in sc.samples:
-            p = pools[s.labels.get("pool", "")]
+            labels = _clean(s.labels)
+            p = pools[labels.get("pool", "")]
             if s.name == "kvgate_inflight_requests":
-                name = s.labels.get("tenant", "?")
+                name = labels.get("tenant", "?")
                 if name != UNIDENTIFIED or name in p.tenants:  # the unknown slot's gauge, unless a tenant's
                     p.tenants[name].inflight += s.value
             elif s.name == "kvgate_queue_depth_requests":
-                p.tiers[s.labels.get("tier", "?")].queued += s.value
+                p.tiers[labels.get("tier", "?")].queued += s.value
             elif s.name == "kvgate_node_kv_usage_ratio":
-                n = p.nodes[s.labels.get("node", "?")]
-                n.kv = max(n.kv or 0.0, s.value)
+                n = p.nodes[labels.get("node", "?")]
+                if math.isfinite(s.value):  # else unknown, as with no snapshot
+                    n.kv = max(n.kv or 0.0, s.value)
             elif s.name == "kvgate_node_breaker_state":
-                n = p.nodes[s.labels.get("node", "?")]
-                n.breaker = max(n.breaker, int(s.value))
+                n = p.nodes[labels.get("node", "?")]
+                n.breaker = max(n.breaker, _int(s.value, default=-1))  # -1: shown as "?"
             elif s.name == "kvgate_node_inflight_requests":
-                p.nodes[s.labels.get("node", "?")].inflight += s.value
+                p.nodes[labels.get("node", "?")].inflight += s.value
             elif s.name == "kvgate_store_up":
                 store.replicas += 1
-                store.up += int(s.value)
+                store.up += _int(s.value)
             elif s.name == "kvgate_store_fallback":
-                store.local_split += int(s.value)
+                store.local_split += _int(s.value)
             elif s.name == "kvgate_config_info" and s.value:
-                store.versions.add(s.labels.get("version", "?"))
+                store.versions.add(labels.get("version", "?"))
     return View(_one_pool(dict(pools)), interval, len(cur), title, store if store.replicas else None)
 
 
@@ -247,6 +272,7 @@ def _one_pool(pools: dict[str, Pool]) -> dict[str, Pool]:
     one = Pool()
     for p in pools.values():
         one.unidentified += p.unidentified
+        one.late += p.late
         for name, row in p.tenants.items():
             into = one.tenants[name]
             for f in fields(row):
@@ -299,6 +325,8 @@ def sources(v: View) -> list[str]:
                       "not TTFT)" if any(_has_latency(p) for p in v.pools.values()) else ""))
     if any(p.unidentified for p in v.pools.values()):
         out.append('no known key: kvgate_requests_total{tenant="unknown"} (callers, not a tenant)')
+    if any(p.late for p in v.pools.values()):
+        out.append('decided after Envoy gave up: kvgate_requests_total{tenant="unknown",class="gateway"}')
     return out
 
 
@@ -318,7 +346,9 @@ def text(v: View) -> str:
             lines.append(f"{ind}{t:<12}{r.admit:>9.1f}{r.r429:>8.1f}{r.r503:>8.1f}{r.other:>9.1f}{r.shadow:>10.1f}"
                          f"{r.inflight:>10.0f}" + (f"{_ms(r.ttft_p50):>10}{_ms(r.ttft_p99):>8}" if ttft else ""))
         if p.unidentified:
-            lines.append(f"{ind}no known key: {p.unidentified:.1f}/s (401; admitted in shadow mode)")
+            lines.append(f"{ind}no known key: {p.unidentified:.1f}/s (401 when enforcing; admitted in shadow mode)")
+        if p.late:
+            lines.append(f"{ind}{LATE}: {p.late:.1f}/s")
         for n, nr in sorted(p.nodes.items()):
             kv = "  ?" if nr.kv is None else f"{nr.kv:>4.0%}"
             lines.append(f"{ind}node {n:<22} KV {_bar(nr.kv)} {kv}  in flight {nr.inflight:>3.0f}  "
@@ -341,43 +371,49 @@ def _store_line(st: Store) -> str:
 def rich_view(v: View) -> Any:
     """The same frame as rich tables (imported lazily: rich is only needed on a terminal)."""
     from rich.console import Group
+    from rich.markup import escape
     from rich.table import Table
     from rich.text import Text
+
+    # names come from the metrics page: plain Text (and escaped titles), never rich markup ("[/]" would raise)
 
     parts: list[Any] = [Text(f"{v.title} — {v.sources} source(s), rates over {v.interval:.1f}s", style="bold")]
     ttft = _has_ttft(v)
     for name, p in sorted(v.pools.items()):
         sfx = f" (pool {name})" if name else ""
         if p.tenants:
-            t = Table(title=f"tenants{sfx}", title_justify="left", expand=False)
+            t = Table(title=escape(f"tenants{sfx}"), title_justify="left", expand=False)
             cols = ["tenant", "admit/s", "429/s", "503/s", "other/s", "shadow/s", "in flight"]
             for col in cols + (["TTFT p50 ms", "TTFT p99 ms"] if ttft else []):
                 t.add_column(col, justify="left" if col == "tenant" else "right")
             for tn, r in sorted(p.tenants.items()):
-                t.add_row(tn, f"{r.admit:.1f}", Text(f"{r.r429:.1f}", style="yellow" if r.r429 else ""),
+                t.add_row(Text(tn), f"{r.admit:.1f}", Text(f"{r.r429:.1f}", style="yellow" if r.r429 else ""),
                           Text(f"{r.r503:.1f}", style="red" if r.r503 else ""), f"{r.other:.1f}", f"{r.shadow:.1f}",
                           f"{r.inflight:.0f}", *((_ms(r.ttft_p50), _ms(r.ttft_p99)) if ttft else ()))
             parts.append(t)
         if p.unidentified:
-            parts.append(Text(f"no known key{sfx}: {p.unidentified:.1f}/s (401; admitted in shadow mode)"))
+            parts.append(Text(f"no known key{sfx}: {p.unidentified:.1f}/s "
+                              "(401 when enforcing; admitted in shadow mode)"))
+        if p.late:
+            parts.append(Text(f"{LATE}{sfx}: {p.late:.1f}/s", style="yellow"))
         if p.nodes:
-            nt = Table(title=f"nodes{sfx}", title_justify="left")
+            nt = Table(title=escape(f"nodes{sfx}"), title_justify="left")
             for col in ("node", "KV", "", "in flight", "breaker"):
                 nt.add_column(col)
             for nn, nr in sorted(p.nodes.items()):
                 style = "red" if (nr.kv or 0) > 0.9 else "yellow" if (nr.kv or 0) > 0.7 else "green"
                 state = BREAKER.get(nr.breaker, "?")
-                nt.add_row(nn, Text(_bar(nr.kv), style=style), "?" if nr.kv is None else f"{nr.kv:.0%}",
+                nt.add_row(Text(nn), Text(_bar(nr.kv), style=style), "?" if nr.kv is None else f"{nr.kv:.0%}",
                            f"{nr.inflight:.0f}", Text(state, style={"closed": "green", "open": "red"}.get(state,
                                                                                                    "yellow")))
             parts.append(nt)
         if p.tiers:
             latency = _has_latency(p)
-            qt = Table(title=f"tiers{sfx}", title_justify="left")
+            qt = Table(title=escape(f"tiers{sfx}"), title_justify="left")
             for col in ("tier", "queued") + (("latency p50 ms", "p99 ms (admission to end)") if latency else ()):
                 qt.add_column(col, justify="left" if col == "tier" else "right")
             for tn, tr in sorted(p.tiers.items()):
-                qt.add_row(tn, f"{tr.queued:.0f}", *((_ms(tr.p50), _ms(tr.p99)) if latency else ()))
+                qt.add_row(Text(tn), f"{tr.queued:.0f}", *((_ms(tr.p50), _ms(tr.p99)) if latency else ()))
             parts.append(qt)
     if v.store is not None:
         bad = v.store.up < v.store.replicas or v.store.local_split or len(v.store.versions) > 1

@@ -95,3 +95,25 @@ def test_the_site_builds_strictly(tmp_path: Path) -> None:
     build(cfg)
     assert (tmp_path / "site" / "index.html").exists()
     assert (tmp_path / "site" / "reference" / "troubleshooting" / "index.html").exists()
+
+
+def test_the_reference_gives_each_metric_the_labels_it_is_declared_with() -> None:
+    """The scan reads a metric's labels only where they are written out as a list; declared any other way
+    (a constant, a computed list) the page would show none and still match what the generator makes. The
+    running Stats declares its labels on each metric object: the page must list exactly those."""
+    from ext_proc.stats import Counts, Hist
+
+    page = {row[0]: row[2] for row in docs.metric_rows()}
+    stats = Stats(CollectorRegistry())
+    declared: dict[str, list[str]] = {}
+    for value in vars(stats).values():
+        if isinstance(value, Counts):
+            declared[value.name if value.name.endswith("_total") else value.name + "_total"] = value.labels
+        elif isinstance(value, Hist):
+            declared[value.name] = value.labels
+        elif hasattr(value, "_labelnames") and hasattr(value, "_name"):  # prometheus_client's own metrics
+            suffix = "_total" if type(value).__name__ == "Counter" else ""
+            declared[value._name + suffix] = list(value._labelnames)
+    assert len(declared) >= 10, sorted(declared)
+    for name, labels in declared.items():
+        assert page.get(name) == ", ".join(f"`{x}`" for x in labels), name

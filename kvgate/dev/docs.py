@@ -164,8 +164,8 @@ def _models() -> list[tuple[str, str, type[BaseModel]]]:
 
     return [("kvgate", "`kvgate extproc --config FILE` (and `kvgate up`, the chart's `config:` value); "
              "every key of `examples/kvgate.yaml`", Config),
-            ("scaler", "`kvgate scaler --config FILE` (the chart's `scaler.config:` value); "
-             "`examples/scaler.yaml`", ScalerConfig)]
+            ("scaler", "`kvgate scaler --config FILE` (the chart renders it from its `scaler`, `pools` and "
+             "`poolDefaults` values); `examples/scaler.yaml`", ScalerConfig)]
 
 
 def config_page() -> str:
