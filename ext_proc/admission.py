@@ -26,15 +26,15 @@ import math
 import random
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import NamedTuple
+from typing import NamedTuple, cast
 
-from .config import Config, Mode, ModelBudget, Tenant
+from .config import Config, Mode, ModelBudget, ProtectiveLimit, Tenant
 from .estimate import Estimate
 from .limits import Credit, TokenBucket, default_burst
 from .pools import DEFAULT_POOL, PoolSpec, Router, pools_of
 from .queue import Entry, FairQueue, TierSpec
 from .quota import Bucket, LeasedQuota, Limit, LocalQuota, Quota, ShareReport, SplitQuota, whole_tokens
-from .reasons import UNKNOWN_KEY, RateLimitView, Rejection, reject
+from .reasons import PROTECTIVE, UNKNOWN_KEY, RateLimitView, Rejection, reject
 
 __all__ = ["UNKNOWN_KEY", "RateLimitView", "Rejection"]
 
@@ -130,6 +130,16 @@ class Lease:
     on_split: bool = False
     """Charged while this replica enforced its local split (``quota.SplitQuota``): only such a lease's
     return or refund changes what the split spent (what the store debits on rejoining)."""
+    best_effort: bool = False
+    """Admitted as best effort (its tenant over a protective limit, the fleet with room nobody within
+    quota needs): it holds a fleet slot but no quota — nothing taken from any bucket or slot, its own
+    tenant's or another's — runs at the lowest tier's vLLM priority and is never scaling demand. Always
+    ``charged`` False."""
+
+    @property
+    def holds_slot(self) -> bool:
+        """Whether it counts in :attr:`Admission.inflight` (a fleet slot): charged or best effort."""
+        return self.charged or self.best_effort
 
 
 @dataclass(frozen=True, slots=True)
@@ -146,6 +156,8 @@ class Decision:
     borrow_also: str | None = None
     """With ``borrow``: the tenant's per-model budget is short here too (both are borrowed at once: a
     second decision could not borrow again)."""
+    best_effort: Rejection | None = None
+    """Admitted as best effort: the 429 it would have had (which protective limit the tenant is over)."""
 
     @property
     def admitted(self) -> bool:
@@ -356,7 +368,8 @@ class Admission:
         tier = state.config.tier
         if rejection is not None:
             if state.mode == "enforce":
-                return Decision(state.name, tier, None, rejection)
+                return self._best_effort(state, request_id, estimate, rejection, now) or \
+                    Decision(state.name, tier, None, rejection)
             return self._shadow(state, request_id, estimate, rejection, now)
         ticket = self._ticket()
         placed: Placed | None = None
@@ -373,6 +386,55 @@ class Admission:
         elif state.mode == "shadow":
             return self._shadow(state, request_id, estimate, self._queue_rejection(state, "queue-ahead", 0.0), now)
         return self._enqueue(state, ticket, request_id, estimate, now, placed)
+
+    def _best_effort(self, s: TenantState, request_id: str, est: Estimate, rejection: Rejection,
+                     now: float) -> Decision | None:
+        """Serve a tenant over a protective limit as best effort, or None (it gets its 429).
+
+        Only for a limit its config lets be exceeded (``tenants[i].over_limit``; ``reasons.PROTECTIVE``:
+        never a contract), and only when serving it costs nobody within quota: kvgate chooses nodes (so
+        there is a prediction to trust), nobody waits in the pool's gateway queue, a fleet slot is free and
+        a node takes it *as the lowest tier* — that tier's KV reserve, its vLLM priority, its target — so
+        it goes only where the lowest tier would have room. It never waits in the queue (the first to be
+        held: it is refused instead), takes no quota (``Lease.best_effort``) and is never scaling demand."""
+        kind = PROTECTIVE.get(rejection.reason)
+        if kind is None or not self._may_exceed(s, kind) or self._over_hard(s, est, now):
+            return None
+        if len(self.queue_of(est.pool)):
+            return None
+        ticket = self._ticket()
+        placed, capacity = self._place(est, ticket, self.config.lowest_tier, now)
+        if capacity is not None:
+            return None
+        lease = Lease(ticket, s, request_id, est.total, est.prompt_tokens, now, False, s.config.tier,
+                      placed.node, pool=est.pool or DEFAULT_POOL, best_effort=True)
+        lease.predicted_ttft = placed.ttft
+        self._dispatch(lease, est, now)
+        return Decision(s.name, s.config.tier, lease, None, best_effort=rejection)
+
+    def _over_hard(self, s: TenantState, est: Estimate, now: float) -> bool:
+        """Whether the tenant is also over a limit it may *not* exceed (``_check`` stops at the first it
+        is over: over its concurrency cap, which it may exceed, it may still be over a token budget that
+        refuses), its per-model budget's included."""
+        budget = self._budget_of(s, est.model) if self._model_budgets else None
+        for b in (s, budget):
+            if b is None:
+                continue
+            cap = b.config.max_concurrent
+            if cap is not None and b.inflight >= cap and not self._may_exceed(s, "concurrency"):
+                return True
+            for kind, bucket, need in (("requests", b.requests, 1.0), ("tokens", b.tokens, float(est.total))):
+                if bucket is not None and bucket.seconds_until(need, now) > 0 and \
+                        not self._may_exceed(s, cast(ProtectiveLimit, kind)):
+                    return True
+        return False
+
+    def _may_exceed(self, s: TenantState, kind: ProtectiveLimit) -> bool:
+        """Whether ``s`` over its ``kind`` limit may be served as best effort: best effort is on, its
+        config says so for that limit, and kvgate chooses nodes (without a prediction there is no
+        telling spare room from none: it is refused)."""
+        cfg = self.config.best_effort
+        return cfg.enabled and self.pick is not None and s.config.over_limit_for(kind, cfg.default) == "best-effort"
 
     def _budget_of(self, s: TenantState, model: str | None) -> TenantState | None:
         """The tenant's per-model budget that applies to ``model`` (None: none does)."""
@@ -679,9 +741,10 @@ class Admission:
             return self._check(s, _NOTHING, body_bytes, now)
         cap = s.config.max_concurrent
         if cap is not None and s.inflight >= cap:
-            return None if _slowed(s) else self._check(s, _NOTHING, 0, now)
+            # (a tenant that may be served as best effort over it is read and decided: the fleet may have room)
+            return None if _slowed(s) or self._may_exceed(s, "concurrency") else self._check(s, _NOTHING, 0, now)
         if isinstance(self.quota, LocalQuota) and s.requests is not None and s.requests.seconds_until(1, now) > 0:
-            return self._check(s, _NOTHING, 0, now)
+            return None if self._may_exceed(s, "requests") else self._check(s, _NOTHING, 0, now)
         if reads is not None and (wait := reads.seconds_until(1, now)) > 0:
             return self._policy(s, "tenant-requests", "Rate limit reached for requests: this tenant's recent "
                                 f"request bodies were refused as invalid (limit {int(reads.rate * 60)}/min, "
@@ -774,6 +837,10 @@ class Admission:
             self._dispatch(lease, est, now)
         return lease
 
+    def runs_as(self, lease: Lease) -> str:
+        """The tier whose vLLM priority a lease runs at: the lowest for best effort, else its own."""
+        return self.config.lowest_tier if lease.best_effort else lease.tier
+
     def _take(self, s: TenantState, tokens: int, now: float) -> None:
         """Charge one request of ``tokens`` to a tenant (or a per-model budget)."""
         s.inflight += 1
@@ -791,6 +858,7 @@ class Admission:
             s.leases[lease.ticket] = lease
             if lease.budget is not None:
                 lease.budget.leases[lease.ticket] = lease
+        if lease.holds_slot:
             self.inflight += 1
         lease.service = self._service(s, est)
         q = self.queue_of(lease.pool)
@@ -799,7 +867,7 @@ class Admission:
             key = _service_key(lease.pool, s.name)
             self.service_out[key] = self.service_out.get(key, 0.0) + lease.service
             if lease.node is not None:
-                self.dispatch_out.append((lease.node, est.total, est.prompt_tokens, lease.tier))
+                self.dispatch_out.append((lease.node, est.total, est.prompt_tokens, self.runs_as(lease)))
         if lease.queued_at is None:
             q.note_dispatch(lease.service, now)
 
@@ -819,8 +887,9 @@ class Admission:
         now = self._clock()
         charged_tokens = usage.total if usage is not None else (lease.reserved_tokens if responded else 0)
         s = lease.tenant
-        if lease.charged:
+        if lease.holds_slot:
             self.inflight -= 1
+        if lease.charged:
             for b in (s, lease.budget):
                 if b is None:
                     continue

@@ -23,6 +23,7 @@ from .admission import Admission, Completion, Decision
 from .breaker import STATE_VALUE, State
 from .config import Config
 from .nodes import Fleet
+from .reasons import PROTECTIVE
 
 OTHER = "other"
 FOLLOW_MODES = ("stream", "poll", "connecting")
@@ -88,7 +89,8 @@ class Stats:
         self.requests = Counts(
             "kvgate_requests_total",
             "Admission decisions. decision: admit | reject | shadow_reject (shadow mode: would have "
-            "been rejected, was admitted). class: policy (429) | capacity (503) | invalid | auth | none.",
+            "been rejected, was admitted) | best-effort (over a protective limit, served as best effort; "
+            "reason: the limit's 429 reason). class: policy (429) | capacity (503) | invalid | auth | none.",
             ["tenant", "tier", "decision", "reason", "class", "pool"])
         self.tokens = Counts(
             "kvgate_tokens_total",
@@ -138,6 +140,11 @@ class Stats:
             "kvgate_predicted_slo_misses_total",
             "Requests admitted although kvgate predicted they miss their tier's TTFT target (unmet demand "
             "for the scaler)", ["tenant", "tier", "pool"])
+        self.best_effort = Counts(
+            "kvgate_best_effort_admissions_total",
+            "Requests of a tenant over a protective limit served as best effort (tenants[i].over_limit): the "
+            "fleet had room nobody within quota needed; limit: the one it was over (concurrency | requests | "
+            "tokens). Never scaling demand", ["tenant", "tier", "limit", "pool"])
         self._allowed: frozenset[str] = frozenset()
         self._max = max_tenant_labels
         self._state: _State | None = None
@@ -145,7 +152,7 @@ class Stats:
         """Node address → how its probe is followed (``follow.Follower.modes``); None while nothing
         follows the probes (Envoy picks the node, or a core driven in virtual time)."""
         r.register(_CountsCollector([self.requests, self.tokens, self.completions, self.service, self.fleet_caused,
-                                     self.slo_misses], [self.decision_seconds, self.request_seconds]))
+                                     self.slo_misses, self.best_effort], [self.decision_seconds, self.request_seconds]))
         r.register(_StateCollector(self))
 
     def bind(self, state: _State) -> None:
@@ -175,7 +182,12 @@ class Stats:
         names come from the config, never from the request: the label stays bounded."""
         r = d.rejection
         t = d.tenant if d.tenant in self._allowed else OTHER
-        if r is None:
+        if d.best_effort is not None:
+            # its own decision (the reason: the limit it is over), class none: neither an admission the
+            # scaler counts as demand nor a 429 (``scaler/signals.py`` reads decision and class)
+            self.requests.inc((t, d.tier, "best-effort", d.best_effort.reason, "none", pool))
+            self.best_effort.inc((t, d.tier, PROTECTIVE.get(d.best_effort.reason, "other"), pool))
+        elif r is None:
             self.requests.inc((t, d.tier, "admit", "ok", "none", pool))
         else:
             self.requests.inc((t, d.tier, "shadow_reject" if d.admitted else "reject", r.reason, r.klass, pool))
@@ -280,7 +292,7 @@ class _StateCollector(Collector):
                     key = (self._stats.label(lease.tenant.name), lease.pool)
                     per[key] = per.get(key, 0) + 1
             for lease in a.leases():
-                if lease.charged:
+                if lease.holds_slot:  # best effort holds a fleet slot, not its tenant's
                     sent[lease.pool] = sent.get(lease.pool, 0) + 1
             for (label, pool), count in sorted(per.items()):
                 inflight.add_metric([label, pool], count)

@@ -1,0 +1,185 @@
+"""Best effort (issue 30 §1): a tenant over a protective limit is served when the fleet has room nobody
+within quota needs — holding a fleet slot and no quota, at the lowest tier's priority, never scaling
+demand — and refused (429) otherwise, or when the limit is one it may not exceed."""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import pytest
+from prometheus_client import generate_latest
+
+from ext_proc.admission import Usage
+from ext_proc.config import ConfigError, parse_config
+from ext_proc.core import Answer, Core, Ended, Held, Request, null_logger
+from ext_proc.estimate import Estimate
+from ext_proc.identity import hash_key
+from gpu_probe.snapshot import Snapshot
+from scaler.signals import parse_kvgate
+from tests.helpers import FakeClock
+
+NODE = "10.0.0.1:8000"
+
+
+def make(over_limit: Any = "best-effort", *, enabled: bool = True, tenant: dict[str, Any] | None = None,
+         extra: dict[str, Any] | None = None) -> tuple[Core, FakeClock]:
+    clock = FakeClock()
+    t = {"name": "b", "tier": "batch", "api_key_sha256": [hash_key("kb")], "max_concurrent": 1,
+         "over_limit": over_limit, **(tenant or {})}
+    cfg = parse_config({
+        "nodes": {"static": [{"address": NODE, "probe": "http://p"}], "performance": {"profile": "34b-a100"}},
+        "queue": {"inject_priority": True},
+        "best_effort": {"enabled": enabled},
+        "tenants": [t, {"name": "i", "tier": "interactive", "api_key_sha256": [hash_key("ki")]}],
+        **(extra or {})})
+    core = Core(cfg, clock, random.Random(1), log=null_logger())
+    idle(core, clock, 0.0)
+    return core, clock
+
+
+def idle(core: Core, clock: FakeClock, kv: float, waiting: int = 0) -> None:
+    core.snapshot(NODE, Snapshot(node="n", at=clock(), ok=True, kv_usage=kv, blocks_total=2537, block_size=16,
+                                 running=0, waiting=waiting))
+
+
+def ask(core: Core, rid: str, key: str = "kb", prompt: int = 100, out: int = 10) -> Answer | Held:
+    a = core.decide(Request("/v1/chat/completions", rid, f"Bearer {key}", estimate=Estimate(prompt, out, True),
+                            body_bytes=prompt * 4))
+    assert isinstance(a, (Answer, Held)), a
+    return a
+
+
+def answer(a: Any) -> Answer:
+    assert isinstance(a, Answer), a
+    return a
+
+
+def test_over_its_concurrency_cap_a_tenant_is_served_from_spare_room_holding_no_quota() -> None:
+    core, _ = make()
+    first = answer(ask(core, "r1"))
+    assert first.decision.admitted and first.decision.best_effort is None
+    b = core.admission.tenant_state("b")
+    assert b is not None and b.inflight == 1
+    second = answer(ask(core, "r2"))
+    d = second.decision
+    assert d.admitted and d.rejection is None
+    assert d.best_effort is not None and d.best_effort.reason == "tenant-concurrency"
+    assert d.lease is not None and d.lease.best_effort and not d.lease.charged and d.lease.node == NODE
+    assert second.metadata["best_effort"] is True
+    assert b.inflight == 1, "best effort takes none of its tenant's slots"
+    assert core.admission.inflight == 2, "but it holds a fleet slot"
+    text = generate_latest(core.stats.registry).decode()
+    assert ('kvgate_best_effort_admissions_total{limit="concurrency",pool="default",tenant="b",tier="batch"} 1.0'
+            in text)
+    assert ('kvgate_requests_total{class="none",decision="best-effort",pool="default",reason="tenant-concurrency",'
+            'tenant="b",tier="batch"} 1.0') in text
+    # it ends exactly once, and gives back its fleet slot only
+    assert core.ended(Ended(d.lease.ticket, "r2", 200, Usage(100, 10), upstream_answered=True)) is not None
+    assert core.ended(Ended(d.lease.ticket, "r2", 200, Usage(100, 10), upstream_answered=True)) is None
+    assert core.admission.inflight == 1 and b.inflight == 1
+
+
+def test_best_effort_is_never_scaling_demand() -> None:
+    """The scaler reads kvgate_requests_total by decision and class: a best-effort admission is neither
+    an admission (demand) nor a 429 (the spread rule would count it)."""
+    core, _ = make()
+    answer(ask(core, "r1"))
+    assert answer(ask(core, "r2")).decision.best_effort is not None
+    reading = parse_kvgate(generate_latest(core.stats.registry).decode())
+    assert reading.totals.get(("admitted", "b")) == 1.0
+    assert ("policy", "b") not in reading.totals
+
+
+def test_best_effort_runs_at_the_lowest_tiers_vllm_priority() -> None:
+    core, _ = make(tenant={"tier": "interactive"})
+    answer(ask(core, "r1"))
+    lease = answer(ask(core, "r2")).decision.lease
+    assert lease is not None and lease.best_effort
+    assert lease.tier == "interactive", "its SLO is still accounted to its tier"
+    assert core.admission.runs_as(lease) == "batch"
+    doc: dict[str, Any] = {"model": "m", "messages": []}
+    body, _ = core._rewrite(Estimate(10, 10, True, document=doc), core.admission.runs_as(lease))
+    assert body is not None and b'"priority":2' in body
+
+
+@pytest.mark.parametrize("over_limit", [None, "refuse", {"tokens": "best-effort"}, {"concurrency": "refuse"}])
+def test_a_limit_the_tenant_may_not_exceed_refuses(over_limit: Any) -> None:
+    core, _ = make(over_limit)
+    answer(ask(core, "r1"))
+    r = answer(ask(core, "r2")).decision.rejection
+    assert r is not None and (r.status, r.reason) == (429, "tenant-concurrency")
+
+
+def test_the_switch_turns_best_effort_off_everywhere() -> None:
+    core, _ = make(enabled=False)
+    answer(ask(core, "r1"))
+    r = answer(ask(core, "r2")).decision.rejection
+    assert r is not None and r.status == 429
+
+
+def test_the_default_is_a_per_config_word() -> None:
+    core, _ = make(None, extra={"best_effort": {"default": "best-effort"}})
+    answer(ask(core, "r1"))
+    assert answer(ask(core, "r2")).decision.best_effort is not None
+
+
+def test_over_a_hard_budget_too_it_is_refused() -> None:
+    """Over its concurrency cap (may be exceeded) and its token budget (may not): the 429 stands."""
+    core, _ = make({"concurrency": "best-effort"}, tenant={"tokens_per_minute": 150})
+    answer(ask(core, "r1"))  # 110 of its 150 tokens
+    r = answer(ask(core, "r2")).decision.rejection
+    assert r is not None and r.status == 429
+    # the same over its token budget only, when tokens may be exceeded: best effort, nothing taken
+    core, _ = make("best-effort", tenant={"tokens_per_minute": 150, "max_concurrent": None})
+    answer(ask(core, "r1"))
+    b = core.admission.tenant_state("b")
+    assert b is not None and b.tokens is not None
+    before = b.tokens.available(0.0)
+    d = answer(ask(core, "r2")).decision
+    assert d.best_effort is not None and d.best_effort.reason == "tenant-tokens"
+    assert b.tokens.available(0.0) == before, "a best-effort admission debits no bucket"
+
+
+def test_no_room_no_best_effort() -> None:
+    """A node too full for the lowest tier (its KV reserve): the tenant over its cap gets its 429."""
+    core, clock = make()
+    answer(ask(core, "r1"))
+    idle(core, clock, 0.88)  # under the admit threshold (0.92), above it minus batch's 10% reserve
+    r = answer(ask(core, "r2")).decision.rejection
+    assert r is not None and (r.status, r.reason) == (429, "tenant-concurrency")
+
+
+def test_nobody_within_quota_waits_behind_best_effort() -> None:
+    """A request within quota waiting in the gateway queue: best effort is refused, not sent ahead of it."""
+    core, clock = make()
+    answer(ask(core, "r1"))
+    idle(core, clock, 0.95)  # full: the interactive request within quota waits
+    assert isinstance(ask(core, "w", key="ki"), Held)
+    idle(core, clock, 0.95)
+    r = answer(ask(core, "r2")).decision.rejection
+    assert r is not None and r.status == 429
+
+
+def test_precheck_lets_a_best_effort_tenant_at_its_cap_be_read() -> None:
+    core, _ = make()
+    answer(ask(core, "r1"))
+    t = core.config.tenant("b")
+    assert t is not None
+    assert core.admission.precheck(t, 100) is None
+    core, _ = make("refuse")
+    answer(ask(core, "r1"))
+    t = core.config.tenant("b")
+    assert t is not None
+    r = core.admission.precheck(t, 100)
+    assert r is not None and r.reason == "tenant-concurrency"
+
+
+@pytest.mark.parametrize(("value", "message"), [
+    ("maybe", r"tenants\[0\]\.over_limit: must be refuse or best-effort"),
+    ({"concurrency": "nope"}, r"tenants\[0\]\.over_limit: concurrency: must be refuse or best-effort"),
+    ({"spend": "best-effort"}, r"tenants\[0\]\.over_limit: 'spend' is not a limit that may be exceeded"),
+])
+def test_config_errors_name_the_field(value: Any, message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        parse_config({"tenants": [{"name": "a", "over_limit": value}]})
