@@ -48,6 +48,12 @@ MIN_HOLD_S = 0.05
 NORM_ALPHA = 0.02
 """How slowly a tenant's *norm* request duration follows: about its last 50 requests, against the
 recent mean's last 5 — a fleet that slowed down shows as the recent mean pulling away from the norm."""
+NORM_RISE_ALPHA = 0.002
+"""How slowly the norm *rises* (about a tenant's last 500 requests; it falls at ``NORM_ALPHA``): the norm is
+the tenant's duration on a healthy fleet. Rising as fast as it falls, a fleet slowed for a few dozen of
+the tenant's requests became its norm — a bursty trace where slow, busy nodes held every request longer
+refused 14% as concurrency 429s that no longer counted as the fleet's doing, and the scaler never
+scaled (issue 30 §4)."""
 SLOWED = 1.5
 """Recent mean over norm at which a tenant's concurrency-cap 429s count as the fleet's doing."""
 
@@ -902,7 +908,8 @@ class Admission:
         seconds = now - lease.started
         if responded:
             s.mean_seconds = _ewma(s.mean_seconds, seconds)
-            s.norm_seconds = _ewma(s.norm_seconds, seconds, NORM_ALPHA)
+            rises = s.norm_seconds is not None and seconds > s.norm_seconds
+            s.norm_seconds = _ewma(s.norm_seconds, seconds, NORM_RISE_ALPHA if rises else NORM_ALPHA)
             if lease.budget is not None:  # its Retry-After when its own cap refuses
                 lease.budget.mean_seconds = _ewma(lease.budget.mean_seconds, seconds)
             self._mean_seconds = _ewma(self._mean_seconds, seconds)
