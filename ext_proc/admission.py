@@ -54,6 +54,9 @@ the tenant's duration on a healthy fleet. Rising as fast as it falls, a fleet sl
 the tenant's requests became its norm — a bursty trace where slow, busy nodes held every request longer
 refused 14% as concurrency 429s that no longer counted as the fleet's doing, and the scaler never
 scaled (issue 30 §4)."""
+AS_HELD_S = 1e-6
+"""What a best-effort request is placed as having waited: node choice then asks its first token within
+the lowest tier's TTFT target, not within its max wait (``core.Core._pick``)."""
 SLOWED = 1.5
 """Recent mean over norm at which a tenant's concurrency-cap 429s count as the fleet's doing."""
 
@@ -400,16 +403,20 @@ class Admission:
         Only for a limit its config lets be exceeded (``tenants[i].over_limit``; ``reasons.PROTECTIVE``:
         never a contract), and only when serving it costs nobody within quota: kvgate chooses nodes (so
         there is a prediction to trust), nobody waits in the pool's gateway queue, a fleet slot is free and
-        a node takes it *as the lowest tier* — that tier's KV reserve, its vLLM priority, its target — so
-        it goes only where the lowest tier would have room. It never waits in the queue (the first to be
-        held: it is refused instead), takes no quota (``Lease.best_effort``) and is never scaling demand."""
+        a node takes it *as the lowest tier* — that tier's KV reserve, its vLLM priority, its first token
+        predicted within its TTFT target — so it goes only where the lowest tier would have room. It never
+        waits in the queue (the first to be held: it is refused instead), takes no quota
+        (``Lease.best_effort``) and is never scaling demand."""
         kind = PROTECTIVE.get(rejection.reason)
         if kind is None or not self._may_exceed(s, kind) or self._over_hard(s, est, now):
             return None
         if len(self.queue_of(est.pool)):
             return None
         ticket = self._ticket()
-        placed, capacity = self._place(est, ticket, self.config.lowest_tier, now)
+        # placed as if it had already waited (``AS_HELD_S``): only where the lowest tier's *target* is
+        # predicted to be met — a new arrival of that tier may go up to its max wait (30 s for batch),
+        # which is no spare room
+        placed, capacity = self._place(est, ticket, self.config.lowest_tier, now, AS_HELD_S)
         if capacity is not None:
             return None
         lease = Lease(ticket, s, request_id, est.total, est.prompt_tokens, now, False, s.config.tier,

@@ -183,3 +183,17 @@ def test_precheck_lets_a_best_effort_tenant_at_its_cap_be_read() -> None:
 def test_config_errors_name_the_field(value: Any, message: str) -> None:
     with pytest.raises(ConfigError, match=message):
         parse_config({"tenants": [{"name": "a", "over_limit": value}]})
+
+
+def test_best_effort_goes_only_where_the_lowest_tiers_target_is_predicted_to_be_met() -> None:
+    """Spare room is a first token within the lowest tier's *target*: a new arrival of that tier may go
+    up to its max wait (30 s for batch), which would pile best effort onto a busy node."""
+    tiers = {"interactive": {"priority": 0, "max_queue_wait_ms": 1000, "ttft_target_ms": 200},
+             "batch": {"priority": 2, "max_queue_wait_ms": 30000, "ttft_target_ms": 300}}
+    core, _ = make(extra={"tiers": tiers})
+    answer(ask(core, "r1"))
+    assert answer(ask(core, "idle")).decision.best_effort is not None, "an idle node: room"
+    busy = answer(ask(core, "long", key="ki", prompt=6000)).decision  # ~1-2 s of prefill booked ahead
+    assert busy.admitted
+    r = answer(ask(core, "r2")).decision
+    assert r.best_effort is None and r.rejection is not None and r.rejection.status == 429
