@@ -197,3 +197,32 @@ def test_best_effort_goes_only_where_the_lowest_tiers_target_is_predicted_to_be_
     assert busy.admitted
     r = answer(ask(core, "r2")).decision
     assert r.best_effort is None and r.rejection is not None and r.rejection.status == 429
+
+
+@pytest.mark.parametrize(("best_effort", "named"), [(True, ("", "")), (False, ("acme", "acme/llama-70b"))])
+def test_another_replicas_best_effort_end_gives_back_no_slot(best_effort: bool, named: tuple[str, str]) -> None:
+    """With several replicas an end reaching the wrong replica is forwarded with the tenant whose slot it
+    held (given back if its owner died): a best-effort request held none, so it names none."""
+    from envoy.data.accesslog.v3 import accesslog_pb2
+
+    from ext_proc.server import META_NS, Gateway
+    from tests.test_pools import pools_config
+
+    class Store:
+        def __init__(self) -> None:
+            self.sent: list[tuple[str, str]] = []
+
+        def forward(self, e: Ended, tenant: str = "", budget: str = "") -> None:
+            self.sent.append((tenant, budget))
+
+    gw = Gateway(pools_config())
+    store = Store()
+    gw.store = store  # type: ignore[assignment]
+    entry = accesslog_pb2.HTTPAccessLogEntry()
+    entry.request.request_id = "r"
+    fields = entry.common_properties.metadata.filter_metadata[META_NS]
+    fields.update({"ticket": "elsewhere-1", "tenant": "acme", "budget": "acme/llama-70b"})
+    if best_effort:
+        fields.update({"best_effort": True})
+    gw.on_access_log(entry)
+    assert store.sent == [named]
