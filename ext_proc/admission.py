@@ -410,7 +410,7 @@ class Admission:
         kind = PROTECTIVE.get(rejection.reason)
         if kind is None or not self._may_exceed(s, kind) or self._over_hard(s, est, now):
             return None
-        if len(self.queue_of(est.pool)):
+        if len(self.queue_of(est.pool)) or self._crowds_top(est):
             return None
         ticket = self._ticket()
         # placed as if it had already waited (``AS_HELD_S``): only where the lowest tier's *target* is
@@ -424,6 +424,17 @@ class Admission:
         lease.predicted_ttft = placed.ttft
         self._dispatch(lease, est, now)
         return Decision(s.name, s.config.tier, lease, None, best_effort=rejection)
+
+    def _crowds_top(self, est: Estimate) -> bool:
+        """Whether the request's prefill alone, on the fastest node, is longer than the top tier's TTFT
+        target: vLLM runs a running prefill's chunks before any waiting request whatever its priority,
+        so a top-tier request arriving behind it would miss its target *because of it*. Such a request
+        is never best effort (on the families, best effort without this cost the interactive tier 2-7
+        points for a few points of batch SLO)."""
+        top = self.config.tiers[self.config.top_tier]
+        if top.ttft_target_ms is None or self.floor is None:
+            return False
+        return self.floor(est) > top.ttft_target_ms / 1000.0
 
     def _over_hard(self, s: TenantState, est: Estimate, now: float) -> bool:
         """Whether the tenant is also over a limit it may *not* exceed (``_check`` stops at the first it

@@ -226,3 +226,13 @@ def test_another_replicas_best_effort_end_gives_back_no_slot(best_effort: bool, 
         fields.update({"best_effort": True})
     gw.on_access_log(entry)
     assert store.sent == [named]
+
+
+def test_a_prefill_longer_than_the_top_tiers_target_is_never_best_effort() -> None:
+    """vLLM runs a running prefill's chunks before any waiting request: a top-tier request arriving
+    behind a long best-effort prefill would miss its target because of it. A short one may go."""
+    core, _ = make()
+    answer(ask(core, "r1"))
+    r = answer(ask(core, "long", prompt=6000)).decision  # ~1 s of prefill alone, against a 200 ms target
+    assert r.best_effort is None and r.rejection is not None and r.rejection.status == 429
+    assert answer(ask(core, "short")).decision.best_effort is not None
