@@ -139,6 +139,12 @@ class CoreMachine(RuleBasedStateMachine):
             self._answer(out)
         self._drain_answers()
 
+    @rule(tenant=st.sampled_from(["batch", "rag"]), n=st.integers(1, 6), envoy=st.sampled_from(["e1", "e2"]))
+    def burst(self, tenant: str, n: int, envoy: str) -> None:
+        """Short requests of one tenant at once: past its concurrency cap, best effort where there is room."""
+        for _ in range(n):
+            self.request(tenant, 50, 20, envoy, "small-m" if self.POOLS else None)
+
     @rule(data=st.data(), how=st.sampled_from(["ok", "no_usage", "disconnect", "upstream_error", "aborted",
                                                "twice"]))
     def end(self, data: st.DataObject, how: str) -> None:
