@@ -26,17 +26,17 @@ import math
 import random
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import NamedTuple
+from typing import NamedTuple, cast
 
 from .budgets import BudgetBook, Refusal
-from .config import Config, Mode, ModelBudget, Tenant
+from .config import Config, Mode, ModelBudget, ProtectiveLimit, Tenant
 from .estimate import Estimate
 from .limits import Credit, TokenBucket, default_burst
 from .pools import DEFAULT_POOL, PoolSpec, Router, pools_of
 from .prices import Spent
 from .queue import Entry, FairQueue, TierSpec
 from .quota import Bucket, LeasedQuota, Limit, LocalQuota, Quota, ShareReport, SplitQuota, whole_tokens
-from .reasons import UNKNOWN_KEY, BudgetView, RateLimitView, Rejection, reject
+from .reasons import PROTECTIVE, UNKNOWN_KEY, BudgetView, RateLimitView, Rejection, reject
 
 __all__ = ["UNKNOWN_KEY", "RateLimitView", "Rejection"]
 
@@ -50,6 +50,15 @@ MIN_HOLD_S = 0.05
 NORM_ALPHA = 0.02
 """How slowly a tenant's *norm* request duration follows: about its last 50 requests, against the
 recent mean's last 5 — a fleet that slowed down shows as the recent mean pulling away from the norm."""
+NORM_RISE_ALPHA = 0.002
+"""How slowly the norm *rises* (about a tenant's last 500 requests; it falls at ``NORM_ALPHA``): the norm is
+the tenant's duration on a healthy fleet. Rising as fast as it falls, a fleet slowed for a few dozen of
+the tenant's requests became its norm — a bursty trace where slow, busy nodes held every request longer
+refused 14% as concurrency 429s that no longer counted as the fleet's doing, and the scaler never
+scaled (issue 30 §4)."""
+AS_HELD_S = 1e-6
+"""What a best-effort request is placed as having waited: node choice then asks its first token within
+the lowest tier's TTFT target, not within its max wait (``core.Core._pick``)."""
 SLOWED = 1.5
 """Recent mean over norm at which a tenant's concurrency-cap 429s count as the fleet's doing."""
 
@@ -132,6 +141,16 @@ class Lease:
     on_split: bool = False
     """Charged while this replica enforced its local split (``quota.SplitQuota``): only such a lease's
     return or refund changes what the split spent (what the store debits on rejoining)."""
+    best_effort: bool = False
+    """Admitted as best effort (its tenant over a protective limit, the fleet with room nobody within
+    quota needs): it holds a fleet slot but no quota — nothing taken from any bucket or slot, its own
+    tenant's or another's — runs at the lowest tier's vLLM priority and is never scaling demand. Always
+    ``charged`` False."""
+
+    @property
+    def holds_slot(self) -> bool:
+        """Whether it counts in :attr:`Admission.inflight` (a fleet slot): charged or best effort."""
+        return self.charged or self.best_effort
 
 
 @dataclass(frozen=True, slots=True)
@@ -151,6 +170,8 @@ class Decision:
     identified: bool = True
     """False for a request refused before any tenant was found (no known key, a malformed
     ``Authorization``): ``tenant`` is then ``unknown`` and ``tier`` only the lowest, a placeholder."""
+    best_effort: Rejection | None = None
+    """Admitted as best effort: the 429 it would have had (which protective limit the tenant is over)."""
 
     @property
     def admitted(self) -> bool:
@@ -376,7 +397,8 @@ class Admission:
             rejection = self._reserve(state, held, estimate)
         if rejection is not None:
             if state.mode == "enforce":
-                return Decision(state.name, tier, None, rejection)
+                return self._best_effort(state, request_id, estimate, rejection, now) or \
+                    Decision(state.name, tier, None, rejection)
             return self._shadow(state, request_id, estimate, rejection, now)
         ticket = held or self._ticket()
         d = self._admit(state, ticket, request_id, estimate, now, held)
@@ -426,6 +448,77 @@ class Admission:
             return self._shadow(state, request_id, estimate, self._queue_rejection(state, "queue-ahead", 0.0), now,
                                 held)
         return self._enqueue(state, ticket, request_id, estimate, now, placed)
+
+    def _best_effort(self, s: TenantState, request_id: str, est: Estimate, rejection: Rejection,
+                     now: float) -> Decision | None:
+        """Serve a tenant over a protective limit as best effort, or None (it gets its 429).
+
+        Only for a limit its config lets be exceeded (``tenants[i].over_limit``; ``reasons.PROTECTIVE``:
+        never a contract), and only when serving it costs nobody within quota: kvgate chooses nodes (so
+        there is a prediction to trust), nobody waits in the pool's gateway queue, a fleet slot is free and
+        a node takes it *as the lowest tier* — that tier's KV reserve, its vLLM priority, its first token
+        predicted within its TTFT target — so it goes only where the lowest tier would have room. It never
+        waits in the queue (the first to be held: it is refused instead), takes no quota
+        (``Lease.best_effort``) and is never scaling demand."""
+        kind = PROTECTIVE.get(rejection.reason)
+        if kind is None or not self._may_exceed(s, kind) or self._over_hard(s, est, now):
+            return None
+        if len(self.queue_of(est.pool)) or self._crowds_top(est):
+            return None
+        ticket = self._ticket()
+        if self.spend.accounts:
+            # spend budgets are contracts: best effort pays them as any admission does (reserved now,
+            # charged at completion under this ticket), and one that cannot pay gets that 429 instead
+            over = self._reserve(s, ticket, est)
+            if over is not None:
+                return Decision(s.name, s.config.tier, None, over)
+        # placed as if it had already waited (``AS_HELD_S``): only where the lowest tier's *target* is
+        # predicted to be met — a new arrival of that tier may go up to its max wait (30 s for batch),
+        # which is no spare room
+        placed, capacity = self._place(est, ticket, self.config.lowest_tier, now, AS_HELD_S)
+        if capacity is not None:
+            self.spend.release(ticket)  # (no hold: nothing)
+            return None
+        lease = Lease(ticket, s, request_id, est.total, est.prompt_tokens, now, False, s.config.tier,
+                      placed.node, pool=est.pool or DEFAULT_POOL, best_effort=True)
+        lease.predicted_ttft = placed.ttft
+        self._dispatch(lease, est, now)
+        return Decision(s.name, s.config.tier, lease, None, best_effort=rejection)
+
+    def _crowds_top(self, est: Estimate) -> bool:
+        """Whether the request's prefill alone, on the fastest node, is longer than the top tier's TTFT
+        target: vLLM runs a running prefill's chunks before any waiting request whatever its priority,
+        so a top-tier request arriving behind it would miss its target *because of it*. Such a request
+        is never best effort (on the families, best effort without this cost the interactive tier 2-7
+        points for a few points of batch SLO)."""
+        top = self.config.tiers[self.config.top_tier]
+        if top.ttft_target_ms is None or self.floor is None:
+            return False
+        return self.floor(est) > top.ttft_target_ms / 1000.0
+
+    def _over_hard(self, s: TenantState, est: Estimate, now: float) -> bool:
+        """Whether the tenant is also over a limit it may *not* exceed (``_check`` stops at the first it
+        is over: over its concurrency cap, which it may exceed, it may still be over a token budget that
+        refuses), its per-model budget's included."""
+        budget = self._budget_of(s, est.model) if self._model_budgets else None
+        for b in (s, budget):
+            if b is None:
+                continue
+            cap = b.config.max_concurrent
+            if cap is not None and b.inflight >= cap and not self._may_exceed(s, "concurrency"):
+                return True
+            for kind, bucket, need in (("requests", b.requests, 1.0), ("tokens", b.tokens, float(est.total))):
+                if bucket is not None and bucket.seconds_until(need, now) > 0 and \
+                        not self._may_exceed(s, cast(ProtectiveLimit, kind)):
+                    return True
+        return False
+
+    def _may_exceed(self, s: TenantState, kind: ProtectiveLimit) -> bool:
+        """Whether ``s`` over its ``kind`` limit may be served as best effort: best effort is on, its
+        config says so for that limit, and kvgate chooses nodes (without a prediction there is no
+        telling spare room from none: it is refused)."""
+        cfg = self.config.best_effort
+        return cfg.enabled and self.pick is not None and s.config.over_limit_for(kind, cfg.default) == "best-effort"
 
     def _budget_of(self, s: TenantState, model: str | None) -> TenantState | None:
         """The tenant's per-model budget that applies to ``model`` (None: none does)."""
@@ -734,9 +827,10 @@ class Admission:
             return self._check(s, _NOTHING, body_bytes, now)
         cap = s.config.max_concurrent
         if cap is not None and s.inflight >= cap:
-            return None if _slowed(s) else self._check(s, _NOTHING, 0, now)
+            # (a tenant that may be served as best effort over it is read and decided: the fleet may have room)
+            return None if _slowed(s) or self._may_exceed(s, "concurrency") else self._check(s, _NOTHING, 0, now)
         if isinstance(self.quota, LocalQuota) and s.requests is not None and s.requests.seconds_until(1, now) > 0:
-            return self._check(s, _NOTHING, 0, now)
+            return None if self._may_exceed(s, "requests") else self._check(s, _NOTHING, 0, now)
         if reads is not None and (wait := reads.seconds_until(1, now)) > 0:
             return self._policy(s, "tenant-requests", "Rate limit reached for requests: this tenant's recent "
                                 f"request bodies were refused as invalid (limit {int(reads.rate * 60)}/min, "
@@ -829,6 +923,10 @@ class Admission:
             self._dispatch(lease, est, now)
         return lease
 
+    def runs_as(self, lease: Lease) -> str:
+        """The tier whose vLLM priority a lease runs at: the lowest for best effort, else its own."""
+        return self.config.lowest_tier if lease.best_effort else lease.tier
+
     def _take(self, s: TenantState, tokens: int, now: float) -> None:
         """Charge one request of ``tokens`` to a tenant (or a per-model budget)."""
         s.inflight += 1
@@ -846,6 +944,7 @@ class Admission:
             s.leases[lease.ticket] = lease
             if lease.budget is not None:
                 lease.budget.leases[lease.ticket] = lease
+        if lease.holds_slot:
             self.inflight += 1
         lease.service = self._service(s, est)
         q = self.queue_of(lease.pool)
@@ -854,7 +953,7 @@ class Admission:
             key = _service_key(lease.pool, s.name)
             self.service_out[key] = self.service_out.get(key, 0.0) + lease.service
             if lease.node is not None:
-                self.dispatch_out.append((lease.node, est.total, est.prompt_tokens, lease.tier))
+                self.dispatch_out.append((lease.node, est.total, est.prompt_tokens, self.runs_as(lease)))
         if lease.queued_at is None:
             q.note_dispatch(lease.service, now)
 
@@ -880,8 +979,9 @@ class Admission:
             self.spend.settle(ticket, used, self._wall())
         charged_tokens = usage.total if usage is not None else (lease.reserved_tokens if responded else 0)
         s = lease.tenant
-        if lease.charged:
+        if lease.holds_slot:
             self.inflight -= 1
+        if lease.charged:
             for b in (s, lease.budget):
                 if b is None:
                     continue
@@ -894,7 +994,8 @@ class Admission:
         seconds = now - lease.started
         if responded:
             s.mean_seconds = _ewma(s.mean_seconds, seconds)
-            s.norm_seconds = _ewma(s.norm_seconds, seconds, NORM_ALPHA)
+            rises = s.norm_seconds is not None and seconds > s.norm_seconds
+            s.norm_seconds = _ewma(s.norm_seconds, seconds, NORM_RISE_ALPHA if rises else NORM_ALPHA)
             if lease.budget is not None:  # its Retry-After when its own cap refuses
                 lease.budget.mean_seconds = _ewma(lease.budget.mean_seconds, seconds)
             self._mean_seconds = _ewma(self._mean_seconds, seconds)

@@ -10,7 +10,7 @@ import ipaddress
 import re
 from fnmatch import fnmatchcase
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, get_args
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -19,6 +19,12 @@ from .prices import Price, SpendBudget
 from .profiles import PROFILES
 
 Mode = Literal["enforce", "shadow"]
+OverLimit = Literal["refuse", "best-effort"]
+"""What a tenant over a protective limit gets: a 429 (``refuse``), or service as best effort when the
+fleet has room nobody within quota needs (``best-effort``; ``docs/guides/best-effort.md``)."""
+ProtectiveLimit = Literal["concurrency", "requests", "tokens"]
+"""The limits that protect the fleet rather than bill a tenant: the only ones that may be exceeded as
+best effort. A limit that is a contract (a billed spend budget) is not one of them and stays hard."""
 _NAME = r"^[a-z0-9][a-z0-9_.-]{0,62}$"
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
 
@@ -107,6 +113,12 @@ class Tenant(Quota):
     )
     mode: Mode | None = Field(
         default=None, description="this tenant's own mode (enforce | shadow); None: the global mode")
+    over_limit: OverLimit | dict[ProtectiveLimit, OverLimit] | None = Field(
+        default=None, description="over a protective limit (max_concurrent, requests_per_minute, "
+        "tokens_per_minute, and the same limits of its model_budgets): refuse (429) or best-effort (served "
+        "at the lowest priority when the fleet has room nobody within quota needs); one word for all "
+        "three, or per limit ({concurrency: best-effort, tokens: refuse}; a limit left out: "
+        "best_effort.default); None: best_effort.default")
     budgets: list[SpendBudget] = Field(
         default_factory=list, description="spend budgets (money or weighted tokens per window): see "
         "docs/guides/budgets.md")
@@ -120,6 +132,31 @@ class Tenant(Quota):
                 raise ValueError(f"budget {b.name!r} is defined twice; each budget of a tenant needs its own name")
             seen.add(b.name)
         return v
+
+    @field_validator("over_limit", mode="before")
+    @classmethod
+    def _over_limit(cls, v: Any) -> Any:
+        """One plain message (pydantic's own, for a union, names both alternatives' insides)."""
+        words, limits = get_args(OverLimit), get_args(ProtectiveLimit)
+        if v is None or (isinstance(v, str) and v in words):
+            return v
+        if not isinstance(v, dict):
+            raise ValueError(f"must be refuse or best-effort, or a map of limit ({', '.join(limits)}) to one "
+                             "of them")
+        for k, x in v.items():
+            if k not in limits:
+                raise ValueError(f"{k!r} is not a limit that may be exceeded as best effort (only "
+                                 f"{', '.join(limits)}: a limit that is a contract always refuses)")
+            if x not in words:
+                raise ValueError(f"{k}: must be refuse or best-effort, not {x!r}")
+        return v
+
+    def over_limit_for(self, limit: ProtectiveLimit, default: OverLimit) -> OverLimit:
+        """What this tenant gets over ``limit``: its own word for it, else ``default``."""
+        v = self.over_limit
+        if v is None:
+            return default
+        return v if isinstance(v, str) else v.get(limit, default)
 
     @field_validator("api_key_sha256")
     @classmethod
@@ -214,6 +251,17 @@ class Retry(_Strict):
 
 MAX_QUEUE_WAIT_MS = 55_000
 """Envoy's ``max_message_timeout`` in the generated filter is 60 s; a held request must be answered first."""
+
+
+class BestEffort(_Strict):
+    """Serving tenants over a protective limit when the fleet has room (``docs/guides/best-effort.md``)."""
+
+    enabled: bool = Field(
+        default=True, description="false: every limit refuses (429), whatever the tenants say; the switch "
+        "that turns best effort off everywhere (an ablation, an incident)")
+    default: OverLimit = Field(
+        default="refuse", description="what a protective limit does for a tenant whose over_limit does "
+        "not say: refuse (429) or best-effort")
 
 
 class Tier(_Strict):
@@ -631,6 +679,9 @@ class Config(_Strict):
         description="the SLA tiers by name (not none: the metrics label unidentified callers so); leave out for "
         "interactive / standard / batch")
     queue: Queue = Queue()
+    best_effort: BestEffort = Field(
+        default_factory=BestEffort, description="tenants over a protective limit served as best effort "
+        "when the fleet has room (see tenants[i].over_limit)")
     store: Store = Store()
     pools: list[Pool] = Field(
         default_factory=list, description="several models, each on its own nodes; none: one pool named "

@@ -380,6 +380,13 @@ class Core:
                               retry_after_s=None if r.retry_after is None else round(r.retry_after, 3),
                               estimated_tokens=est.total if est is not None else None,
                               **({"folded": folded} if folded else {}))
+        over = d.best_effort
+        if over is not None:
+            # its own line (and decision label): a tenant over its limit that the fleet's spare room served
+            n = self._reject_log.take(("best_effort", d.tenant, over.reason, pool), self._clock())
+            if n is not None:
+                self.log.info("best_effort", request_id=request_id, tenant=d.tenant, tier=d.tier, over=over.reason,
+                              pool=pool, runs_as=self.config.lowest_tier, **({"folded": n} if n else {}))
         lease = d.lease
         if lease is None:
             assert r is not None
@@ -393,12 +400,14 @@ class Core:
                 self._by_request[request_id] = lease.ticket
         if envoy:
             self._envoy_of[lease.ticket] = envoy
-        body, strip = self._rewrite(est, d.tier)
+        body, strip = self._rewrite(est, self.admission.runs_as(lease))
         meta: dict[str, Any] = {"ticket": lease.ticket, "strip_usage": strip, "tenant": d.tenant, "tier": d.tier}
         if lease.budget is not None:
             meta["budget"] = lease.budget.name  # another replica's access log gives its slot back too
         if est is not None and est.parsed and not est.stream:
             meta["buffered"] = True  # the answer comes whole: Envoy's longer first-byte timeout applies
+        if lease.best_effort:
+            meta["best_effort"] = True
         if lease.node is not None:
             meta["endpoint"] = lease.node  # the Lua helper turns it into the ORIGINAL_DST header
         if self.admission.spend.accounts and (left := self.admission.budget_left(d.tenant)) is not None:

@@ -19,6 +19,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from .config import ProtectiveLimit
+
 Klass = Literal["invalid", "auth", "policy", "capacity", "gateway"]
 
 
@@ -167,6 +169,13 @@ class Rejection:
     """A policy (429) rejection the fleet caused rather than the tenant: a concurrency-cap 429 for a
     tenant inside its request and token budgets whose requests now last clearly longer than its own
     norm (a slower fleet holds each request longer). The scaler counts these as unmet demand."""
+
+
+PROTECTIVE: dict[str, ProtectiveLimit] = {"tenant-concurrency": "concurrency", "tenant-requests": "requests",
+                              "tenant-tokens": "tokens"}
+"""The 429 reasons of a *protective* limit → its kind (``config.ProtectiveLimit``): a tenant over one may
+be served as best effort (``tenants[i].over_limit``). A reason not here is hard: a limit that is a contract
+(a billed spend budget) must never be added to this table."""
 
 
 def reject(name: str, message: str | None = None, retry_after: float | None = None, *,

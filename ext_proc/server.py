@@ -471,7 +471,9 @@ class Gateway:
         )
         if self.store is not None and ticket and not self.core.owns(ticket):
             # another replica's: Envoy's access log may reach any replica
-            self.store.forward(e, _text(kf.get("tenant")), _text(kf.get("budget")))
+            # a best-effort request held none of its tenant's slots: none to give back if its owner died
+            quota = not (be := kf.get("best_effort")) or not be.bool_value
+            self.store.forward(e, _text(kf.get("tenant")) if quota else "", _text(kf.get("budget")) if quota else "")
             return
         done = self.core.ended(e)
         if done is None and self.store is not None and not ticket and self.core.tombstoned(e.request_id):

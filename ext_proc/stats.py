@@ -24,6 +24,7 @@ from .breaker import STATE_VALUE, State
 from .budgetstats import BudgetCollector
 from .config import Config
 from .nodes import Fleet
+from .reasons import PROTECTIVE
 
 OTHER = "other"
 FOLLOW_MODES = ("stream", "poll", "connecting")
@@ -89,7 +90,8 @@ class Stats:
         self.requests = Counts(
             "kvgate_requests_total",
             "Admission decisions. decision: admit | reject | shadow_reject (shadow mode: would have "
-            "been rejected, was admitted). class: policy (429) | capacity (503) | invalid | auth | none.",
+            "been rejected, was admitted) | best-effort (over a protective limit, served as best effort; "
+            "reason: the limit's 429 reason). class: policy (429) | capacity (503) | invalid | auth | none.",
             ["tenant", "tier", "decision", "reason", "class", "pool"])
         self.tokens = Counts(
             "kvgate_tokens_total",
@@ -139,6 +141,11 @@ class Stats:
             "kvgate_predicted_slo_misses_total",
             "Requests admitted although kvgate predicted they miss their tier's TTFT target (unmet demand "
             "for the scaler)", ["tenant", "tier", "pool"])
+        self.best_effort = Counts(
+            "kvgate_best_effort_admissions_total",
+            "Requests of a tenant over a protective limit served as best effort (tenants[i].over_limit): the "
+            "fleet had room nobody within quota needed; limit: the one it was over (concurrency | requests | "
+            "tokens). Never scaling demand", ["tenant", "tier", "limit", "pool"])
         self._allowed: frozenset[str] = frozenset()
         self._max = max_tenant_labels
         self._state: _State | None = None
@@ -146,7 +153,7 @@ class Stats:
         """Node address → how its probe is followed (``follow.Follower.modes``); None while nothing
         follows the probes (Envoy picks the node, or a core driven in virtual time)."""
         r.register(_CountsCollector([self.requests, self.tokens, self.completions, self.service, self.fleet_caused,
-                                     self.slo_misses], [self.decision_seconds, self.request_seconds]))
+                                     self.slo_misses, self.best_effort], [self.decision_seconds, self.request_seconds]))
         r.register(_StateCollector(self))
         r.register(BudgetCollector(lambda: self._state.admission.spend if self._state is not None else None,
                                    self.label,
@@ -182,7 +189,12 @@ class Stats:
         # a caller refused before any tenant was found has no tier (the core files it under the lowest as a
         # placeholder): labelled tier="none", as its pool is, so no tier's refusals count it
         tier = d.tier if d.identified else "none"
-        if r is None:
+        if d.best_effort is not None:
+            # its own decision (the reason: the limit it is over), class none: neither an admission the
+            # scaler counts as demand nor a 429 (``scaler/signals.py`` reads decision and class)
+            self.requests.inc((t, tier, "best-effort", d.best_effort.reason, "none", pool))
+            self.best_effort.inc((t, tier, PROTECTIVE.get(d.best_effort.reason, "other"), pool))
+        elif r is None:
             self.requests.inc((t, tier, "admit", "ok", "none", pool))
         else:
             self.requests.inc((t, tier, "shadow_reject" if d.admitted else "reject", r.reason, r.klass, pool))
@@ -293,7 +305,7 @@ class _StateCollector(Collector):
                     key = (self._stats.label(lease.tenant.name), lease.pool)
                     per[key] = per.get(key, 0) + 1
             for lease in a.leases():
-                if lease.charged:
+                if lease.holds_slot:  # best effort holds a fleet slot, not its tenant's
                     sent[lease.pool] = sent.get(lease.pool, 0) + 1
             for (label, pool), count in sorted(per.items()):
                 inflight.add_metric([label, pool], count)

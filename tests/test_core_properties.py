@@ -7,6 +7,8 @@ after every step:
 * each tenant's in-flight count equals its open leases (sent or queued);
 * every ticket ends exactly once (a second end of the same ticket releases nothing);
 * with usage never above the reservation, no token budget ever goes below zero (never overrun);
+* a best-effort admission (a tenant over a protective limit served from spare room) holds a fleet slot
+  and no quota, never waits in the queue, and ends exactly once like any other;
 * every state gauge kvgate exports equals the state it reports;
 * after everything ends, nothing is held anywhere.
 """
@@ -36,24 +38,30 @@ MODELS = ["small-m", "big-m", "nope", None]
 POOL_NODES = {"small": NODES[:2], "big": NODES[2:]}
 
 
-def config(max_size: int = 8, drop: str | None = None, conc: int = 3, pools: bool = False) -> Any:
+OVER_LIMIT: dict[str, Any] = {"chat": None, "rag": {"concurrency": "best-effort"}, "batch": "best-effort"}
+"""Best effort: batch over any protective limit, rag over its concurrency cap only (its budgets refuse)."""
+
+
+def config(max_size: int = 8, drop: str | None = None, conc: int = 3, pools: bool = False,
+           best_effort: bool = True) -> Any:
     tiers = {"chat": "interactive", "rag": "standard", "batch": "batch"}
     tenants: list[dict[str, Any]] = [
         {"name": n, "api_key_sha256": [hash_key("k-" + n)], "tier": tiers[n], "max_concurrent": conc,
-         "tokens_per_minute": 6000, "requests_per_minute": 120}
+         "tokens_per_minute": 6000, "requests_per_minute": 120, "over_limit": OVER_LIMIT[n]}
         for n in TENANTS if n != drop
     ]
+    switch = {"best_effort": {"enabled": best_effort}}
     nodes = lambda addrs: {"static": [{"address": a, "probe": f"http://{a}"} for a in addrs],  # noqa: E731
                            "max_waiting_requests": 2, "max_prefill_tokens": 4000}
     if not pools:
-        return parse_config({"tenants": tenants, "queue": {"max_size": max_size}, "nodes": nodes(NODES)})
+        return parse_config({"tenants": tenants, "queue": {"max_size": max_size}, "nodes": nodes(NODES), **switch})
     for t in tenants:  # rag has its own budget on the big model; batch may not use it
         if t["name"] == "rag":
             t["model_budgets"] = {"big-*": {"tokens_per_minute": 3000, "max_concurrent": 1}}
         if t["name"] == "batch":
             t["models"] = ["small-m"]
     return parse_config({
-        "tenants": tenants, "queue": {"max_size": max_size},
+        "tenants": tenants, "queue": {"max_size": max_size}, **switch,
         "pools": [{"name": "small", "models": ["small-m"], "nodes": nodes(POOL_NODES["small"])},
                   {"name": "big", "models": ["big-*"], "nodes": nodes(POOL_NODES["big"]),
                    "queue": {"max_size": max(1, max_size // 2)}}],
@@ -84,12 +92,21 @@ class CoreMachine(RuleBasedStateMachine):
         """Queued: request id → ticket."""
         self.ended: set[str] = set()
         self.envoys_up: set[str] = set()
+        self.best_effort = 0
+        """Best-effort admissions seen in this run."""
         for node in NODES:  # the nodes start alive; rules make them full, stale or gone
             self.snapshot(node, 0.2, 0)
 
     # -- events ------------------------------------------------------------------------------------
 
     def _answer(self, a: Answer) -> None:
+        lease = a.decision.lease
+        if a.decision.best_effort is not None:
+            assert lease is not None and lease.best_effort and not lease.charged and a.held is None
+            assert a.decision.best_effort.reason in ("tenant-concurrency", "tenant-requests", "tenant-tokens")
+            assert a.decision.tenant != "chat", "a tenant whose limits refuse is never served as best effort"
+            assert a.decision.best_effort.reason == "tenant-concurrency" or a.decision.tenant == "batch"
+            self.best_effort += 1
         if a.ticket is not None and a.decision.admitted:
             assert a.ticket not in self.open and a.ticket not in self.ended
             self.open[a.ticket] = (a.request_id, a.decision.lease.reserved_tokens if a.decision.lease else 0)
@@ -121,6 +138,12 @@ class CoreMachine(RuleBasedStateMachine):
         else:
             self._answer(out)
         self._drain_answers()
+
+    @rule(tenant=st.sampled_from(["batch", "rag"]), n=st.integers(1, 6), envoy=st.sampled_from(["e1", "e2"]))
+    def burst(self, tenant: str, n: int, envoy: str) -> None:
+        """Short requests of one tenant at once: past its concurrency cap, best effort where there is room."""
+        for _ in range(n):
+            self.request(tenant, 50, 20, envoy, "small-m" if self.POOLS else None)
 
     @rule(data=st.data(), how=st.sampled_from(["ok", "no_usage", "disconnect", "upstream_error", "aborted",
                                                "twice"]))
@@ -174,9 +197,10 @@ class CoreMachine(RuleBasedStateMachine):
             self._sync_reclaimed()
             assert not any(self.core._envoy_of.get(t) == envoy for t in self.open), "a dead Envoy's lease held"
 
-    @rule(max_size=st.integers(1, 10), drop=st.sampled_from([None, *TENANTS]), conc=st.integers(1, 4))
-    def reload(self, max_size: int, drop: str | None, conc: int) -> None:
-        self.core.reconfigure(config(max_size, drop, conc, self.POOLS))
+    @rule(max_size=st.integers(1, 10), drop=st.sampled_from([None, *TENANTS]), conc=st.integers(1, 4),
+          best_effort=st.booleans())
+    def reload(self, max_size: int, drop: str | None, conc: int, best_effort: bool) -> None:
+        self.core.reconfigure(config(max_size, drop, conc, self.POOLS, best_effort))
         self._drain_answers()
 
     @rule(node=st.sampled_from(NODES), kv=st.floats(0.0, 1.0), waiting=st.integers(0, 4))
@@ -215,7 +239,10 @@ class CoreMachine(RuleBasedStateMachine):
         for b in a._model_budgets.values():  # a per-model budget counts what it holds, like its tenant
             mine = sum(1 for lease in leases if lease.budget is b and lease.charged)
             assert b.inflight == mine, (b.name, b.inflight, mine)
-        assert a.inflight == sum(1 for lease in a.leases() if lease.charged)
+        assert a.inflight == sum(1 for lease in a.leases() if lease.charged or lease.best_effort)
+        for lease in a.leases(queued=True):  # best effort holds no quota and never waits
+            assert not (lease.best_effort and (lease.charged or lease.ticket in a._held))
+            assert not lease.best_effort or all(lease.ticket not in t.leases for t in a.states())
         for pool, q in a.queues.items():  # each queued request waits in its own pool's queue
             assert len(q) == sum(1 for h in a._held.values() if h.lease.pool == pool), pool
         assert {lease.ticket for lease in a.leases()} == set(self.open)
@@ -244,7 +271,7 @@ class CoreMachine(RuleBasedStateMachine):
             assert got == per.get(name, 0)
         assert all(v >= 0 for (n, _), v in m.items() if n == "kvgate_inflight_requests")
         for pool in self.core.fleets:
-            sent = sum(1 for lease in a.leases() if lease.charged and lease.pool == pool)
+            sent = sum(1 for lease in a.leases() if (lease.charged or lease.best_effort) and lease.pool == pool)
             assert m[("kvgate_fleet_inflight_requests", (("pool", pool),))] == sent
         assert sum(v for (n, _), v in m.items() if n == "kvgate_fleet_inflight_requests") == a.inflight
         depth = sum(v for (n, _), v in m.items() if n == "kvgate_queue_depth_requests")

@@ -75,6 +75,8 @@ def test_each_seed_draws_a_valid_case(name: str) -> None:
             assert set(tiers.values()) == {"interactive", "standard", "batch"}
         assert all(t.max_concurrent for t in cfg.tenants if t.tier == "batch")
         assert cfg.queue.inject_priority and cfg.nodes is not None
+        assert cfg.best_effort.enabled and cfg.best_effort.default == "best-effort", "the same rule every seed"
+        assert all(t.over_limit is None for t in cfg.tenants)
         assert 2 <= sc.nodes <= 4 and 300 <= sc.duration_s <= 600 and 0.6 <= sc.load <= 1.1
         assert [p.name for p in sc.policies] == list(POLICIES)
         for p in sc.policies:

@@ -473,12 +473,15 @@ STEADY = [1.0] * 20
 SLOWED = STEADY + [5.0] * 5
 """Requests that lasted 1 s, then 5 s: the recent mean pulls far away from the slow norm."""
 A_BIT_SLOWER = STEADY + [1.4] * 10
+SUSTAINED = STEADY + [3.0] * 60
+"""Slowed for 60 requests on end: the norm (the tenant's duration on a healthy fleet) must not follow."""
 
 
 @pytest.mark.parametrize(("durations", "tenant", "spent", "reason", "fleet"), [
     (STEADY, {}, None, "tenant-concurrency", False),
     (SLOWED, {}, None, "tenant-concurrency", True),
     (A_BIT_SLOWER, {}, None, "tenant-concurrency", False),
+    (SUSTAINED, {}, None, "tenant-concurrency", True),
     (SLOWED, {"requests_per_minute": 600}, None, "tenant-concurrency", True),
     (SLOWED, {"tokens_per_minute": 60_000}, None, "tenant-concurrency", True),
     (SLOWED, {"requests_per_minute": 600}, "requests", "tenant-concurrency", False),
@@ -516,7 +519,7 @@ def test_a_concurrency_429_is_the_fleets_doing_only_when_the_tenant_is_within_bu
     assert probe.rejection.fleet_caused is fleet
     if durations:
         assert state.norm_seconds is not None and state.mean_seconds is not None
-        assert (state.mean_seconds > 1.5 * state.norm_seconds) is (durations is SLOWED)
+        assert (state.mean_seconds > 1.5 * state.norm_seconds) is (durations is SLOWED or durations is SUSTAINED)
 
 
 def test_fleet_caused_429s_and_predicted_misses_are_counted_for_the_scaler() -> None:

@@ -664,7 +664,7 @@ class Run:
         if d.admitted:
             assert d.lease is not None and d.lease.node is not None
             self._send(i, self._by_address[d.lease.node], d.lease.ticket, d.lease.predicted_ttft)
-            if pool is not None:
+            if pool is not None and d.best_effort is None:  # best effort is never scaling demand
                 pool.decisions.append((self.now, "admitted", tenant))
                 if d.lease.slo_miss:
                     pool.decisions.append((self.now, "slo_miss", tenant))

@@ -33,8 +33,10 @@ What every seed of the first four draws (``family``):
   fleet's estimated capacity (``node_capacity_rps``), averaged over the run (bursts go above it);
 * kvgate's config: the tenants with their tiers; every batch tenant ``max_concurrent`` 8, 16 or 32 (a
   round number, not fitted to the fleet); half the standard tenants ``tokens_per_minute`` of 1.5-3x
-  their mean demand (two significant figures); ``queue: {inject_priority: true}``; the nodes
-  placeholder (``PLACEHOLDER_NODES``).
+  their mean demand (two significant figures); ``queue: {inject_priority: true}``; every protective
+  limit best effort (``best_effort: {default: best-effort}``, the same for every seed: a quota protects,
+  it does not refuse what the fleet has spare room for — ``docs/guides/best-effort.md``); the nodes placeholder
+  (``PLACEHOLDER_NODES``).
 
 What a ``shared-prefix`` seed draws (``_shared_prefix``): the profile, the fleet, the run and the offered
 load as above, then ``SharedPrefixes``' parameters:
@@ -478,7 +480,8 @@ def family(name: str, seed: int, policies: Sequence[PolicyName] = POLICIES) -> F
             quota.append(("tokens_per_minute", _two_figures(60.0 * k * share * tokens * rng.uniform(1.5, 3.0))))
         plan.append(TenantPlan(tname, tier, share, la, desc, tuple(quota)))
         entries.append({"name": tname, "tier": tier, **dict(quota)})
-    config: dict[str, Any] = {"tenants": entries, "queue": {"inject_priority": True}, "nodes": PLACEHOLDER_NODES}
+    config: dict[str, Any] = {"tenants": entries, "queue": {"inject_priority": True},
+                              "best_effort": {"default": "best-effort"}, "nodes": PLACEHOLDER_NODES}
     bench = BenchConfig(profile=profile, nodes=nodes, min_nodes=1, max_nodes=min(16, 3 * nodes), kvgate=config,
                         policies=list(policies), scaler=SCALER, seed=seed)
     sc = FamilyScenario(

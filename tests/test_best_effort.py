@@ -1,0 +1,258 @@
+"""Best effort (issue 30 §1): a tenant over a protective limit is served when the fleet has room nobody
+within quota needs — holding a fleet slot and no quota, at the lowest tier's priority, never scaling
+demand — and refused (429) otherwise, or when the limit is one it may not exceed."""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import pytest
+from prometheus_client import generate_latest
+
+from ext_proc.admission import Usage
+from ext_proc.config import ConfigError, parse_config
+from ext_proc.core import Answer, Core, Ended, Held, Request, null_logger
+from ext_proc.estimate import Estimate
+from ext_proc.identity import hash_key
+from gpu_probe.snapshot import Snapshot
+from scaler.signals import parse_kvgate
+from tests.helpers import FakeClock
+
+NODE = "10.0.0.1:8000"
+
+
+def make(over_limit: Any = "best-effort", *, enabled: bool = True, tenant: dict[str, Any] | None = None,
+         extra: dict[str, Any] | None = None) -> tuple[Core, FakeClock]:
+    clock = FakeClock()
+    t = {"name": "b", "tier": "batch", "api_key_sha256": [hash_key("kb")], "max_concurrent": 1,
+         "over_limit": over_limit, **(tenant or {})}
+    cfg = parse_config({
+        "nodes": {"static": [{"address": NODE, "probe": "http://p"}], "performance": {"profile": "34b-a100"}},
+        "queue": {"inject_priority": True},
+        "best_effort": {"enabled": enabled},
+        "tenants": [t, {"name": "i", "tier": "interactive", "api_key_sha256": [hash_key("ki")]}],
+        **(extra or {})})
+    core = Core(cfg, clock, random.Random(1), log=null_logger())
+    idle(core, clock, 0.0)
+    return core, clock
+
+
+def idle(core: Core, clock: FakeClock, kv: float, waiting: int = 0) -> None:
+    core.snapshot(NODE, Snapshot(node="n", at=clock(), ok=True, kv_usage=kv, blocks_total=2537, block_size=16,
+                                 running=0, waiting=waiting))
+
+
+def ask(core: Core, rid: str, key: str = "kb", prompt: int = 100, out: int = 10) -> Answer | Held:
+    a = core.decide(Request("/v1/chat/completions", rid, f"Bearer {key}", estimate=Estimate(prompt, out, True),
+                            body_bytes=prompt * 4))
+    assert isinstance(a, (Answer, Held)), a
+    return a
+
+
+def answer(a: Any) -> Answer:
+    assert isinstance(a, Answer), a
+    return a
+
+
+def test_over_its_concurrency_cap_a_tenant_is_served_from_spare_room_holding_no_quota() -> None:
+    core, _ = make()
+    first = answer(ask(core, "r1"))
+    assert first.decision.admitted and first.decision.best_effort is None
+    b = core.admission.tenant_state("b")
+    assert b is not None and b.inflight == 1
+    second = answer(ask(core, "r2"))
+    d = second.decision
+    assert d.admitted and d.rejection is None
+    assert d.best_effort is not None and d.best_effort.reason == "tenant-concurrency"
+    assert d.lease is not None and d.lease.best_effort and not d.lease.charged and d.lease.node == NODE
+    assert second.metadata["best_effort"] is True
+    assert b.inflight == 1, "best effort takes none of its tenant's slots"
+    assert core.admission.inflight == 2, "but it holds a fleet slot"
+    text = generate_latest(core.stats.registry).decode()
+    assert ('kvgate_best_effort_admissions_total{limit="concurrency",pool="default",tenant="b",tier="batch"} 1.0'
+            in text)
+    assert ('kvgate_requests_total{class="none",decision="best-effort",pool="default",reason="tenant-concurrency",'
+            'tenant="b",tier="batch"} 1.0') in text
+    # it ends exactly once, and gives back its fleet slot only
+    assert core.ended(Ended(d.lease.ticket, "r2", 200, Usage(100, 10), upstream_answered=True)) is not None
+    assert core.ended(Ended(d.lease.ticket, "r2", 200, Usage(100, 10), upstream_answered=True)) is None
+    assert core.admission.inflight == 1 and b.inflight == 1
+
+
+def test_best_effort_is_never_scaling_demand() -> None:
+    """The scaler reads kvgate_requests_total by decision and class: a best-effort admission is neither
+    an admission (demand) nor a 429 (the spread rule would count it)."""
+    core, _ = make()
+    answer(ask(core, "r1"))
+    assert answer(ask(core, "r2")).decision.best_effort is not None
+    reading = parse_kvgate(generate_latest(core.stats.registry).decode())
+    assert reading.totals.get(("admitted", "b")) == 1.0
+    assert ("policy", "b") not in reading.totals
+
+
+def test_best_effort_runs_at_the_lowest_tiers_vllm_priority() -> None:
+    core, _ = make(tenant={"tier": "interactive"})
+    answer(ask(core, "r1"))
+    lease = answer(ask(core, "r2")).decision.lease
+    assert lease is not None and lease.best_effort
+    assert lease.tier == "interactive", "its SLO is still accounted to its tier"
+    assert core.admission.runs_as(lease) == "batch"
+    doc: dict[str, Any] = {"model": "m", "messages": []}
+    body, _ = core._rewrite(Estimate(10, 10, True, document=doc), core.admission.runs_as(lease))
+    assert body is not None and b'"priority":2' in body
+
+
+@pytest.mark.parametrize("over_limit", [None, "refuse", {"tokens": "best-effort"}, {"concurrency": "refuse"}])
+def test_a_limit_the_tenant_may_not_exceed_refuses(over_limit: Any) -> None:
+    core, _ = make(over_limit)
+    answer(ask(core, "r1"))
+    r = answer(ask(core, "r2")).decision.rejection
+    assert r is not None and (r.status, r.reason) == (429, "tenant-concurrency")
+
+
+def test_the_switch_turns_best_effort_off_everywhere() -> None:
+    core, _ = make(enabled=False)
+    answer(ask(core, "r1"))
+    r = answer(ask(core, "r2")).decision.rejection
+    assert r is not None and r.status == 429
+
+
+def test_the_default_is_a_per_config_word() -> None:
+    core, _ = make(None, extra={"best_effort": {"default": "best-effort"}})
+    answer(ask(core, "r1"))
+    assert answer(ask(core, "r2")).decision.best_effort is not None
+
+
+def test_over_a_hard_budget_too_it_is_refused() -> None:
+    """Over its concurrency cap (may be exceeded) and its token budget (may not): the 429 stands."""
+    core, _ = make({"concurrency": "best-effort"}, tenant={"tokens_per_minute": 150})
+    answer(ask(core, "r1"))  # 110 of its 150 tokens
+    r = answer(ask(core, "r2")).decision.rejection
+    assert r is not None and r.status == 429
+    # the same over its token budget only, when tokens may be exceeded: best effort, nothing taken
+    core, _ = make("best-effort", tenant={"tokens_per_minute": 150, "max_concurrent": None})
+    answer(ask(core, "r1"))
+    b = core.admission.tenant_state("b")
+    assert b is not None and b.tokens is not None
+    before = b.tokens.available(0.0)
+    d = answer(ask(core, "r2")).decision
+    assert d.best_effort is not None and d.best_effort.reason == "tenant-tokens"
+    assert b.tokens.available(0.0) == before, "a best-effort admission debits no bucket"
+
+
+def test_no_room_no_best_effort() -> None:
+    """A node too full for the lowest tier (its KV reserve): the tenant over its cap gets its 429."""
+    core, clock = make()
+    answer(ask(core, "r1"))
+    idle(core, clock, 0.88)  # under the admit threshold (0.92), above it minus batch's 10% reserve
+    r = answer(ask(core, "r2")).decision.rejection
+    assert r is not None and (r.status, r.reason) == (429, "tenant-concurrency")
+
+
+def test_nobody_within_quota_waits_behind_best_effort() -> None:
+    """A request within quota waiting in the gateway queue: best effort is refused, not sent ahead of it."""
+    core, clock = make()
+    answer(ask(core, "r1"))
+    idle(core, clock, 0.95)  # full: the interactive request within quota waits
+    assert isinstance(ask(core, "w", key="ki"), Held)
+    idle(core, clock, 0.95)
+    r = answer(ask(core, "r2")).decision.rejection
+    assert r is not None and r.status == 429
+
+
+def test_precheck_lets_a_best_effort_tenant_at_its_cap_be_read() -> None:
+    core, _ = make()
+    answer(ask(core, "r1"))
+    t = core.config.tenant("b")
+    assert t is not None
+    assert core.admission.precheck(t, 100) is None
+    core, _ = make("refuse")
+    answer(ask(core, "r1"))
+    t = core.config.tenant("b")
+    assert t is not None
+    r = core.admission.precheck(t, 100)
+    assert r is not None and r.reason == "tenant-concurrency"
+
+
+@pytest.mark.parametrize(("value", "message"), [
+    ("maybe", r"tenants\[0\]\.over_limit: must be refuse or best-effort"),
+    ({"concurrency": "nope"}, r"tenants\[0\]\.over_limit: concurrency: must be refuse or best-effort"),
+    ({"spend": "best-effort"}, r"tenants\[0\]\.over_limit: 'spend' is not a limit that may be exceeded"),
+])
+def test_config_errors_name_the_field(value: Any, message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        parse_config({"tenants": [{"name": "a", "over_limit": value}]})
+
+
+def test_best_effort_goes_only_where_the_lowest_tiers_target_is_predicted_to_be_met() -> None:
+    """Spare room is a first token within the lowest tier's *target*: a new arrival of that tier may go
+    up to its max wait (30 s for batch), which would pile best effort onto a busy node."""
+    tiers = {"interactive": {"priority": 0, "max_queue_wait_ms": 1000, "ttft_target_ms": 200},
+             "batch": {"priority": 2, "max_queue_wait_ms": 30000, "ttft_target_ms": 300}}
+    core, _ = make(extra={"tiers": tiers})
+    answer(ask(core, "r1"))
+    assert answer(ask(core, "idle")).decision.best_effort is not None, "an idle node: room"
+    busy = answer(ask(core, "long", key="ki", prompt=6000)).decision  # ~1-2 s of prefill booked ahead
+    assert busy.admitted
+    r = answer(ask(core, "r2")).decision
+    assert r.best_effort is None and r.rejection is not None and r.rejection.status == 429
+
+
+@pytest.mark.parametrize(("best_effort", "named"), [(True, ("", "")), (False, ("acme", "acme/llama-70b"))])
+def test_another_replicas_best_effort_end_gives_back_no_slot(best_effort: bool, named: tuple[str, str]) -> None:
+    """With several replicas an end reaching the wrong replica is forwarded with the tenant whose slot it
+    held (given back if its owner died): a best-effort request held none, so it names none."""
+    from envoy.data.accesslog.v3 import accesslog_pb2
+
+    from ext_proc.server import META_NS, Gateway
+    from tests.test_pools import pools_config
+
+    class Store:
+        def __init__(self) -> None:
+            self.sent: list[tuple[str, str]] = []
+
+        def forward(self, e: Ended, tenant: str = "", budget: str = "") -> None:
+            self.sent.append((tenant, budget))
+
+    gw = Gateway(pools_config())
+    store = Store()
+    gw.store = store  # type: ignore[assignment]
+    entry = accesslog_pb2.HTTPAccessLogEntry()
+    entry.request.request_id = "r"
+    fields = entry.common_properties.metadata.filter_metadata[META_NS]
+    fields.update({"ticket": "elsewhere-1", "tenant": "acme", "budget": "acme/llama-70b"})
+    if best_effort:
+        fields.update({"best_effort": True})
+    gw.on_access_log(entry)
+    assert store.sent == [named]
+
+
+def test_a_prefill_longer_than_the_top_tiers_target_is_never_best_effort() -> None:
+    """vLLM runs a running prefill's chunks before any waiting request: a top-tier request arriving
+    behind a long best-effort prefill would miss its target because of it. A short one may go."""
+    core, _ = make()
+    answer(ask(core, "r1"))
+    r = answer(ask(core, "long", prompt=6000)).decision  # ~1 s of prefill alone, against a 200 ms target
+    assert r.best_effort is None and r.rejection is not None and r.rejection.status == 429
+    assert answer(ask(core, "short")).decision.best_effort is not None
+
+
+def test_best_effort_pays_the_tenants_spend_budgets_and_one_that_cannot_pay_is_refused() -> None:
+    """Spend budgets are contracts: a request served as best effort (over its concurrency cap) is
+    reserved and charged on them as any admission is — before, it skipped them and was never charged —
+    and a best-effort request its hard budget cannot pay gets ``tenant-budget``."""
+    budget = {"name": "daily", "window": "day", "limit": 0.000_25, "mode": "hard"}
+    core, _ = make(tenant={"budgets": [budget]}, extra={"prices": {"default": {"prompt": 1.0, "completion": 1.0}}})
+    spend = core.admission.spend
+    first = answer(ask(core, "r1"))  # within its cap: worst case 110 tokens = $0.00011
+    assert first.decision.admitted and first.decision.best_effort is None
+    second = answer(ask(core, "r2"))  # over its cap: best effort, and its worst case reserved
+    assert second.decision.best_effort is not None and second.decision.lease is not None
+    acc = spend.accounts["b"][0]
+    assert acc.reserved == pytest.approx(0.000_22)
+    third = answer(ask(core, "r3"))  # best effort again, but $0.00003 is left of the day's budget
+    assert not third.decision.admitted
+    assert third.decision.rejection is not None and third.decision.rejection.reason == "tenant-budget"
+    assert core.ended(Ended(second.decision.lease.ticket, "r2", 200, Usage(100, 10), upstream_answered=True))
+    assert acc.reserved == pytest.approx(0.000_11) and acc.spent == pytest.approx(0.000_11)
