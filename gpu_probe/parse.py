@@ -14,6 +14,7 @@ one engine only (no data parallelism), so the state goes on every reading.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from prometheus_client.parser import text_string_to_metric_families
@@ -46,6 +47,13 @@ OLD_COUNTERS = {
 class ParseError(ValueError):
     """The text is not a Prometheus exposition, or holds no vLLM engine."""
 
+
+MAX_NAMES = 256
+"""Most adapter names a reading carries in each LoRA list, and the largest ``max_lora`` taken: vLLM's
+``--max-loras`` is a handful and a batch runs at most that many; a waiting list longer than this says
+nothing node choice can use, and an unbounded one would cost every reading and every adapter request."""
+MAX_NAME_CHARS = 256
+"""Longest adapter, model or GPU name a reading carries (a Hugging Face id is at most 96 characters)."""
 
 @dataclass
 class EngineReading:
@@ -99,7 +107,8 @@ def parse(text: str) -> dict[tuple[str, str], EngineReading]:
             continue
         if fam.name == "vllm:lora_requests_info":
             for s in fam.samples:
-                if lora is None or s.value > lora[0]:
+                # (a NaN or infinite time never wins, nor pins: a comparison with NaN is always false)
+                if math.isfinite(s.value) and (lora is None or s.value > lora[0]):
                     lora = (s.value, s.labels)
             continue
         for s in fam.samples:
@@ -146,8 +155,11 @@ def parse(text: str) -> dict[tuple[str, str], EngineReading]:
 
 
 def _names(v: str | None) -> list[str]:
-    """A comma-separated list of adapter names ('' for none)."""
-    return [n for n in (v or "").split(",") if n]
+    """A comma-separated list of adapter names ('' for none), capped as a snapshot caps it
+    (``snapshot.MAX_NAMES`` names of at most ``snapshot.MAX_NAME_CHARS``): a label of any length from a
+    hostile or broken exposition costs one bounded split."""
+    names = (v or "").split(",", MAX_NAMES)[:MAX_NAMES]
+    return [n for n in names if n and len(n) <= MAX_NAME_CHARS]
 
 
 def _int(v: str | None) -> int | None:

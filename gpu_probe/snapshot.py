@@ -13,7 +13,7 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from .parse import EngineReading
+from .parse import MAX_NAME_CHARS, MAX_NAMES, EngineReading
 
 
 @dataclass
@@ -100,9 +100,21 @@ def _checked(k: str, kind: type, v: Any) -> Any:
             raise ValueError(f"snapshot field {k!r}: expected an integer >= 0, got {v!r}")
     elif not isinstance(v, kind):
         raise ValueError(f"snapshot field {k!r}: expected {kind.__name__}, got {v!r}")
-    elif k in NAME_LISTS and not (isinstance(v, list) and all(isinstance(x, str) for x in v)):
-        raise ValueError(f"snapshot field {k!r}: expected a list of names, got {v!r}")
+    elif k in NAME_LISTS and not (isinstance(v, list) and len(v) <= MAX_NAMES
+                                  and all(isinstance(x, str) and len(x) <= MAX_NAME_CHARS for x in v)):
+        raise ValueError(f"snapshot field {k!r}: expected a list of at most {MAX_NAMES} names of at most "
+                         f"{MAX_NAME_CHARS} characters, got {shown_value(v)}")
+    elif k in BOUNDED_NAMES and isinstance(v, str) and len(v) > MAX_NAME_CHARS:
+        raise ValueError(f"snapshot field {k!r}: at most {MAX_NAME_CHARS} characters, got {len(v)}")
+    if k == "max_lora" and isinstance(v, int) and v > MAX_NAMES:
+        raise ValueError(f"snapshot field 'max_lora': at most {MAX_NAMES}, got {v}")
     return v
+
+
+def shown_value(v: Any) -> str:
+    """A value for an error message, cut short (a hostile one may be megabytes)."""
+    r = repr(v)
+    return r if len(r) <= 200 else r[:200] + "..."
 
 
 def changes(old: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
@@ -150,7 +162,7 @@ class StreamDecoder:
                     continue  # a newer probe's field: ignored, as by from_json
                 t = type(v)
                 if (t is not kind or (t is float and not 0.0 <= v < math.inf) or (t is int and v < 0)
-                        or k in NAME_LISTS):
+                        or k in _CHECK_ALWAYS):
                     v = _checked(k, kind, v)  # (the common case, a value of the field's own type, is checked inline)
                 fields[k] = v
             # the previous snapshot with these fields changed: a new object (the core keeps the previous
@@ -164,6 +176,10 @@ class StreamDecoder:
 _ABSENT = object()
 NAME_LISTS = frozenset({"lora_running", "lora_waiting"})
 """List fields whose items are adapter names: a probe cannot slip other things into node choice."""
+BOUNDED_NAMES = frozenset({"gpu_name", "model"})
+"""Name fields held at most ``MAX_NAME_CHARS`` long: profile detection reads them on a hardware change."""
+_CHECK_ALWAYS = NAME_LISTS | BOUNDED_NAMES | {"max_lora"}
+"""Fields a stream message is checked for beyond its type (their bounds)."""
 
 _FIELDS: dict[str, type] = {
     "node": str, "at": float, "ok": bool, "error": str, "kv_usage": float, "kv_metric": str, "blocks_total": int,

@@ -553,3 +553,45 @@ def test_a_reload_that_pins_a_node_gives_it_that_prior_and_leaves_the_others_lea
     f.reconfigure(cfg.nodes)
     assert (a.profile, a.profile_source, a.speed.readings) == ("8b-a100", "pinned", 0)
     assert (b.profile, b.speed.readings, b.speed.factor) == ("8b-h100", 1, 2.0)
+
+
+def test_a_hostile_lora_exposition_neither_pins_the_state_nor_grows_without_bound() -> None:
+    """Review: a NaN (or infinite) time on the first series froze the choice of the newest one (every
+    comparison with NaN is false), and a label of any length became any number of adapter names, each
+    inserted per reading and walked per adapter request. Non-finite times are skipped; the lists are
+    capped at MAX_NAMES names of at most MAX_NAME_CHARS."""
+    from gpu_probe.parse import MAX_NAME_CHARS, MAX_NAMES
+
+    many = ",".join(f"a{i}" for i in range(10_000)) + "," + "x" * 1_000_000
+    lora = (
+        "# HELP vllm:lora_requests_info Running stats on lora requests.\n"
+        "# TYPE vllm:lora_requests_info gauge\n"
+        'vllm:lora_requests_info{max_lora="2",running_lora_adapters="stale",waiting_lora_adapters=""} NaN\n'
+        f'vllm:lora_requests_info{{max_lora="2",running_lora_adapters="{many}",waiting_lora_adapters=""}} '
+        "1.7e+09\n"
+    )
+    (r,) = parse(REFERENCE.read_text() + lora).values()
+    assert r.lora_running is not None and r.lora_running[0] == "a0", "the real series wins over the NaN one"
+    assert len(r.lora_running) == MAX_NAMES and all(len(n) <= MAX_NAME_CHARS for n in r.lora_running)
+    snap = Deriver("n").update(parse(REFERENCE.read_text() + lora), 1.0)
+    assert snap.lora_running is not None and len(snap.lora_running) == MAX_NAMES
+
+
+def test_a_probe_cannot_send_unbounded_names() -> None:
+    """Review: a probe's snapshot could carry 10,000 adapters, a 1 MB GPU name or max_lora of a
+    million; each is refused like any other bad value, by a poll and by a stream message."""
+    from gpu_probe.parse import MAX_NAME_CHARS, MAX_NAMES
+
+    base = {"node": "n", "at": 1.0, "ok": True}
+    for bad in ({"lora_running": [f"a{i}" for i in range(MAX_NAMES + 1)]},
+                {"lora_waiting": ["x" * (MAX_NAME_CHARS + 1)]}, {"gpu_name": "H" * 1_000_000},
+                {"model": "m" * (MAX_NAME_CHARS + 1)}, {"max_lora": MAX_NAMES + 1}):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            Snapshot.from_json({**base, **bad})
+        d = StreamDecoder()
+        d.feed(dict(base))
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            d.feed({"at": 2.0, **bad})
+    ok = Snapshot.from_json({**base, "gpu_name": "NVIDIA H100 80GB HBM3", "lora_running": ["a"] * MAX_NAMES,
+                             "max_lora": MAX_NAMES})
+    assert ok.gpu_name == "NVIDIA H100 80GB HBM3" and ok.lora_running is not None

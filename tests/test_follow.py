@@ -359,6 +359,8 @@ async def test_nodes_come_and_go_with_the_node_list() -> None:
             assert a.hits["/snapshot"] <= polls + 1  # a no longer (at most one poll was on its way)
 
 
+from gpu_probe.parse import MAX_NAMES  # noqa: E402
+
 # -- the deltas ------------------------------------------------------------------------------------
 
 
@@ -368,8 +370,8 @@ def _value(kind: type, name: str = "") -> st.SearchStrategy[Any]:
         few = st.lists(st.sampled_from(["a", "b"]) | st.text(max_size=5), max_size=3)
     elif kind is float:
         few = st.sampled_from([0.0, 0.5, 1.0]) | st.floats(0, 1e9, allow_nan=False, allow_infinity=False)
-    elif kind is int:
-        few = st.sampled_from([0, 16]) | st.integers(0, 2**53)
+    elif kind is int:  # (max_lora is bounded: more than MAX_NAMES is a bad value)
+        few = st.sampled_from([0, 16]) | st.integers(0, MAX_NAMES if name == "max_lora" else 2**53)
     elif kind is bool:
         few = st.booleans()
     elif kind is str:
