@@ -47,6 +47,11 @@ DEFAULT_MODEL = from_config(Performance())
 """A node's model until its book sets it (every node the book makes gets its own at once)."""
 LORA_DEFAULT_OUTPUT = 128
 """Output tokens taken for a node's requests when kvgate sent none there (a slot wait's estimate)."""
+HARDWARE_CONFIRM = 3
+"""Readings in a row that must report other hardware before a node's prior follows it. A prior change
+resets the node's learned speed and latency baseline: a probe reporting another GPU on every reading
+(broken, or hostile) would otherwise keep its node from ever learning a baseline, so from ever tripping
+its latency breaker (review)."""
 ROOM_SLACK = 1.0
 """Tokens of rounding room between a node's room and the filter's own test (``projected_kv`` against the
 threshold, in fractions of the cache: its rounding is far below a token)."""
@@ -98,6 +103,12 @@ class Node:
     """The profile ``model`` comes from."""
     profile_source: str = "pool"
     """Where that profile came from: pool (``nodes.performance.profile``) | pinned | detected."""
+    hardware: tuple[str | None, int | None, str | None] | None = None
+    """(GPU name, GPU count, served model) the prior was detected from; None before the first reading."""
+    hardware_next: tuple[str | None, int | None, str | None] | None = None
+    """Other hardware the last readings reported, not yet taken (:data:`HARDWARE_CONFIRM`)."""
+    hardware_streak: int = 0
+    """Readings in a row that reported ``hardware_next``."""
     loras: OrderedDict[str, None] = field(default_factory=OrderedDict)
     """The LoRA adapters the node is taken to hold in its GPU slots, least recently used first: vLLM keeps
     the last ``max_loras`` adapters it ran (an LRU), so the last that many seen running there (its
@@ -333,6 +344,7 @@ class NodeBook:
 
     def __init__(self, cfg: Nodes, on_transition: Callable[[str, State, State, str], None] | None = None) -> None:
         self.cfg = cfg
+        self._pins = _pins(cfg)
         self.nodes: dict[str, Node] = {}
         self._on_transition = on_transition
         self.model: StepModel = from_config(cfg.performance)
@@ -372,6 +384,7 @@ class NodeBook:
         if not cfg.prefix.enabled:
             self.prefix.clear()
         self.cfg = cfg
+        self._pins = _pins(cfg)
         self.prefix.max_blocks, self.prefix.ttl = cfg.prefix.max_blocks_per_node, cfg.prefix.ttl_seconds
         self.prefix.max_total = cfg.prefix.max_blocks
         self.model = from_config(cfg.performance)
@@ -398,15 +411,14 @@ class NodeBook:
         are relative to the prior, and learned against the old one they would skew every prediction (or
         read as sickness) until relearned."""
         cfg = self.cfg
-        pin = next((e.profile for e in cfg.static if e.address == n.address), None) if cfg.static else None
+        pin = self._pins.get(n.address)
         if pin is None and cfg.dns is not None:
             pin = cfg.dns.profile
         name, source = cfg.performance.profile, "pool"
         if pin is not None:
             name, source = pin, "pinned"
-        elif cfg.performance.detect and n.snapshot is not None:
-            s = n.snapshot
-            found = detect(cfg.performance.profile, s.gpu_name, s.gpu_count, s.model)
+        elif cfg.performance.detect and n.hardware is not None:
+            found = detect(cfg.performance.profile, *n.hardware)
             if found is not None and found != name:
                 name, source = found, "detected"
         model = self._model_of(name)
@@ -464,11 +476,18 @@ class NodeBook:
         if self._max_cap_known and (n.snapshot is None or n.snapshot.blocks_total != snap.blocks_total
                                     or n.snapshot.block_size != snap.block_size):
             self._max_cap_known = False
-        hardware = n.snapshot is None or (n.snapshot.gpu_name, n.snapshot.gpu_count, n.snapshot.model) != (
-            snap.gpu_name, snap.gpu_count, snap.model)
         n.snapshot = snap
-        if hardware:
-            self._set_prior(n)
+        hw = (snap.gpu_name, snap.gpu_count, snap.model)
+        if hw != n.hardware:
+            if hw == n.hardware_next:
+                n.hardware_streak += 1
+            else:
+                n.hardware_next, n.hardware_streak = hw, 1
+            if n.hardware is None or n.hardware_streak >= HARDWARE_CONFIRM:  # (the first reading: at once)
+                n.hardware, n.hardware_next, n.hardware_streak = hw, None, 0
+                self._set_prior(n)
+        elif n.hardware_next is not None:
+            n.hardware_next, n.hardware_streak = None, 0
         n.fresh_at = now - age_s
         n.shed_pending(now - age_s)
         if snap.lora_running is not None or n.lora_sent:
@@ -695,3 +714,9 @@ class NodeBook:
                 n.drain_tokens_per_s = rate if n.drain_tokens_per_s is None else (
                     0.8 * n.drain_tokens_per_s + 0.2 * rate)
         n._last_completion = now
+
+
+def _pins(cfg: Nodes) -> dict[str, str]:
+    """Node address → the profile its ``nodes.static`` entry pins: looked up per node on every prior
+    change, so built once per config (a scan per node cost O(N²) per reload at 1,000 nodes)."""
+    return {e.address: e.profile for e in cfg.static if e.profile is not None}

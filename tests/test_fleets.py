@@ -138,12 +138,32 @@ def test_a_node_whose_prior_changes_learns_its_speed_again() -> None:
     n = f.nodes["10.0.0.0:8000"]
     f.on_snapshot(n.address, reading(None), 0.0)
     n.speed.observe(2.5)  # an A100 read against the H100 prior: 2.5x slow
-    f.on_snapshot(n.address, reading(A100, at=1.0), 1.0)  # a probe that now reports its GPU
+    for at in (1.0, 2.0, 3.0):  # a probe that now reports its GPU: taken after HARDWARE_CONFIRM readings
+        assert n.profile == "8b-h100"
+        f.on_snapshot(n.address, reading(A100, at=at), at)
     assert n.profile == "8b-a100" and n.speed.readings == 0 and n.speed.factor == 1.0
-    f.on_snapshot(n.address, reading(A100, at=2.0), 2.0)  # the same hardware again: nothing relearned
+    f.on_snapshot(n.address, reading(A100, at=4.0), 4.0)  # the same hardware again: nothing relearned
     n.speed.observe(1.1)
-    f.on_snapshot(n.address, reading(A100, at=3.0), 3.0)
+    f.on_snapshot(n.address, reading(A100, at=5.0), 5.0)
     assert n.speed.readings == 1
+
+
+def test_a_probe_reporting_other_hardware_each_reading_cannot_reset_its_node() -> None:
+    """Review: every change of the reported GPU reset the node's learned speed and latency baseline, so
+    a probe alternating its GPU name kept its node from ever learning a baseline — from ever tripping
+    its latency breaker. A change is taken only after HARDWARE_CONFIRM readings in a row."""
+    from ext_proc.nodebook import HARDWARE_CONFIRM
+
+    f = fleet(1)
+    n = f.nodes["10.0.0.0:8000"]
+    f.on_snapshot(n.address, reading(H100), 0.0)
+    n.speed.observe(1.2)
+    for i in range(1, 20):
+        f.on_snapshot(n.address, reading(A100 if i % 2 else H100, at=float(i)), float(i))
+    assert n.profile == "8b-h100" and n.speed.readings == 1, "the flapping node kept what it learned"
+    for i in range(20, 20 + HARDWARE_CONFIRM):
+        f.on_snapshot(n.address, reading(A100, at=float(i)), float(i))
+    assert n.profile == "8b-a100" and n.speed.readings == 0
 
 
 # -- the simulator and the benchmarks run mixed nodes -------------------------------------------------------

@@ -25,6 +25,7 @@ from ext_proc.follow import STREAMS_BEFORE_A_POLL, Follower
 from ext_proc.nodes import Fleet, Node
 from ext_proc.server import Gateway
 from ext_proc.stats import FOLLOW_MODES
+from gpu_probe.parse import MAX_NAMES
 from gpu_probe.server import NDJSON, STREAM_PATH
 from gpu_probe.snapshot import _FIELDS, NAME_LISTS, Snapshot, StreamDecoder, changes
 from kvgate.dev.stack import free_port, wait_port
@@ -358,8 +359,6 @@ async def test_nodes_come_and_go_with_the_node_list() -> None:
             await until(lambda: b.hits["/snapshot"] >= 5, "b polled a while")
             assert a.hits["/snapshot"] <= polls + 1  # a no longer (at most one poll was on its way)
 
-
-from gpu_probe.parse import MAX_NAMES  # noqa: E402
 
 # -- the deltas ------------------------------------------------------------------------------------
 
