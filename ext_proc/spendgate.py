@@ -64,7 +64,9 @@ class SpendGate:
         """The admitted ``answer`` as it may go to Envoy: unchanged, or a refusal when the fleet's budget
         (not only this replica's view of it) cannot pay the request's worst case."""
         lease = answer.decision.lease
-        if answer.reply is not None or lease is None or not lease.charged:
+        # a best-effort lease takes no quota but pays spend budgets (contracts) like any admission: not
+        # gated here, each replica admitted it on its own view and the fleet's budget was exceeded
+        if answer.reply is not None or lease is None or not (lease.charged or lease.best_effort):
             return answer
         hold = self.core.admission.spend.hold(lease.ticket)
         if hold is None:

@@ -257,3 +257,49 @@ async def test_a_rolling_budget_in_the_store_frees_as_its_slots_age_out(clients:
     later = NOW + 3600 + 60
     assert (await s.state(tenant, b, later))[0] == 0
     assert isinstance(await s.reserve("b", tenant, "m", None, 1000, 4000, later), Held)
+
+
+async def test_best_effort_is_reserved_and_settled_on_the_fleets_ledger(clients: list[aioredis.Redis]) -> None:
+    """A best-effort admission (its tenant over max_concurrent) pays the tenant's spend budget as any
+    admission does — fleet-wide, not only on this replica's view: the gate passed over it (it is not
+    ``charged``), so two replicas each admitted within their own view and the contract was exceeded."""
+    from gpu_probe.snapshot import Snapshot
+
+    node = "10.0.0.1:8000"
+    prefix = f"be{next(_tenants)}"
+    cores = []
+    for seed in range(2):
+        clock = FakeClock()
+        cfg = parse_config({
+            "nodes": {"static": [{"address": node, "probe": "http://p"}], "performance": {"profile": "34b-a100"}},
+            "prices": {"m": PRICE.model_dump()},
+            "tenants": [{"name": "t", "tier": "batch", "api_key_sha256": [hash_key("k-t")], "max_concurrent": 1,
+                         "over_limit": "best-effort", "budgets": [{"name": "month", "limit": 0.05}]}]})
+        core = Core(cfg, clock, random.Random(seed), log=null_logger(), wall=lambda: NOW)
+        core.snapshot(node, Snapshot(node="n", at=clock(), ok=True, kv_usage=0.0, blocks_total=2537, block_size=16,
+                                     running=0, waiting=0))
+        cores.append(core)
+    gates = [SpendGate(SpendStore(c, core.admission.replica, core.config.prices,
+                                  {"t": core.config.tenants[0].budgets}, key_prefix=prefix), core, 2.0)
+             for c, core in zip(clients[:2], cores, strict=True)]
+    worst = worst_cost(PRICE, 100, 2500)
+    answers = []
+    for i in range(12):  # each replica alone would admit all 6 of its own
+        out = cores[i % 2].decide(Request("/v1/chat/completions", f"r{i}", "Bearer k-t",
+                                          estimate=Estimate(100, 2500, True, model="m"), body_bytes=400))
+        assert isinstance(out, Answer) and out.reply is None
+        answers.append(await gates[i % 2].gate(out))
+    admitted = [a for a in answers if a.reply is None]
+    assert any(a.decision.best_effort is not None for a in admitted), "best effort was exercised"
+    assert len(admitted) == int(0.05 // worst)
+    b = cores[0].config.tenants[0].budgets[0]
+    assert (await gates[0].store.state("t", b, NOW))[1] == pytest.approx(len(admitted) * worst)
+    for i, a in enumerate(answers):
+        if a.reply is None and a.ticket is not None:
+            cores[i % 2].ended(Ended(a.ticket, a.request_id, 200, Usage(100, 500), upstream_answered=True))
+    for g in gates:
+        await g.flush()
+    spent, reserved = await gates[1].store.state("t", b, NOW)
+    assert reserved == pytest.approx(0, abs=1e-12)
+    assert spent == pytest.approx(len(admitted) * cost(PRICE, Spent(100, 500))), "best effort's spend is billed"
+    assert sum(c.admission.inflight for c in cores) == 0
