@@ -422,9 +422,7 @@ class PrometheusSource:
                 for pool, labels, v in rows(QUERIES[kind] % w):
                     d, key = delta.setdefault(pool, {}), (kind, labels.get("tenant", ""))
                     d[key] = d.get(key, 0.0) + v  # pool-less and pool="default" rows: one pool
-            held: dict[str, float] = {}
-            for pool, _, v in rows(QUERIES["held"]):
-                held[pool] = held.get(pool, 0.0) + v
+            held = _by_pool(rows(QUERIES["held"]))
             per_instance: dict[tuple[str, str], float] = {}
             for pool, labels, v in rows(QUERIES["nodes"]):
                 key = (pool, labels.get("instance", ""))
@@ -432,18 +430,10 @@ class PrometheusSource:
             nodes: dict[str, int] = {}
             for (pool, _), v in per_instance.items():
                 nodes[pool] = max(nodes.get(pool, 0), int(v))
-            kv_sum: dict[str, float] = {}
-            kv_count: dict[str, float] = {}
-            for pool, _, v in rows(QUERIES["kv_sum"]):
-                kv_sum[pool] = kv_sum.get(pool, 0.0) + v
-            for pool, _, v in rows(QUERIES["kv_count"]):
-                kv_count[pool] = kv_count.get(pool, 0.0) + v
-            kv_tokens: dict[str, float] = {}
-            kv_held: dict[str, float] = {}
-            for pool, _, v in rows(QUERIES["kv_tokens"]):
-                kv_tokens[pool] = kv_tokens.get(pool, 0.0) + v
-            for pool, _, v in rows(QUERIES["kv_capacity"]):
-                kv_held[pool] = kv_held.get(pool, 0.0) + v
+            kv_sum = _by_pool(rows(QUERIES["kv_sum"]))
+            kv_count = _by_pool(rows(QUERIES["kv_count"]))
+            kv_tokens = _by_pool(rows(QUERIES["kv_tokens"]))
+            kv_held = _by_pool(rows(QUERIES["kv_capacity"]))
             for pool, held_tokens in kv_held.items():
                 if held_tokens > 0:  # weighted by each node's size; the plain mean where no node says it
                     kv_sum[pool], kv_count[pool] = kv_tokens.get(pool, 0.0), held_tokens
@@ -460,6 +450,14 @@ class PrometheusSource:
                                                 complete, kv_sum[pool] / kv_count[pool] if kv_count.get(pool)
                                                 else None)
                                  for pool in seen}, complete)
+
+
+def _by_pool(rows: Iterable[tuple[str, dict[str, str], float]]) -> dict[str, float]:
+    """A query's rows summed per pool (pool-less and pool="default" rows: one pool)."""
+    out: dict[str, float] = {}
+    for pool, _, v in rows:
+        out[pool] = out.get(pool, 0.0) + v
+    return out
 
 
 class SourceError(Exception):
