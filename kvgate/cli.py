@@ -350,6 +350,15 @@ def _bench_scenarios(a: argparse.Namespace) -> int:
     return 1 if any(s.result.lost for r in results for s in r.summaries) else 0
 
 
+def _family_options(b: argparse.ArgumentParser, seeds_help: str) -> None:
+    """The workload-family options ``bench families`` and ``bench ablation`` share."""
+    from .bench.scenarios.families import FAMILIES
+
+    b.add_argument("--family", action="append", choices=list(FAMILIES), help="default: all of them (repeatable)")
+    b.add_argument("--seeds", type=int, default=3, help=seeds_help)
+    b.add_argument("--scale", type=float, default=1.0, help="shorten the runs (0.1 = the first tenth of each)")
+
+
 def _bench_families(a: argparse.Namespace) -> int:
     import time
 
@@ -668,13 +677,11 @@ def parser(benchmarks: bool = True) -> argparse.ArgumentParser:
     b.add_argument("--no-plots", action="store_true")
     b.add_argument("--json", action="store_true")
     b.set_defaults(fn=_bench_scenarios)
-    from .bench.scenarios.families import FAMILIES, POLICIES
+    from .bench.scenarios.families import POLICIES
 
     b = bsub.add_parser("families", help="generated workload families (bursty, diurnal, shifting mixes, shared "
                         "prefixes) over several seeds: median and worst seed per policy")
-    b.add_argument("--family", action="append", choices=list(FAMILIES), help="default: all of them (repeatable)")
-    b.add_argument("--seeds", type=int, default=3, help="seeds 1..N per family (default 3)")
-    b.add_argument("--scale", type=float, default=1.0, help="shorten the runs (0.1 = the first tenth of each)")
+    _family_options(b, "seeds 1..N per family (default 3)")
     b.add_argument("--policies", nargs="+", choices=list(POLICIES), default=None,
                    help=f"default: {' '.join(POLICIES)}")
     b.add_argument("--json", action="store_true", help="one JSON document on stdout (stable field names)")
@@ -683,9 +690,7 @@ def parser(benchmarks: bool = True) -> argparse.ArgumentParser:
 
     b = bsub.add_parser("ablation", help="kvgate with each mechanism off in turn (quotas, queue, priority, "
                         "breakers, predictions, prefix) and all off, beside none, kv-shed and kvgate, on the families")
-    b.add_argument("--family", action="append", choices=list(FAMILIES), help="default: all of them (repeatable)")
-    b.add_argument("--seeds", type=int, default=3, help="seeds 1..N per family (default 3, as families)")
-    b.add_argument("--scale", type=float, default=1.0, help="shorten the runs (0.1 = the first tenth of each)")
+    _family_options(b, "seeds 1..N per family (default 3, as families)")
     b.add_argument("--off", nargs="+", choices=list(SWITCHES), default=None,
                    help=f"the mechanisms to switch off in turn (default: {' '.join(SWITCHES)}; with more than "
                    "one, also all of them at once)")
