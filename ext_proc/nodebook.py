@@ -52,6 +52,9 @@ HARDWARE_CONFIRM = 3
 resets the node's learned speed and latency baseline: a probe reporting another GPU on every reading
 (broken, or hostile) would otherwise keep its node from ever learning a baseline, so from ever tripping
 its latency breaker (review)."""
+EDGE_STEPS = 2.0
+"""A step boundary seen at most this many steps ago still tells the phase of the step in progress
+(:meth:`Node.step_left`): steps vary in length, so an older one says little."""
 ROOM_SLACK = 1.0
 """Tokens of rounding room between a node's room and the filter's own test (``projected_kv`` against the
 threshold, in fractions of the cache: its rounding is far below a token)."""
@@ -117,6 +120,9 @@ class Node:
     """(when, adapter) of kvgate's requests for an adapter sent since the last reading: running there
     soon, though the reading does not say so yet."""
     _last_completion: float | None = None
+    edge: float | None = None
+    """When a request last ended here: vLLM returns a request's last token at the end of an engine step,
+    so this is a step boundary — the phase of the node's step clock (``Picker.predict``)."""
 
     @property
     def inflight(self) -> int:
@@ -132,6 +138,15 @@ class Node:
             _, tokens, prompt, _ = pending.popleft()
             self.pending_tokens -= tokens
             self.pending_prompt -= prompt
+
+    def step_left(self, step: float, now: float) -> float:
+        """What is left of the engine step in progress: from the last step boundary seen (a request's
+        end) when it is recent, steps of ``step`` seconds since; else half a step (a request arrives on
+        average halfway through one)."""
+        edge = self.edge
+        if edge is None or step <= 0.0 or now - edge > EDGE_STEPS * step:
+            return step / 2
+        return step - (now - edge) % step
 
     def waiting(self) -> int:
         """Requests waiting inside vLLM: its last reading, plus what was sent since if it had a queue
@@ -645,6 +660,9 @@ class NodeBook:
             n.lora_sent.append((now, adapter))
         n.requests[ticket] = (tokens, prompt_tokens, priority)
         start, cost = self._book(n, tokens, prompt_tokens, priority, now)
+        if start <= now:  # nothing ahead at its level: it starts with the next step
+            decode, context = self._load(n)
+            start = now + n.step_left(n.model.step(0, decode, context) * n.speed.factor, now)
         if priority != self.levels[0].priority:
             n.running_low.append((start, start + cost, priority, ticket))
         n.prefills.append((start, start + cost, priority, ticket))
@@ -671,11 +689,15 @@ class NodeBook:
         n.pending.append((now, tokens, prompt_tokens, priority))
         n.pending_tokens += tokens
         n.pending_prompt += prompt_tokens
-        cost = self._own(n, prompt_tokens)
         start = max(n.busy.get(priority, now), now)
+        decode, context = self._load(n)
+        packed = n.model.packed(prompt_tokens, decode, context) * n.speed.factor
+        cost = packed if start > now else self._own(n, prompt_tokens, (decode, context))
         for lv in self.levels:
             if lv.priority >= priority:
-                n.busy[lv.priority] = max(n.busy.get(lv.priority, now), now) + cost
+                clock = n.busy.get(lv.priority, now)
+                # behind others, it packs into their steps (vLLM fills each step's budget with what waits)
+                n.busy[lv.priority] = (clock + packed) if clock > now else now + cost
         return start, cost
 
     def completed(self, address: str, ticket: str, tokens: int, ok: bool | None, now: float) -> None:
@@ -708,6 +730,8 @@ class NodeBook:
             self.room.update(n)  # idle now: a request too large for the threshold alone may go there
         if ok is None:
             return
+        if ok:
+            n.edge = now
         if ok and n._last_completion is not None and now > n._last_completion:
             rate = tokens / (now - n._last_completion) if n.inflight else None
             if rate is not None:

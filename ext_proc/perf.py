@@ -68,6 +68,15 @@ class StepModel:
         # each step attends the running context plus what is prefilled so far (on average half the prompt)
         return steps * (self.a + self.c * decode + self.d * (context + tokens / 2)) + self.b * tokens
 
+    def packed(self, tokens: float, decode: float, context: float) -> float:
+        """Seconds ``tokens`` of prefill add to a backlog already waiting: vLLM packs waiting prompts into
+        each step's budget, so a prompt behind others shares their steps and pays its share of each
+        step's fixed cost (``tokens / chunk`` of a step), not a step of its own."""
+        if tokens <= 0:
+            return 0.0
+        return tokens / self.chunk(decode) * (self.a + self.c * decode + self.d * (context + tokens / 2)) \
+            + self.b * tokens
+
 
 @dataclass(slots=True)
 class Speed:

@@ -362,7 +362,8 @@ class Picker(NodeBook):
         if running is not None:
             current = running - now  # (one at its own level or a more urgent one is in ``ahead``)
         else:
-            current = (min(below, full) if below else step if decode or ahead else 0.0) / 2
+            current = (n.step_left(min(below, full), now) if below else n.step_left(step, now) if decode or ahead
+                       else 0.0)
         return ahead + current + m.prefill(prompt_tokens, decode, context) * f
 
     @staticmethod

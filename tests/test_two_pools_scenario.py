@@ -205,9 +205,9 @@ AUTO = Autoscaling(interval_s=5.0, window_s=20.0,
 POLICIES = (Policy("none", 2), Policy("kv-shed", 2, "kv-shed"), Policy("kvgate", 2, "kvgate"),
             Policy("autoscale-only", 1, autoscale="queue", max_nodes=4),
             Policy("kvgate+scaler", 1, "kvgate", autoscale="scaler", max_nodes=4))
-PINNED = {"none": ("0c4d544868a956f5", 600, 0, 0), "kv-shed": ("99eb6190d4909da5", 218, 382, 0),
-          "kvgate": ("c7fff1fe3d51e781", 227, 316, 57), "autoscale-only": ("20b78234ecef11bc", 600, 0, 0),
-          "kvgate+scaler": ("79f6f7b2b1faa7aa", 90, 453, 57)}
+PINNED = {"none": ("0c4d544868a956f5", 600, 0, 0), "kv-shed": ("f9130b06724b3a9f", 203, 397, 0),
+          "kvgate": ("98eb78dd68d04705", 183, 360, 57), "autoscale-only": ("20b78234ecef11bc", 600, 0, 0),
+          "kvgate+scaler": ("6bc8ad6e506db552", 97, 446, 57)}
 """What the driver before model pools gave for ``small_trace`` (digest, admitted, 503, 429): every
 request's status, reason, TTFT, e2e, node and decision time, the node timeline, GPU-seconds, breaker
 opens and prefill tokens. No RNG draws the trace; the run's own RNGs are seeded. (kvgate's rows re-pinned

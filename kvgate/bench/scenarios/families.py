@@ -33,7 +33,8 @@ What every seed of the first four draws (``family``):
   fleet's estimated capacity (``node_capacity_rps``), averaged over the run (bursts go above it);
 * kvgate's config: the tenants with their tiers; every batch tenant ``max_concurrent`` 8, 16 or 32 (a
   round number, not fitted to the fleet); half the standard tenants ``tokens_per_minute`` of 1.5-3x
-  their mean demand (two significant figures); ``queue: {inject_priority: true}``; every protective
+  their mean demand (two significant figures); no vLLM priority in the bodies (``queue.inject_priority``
+  at its default, false: ``docs/guides/vllm-settings.md`` says why); every protective
   limit best effort (``best_effort: {default: best-effort}``, the same for every seed: a quota protects,
   it does not refuse what the fleet has spare room for — ``docs/guides/best-effort.md``); the nodes placeholder
   (``PLACEHOLDER_NODES``).
@@ -51,7 +52,7 @@ load as above, then ``SharedPrefixes``' parameters:
 * the number of sessions: what brings the trace to the drawn load by ``workloads.offered_load``, the
   same yardstick as ``node_capacity_rps`` with no prefix-cache hit (hits make the real load lower);
 * the tenants ``chat`` (interactive), ``rag`` (standard) and ``api`` (batch), without quotas, as in the
-  pinned scenario (where the prefixes are cached is the point); ``queue: {inject_priority: true}``.
+  pinned scenario (where the prefixes are cached is the point); no vLLM priority, as above.
 
 A tenant's long requests (``long_share``) are, in this family, its prompts of ``LONG``'s median (3,000
 tokens) or more: the system prompt alone takes most prompts past ``SHORT``'s longest.
@@ -480,8 +481,8 @@ def family(name: str, seed: int, policies: Sequence[PolicyName] = POLICIES) -> F
             quota.append(("tokens_per_minute", _two_figures(60.0 * k * share * tokens * rng.uniform(1.5, 3.0))))
         plan.append(TenantPlan(tname, tier, share, la, desc, tuple(quota)))
         entries.append({"name": tname, "tier": tier, **dict(quota)})
-    config: dict[str, Any] = {"tenants": entries, "queue": {"inject_priority": True},
-                              "best_effort": {"default": "best-effort"}, "nodes": PLACEHOLDER_NODES}
+    config: dict[str, Any] = {"tenants": entries, "best_effort": {"default": "best-effort"},
+                              "nodes": PLACEHOLDER_NODES}
     bench = BenchConfig(profile=profile, nodes=nodes, min_nodes=1, max_nodes=min(16, 3 * nodes), kvgate=config,
                         policies=list(policies), scaler=SCALER, seed=seed)
     sc = FamilyScenario(
@@ -581,7 +582,7 @@ def _shared_prefix(rng: random.Random, seed: int, profile: str, nodes: int, dura
         plan.append(TenantPlan(tname, tier, len(mine) / max(1, len(trace)),
                                sum(r.prompt_tokens >= limit for r in mine) / max(1, len(mine)), desc[tname]))
     config: dict[str, Any] = {"tenants": [{"name": n, "tier": t} for n, t in SHARED_TENANTS],
-                              "queue": {"inject_priority": True}, "nodes": PLACEHOLDER_NODES}
+                              "nodes": PLACEHOLDER_NODES}
     bench = BenchConfig(profile=profile, nodes=nodes, min_nodes=1, max_nodes=min(16, 3 * nodes), kvgate=config,
                         policies=list(policies), scaler=SCALER, seed=seed)
     name = "shared-prefix"

@@ -241,7 +241,6 @@ def _noisy_neighbour() -> Scenario:
             {"name": "rag", "tier": "standard", "tokens_per_minute": 120_000, "token_burst": 20_000,
              "max_concurrent": 4},
         ],
-        "queue": {"inject_priority": True},
         "nodes": PLACEHOLDER_NODES,
     }
     return Scenario(
@@ -268,7 +267,6 @@ def _overload() -> Scenario:
     )
     config = {
         "tenants": [{"name": "app", "tier": "interactive"}, {"name": "docs", "tier": "standard"}],
-        "queue": {"inject_priority": True},
         "nodes": {**PLACEHOLDER_NODES, "breaker": {"recovery_window_seconds": 20}},
     }
     return Scenario(
@@ -301,7 +299,6 @@ def _diurnal() -> Scenario:
     config = {
         "tenants": [{"name": "web", "tier": "interactive"}, {"name": "api", "tier": "standard"},
                     {"name": "batch", "tier": "batch", "max_concurrent": 8}],
-        "queue": {"inject_priority": True},
         "nodes": PLACEHOLDER_NODES,
     }
     auto = Autoscaling(law=LawSettings(min_replicas=1, max_replicas=12, step=2, scale_up_threshold=0.10,
@@ -521,7 +518,6 @@ def _shared_prefix() -> Scenario:
     config = {
         "tenants": [{"name": "chat", "tier": "interactive"}, {"name": "rag", "tier": "standard"},
                     {"name": "api", "tier": "batch"}],
-        "queue": {"inject_priority": True},
         "nodes": PLACEHOLDER_NODES,
     }
     return SharedPrefixScenario(
@@ -580,7 +576,6 @@ def _two_pools() -> Scenario:
             {"name": "assistant", "tier": "interactive", "models": [LARGE_MODEL]},
             {"name": "rag", "tier": "standard", "models": [LARGE_MODEL]},
         ],
-        "queue": {"inject_priority": True},
         "pools": [_pool("8b", SMALL_MODEL, "8b-h100"), _pool("70b", LARGE_MODEL, "70b-h100x4")],
     }
     sizes = (PoolSize("8b", 2, min_nodes=2, max_nodes=8), PoolSize("70b", 1, min_nodes=1, max_nodes=4))
@@ -613,7 +608,6 @@ def _mixed_gpus() -> Scenario:
     config = {
         "tenants": [{"name": "chat-a", "tier": "interactive"}, {"name": "chat-b", "tier": "interactive"},
                     {"name": "docs", "tier": "standard"}],
-        "queue": {"inject_priority": True},
         "nodes": {**PLACEHOLDER_NODES, "performance": {"profile": "8b-h100"}},
     }
     return Scenario(
@@ -647,7 +641,6 @@ def _lora_adapters() -> Scenario:
     pool = {**_pool("8b", SMALL_MODEL, "8b-h100"), "adapters": adapters}
     config = {
         "tenants": [{"name": "chat", "tier": "interactive"}, {"name": "batch", "tier": "standard"}],
-        "queue": {"inject_priority": True},
         "pools": [pool],
     }
     sizes = (PoolSize("8b", 4),)
