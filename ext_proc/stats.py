@@ -140,7 +140,8 @@ class Stats:
         self.slo_misses = Counts(
             "kvgate_predicted_slo_misses_total",
             "Requests admitted although kvgate predicted they miss their tier's TTFT target (unmet demand "
-            "for the scaler)", ["tenant", "tier", "pool"])
+            "for the scaler; not a prompt whose own prefill alone outlasts the target: no fleet size helps it)",
+            ["tenant", "tier", "pool"])
         self.best_effort = Counts(
             "kvgate_best_effort_admissions_total",
             "Requests of a tenant over a protective limit served as best effort (tenants[i].over_limit): the "

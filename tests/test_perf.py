@@ -542,7 +542,11 @@ def test_fleet_caused_429s_and_predicted_misses_are_counted_for_the_scaler() -> 
     assert not isinstance(quick, Held) and quick.decision.lease is not None
     assert quick.decision.lease.predicted_ttft is not None and quick.decision.lease.predicted_ttft < 0.2
     assert quick.decision.lease.slo_miss is False
-    slow = ask("s", 1500)  # ~0.5 s of prefill, past the 200 ms target but within the max wait
+    long = ask("l", 1500)  # ~0.5 s of its own prefill: past the 200 ms target on any node, so no
+    assert not isinstance(long, Held) and long.decision.lease is not None  # node count would help it
+    assert long.decision.lease.predicted_ttft is not None and long.decision.lease.predicted_ttft > 0.2
+    assert long.decision.lease.slo_miss is False
+    slow = ask("s", 100)  # behind that prefill: late because the fleet is busy, which more nodes fix
     assert not isinstance(slow, Held) and slow.decision.lease is not None
     assert slow.decision.lease.slo_miss is True
     assert slow.decision.lease.predicted_ttft is not None and slow.decision.lease.predicted_ttft > 0.2
