@@ -241,6 +241,8 @@ def _noisy_neighbour() -> Scenario:
             {"name": "rag", "tier": "standard", "tokens_per_minute": 120_000, "token_burst": 20_000,
              "max_concurrent": 4},
         ],
+        # every protective limit best effort, as the families and the best-effort guide's advice
+        "best_effort": {"default": "best-effort"},
         "nodes": PLACEHOLDER_NODES,
     }
     return Scenario(
@@ -299,6 +301,8 @@ def _diurnal() -> Scenario:
     config = {
         "tenants": [{"name": "web", "tier": "interactive"}, {"name": "api", "tier": "standard"},
                     {"name": "batch", "tier": "batch", "max_concurrent": 8}],
+        # the batch cap protects the fleet: its excess is served where there is room (best-effort guide)
+        "best_effort": {"default": "best-effort"},
         "nodes": PLACEHOLDER_NODES,
     }
     auto = Autoscaling(law=LawSettings(min_replicas=1, max_replicas=12, step=2, scale_up_threshold=0.10,
