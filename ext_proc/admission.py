@@ -47,6 +47,8 @@ tenant called ``unknown`` keeps its own quota."""
 EWMA_ALPHA = 0.2
 MIN_HOLD_S = 0.05
 """The least a request is held in the gateway queue for room (about a pump of the queue)."""
+BACKFILL_TRIES = 8
+"""How many requests behind a tier's head that cannot go the pump tries in its place (``_backfill``)."""
 NORM_ALPHA = 0.02
 """How slowly a tenant's *norm* request duration follows: about its last 50 requests, against the
 recent mean's last 5 — a fleet that slowed down shows as the recent mean pulling away from the norm."""
@@ -648,19 +650,24 @@ class Admission:
         for e in q.doomed(now):
             self._drop(e, "queue-deadline", now, out, queue=q)
         blocked: set[str] = set()
-        while (nxt := q.peek(blocked)) is not None:
-            h = self._held[nxt.key]
-            placed, capacity = self._place(h.estimate, nxt.key, nxt.tier, now, now - nxt.arrived)
+        while (head := q.peek(blocked)) is not None:
+            h = self._held[head.key]
+            placed, capacity = self._place(h.estimate, head.key, head.tier, now, now - head.arrived)
+            nxt = head
             if capacity is not None:
                 if capacity.reason == "fleet-inflight":
                     break  # no tier can go
                 if placed.reason == "fleet-queue" and placed.ttft is not None:
                     # it cannot make it: say so now
-                    self._drop(nxt, "queue-deadline", now, out, placed.wait, queue=q)
+                    self._drop(head, "queue-deadline", now, out, placed.wait, queue=q)
                     continue
-                # this tier's head cannot be placed (its KV reserve, its size, its target): the others may
-                blocked.add(nxt.tier)
-                continue
+                # this tier's head cannot be placed (its KV reserve, its size, its target): a smaller
+                # request behind it may be, else the other tiers may
+                found = self._backfill(q, head, h.estimate.total, now)
+                if found is None:
+                    blocked.add(head.tier)
+                    continue
+                nxt, h, placed = found
             q.take(nxt, now)
             del self._held[nxt.key]
             lease = h.lease
@@ -669,6 +676,26 @@ class Admission:
             self._dispatch(lease, h.estimate, now)
             out.append(Outcome(nxt.key, Decision(lease.tenant.name, lease.tier, lease, None), now - nxt.arrived,
                                lease.pool))
+
+    def _backfill(self, q: FairQueue, head: Entry, size: int, now: float) -> tuple[Entry, _Held, Placed] | None:
+        """A request of ``head``'s tier that can go now although ``head`` cannot: the first of the next
+        :data:`BACKFILL_TRIES` behind it, in queue order, that is smaller than every one tried before
+        and that a node takes. Without it a tier waited behind a head too large for any node's room
+        (a 4k-token prefill against 5 % of KV left) while short requests behind it timed out in the
+        queue: on the bursty-onoff family's seed 1 the queue admitted 130 fewer standard requests
+        than no queue at all. Only smaller ones are tried, so a fruitless backfill costs a few
+        ``Room.might_fit`` lookups, not node choices; the head keeps its place and its deadline."""
+        for e in q.behind(head, BACKFILL_TRIES):
+            h = self._held[e.key]
+            if h.estimate.total >= size:
+                continue
+            placed, capacity = self._place(h.estimate, e.key, e.tier, now, now - e.arrived)
+            if capacity is None:
+                return e, h, placed
+            if capacity.reason == "fleet-inflight":
+                return None
+            size = h.estimate.total
+        return None
 
     def _drop(self, e: Entry, reason: str, now: float, out: list[Outcome] | None = None,
               excess: float | None = None, *, queue: FairQueue) -> None:

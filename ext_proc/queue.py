@@ -10,7 +10,8 @@ where the order can be decided:
   Models", OSDI 2024): each tenant's counter grows by the service it received (prompt + weighted
   output tokens, divided by its weight); the backlogged tenant with the smallest counter goes next. A
   tenant that was idle is lifted to the smallest counter of those waiting when it comes back, so idling
-  banks no credit. Ties go to the shortest expected request; a tenant's own requests are FIFO;
+  banks no credit. Ties go to the shortest expected request; a tenant's own requests are FIFO,
+  except that a smaller request may pass a tier's head that no node can take now (:meth:`behind`);
 * **deadlines**: each request may wait at most its tier's ``max_wait``. ``predicted_wait`` says, from
   the work queued ahead of a request and the rate the queue has been draining at, whether it can make
   it; the caller rejects early rather than let it wait in vain;
@@ -202,10 +203,25 @@ class FairQueue:
             heapq.heappop(t.heap)
         raise AssertionError("a tier with live entries has a backlogged tenant")
 
+    def behind(self, head: Entry, limit: int) -> list[Entry]:
+        """Up to ``limit`` live entries of ``head``'s tier queued behind it, in the order they would go
+        next: the rest of ``head``'s tenant's requests, then the other backlogged tenants' by their
+        counters. What the caller tries when ``head`` cannot be placed now (backfill)."""
+        t = self._tiers[head.tier]
+        out: list[Entry] = []
+        tenants = sorted((u for u in t.backlogged() if u != head.tenant), key=lambda u: self._counter.get(u, 0.0))
+        for tenant in (head.tenant, *tenants):
+            for e in t.queues[tenant]:
+                if len(out) >= limit:
+                    return out
+                if e.live and e is not head:
+                    out.append(e)
+        return out
+
     def take(self, e: Entry, now: float) -> None:
-        """Release ``e`` (what ``peek`` returned): it leaves the queue for a node."""
+        """Release ``e`` (what ``peek`` or ``behind`` returned): it leaves the queue for a node."""
         t = self._tiers[e.tier]
-        assert _head(t.queues[e.tenant]) is e
+        assert e.live
         self._unlink(t, e, now)
         # counted here, not by the caller's dispatch: the queue may just have become empty, and a
         # release that empties it is still drain (uncounted, the rate read far too low)
