@@ -680,16 +680,18 @@ class Core:
 
     # -- nodes -----------------------------------------------------------------------------------
 
-    def _pick(self, est: Estimate, shadow: bool, ticket: str, tier_name: str, waited: float) -> Placed:
+    def _pick(self, est: Estimate, shadow: bool, ticket: str, tier_name: str, waited: float,
+              guarded: bool = False) -> Placed:
         """Node choice for one request of ``tier_name`` that already waited ``waited`` s in the gateway
-        queue: its KV reserve, the vLLM priority level it runs at, what is left of its TTFT target and of
-        its max wait."""
+        queue: its KV reserve (none for a release the queue's starvation guard owes its tier:
+        ``guarded``), the vLLM priority level it runs at, what is left of its TTFT target and of its max
+        wait."""
         fleet = self.fleets.get(est.pool)
         if fleet is None:  # its pool went away in a reload while it waited
             return Placed(None, "fleet-no-healthy-node")
         cfg = self.config
         tier = cfg.tiers.get(tier_name)
-        reserve = tier.reserve_kv if tier is not None else 0.0
+        reserve = tier.reserve_kv if tier is not None and not guarded else 0.0
         # with the tier's priority written into the body, vLLM runs the top tier ahead of whatever
         # waits there, so the (deprecated) caps on its own queue would only hold it back
         caps = not (cfg.queue.inject_priority and tier_name == cfg.top_tier)

@@ -5,7 +5,9 @@ tenants or SLAs. kvgate keeps that queue short (per-node caps in ``nodes.py``) a
 where the order can be decided:
 
 * **tiers** in strict priority (lower ``rank`` first), with a *starvation guard*: after
-  ``starvation_guard`` releases from higher tiers in a row while a lower tier waits, that tier gets one;
+  ``starvation_guard`` releases from higher tiers in a row while a lower tier waits, that tier gets one
+  (:meth:`FairQueue.guarded`; the caller places it without the tier's KV reserve, else the tiers above,
+  filling each node to their own limits, would leave it no room);
 * within a tier, **virtual token counters** (VTC, Sheng et al., "Fairness in Serving Large Language
   Models", OSDI 2024): each tenant's counter grows by the service it received (prompt + weighted
   output tokens, divided by its weight); the backlogged tenant with the smallest counter goes next. A
@@ -120,6 +122,11 @@ class FairQueue:
     def depth(self, tier: str) -> int:
         t = self._tiers.get(tier)
         return t.live if t is not None else 0
+
+    def guarded(self, tier: str) -> bool:
+        """Whether ``tier`` has waited out the starvation guard: its next release is owed to it."""
+        t = self._tiers.get(tier)
+        return t is not None and t.skipped >= self.starvation_guard
 
     def tiers(self) -> list[str]:
         return [t.spec.name for t in self._order]

@@ -230,7 +230,7 @@ def test_node_choice_is_the_last_check_and_its_refusal_is_a_503() -> None:
                     "tenants": [{"name": "t", "max_concurrent": 1}, {"name": "s", "mode": "shadow"}]})
     calls: list[bool] = []
 
-    def full(est: Estimate, shadow: bool, ticket: str, tier: str, waited: float) -> Placed:
+    def full(est: Estimate, shadow: bool, ticket: str, tier: str, waited: float, guarded: bool = False) -> Placed:
         calls.append(shadow)
         return Placed("10.0.0.9:8000") if shadow else Placed(None, "fleet-kv", 4.0)
 
@@ -240,7 +240,7 @@ def test_node_choice_is_the_last_check_and_its_refusal_is_a_503() -> None:
         503, "fleet-kv", "capacity")
     assert d.rejection.retry_after is not None and 4.0 <= d.rejection.retry_after <= 4.8
     assert a.inflight == 0 and calls == [False]
-    a.pick = lambda est, shadow, ticket, tier, waited: Placed("10.0.0.1:8000")
+    a.pick = lambda est, shadow, ticket, tier, waited, guarded=False: Placed("10.0.0.1:8000")
     ok = a.decide(c.tenant("t"), "r2", E(), 1)
     assert ok.lease is not None and ok.lease.node == "10.0.0.1:8000"
     calls.clear()

@@ -509,3 +509,35 @@ def test_a_small_request_passes_a_tiers_head_that_no_node_has_room_for() -> None
     released = core.answers()
     assert [(x.request_id, x.decision.admitted) for x in released] == [("small", True)]
     assert core.admission.queued == 1  # the long prompt still waits, for room or its deadline
+
+
+def test_the_release_the_starvation_guard_owes_a_tier_goes_without_its_kv_reserve() -> None:
+    """A standard tenant keeps each node just under standard's limit (threshold 0.92 less its 0.05
+    reserve); batch (reserve 0.10) never fits there. After ``starvation_guard`` (8) standard releases
+    while a batch request waits, the batch request is owed one: it goes without its reserve. Before, it
+    waited out its deadline (diurnal seed 1: a batch tenant got 11% of its tokens in the worst minute)."""
+    from ext_proc.core import Core, Held, Request, null_logger
+    from gpu_probe.snapshot import Snapshot
+
+    clock = FakeClock()
+    core = Core(parse_config({
+        "nodes": {"static": [{"address": "10.0.0.1:8000", "probe": "http://p"}]},
+        "tenants": [{"name": "s", "tier": "standard", "api_key_sha256": [hash_key("s")]},
+                    {"name": "b", "tier": "batch", "api_key_sha256": [hash_key("b")]}]}),
+        clock, random.Random(1), log=null_logger())
+
+    def reading(at: float, kv: float) -> None:
+        core.snapshot("10.0.0.1:8000", Snapshot(node="n", at=at, ok=True, kv_usage=kv, blocks_total=10_000,
+                                                block_size=16, running=4, waiting=0))
+
+    reading(0.0, 0.95)  # full: everything waits
+    held = [core.decide(Request("/v1/chat/completions", "batch", "Bearer b", estimate=E(), body_bytes=10))]
+    held += [core.decide(Request("/v1/chat/completions", f"s{i}", "Bearer s", estimate=E(), body_bytes=10))
+             for i in range(9)]
+    assert all(isinstance(h, Held) for h in held)
+    clock.advance(0.01)
+    reading(0.01, 0.85)  # room for standard (below 0.87), none for batch's reserve (below 0.82)
+    released = [x.request_id for x in core.answers() if x.decision.admitted]
+    assert released[:8] == [f"s{i}" for i in range(8)]
+    assert released[8] == "batch"  # the guard's release, placed as if it had no reserve
+    assert "s8" in released

@@ -57,13 +57,13 @@ def test_no_tier_waits_behind_another_tiers_head_that_cannot_be_placed() -> None
     a = Admission(cfg, clock, random.Random(1))
     room = {"big": False, "small": True}  # the big one fits nowhere yet
 
-    def pick(est: Estimate, shadow: bool, ticket: str, tier: str, waited: float) -> Placed:
+    def pick(est: Estimate, shadow: bool, ticket: str, tier: str, waited: float, guarded: bool = False) -> Placed:
         ok = room["big"] if est.prompt_tokens > 100 else room["small"]
         return Placed("n:1") if ok else Placed(None, "fleet-kv", 1.0)
 
     hold = {"on": True}
 
-    def gated(est: Estimate, shadow: bool, ticket: str, tier: str, waited: float) -> Placed:
+    def gated(est: Estimate, shadow: bool, ticket: str, tier: str, waited: float, guarded: bool = False) -> Placed:
         return Placed(None, "fleet-kv", 1.0) if hold["on"] else pick(est, shadow, ticket, tier, waited)
 
     a.pick = gated
