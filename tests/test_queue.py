@@ -536,3 +536,52 @@ def test_a_stuck_heads_backfills_leave_no_pile_of_removed_entries() -> None:
         q.take(b, now)
     assert q.peek() is head and len(q) == 1
     assert len(q._tiers["t"].queues["a"]) <= 2 + COMPACT_SLACK  # the head, and a few removed at most
+
+
+def test_a_long_request_passed_by_a_stream_of_short_ones_ends_with_its_deadlines_503() -> None:
+    """Hostile case for backfill: a long prompt heads its tier, no node ever has room for it, and a
+    steady stream of short requests (its own tenant's and another's) is backfilled past it at every
+    pump. It must not wait forever: it ends with one 503 by its deadline, every request gets exactly one
+    answer, and the quota the long one held goes back (both tenants end with nothing in flight)."""
+    from ext_proc.core import Core, Held, Request, null_logger
+    from gpu_probe.snapshot import Snapshot
+
+    clock = FakeClock()
+    core = Core(parse_config({
+        "nodes": {"static": [{"address": "10.0.0.1:8000", "probe": "http://p"}]},
+        "tenants": [{"name": n, "api_key_sha256": [hash_key(n)]} for n in ("a", "b")]}),
+        clock, random.Random(1), log=null_logger())
+
+    def reading(at: float) -> None:
+        # a standard request has ~11k tokens of room: enough for the short ones, never for the long one
+        core.snapshot("10.0.0.1:8000", Snapshot(node="n", at=at, ok=True, kv_usage=0.8, blocks_total=10_000,
+                                                block_size=16, running=4, waiting=0))
+
+    start = clock()
+    reading(start)
+    assert isinstance(core.decide(Request("/v1/chat/completions", "big", "Bearer a", estimate=E(8_000, 4_000),
+                                          body_bytes=10)), Held)
+    answers: Counter[str] = Counter()
+    held: set[str] = {"big"}
+    big_at: float | None = None
+    for i in range(400):  # 4 s of virtual time: past the standard tier's hold (its 1 s TTFT target)
+        who = "ab"[i % 2]
+        d = core.decide(Request("/v1/chat/completions", f"s{i}", f"Bearer {who}", estimate=E(), body_bytes=10))
+        if isinstance(d, Held):
+            held.add(f"s{i}")
+        clock.advance(0.01)
+        reading(clock())
+        for x in core.answers():
+            answers[x.request_id] += 1
+            if x.request_id == "big":
+                assert not x.decision.admitted and x.decision.rejection is not None
+                assert x.decision.rejection.reason in ("queue-timeout", "queue-deadline")
+                big_at = clock() - start
+    assert big_at is not None and big_at <= 1.0 + 0.02  # by its hold, not later
+    assert set(answers) == held and set(answers.values()) == {1}
+    assert core.admission.queued == 0
+    assert len(held) > 50  # many short ones waited behind it, and passed it
+    # every admitted one holds its slot until it completes; the long one gave its slot back
+    leases = core.admission.leases(queued=True)
+    assert "big" not in {x.request_id for x in leases}
+    assert sum(s.inflight for s in core.admission.tenants()) == len(leases) == 400  # every short one went
