@@ -256,8 +256,11 @@ class FairQueue:
             if len(q) > 2 * t.n[e.tenant] + COMPACT_SLACK:
                 # removed entries pile up in the middle, behind a head that stays (a backfill takes the
                 # requests behind a head no node can take; clients cancel): drop them, or ``behind``
-                # walks every one of them at every pump — quadratic over a stuck head's wait
-                t.queues[e.tenant] = deque(x for x in q if x.live)
+                # walks every one of them at every pump — quadratic over a stuck head's wait. In place:
+                # ``doomed`` holds the deque while it removes from its end
+                kept = [x for x in q if x.live]
+                q.clear()
+                q.extend(kept)
             self._reheap(t, e.tenant)
         else:
             t.version[e.tenant] = t.version.get(e.tenant, 0) + 1
