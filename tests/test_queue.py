@@ -595,11 +595,10 @@ def test_nine_requests_no_node_can_take_do_not_hide_a_small_one_from_backfill() 
     """Attack on backfill's window: tenant a queues nine long prompts no node has room for and keeps
     queueing more (its counter stays the lowest: nothing of it is ever served), tenant b one short
     request a node has room for. The window (``BACKFILL_TRIES`` entries behind the head, the head's
-    tenant's first) holds only a's, none
-    smaller than the head, so b's is never tried: it waits out its hold and gets a 503 (queue-timeout
-    after 1 s) while the node had room for it all along — one tenant holds a whole tier with nine
-    requests. It passes with a window of 64 (``BACKFILL_TRIES``); the fix should rather keep one
-    tenant from filling the window (and not count skipped entries as tries)."""
+    tenant's first) holds only a's, none smaller than the head, so b's is never tried: it waits out its
+    hold and gets a 503 (queue-timeout after 1 s) while the node had room for it all along — one tenant
+    holds a whole tier with nine requests. It passes with a window of 64 (``BACKFILL_TRIES``); the fix
+    should rather keep one tenant from filling the window (and not count skipped entries as tries)."""
     from ext_proc.core import Core, Held, Request, null_logger
     from gpu_probe.snapshot import Snapshot
 
