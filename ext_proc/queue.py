@@ -39,6 +39,9 @@ RATE_MIN_EVENTS = 4.0
 """... and has seen this many (time-decayed) dispatches while backlogged. Without it, one long request
 holding the only slot would read as a rate of zero, and every later arrival would be refused early;
 with too little evidence requests simply wait, up to their deadline."""
+COMPACT_SLACK = 16
+"""Removed entries a tenant's deque may hold beyond its live ones before it is rebuilt without them (then
+at least as many removals as it holds again before the next rebuild: amortised O(1) per removal)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,7 +68,8 @@ class Entry:
 class _Tier:
     spec: TierSpec
     queues: dict[str, deque[Entry]] = field(default_factory=dict)
-    """Each tenant's requests in arrival order; removed entries stay until they reach an end."""
+    """Each tenant's requests in arrival order; removed entries stay until they reach an end, or until
+    they outnumber the live ones (``_unlink`` rebuilds the deque without them)."""
     n: dict[str, int] = field(default_factory=dict)
     """Live entries per tenant."""
     tok: dict[str, float] = field(default_factory=dict)
@@ -255,6 +259,15 @@ class FairQueue:
         t.n[e.tenant] -= 1
         t.tok[e.tenant] -= e.cost
         if t.n[e.tenant]:
+            q = t.queues[e.tenant]
+            if len(q) > 2 * t.n[e.tenant] + COMPACT_SLACK:
+                # removed entries pile up in the middle, behind a head that stays (a backfill takes the
+                # requests behind a head no node can take; clients cancel): drop them, or ``behind``
+                # walks every one of them at every pump — quadratic over a stuck head's wait. In place:
+                # ``doomed`` holds the deque while it removes from its end
+                kept = [x for x in q if x.live]
+                q.clear()
+                q.extend(kept)
             self._reheap(t, e.tenant)
         else:
             t.version[e.tenant] = t.version.get(e.tenant, 0) + 1
