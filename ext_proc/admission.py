@@ -49,6 +49,10 @@ MIN_HOLD_S = 0.05
 """The least a request is held in the gateway queue for room (about a pump of the queue)."""
 BACKFILL_TRIES = 8
 """How many requests behind a tier's head that cannot go the pump tries in its place (``_backfill``)."""
+BACKFILL_WINDOW = 32
+"""How many requests behind such a head it looks at (those larger than a KV room refused are not tried)."""
+BACKFILL_PER_TENANT = 8
+"""Of which at most this many of any one tenant."""
 NORM_ALPHA = 0.02
 """How slowly a tenant's *norm* request duration follows: about its last 50 requests, against the
 recent mean's last 5 — a fleet that slowed down shows as the recent mean pulling away from the norm."""
@@ -685,14 +689,19 @@ class Admission:
 
     def _backfill(self, q: FairQueue, head: Entry, size: int, now: float,
                   guarded: bool) -> tuple[Entry, _Held, Placed] | None:
-        """A request of ``head``'s tier that can go now although ``head`` cannot: the first of the next
-        :data:`BACKFILL_TRIES` behind it, in queue order, that is smaller than every one tried before
-        and that a node takes. Without it a tier waited behind a head too large for any node's room
+        """A request of ``head``'s tier that can go now although ``head`` cannot: of the next
+        :data:`BACKFILL_WINDOW` behind it in queue order (at most :data:`BACKFILL_PER_TENANT` of any one
+        tenant), the first a node takes, trying at most :data:`BACKFILL_TRIES` and, after a refusal for
+        KV room, only smaller ones. Without it a tier waited behind a head too large for any node's room
         (a 4k-token prefill against 5 % of KV left) while short requests behind it timed out in the
-        queue: on the bursty-onoff family's seed 1 the queue admitted 130 fewer standard requests
-        than no queue at all. Only smaller ones are tried, so a fruitless backfill costs a few
-        ``Room.might_fit`` lookups, not node choices; the head keeps its place and its deadline."""
-        for e in q.behind(head, BACKFILL_TRIES):
+        queue: on the bursty-onoff family's seed 1 the queue admitted 130 fewer standard requests than
+        no queue at all. A request larger than one KV room already refused is passed over without a
+        node choice; one refused for another reason (its target: it has waited longer) does not bound
+        the rest. The per-tenant cap and counting only what is tried keep one tenant's queue of long
+        prompts from hiding another tenant's short request (review). The head keeps its place and its
+        deadline."""
+        tried = 0
+        for e in q.behind(head, BACKFILL_WINDOW, BACKFILL_PER_TENANT):
             h = self._held[e.key]
             if h.estimate.total >= size:
                 continue
@@ -701,7 +710,11 @@ class Admission:
                 return e, h, placed
             if capacity.reason == "fleet-inflight":
                 return None
-            size = h.estimate.total
+            if capacity.reason == "fleet-kv":
+                size = h.estimate.total
+            tried += 1
+            if tried >= BACKFILL_TRIES:
+                break
         return None
 
     def _drop(self, e: Entry, reason: str, now: float, out: list[Outcome] | None = None,

@@ -214,19 +214,24 @@ class FairQueue:
             heapq.heappop(t.heap)
         raise AssertionError("a tier with live entries has a backlogged tenant")
 
-    def behind(self, head: Entry, limit: int) -> list[Entry]:
+    def behind(self, head: Entry, limit: int, per_tenant: int | None = None) -> list[Entry]:
         """Up to ``limit`` live entries of ``head``'s tier queued behind it, in the order they would go
         next: the rest of ``head``'s tenant's requests, then the other backlogged tenants' by their
-        counters. What the caller tries when ``head`` cannot be placed now (backfill)."""
+        counters; at most ``per_tenant`` of each tenant (so that one tenant's queue cannot fill the
+        window). What the caller tries when ``head`` cannot be placed now (backfill)."""
         t = self._tiers[head.tier]
         out: list[Entry] = []
         tenants = sorted((u for u in t.backlogged() if u != head.tenant), key=lambda u: self._counter.get(u, 0.0))
         for tenant in (head.tenant, *tenants):
+            n = 0
             for e in t.queues[tenant]:
                 if len(out) >= limit:
                     return out
+                if per_tenant is not None and n >= per_tenant:
+                    break
                 if e.live and e is not head:
                     out.append(e)
+                    n += 1
         return out
 
     def take(self, e: Entry, now: float) -> None:

@@ -12,7 +12,6 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
-import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -588,17 +587,14 @@ def test_a_long_request_passed_by_a_stream_of_short_ones_ends_with_its_deadlines
     assert sum(s.inflight for s in core.admission.tenants()) == len(leases) == 400  # every short one went
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="review7: backfill's window is 8 entries in queue order, the ones not smaller than "
-                          "the head included (skipped, never tried): not fixed yet")
 def test_nine_requests_no_node_can_take_do_not_hide_a_small_one_from_backfill() -> None:
     """Attack on backfill's window: tenant a queues nine long prompts no node has room for and keeps
     queueing more (its counter stays the lowest: nothing of it is ever served), tenant b one short
-    request a node has room for. The window (``BACKFILL_TRIES`` entries behind the head, the head's
-    tenant's first) holds only a's, none smaller than the head, so b's is never tried: it waits out its
-    hold and gets a 503 (queue-timeout after 1 s) while the node had room for it all along — one tenant
-    holds a whole tier with nine requests. It passes with a window of 64 (``BACKFILL_TRIES``); the fix
-    should rather keep one tenant from filling the window (and not count skipped entries as tries)."""
+    request a node has room for. The window (then ``BACKFILL_TRIES`` entries behind the head, the head's
+    tenant's first) held only a's, none smaller than the head, so b's was never tried: it waited out its
+    hold and got a 503 (queue-timeout after 1 s) while the node had room for it all along — one tenant
+    holds a whole tier with nine requests. Fixed: at most ``BACKFILL_PER_TENANT`` of one tenant's requests
+    in the window, and only those actually tried count against ``BACKFILL_TRIES``."""
     from ext_proc.core import Core, Held, Request, null_logger
     from gpu_probe.snapshot import Snapshot
 
