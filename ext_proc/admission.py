@@ -445,6 +445,8 @@ class Admission:
             if capacity is None:
                 lease = self._grant(state, ticket, request_id, estimate, now, placed.node)
                 self._predicted(lease, placed, 0.0, estimate)
+                if self.config.queue.enabled and len(q := self.queue_of(estimate.pool)):
+                    q.passed(tier, self._service(state, estimate))  # (the tiers below that wait: their guard counts it)
                 return Decision(state.name, tier, lease, None)
             if state.mode == "shadow":
                 return self._shadow(state, request_id, estimate, capacity, now, held)

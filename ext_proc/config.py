@@ -299,7 +299,8 @@ class Queue(_Strict):
     enabled: bool = Field(default=True, description="hold requests no node can take yet; false: 503 at once")
     max_size: PositiveInt = Field(default=1024, description="requests held at once, all tiers together")
     starvation_guard: PositiveInt = Field(
-        default=8, description="after this many releases from higher tiers in a row, a waiting lower tier gets one"
+        default=8, description="after this many releases from higher tiers in a row (a direct dispatch of a smaller "
+        "request counts as a fraction of one), a waiting lower tier gets one"
     )
     output_token_weight: Annotated[float, Field(ge=0)] = Field(
         default=1.0, description="weight of an output token against a prompt token in the fair-share counters"

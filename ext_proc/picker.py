@@ -53,6 +53,9 @@ at SCAN_LIMIT looked at with one passing: the filters cost per node too. Only wh
 does the scan go on, to the whole fleet before a capacity answer."""
 TOP_RECENT_S = 10.0
 """The top tier counts as active (and keeps a node free of long prefills) this long after its last request."""
+READY_SHARE = 0.5
+"""A node is ready for the top tier (``Picker._keep_one_ready``) while a request of it arriving now would wait
+at most this share of its TTFT target before its own prefill (the rest is for that prefill)."""
 HORIZON_STEPS = 0.5
 """A less urgent prefill booked to start within this many full steps from now counts as running on its node:
 vLLM admits it into the step that runs the last chunk of the one booked before it, up to a step before its
@@ -107,7 +110,7 @@ class Picker(NodeBook):
     def choose(
         self, tokens: int, now: float, force: bool = False, prompt_tokens: int = 0, reserve: float = 0.0,
         queue_caps: bool = True, priority: int = 0, target: float | None = None, limit: float | None = None,
-        prefix: tuple[int, ...] = (), retry: bool = True, adapter: str | None = None,
+        prefix: tuple[int, ...] = (), retry: bool = True, adapter: str | None = None, urgent: bool | None = None,
     ) -> Choice:
         """``force``: any live node, whatever its load or breaker (shadow mode, bodyless routes).
         ``reserve``: KV fraction to leave free below each node's threshold (for more important tiers).
@@ -118,7 +121,9 @@ class Picker(NodeBook):
         ``retry`` False: a no-node answer needs no Retry-After (the gateway queue's pump only learns from
         it that the tier cannot go yet) — it would walk the whole fleet. ``adapter``: the LoRA adapter the
         request runs with — each node's prediction counts loading it where the node does not hold it
-        (``lora_cost``), so a holder wins unless its first token is later by more than a load costs."""
+        (``lora_cost``), so a holder wins unless its first token is later by more than a load costs.
+        ``urgent``: whether the request is of the most urgent tier (None: whether it runs at the top
+        priority level — the same thing when kvgate writes priorities into bodies)."""
         if force:
             return self._any_live(tokens, now)
         if not self.room.might_fit(reserve, now, tokens):
@@ -135,9 +140,9 @@ class Picker(NodeBook):
             # those candidates only: a prompt every node was sent (a common system prompt) is held by the
             # whole fleet, and matching it against every node was most of a decision at 1,000 nodes
             return self._choose(self._scan_order(prefix, now), tokens, now, prompt_tokens, reserve, queue_caps,
-                                priority, target, limit, None, prefix, retry, adapter)
+                                priority, target, limit, None, prefix, retry, adapter, urgent)
         return self._choose(self._order, tokens, now, prompt_tokens, reserve, queue_caps, priority, target, limit,
-                            self.hits(prefix, prompt_tokens, now), retry=retry, adapter=adapter)
+                            self.hits(prefix, prompt_tokens, now), retry=retry, adapter=adapter, urgent=urgent)
 
     def _any_live(self, tokens: int, now: float) -> Choice:
         """Any live node, the roomiest of those looked at (shadow decisions, bodyless routes): a small
@@ -208,6 +213,7 @@ class Picker(NodeBook):
         self, pool: Iterable[Node], tokens: int, now: float, prompt_tokens: int, reserve: float, queue_caps: bool,
         priority: int, target: float | None, limit: float | None, hits: dict[str, int] | None = None,
         prefix: tuple[int, ...] | None = None, retry: bool = True, adapter: str | None = None,
+        urgent: bool | None = None,
     ) -> Choice:
         """The filters, the predictions and the pick. ``hits``: prompt tokens each node is expected to hold
         in its prefix cache — that much less to prefill there, that much less new KV. ``prefix`` instead
@@ -282,8 +288,14 @@ class Picker(NodeBook):
         self._best = first
         lim = limit if limit is not None else target
         top = self.levels[0]
-        if priority == top.priority:
+        if (priority == top.priority) if urgent is None else urgent:
             self._top_seen = now
+        elif priority == top.priority:
+            if top.target is not None and now - self._top_seen < TOP_RECENT_S:
+                kept = self._keep_one_ready(scored, prompt_tokens, hits, top, lim, tokens, now)
+                if kept is None:
+                    return Choice(None, "fleet-queue", self._retry_after(tokens, now) if retry else None)
+                scored, soonest, first = kept
         elif (top.target is not None and now - self._top_seen < TOP_RECENT_S and len(scored) > 1
               and self._long(first, prompt_tokens - hits.get(first.address, 0), top)):
             # A long, less urgent prefill while the top tier has traffic: a long prefill running on a node
@@ -319,6 +331,33 @@ class Picker(NodeBook):
         # (a node holding its prefix first: it computes less there, whatever fits best)
         t, n = max(kind, key=lambda x: (hits.get(x[1].address, 0), x[0], self._score(x[1], tokens)))
         return Choice(n, ttft=t, hit=hits.get(n.address, 0))
+
+    def _keep_one_ready(self, scored: list[tuple[float, Node]], prompt_tokens: int, hits: dict[str, int], top: Level,
+                        lim: float | None, tokens: int,
+                        now: float) -> tuple[list[tuple[float, Node]], float, Node] | None:
+        """A less urgent request that runs at the top tier's vLLM level (kvgate writes no priorities:
+        vLLM is first come, first served) while the top tier has traffic. Everything booked on a node
+        then runs before a top-tier request that arrives after it, and the gateway queue is the only
+        place where tiers are put in order: so it goes only to a node whose queue ahead of it is short
+        (a top-tier request arriving now would wait at most ``READY_SHARE`` of its target there), and
+        not to the last such node if it would leave none. None: no node now — it waits in the gateway
+        queue, where a top-tier arrival passes it. Without it, with every tier at one level, nothing
+        kept a node ready: on the bursty-mmpp family's seed 1 a burst of long standard and batch
+        prompts put 2-3 s of prefill on all four nodes at 15-40 % KV, and the interactive tenant got
+        10 of its 34 requests refused in that minute."""
+        assert top.target is not None
+        ready_s = READY_SHARE * top.target
+        waits = [(self.predict(n, 0, top.priority, now), t, n) for t, n in scored]
+        short = [(w, t, n) for w, t, n in waits if w <= ready_s]
+        if not short:
+            return None
+        if len(short) == 1 and len(scored) > 1:
+            w, _, n = short[0]
+            if w + self._own(n, prompt_tokens - hits.get(n.address, 0)) > ready_s:
+                return None
+        kept = [(t, n) for _, t, n in short if lim is None or t <= lim] or [(t, n) for _, t, n in short]
+        s, f = self._soonest(kept, tokens)
+        return kept, s, f
 
     def _soonest(self, scored: list[tuple[float, Node]], tokens: int) -> tuple[float, Node]:
         """The soonest predicted first token, ties to the most headroom (the first of equals): the

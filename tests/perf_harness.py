@@ -111,13 +111,16 @@ class Bench:
             dt = self.engines[i].begin_step(self.now)
             self.busy[i] = None if dt is None else self.now + dt
 
-    def send(self, prompt: int, output: int, node: int | None = None, priority: int = 0) -> Sent | None:
+    def send(self, prompt: int, output: int, node: int | None = None, priority: int = 0, *,
+             urgent: bool | None = None, target: float | None = None, limit: float | None = None) -> Sent | None:
         """Place a request now (``node``: on that node, with the fleet's prediction for it) and start it;
-        ``priority``: the vLLM priority written into its body (and the level kvgate books it at)."""
+        ``priority``: the vLLM priority written into its body (and the level kvgate books it at);
+        ``urgent``, ``target``, ``limit``: as ``Fleet.place`` takes them (its tier's)."""
         self._n += 1
         ticket = f"t{self._n}"
         if node is None:
-            c = self.fleet.place(prompt + output, prompt, ticket, self.now, priority=priority)
+            c = self.fleet.place(prompt + output, prompt, ticket, self.now, priority=priority, target=target,
+                                 limit=limit, urgent=urgent)
             if c.node is None:
                 return None
             i, predicted = int(c.node.address.split("-")[1].split(":")[0]), c.ttft

@@ -145,6 +145,32 @@ def test_the_top_tier_waits_for_every_less_urgent_prefill_vllm_already_runs() ->
     assert top.predicted == pytest.approx(top.realised, rel=0.25)
 
 
+def test_with_one_vllm_level_less_urgent_prompts_leave_the_top_tier_a_ready_node() -> None:
+    """kvgate writes no priorities (the default): vLLM is first come, first served, and every tier books
+    at level 0. A long standard prompt still goes while another node stays ready for the top tier, but
+    not to the last ready node: it is held (``fleet-queue`` with no prediction: the gateway queue keeps
+    it), and an interactive request arriving next gets its first token within its target there
+    (bursty-mmpp seed 1: long standard and batch prompts filled all four nodes' queues and 10 of the
+    interactive tenant's 34 requests in that minute were refused)."""
+    from ext_proc.nodes import Level
+
+    b = Bench("8b-h100", nodes=2)
+    b.fleet.set_levels([Level(0, 0.2)])
+    b.advance(1.0)
+    assert b.send(100, 16, urgent=True, target=0.2, limit=1.0) is not None  # the top tier has traffic
+    b.advance(1.5)
+    first = b.send(6000, 16, urgent=False, target=1.0, limit=5.0)
+    assert first is not None
+    held = b.fleet.place(6016, 6000, "held", b.now, target=1.0, limit=5.0, urgent=False)
+    assert (held.node, held.reason, held.ttft) == (None, "fleet-queue", None)
+    top = b.send(200, 16, urgent=True, target=0.2, limit=1.0)
+    assert top is not None and top.node != first.node
+    b.drain()
+    assert top.realised is not None and top.realised <= 0.2
+    # a short one still goes to the ready node: it keeps it ready
+    assert b.send(100, 16, urgent=False, target=1.0, limit=5.0) is not None
+
+
 def test_the_nodes_long_prefill_token_threshold_is_the_models_chunk() -> None:
     """``nodes.performance.long_prefill_token_threshold``: kvgate's prior chunks a prompt as the node does
     (vLLM caps one request's share of a step at it), so a long prompt's prefill takes more steps."""

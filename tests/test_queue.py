@@ -176,6 +176,31 @@ def test_a_higher_tier_goes_first_and_the_starvation_guard_lets_a_lower_one_thro
     assert order == ["i0", "i1", "i2", "b0", "i3", "i4", "i5", "i6"]
 
 
+def test_a_request_of_a_tier_above_sent_straight_to_a_node_counts_for_the_starvation_guard() -> None:
+    """A top tier whose requests go straight to a node (nothing of its tier queued) must still let a
+    waiting lower tier have its turn: each such dispatch counts as a release from above, a fraction of
+    one when it is smaller than the waiting tier's mean request (shared-prefix seed 2: a batch tenant
+    waiting on KV room got 18 of its 42 requests served in the worst minute, 22 timed out)."""
+    q = FairQueue([TierSpec("interactive", 0, 60), TierSpec("batch", 2, 60)], 1000, 3)
+    q.push(Entry("b0", "bt", "batch", 100, 0, 60), 0)
+    for _ in range(2):
+        q.passed("interactive", 500)
+    assert not q.guarded("batch")
+    q.passed("interactive", 500)
+    assert q.guarded("batch")  # three releases from above, as from the queue itself
+    e = q.peek()
+    assert e is not None and e.key == "b0"
+    q.take(e, 1)
+    q.push(Entry("b1", "bt", "batch", 100, 0, 60), 1)
+    for _ in range(5):
+        q.passed("interactive", 50)  # half of a batch request each: 2.5 releases
+    assert not q.guarded("batch")
+    q.passed("interactive", 50)
+    assert q.guarded("batch")
+    q.passed("batch", 100)  # (nothing below batch waits: no tier to count for)
+    q.passed("gone", 100)  # (a tier removed by a reload: ignored)
+
+
 def test_interactive_requests_overtake_queued_batch_ones() -> None:
     r = run({"tenants": [{"name": "bulk", "tier": "batch"}, {"name": "chat", "tier": "interactive"}]}, slots=1)
     for i in range(5):
