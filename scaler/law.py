@@ -36,7 +36,9 @@ Per evaluation, over the signal window:
 * scale down by one when the unmet rate and its projection stayed under ``scale_down_threshold``
   for ``cooldown_s`` (never while unmet demand is present; any scale-up restarts the cooldown) and
   the replicas left beyond the warm pool would have carried the fleet's KV cache in use — at its
-  peak over that cooldown — at most at ``scale_down_kv_usage`` mean usage (when kvgate reports it);
+  peak over that cooldown — at most at ``scale_down_kv_usage`` mean usage (when kvgate reports it),
+  and fewer than ``scale_down_threshold`` of the window's admissions waited in kvgate's queue for room
+  (what waits there holds no KV: kvgate keeps vLLM's queues short while the top tier has traffic);
   then wait another cooldown. The gap between the two KV bounds is the hysteresis: a scale-down
   never makes the next scale-up. Without KV readings nothing tells a fleet with room from one just
   big enough: a scale-down undone within a cooldown (a flap) doubles the cooldown the next one to
@@ -126,6 +128,9 @@ class Signals:
     """Of ``admitted``: requests admitted although predicted to miss their tier's TTFT target. Absent: none."""
     kv_usage: float | None = None
     """The mean KV-cache usage of the replicas up now (0-1, ``kvgate_node_kv_usage_ratio``); None: unknown."""
+    waited: float = 0.0
+    """Of ``admitted``: requests admitted after waiting in kvgate's gateway queue for room
+    (``kvgate_queue_wait_seconds_count{outcome="admitted"}``). Absent (an older kvgate): none."""
 
     @property
     def capacity_total(self) -> float:
@@ -343,6 +348,13 @@ class ControlLaw:
                                    else 1.0)
         if low_for < cooldown:
             return self._out(current, "hold", f"{what}: low for {low_for:.0f}s of a {cooldown:.0f}s cooldown", v)
+        admitted = sum(sig.admitted.values())
+        if admitted > 0 and sig.waited / admitted >= s.scale_down_threshold:
+            # what waits in the gateway queue holds no KV: a fleet whose vLLM queues kvgate keeps short (it
+            # does while the top tier has traffic) reads as roomy by its KV usage alone (shared-prefix seed
+            # 1: 2 -> 1 node at "45% KV" while 10% of admissions waited; then 158 503s)
+            return self._out(current, "hold", f"{what}: low for {low_for:.0f}s, but {sig.waited / admitted:.0%} of "
+                             f"admissions waited in kvgate's queue for room (>= {s.scale_down_threshold:.0%})", v)
         rest = observed - 1 - s.warm_pool if observed is not None else 0
         after_kv = None if peak is None or rest <= 0 else peak / rest
         if after_kv is not None and after_kv > s.scale_down_kv_usage:

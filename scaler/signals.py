@@ -3,7 +3,8 @@
 Both give the same ``Signals``, one per model pool (``PoolSignals``): per-tenant admitted and
 capacity-rejected requests over the window, policy rejections (and, of those, the ones for a tenant's
 own request or token budget and the ones the fleet caused), admitted requests predicted to miss their
-SLO, requests held in kvgate's queues now, the vLLM replicas kvgate sees and their mean KV-cache usage.
+SLO and admitted requests released from kvgate's queue, requests held in kvgate's queues now, the vLLM
+replicas kvgate sees and their mean KV-cache usage.
 Shadow-mode would-be rejections are admits (they reached the fleet). A kvgate of an older version
 exports no fleet-caused or predicted-miss counters: read as none.
 
@@ -39,13 +40,15 @@ from .law import Signals
 # what one kvgate replica reports, cumulative
 Totals = dict[tuple[str, str], float]
 """(kind, tenant) → count; kind: admitted | capacity | policy | budget (of policy: a tenant's own request
-or token budget) | fleet (of policy: caused by the fleet) | slo_miss (of admitted: predicted to miss)."""
+or token budget) | fleet (of policy: caused by the fleet) | slo_miss (of admitted: predicted to miss) |
+waited (of admitted: released from kvgate's gateway queue; no tenant label, tenant "")."""
 
-KINDS = ("admitted", "capacity", "policy", "budget", "fleet", "slo_miss")
+KINDS = ("admitted", "capacity", "policy", "budget", "fleet", "slo_miss", "waited")
 BUDGET_REASONS = ("tenant-requests", "tenant-tokens")
 """The 429 reasons of a tenant over its own budget: never a scaling signal."""
 FLEET_CAUSED = "kvgate_fleet_caused_rejections_total"
 PREDICTED_MISSES = "kvgate_predicted_slo_misses_total"
+QUEUE_WAITS = "kvgate_queue_wait_seconds_count"
 
 DEFAULT_POOL = "default"
 """The one pool of a kvgate without ``pools``, and of series without a pool label (ext_proc.pools.DEFAULT_POOL;
@@ -54,7 +57,7 @@ NO_POOL = "none"
 """``pool="none"``: requests refused before routing (ext_proc.pools.NO_POOL). Never a pool's demand."""
 POOL_NAME = re.compile(r"^[a-z0-9][a-z0-9_.-]{0,62}$")
 """A pool's name, as kvgate's and the scaler's configs spell it (also what makes it safe inside PromQL)."""
-POOLED = frozenset({"kvgate_requests_total", FLEET_CAUSED, PREDICTED_MISSES, "kvgate_queue_depth_requests",
+POOLED = frozenset({"kvgate_requests_total", FLEET_CAUSED, PREDICTED_MISSES, QUEUE_WAITS, "kvgate_queue_depth_requests",
                     "kvgate_nodes_total", "kvgate_node_kv_usage_ratio", "kvgate_fleet_inflight_requests",
                     "kvgate_node_kv_capacity_tokens"})
 """The families whose ``pool`` label says which pools a kvgate reports (the gauges exist for every pool
@@ -134,6 +137,9 @@ def parse_kvgate(text: str) -> Reading:
                     a.add(("budget", tenant), s.value)
             elif s.name in (FLEET_CAUSED, PREDICTED_MISSES):
                 a.add(("fleet" if s.name == FLEET_CAUSED else "slo_miss", tenant), s.value)
+            elif s.name == QUEUE_WAITS:
+                if s.labels.get("outcome") == "admitted":
+                    a.add(("waited", ""), s.value)
             elif s.name == "kvgate_queue_depth_requests":
                 a.held += s.value
             elif s.name == "kvgate_nodes_total":
@@ -166,7 +172,7 @@ def _signals(at: float, delta: Totals, held: float, nodes: int | None, complete:
         by[kind][tenant] = by[kind].get(tenant, 0.0) + v
     return Signals(at, by["admitted"], by["capacity"], by["policy"], held, nodes, complete,
                    fleet_caused=by["fleet"], budget_rejected=by["budget"], slo_missed=by["slo_miss"],
-                   kv_usage=kv_usage)
+                   kv_usage=kv_usage, waited=sum(by["waited"].values()))
 
 
 def _summed(dicts: Iterable[dict[str, float]]) -> dict[str, float]:
@@ -227,7 +233,8 @@ class PoolSignals(Mapping[str, Signals]):
                        sum(replicas) if replicas else None, self.complete,
                        fleet_caused=_summed(s.fleet_caused for s in sigs),
                        budget_rejected=_summed(s.budget_rejected for s in sigs),
-                       slo_missed=_summed(s.slo_missed for s in sigs), kv_usage=kv_usage)
+                       slo_missed=_summed(s.slo_missed for s in sigs), kv_usage=kv_usage,
+                       waited=sum(s.waited for s in sigs))
 
     @classmethod
     def single(cls, sig: Signals) -> PoolSignals:
@@ -323,6 +330,7 @@ QUERIES = {
     # absent from an older kvgate: no series, an empty answer, none counted
     "fleet": f"sum by (tenant, pool) (increase({FLEET_CAUSED}[%s]))",
     "slo_miss": f"sum by (tenant, pool) (increase({PREDICTED_MISSES}[%s]))",
+    "waited": 'sum by (pool) (increase(kvgate_queue_wait_seconds_count{outcome="admitted"}[%s]))',
     "held": "sum by (pool) (kvgate_queue_depth_requests)",
     # per kvgate replica (instance): the largest view of each pool is taken after pool-less series join "default"
     "nodes": "sum by (instance, pool) (kvgate_nodes_total)",

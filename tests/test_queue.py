@@ -683,3 +683,34 @@ def test_the_release_the_starvation_guard_owes_a_tier_goes_without_its_kv_reserv
     assert released[:8] == [f"s{i}" for i in range(8)]
     assert released[8] == "batch"  # the guard's release, placed as if it had no reserve
     assert "s8" in released
+
+
+def test_a_request_released_from_the_queue_is_read_by_the_scaler_as_one_that_waited() -> None:
+    """The scaler's scale-down gate reads how many admissions waited in the gateway queue for room
+    (``Signals.waited``) from kvgate's own exposition: ``kvgate_queue_wait_seconds_count`` with outcome
+    admitted, per pool — what waits there holds no KV, so KV usage alone would read as room."""
+    from prometheus_client import generate_latest
+
+    from ext_proc.core import Core, Held, Request, null_logger
+    from gpu_probe.snapshot import Snapshot
+    from scaler.signals import parse_kvgate
+
+    clock = FakeClock()
+    core = Core(parse_config({
+        "nodes": {"static": [{"address": "10.0.0.1:8000", "probe": "http://p"}]},
+        "tenants": [{"name": "s", "tier": "standard", "api_key_sha256": [hash_key("s")]}]}),
+        clock, random.Random(1), log=null_logger())
+
+    def reading(at: float, kv: float) -> None:
+        core.snapshot("10.0.0.1:8000", Snapshot(node="n", at=at, ok=True, kv_usage=kv, blocks_total=10_000,
+                                                block_size=16, running=4, waiting=0))
+
+    reading(0.0, 0.95)
+    assert isinstance(core.decide(Request("/v1/chat/completions", "w", "Bearer s", estimate=E(), body_bytes=10)), Held)
+    clock.advance(0.01)
+    reading(0.01, 0.5)
+    assert [x.decision.admitted for x in core.answers()] == [True]
+    core.decide(Request("/v1/chat/completions", "direct", "Bearer s", estimate=E(), body_bytes=10))
+    r = parse_kvgate(generate_latest(core.stats.registry).decode())
+    assert r.totals[("waited", "")] == 1
+    assert r.totals[("admitted", "s")] == 2

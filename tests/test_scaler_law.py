@@ -211,9 +211,9 @@ def test_a_hold_on_missing_data_says_why_and_names_the_floor() -> None:
 def window(admitted: dict[str, float], capacity: dict[str, float] | None = None,
            policy: dict[str, float] | None = None, fleet: dict[str, float] | None = None,
            budget: dict[str, float] | None = None, slo: dict[str, float] | None = None, at: float = 0.0,
-           replicas: int | None = 2, kv: float | None = None) -> Signals:
+           replicas: int | None = 2, kv: float | None = None, waited: float = 0.0) -> Signals:
     return Signals(at, admitted, capacity or {}, policy or {}, 0.0, replicas, True, fleet_caused=fleet or {},
-                   budget_rejected=budget or {}, slo_missed=slo or {}, kv_usage=kv)
+                   budget_rejected=budget or {}, slo_missed=slo or {}, kv_usage=kv, waited=waited)
 
 
 AB = {"a": 50.0, "b": 50.0}
@@ -320,6 +320,10 @@ DOWN = LawSettings(min_replicas=1, max_replicas=8, step=2, cooldown_s=600)
                  id="one fewer would run at 40% KV usage: down; one more fewer at 60%: held at the KV bound"),
     pytest.param(lambda t, n: window(AB, replicas=n, kv=(0.45 if t < 900 else 0.1) * 4 / n), [1500.0, 2100.0],
                  id="the load falls: down once the rest would have stayed under the KV bound for a cooldown"),
+    pytest.param(lambda t, n: window(AB, replicas=n, kv=0.1, waited=10), [],
+                 id="10% of admissions waited in kvgate's queue for room: never, whatever the KV usage"),
+    pytest.param(lambda t, n: window(AB, replicas=n, kv=0.1, waited=4), [600.0, 1200.0, 1800.0],
+                 id="4% waited: below the scale-down threshold, as without"),
 ])
 def test_scale_down_after_a_cooldown_without_unmet_demand(step: Callable[[float, int], Signals],
                                                             downs: list[float]) -> None:

@@ -668,6 +668,8 @@ class Run:
                 pool.decisions.append((self.now, "admitted", tenant))
                 if d.lease.slo_miss:
                     pool.decisions.append((self.now, "slo_miss", tenant))
+                if a.held is not None:  # (released from the gateway queue: kvgate_queue_wait_seconds)
+                    pool.decisions.append((self.now, "waited", tenant))
         else:
             assert d.rejection is not None
             self._reject(i, d.rejection.status, d.rejection.reason, d.rejection.klass, pool)
@@ -746,7 +748,8 @@ class Run:
             held = float(len(self.core.admission.queue_of(pool.name)))  # kvgate_queue_depth_requests{pool}
             sig = Signals(self.now, by["admitted"], by["capacity"], by["policy"], held,
                           len(ready), True, fleet_caused=by["fleet"], budget_rejected=by["budget"],
-                          slo_missed=by["slo_miss"], kv_usage=sum(kv) / len(kv) if kv else None)
+                          slo_missed=by["slo_miss"], kv_usage=sum(kv) / len(kv) if kv else None,
+                          waited=sum(by["waited"].values()))
             target = pool.law.decide(sig, self.now).desired
         if target > provisioned:
             for _ in range(target - provisioned):
