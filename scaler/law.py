@@ -41,7 +41,11 @@ Per evaluation, over the signal window:
   never makes the next scale-up. Without KV readings nothing tells a fleet with room from one just
   big enough: a scale-down undone within a cooldown (a flap) doubles the cooldown the next one to
   that level or below waits (up to 8 cooldowns); one there that holds halves it again;
-* in between → hold (and the cooldown starts again);
+* in between → hold (and the cooldown starts again), except within a cooldown of a scale-down with
+  no scale-up since: the unmet rate or its projection at ``scale_down_threshold`` or above then puts
+  the replica removed back (+1; a flap, as above). The fleet had no unmet demand before it; one
+  replica short, the hold band would keep the shortfall for good (families ``mixed`` seed 2: 4 → 3
+  replicas as the prompt mix lengthened, then 5-15% unmet demand to the end, all inside the band);
 * missing, incomplete or stale data → hold; never scale down on no data, and never answer fewer
   replicas than the signal last reported up (``observed``): a law whose own level is below what is
   running (a manual scale-up, an HPA floor) must not shrink the pool because a source went silent;
@@ -329,6 +333,10 @@ class ControlLaw:
                              "policy problem, not a capacity one", v)
         if max(rate or 0.0, projected or 0.0) >= s.scale_down_threshold:
             self._low_since = None
+            last = self._last_down
+            if last is not None and now - last[0] < s.cooldown_s and current == last[1]:
+                return self._out(current + 1, "up", f"{what} >= {s.scale_down_threshold:.0%} within a cooldown "
+                                 "of a scale-down: +1 replica, the one removed", v)
             return self._out(current, "hold", f"{what}: between the thresholds", v)
         if self._low_since is None:
             self._low_since = now

@@ -328,6 +328,26 @@ def test_scale_down_after_a_cooldown_without_unmet_demand(step: Callable[[float,
     assert got == downs
 
 
+@pytest.mark.parametrize(("miss_from", "ups"), [
+    pytest.param(660.0, [(660.0, 4)], id="unmet 8% a minute after the scale-down: the replica goes back"),
+    pytest.param(1200.0, [], id="unmet 8% only after a whole cooldown at 3: held in the band"),
+])
+def test_unmet_demand_in_the_band_after_a_scale_down_undoes_it(miss_from: float, ups: list[tuple[float, int]]) -> None:
+    """4 replicas with no unmet demand: down to 3 after a cooldown. When the 3 then leave 8% of the demand
+    unmet (a shifting prompt mix: inside the 5-25% hold band) within a cooldown, the scale-down was
+    wrong and is undone (a flap: the next one to 3 waits twice as long); later, the band holds."""
+    law = ControlLaw(DOWN)
+    step: Callable[[float, int], Signals] = lambda t, n: window(  # noqa: E731
+        AB, slo={"a": 8} if t >= miss_from else None, replicas=n)
+    verdicts = _drive(law, step, 1800, start=4)
+    assert [(t, v.desired) for t, v in verdicts if v.action == "down"] == [(600.0, 3)]
+    assert [(t, v.desired) for t, v in verdicts if v.action == "up"] == ups
+    if ups:
+        v = dict(verdicts)[ups[0][0]]
+        assert "within a cooldown of a scale-down" in v.reason and "undoes the scale-down" in v.reason, v.reason
+        assert law.backoff == 2 and law.flap_level == 3
+
+
 def _demand(t: float) -> int:
     """Demand for 6 replicas four minutes in eight, for 3 otherwise: an oscillation faster than the cooldown."""
     return 6 if int(t // 240) % 2 else 3
