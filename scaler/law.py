@@ -23,8 +23,10 @@ Per evaluation, over the signal window:
   trend over ``trend_window_s``, rising only, times ``cold_start_s``) above it → scale up by the
   shortfall: the window's fleet (replicas up, time-weighted) served 1 - u of its demand, so it
   needed that / (1 - u) (u: the rate seen, at most 75%; the trend says when, not how much); add
-  what the replicas up now lack, at least ``step`` (nothing when replicas that came up during the
-  window cover it);
+  what the replicas up now lack, at least ``step`` when the rate seen is over the threshold, at
+  least one when only its projection is (a rise not there yet is not sized as one: a +2 on a 13%
+  rate left the replicas added half idle); nothing when replicas that came up during the window
+  cover it;
 * a scale-up is not repeated while the replicas it asked for are not there yet (models take 30-90 s
   to load): unmet demand during a cold start is expected and must not compound;
 * rejections concentrated in one tenant's quota — one tenant has ≥ ``concentration`` (80%) of all
@@ -316,7 +318,8 @@ class ControlLaw:
                              "beyond the warm pool: scale from zero", v)
         if over:  # (from zero too, when the replicas up are short: sized like any other scale-up)
             self._low_since = None
-            return self._up(current, observed, mean_up, rate or 0.0, f"{what} > {thr:.0%}", v)
+            return self._up(current, observed, mean_up, rate or 0.0, f"{what} > {thr:.0%}", v,
+                            s.step if (rate or 0.0) > thr else 1)
         beyond = observed - s.warm_pool if observed is not None else 0
         busy = None if kv_load is None or beyond <= 0 else kv_load / beyond
         if s.warm_pool > 0 and busy is not None and busy > s.warm_pool_kv_usage:
@@ -362,10 +365,11 @@ class ControlLaw:
         return self._out(current - 1, "down", f"{what} < {s.scale_down_threshold:.0%} for {low_for:.0f}s{load}", v)
 
     def _up(self, current: int, observed: int | None, mean_up: float | None, share: float, why: str,
-            ctx: _Ctx) -> Verdict:
+            ctx: _Ctx, step: int) -> Verdict:
         """Scale up by the shortfall: the window's fleet (``mean_up`` replicas, time-weighted) served 1 - u
         of its demand (u: the unmet rate seen, not its projection: the trend says when, not how much), so
-        it needed mean_up / (1 - u); add what the replicas up now lack, at least ``step``."""
+        it needed mean_up / (1 - u); add what the replicas up now lack, at least ``step`` (``s.step``, or
+        1 when only the projection is over the threshold)."""
         s = self.s
         total = self._total(current)
         if observed is not None and observed < total:
@@ -378,8 +382,8 @@ class ControlLaw:
         if need <= up and base < up:
             return self._out(current, "hold", f"{why}, but the {up} replica(s) up now cover it (the window saw "
                              f"{base:.1f} on average, short by {share:.0%}: {need} needed)", ctx)
-        add = max(s.step, need - up)
-        return self._out(current + add, "up", f"{why}: +{add} replica(s) (max(step {s.step}, {base:.1f} up over the "
+        add = max(step, need - up)
+        return self._out(current + add, "up", f"{why}: +{add} replica(s) (max(step {step}, {base:.1f} up over the "
                          f"window / {1 - share:.0%} served = {need} needed, {up} up))", ctx)
 
     def _project(self, now: float, rate: float | None) -> tuple[float | None, float]:

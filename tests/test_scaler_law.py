@@ -282,6 +282,20 @@ def test_the_trend_is_projected_over_a_cold_start(cold_start_s: float, first_up:
     assert next(t for t, a in got if a == "up") == first_up
 
 
+def test_a_scale_up_on_the_projection_alone_adds_the_shortfall_not_the_step() -> None:
+    """The trend says when, not how much: 12% unmet on 2 replicas, rising to a projected 36%, needs 3
+    (2 / 88% served), so +1, not the step's +2; once the rate itself is over 25%, the step applies."""
+    law = ControlLaw(LawSettings(min_replicas=1, max_replicas=8, step=2, cold_start_s=60.0))
+    verdicts = []
+    for i, r in enumerate([0.0, 0.06, 0.12]):
+        t = 15.0 * i
+        verdicts.append(law.decide(window(AB, capacity={"a": 100 * r / (1 - r)}, at=t), t))
+    assert [(v.action, v.desired) for v in verdicts] == [("hold", 2), ("hold", 2), ("up", 3)], verdicts[-1].reason
+    assert "+1 replica(s) (max(step 1" in verdicts[-1].reason
+    v = ControlLaw(LawSettings(min_replicas=1, max_replicas=8, step=2)).decide(window(AB, capacity={"a": 40}), 0)
+    assert (v.action, v.desired) == ("up", 4), v.reason  # 29% seen: max(step 2, 3 needed - 2 up)
+
+
 def test_a_falling_rate_is_not_projected_below_itself() -> None:
     law = ControlLaw(S)
     for i, r in enumerate([0.4, 0.3, 0.28]):
