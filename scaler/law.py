@@ -38,7 +38,9 @@ Per evaluation, over the signal window:
 * scale down by one when the unmet rate and its projection stayed under ``scale_down_threshold``
   for ``cooldown_s`` (never while unmet demand is present; any scale-up restarts the cooldown) and
   the replicas left beyond the warm pool would have carried the fleet's KV cache in use — at its
-  peak over that cooldown — at most at ``scale_down_kv_usage`` mean usage (when kvgate reports it);
+  peak over that cooldown, and as read now (the window's mean lags a rising load: families
+  ``diurnal`` seed 1 went 4 → 3 at 44% by the mean, 70% by the reading, and back 15 s later) — at
+  most at ``scale_down_kv_usage`` mean usage (when kvgate reports it);
   then wait another cooldown. The gap between the two KV bounds is the hysteresis: a scale-down
   never makes the next scale-up. Without KV readings nothing tells a fleet with room from one just
   big enough: a scale-down undone within a cooldown (a flap) doubles the cooldown the next one to
@@ -349,6 +351,8 @@ class ControlLaw:
         while self._kv_low and self._kv_low[0][0] < now - s.cooldown_s:
             self._kv_low.popleft()
         peak = max((k for _, k in self._kv_low), default=None)
+        if peak is not None and sig.kv_usage is not None and observed:
+            peak = max(peak, sig.kv_usage * observed)  # the reading now, too: the window's mean lags a rise
         low_for = now - self._low_since
         cooldown = s.cooldown_s * (self.backoff if self.flap_level is not None and current - 1 <= self.flap_level
                                    else 1.0)

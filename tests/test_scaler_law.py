@@ -334,6 +334,8 @@ DOWN = LawSettings(min_replicas=1, max_replicas=8, step=2, cooldown_s=600)
                  id="one fewer would run at 40% KV usage: down; one more fewer at 60%: held at the KV bound"),
     pytest.param(lambda t, n: window(AB, replicas=n, kv=(0.45 if t < 900 else 0.1) * 4 / n), [1500.0, 2100.0],
                  id="the load falls: down once the rest would have stayed under the KV bound for a cooldown"),
+    pytest.param(lambda t, n: window(AB, replicas=n, kv=(1.2 if t < 600 else 2.0) / n), [],
+                 id="the load rises as the cooldown ends: 47% on 3 by the window's mean, 67% by the reading: held"),
 ])
 def test_scale_down_after_a_cooldown_without_unmet_demand(step: Callable[[float, int], Signals],
                                                             downs: list[float]) -> None:
