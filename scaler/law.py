@@ -23,8 +23,10 @@ Per evaluation, over the signal window:
   trend over ``trend_window_s``, rising only, times ``cold_start_s``) above it → scale up by the
   shortfall: the window's fleet (replicas up, time-weighted) served 1 - u of its demand, so it
   needed that / (1 - u) (u: the rate seen, at most 75%; the trend says when, not how much); add
-  what the replicas up now lack, at least ``step`` (nothing when replicas that came up during the
-  window cover it);
+  what the replicas up now lack, at least ``step`` when the rate seen is over the threshold, at
+  least one when only its projection is (a rise not there yet is not sized as one: a +2 on a 13%
+  rate left the replicas added half idle); nothing when replicas that came up during the window
+  cover it;
 * a scale-up is not repeated while the replicas it asked for are not there yet (models take 30-90 s
   to load): unmet demand during a cold start is expected and must not compound;
 * rejections concentrated in one tenant's quota — one tenant has ≥ ``concentration`` (80%) of all
@@ -36,14 +38,24 @@ Per evaluation, over the signal window:
 * scale down by one when the unmet rate and its projection stayed under ``scale_down_threshold``
   for ``cooldown_s`` (never while unmet demand is present; any scale-up restarts the cooldown) and
   the replicas left beyond the warm pool would have carried the fleet's KV cache in use — at its
+<<<<<<< HEAD
   peak over that cooldown — at most at ``scale_down_kv_usage`` mean usage (when kvgate reports it),
   and fewer than ``scale_down_threshold`` of the window's admissions waited in kvgate's queue for room
   (what waits there holds no KV: kvgate keeps vLLM's queues short while the top tier has traffic);
+=======
+  peak over that cooldown, and as read now (the window's mean lags a rising load: families
+  ``diurnal`` seed 1 went 4 → 3 at 44% by the mean, 70% by the reading, and back 15 s later) — at
+  most at ``scale_down_kv_usage`` mean usage (when kvgate reports it);
+>>>>>>> scaler11
   then wait another cooldown. The gap between the two KV bounds is the hysteresis: a scale-down
   never makes the next scale-up. Without KV readings nothing tells a fleet with room from one just
   big enough: a scale-down undone within a cooldown (a flap) doubles the cooldown the next one to
   that level or below waits (up to 8 cooldowns); one there that holds halves it again;
-* in between → hold (and the cooldown starts again);
+* in between → hold (and the cooldown starts again), except within a cooldown of a scale-down with
+  no scale-up since: the unmet rate or its projection at ``scale_down_threshold`` or above then puts
+  the replica removed back (+1; a flap, as above). The fleet had no unmet demand before it; one
+  replica short, the hold band would keep the shortfall for good (families ``mixed`` seed 2: 4 → 3
+  replicas as the prompt mix lengthened, then 5-15% unmet demand to the end, all inside the band);
 * missing, incomplete or stale data → hold; never scale down on no data, and never answer fewer
   replicas than the signal last reported up (``observed``): a law whose own level is below what is
   running (a manual scale-up, an HPA floor) must not shrink the pool because a source went silent;
@@ -317,7 +329,8 @@ class ControlLaw:
                              "beyond the warm pool: scale from zero", v)
         if over:  # (from zero too, when the replicas up are short: sized like any other scale-up)
             self._low_since = None
-            return self._up(current, observed, mean_up, rate or 0.0, f"{what} > {thr:.0%}", v)
+            return self._up(current, observed, mean_up, rate or 0.0, f"{what} > {thr:.0%}", v,
+                            s.step if (rate or 0.0) > thr else 1)
         beyond = observed - s.warm_pool if observed is not None else 0
         busy = None if kv_load is None or beyond <= 0 else kv_load / beyond
         if s.warm_pool > 0 and busy is not None and busy > s.warm_pool_kv_usage:
@@ -334,6 +347,10 @@ class ControlLaw:
                              "policy problem, not a capacity one", v)
         if max(rate or 0.0, projected or 0.0) >= s.scale_down_threshold:
             self._low_since = None
+            last = self._last_down
+            if last is not None and now - last[0] < s.cooldown_s and current == last[1]:
+                return self._out(current + 1, "up", f"{what} >= {s.scale_down_threshold:.0%} within a cooldown "
+                                 "of a scale-down: +1 replica, the one removed", v)
             return self._out(current, "hold", f"{what}: between the thresholds", v)
         if self._low_since is None:
             self._low_since = now
@@ -343,6 +360,8 @@ class ControlLaw:
         while self._kv_low and self._kv_low[0][0] < now - s.cooldown_s:
             self._kv_low.popleft()
         peak = max((k for _, k in self._kv_low), default=None)
+        if peak is not None and sig.kv_usage is not None and observed:
+            peak = max(peak, sig.kv_usage * observed)  # the reading now, too: the window's mean lags a rise
         low_for = now - self._low_since
         cooldown = s.cooldown_s * (self.backoff if self.flap_level is not None and current - 1 <= self.flap_level
                                    else 1.0)
@@ -366,11 +385,11 @@ class ControlLaw:
         return self._out(current - 1, "down", f"{what} < {s.scale_down_threshold:.0%} for {low_for:.0f}s{load}", v)
 
     def _up(self, current: int, observed: int | None, mean_up: float | None, share: float, why: str,
-            ctx: _Ctx) -> Verdict:
+            ctx: _Ctx, step: int) -> Verdict:
         """Scale up by the shortfall: the window's fleet (``mean_up`` replicas, time-weighted) served 1 - u
         of its demand (u: the unmet rate seen, not its projection: the trend says when, not how much), so
-        it needed mean_up / (1 - u); add what the replicas up now lack, at least ``step``."""
-        s = self.s
+        it needed mean_up / (1 - u); add what the replicas up now lack, at least ``step`` (``s.step``, or
+        1 when only the projection is over the threshold)."""
         total = self._total(current)
         if observed is not None and observed < total:
             return self._out(current, "hold", f"{why}, but waiting for the {total - observed} replica(s) already "
@@ -382,8 +401,8 @@ class ControlLaw:
         if need <= up and base < up:
             return self._out(current, "hold", f"{why}, but the {up} replica(s) up now cover it (the window saw "
                              f"{base:.1f} on average, short by {share:.0%}: {need} needed)", ctx)
-        add = max(s.step, need - up)
-        return self._out(current + add, "up", f"{why}: +{add} replica(s) (max(step {s.step}, {base:.1f} up over the "
+        add = max(step, need - up)
+        return self._out(current + add, "up", f"{why}: +{add} replica(s) (max(step {step}, {base:.1f} up over the "
                          f"window / {1 - share:.0%} served = {need} needed, {up} up))", ctx)
 
     def _project(self, now: float, rate: float | None) -> tuple[float | None, float]:

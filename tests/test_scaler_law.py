@@ -282,6 +282,20 @@ def test_the_trend_is_projected_over_a_cold_start(cold_start_s: float, first_up:
     assert next(t for t, a in got if a == "up") == first_up
 
 
+def test_a_scale_up_on_the_projection_alone_adds_the_shortfall_not_the_step() -> None:
+    """The trend says when, not how much: 12% unmet on 2 replicas, rising to a projected 36%, needs 3
+    (2 / 88% served), so +1, not the step's +2; once the rate itself is over 25%, the step applies."""
+    law = ControlLaw(LawSettings(min_replicas=1, max_replicas=8, step=2, cold_start_s=60.0))
+    verdicts = []
+    for i, r in enumerate([0.0, 0.06, 0.12]):
+        t = 15.0 * i
+        verdicts.append(law.decide(window(AB, capacity={"a": 100 * r / (1 - r)}, at=t), t))
+    assert [(v.action, v.desired) for v in verdicts] == [("hold", 2), ("hold", 2), ("up", 3)], verdicts[-1].reason
+    assert "+1 replica(s) (max(step 1" in verdicts[-1].reason
+    v = ControlLaw(LawSettings(min_replicas=1, max_replicas=8, step=2)).decide(window(AB, capacity={"a": 40}), 0)
+    assert (v.action, v.desired) == ("up", 4), v.reason  # 29% seen: max(step 2, 3 needed - 2 up)
+
+
 def test_a_falling_rate_is_not_projected_below_itself() -> None:
     law = ControlLaw(S)
     for i, r in enumerate([0.4, 0.3, 0.28]):
@@ -324,12 +338,34 @@ DOWN = LawSettings(min_replicas=1, max_replicas=8, step=2, cooldown_s=600)
                  id="10% of admissions waited in kvgate's queue for room: never, whatever the KV usage"),
     pytest.param(lambda t, n: window(AB, replicas=n, kv=0.1, waited=4), [600.0, 1200.0, 1800.0],
                  id="4% waited: below the scale-down threshold, as without"),
+    pytest.param(lambda t, n: window(AB, replicas=n, kv=(1.2 if t < 600 else 2.0) / n), [],
+                 id="the load rises as the cooldown ends: 47% on 3 by the window's mean, 67% by the reading: held"),
 ])
 def test_scale_down_after_a_cooldown_without_unmet_demand(step: Callable[[float, int], Signals],
                                                             downs: list[float]) -> None:
     law = ControlLaw(replace(DOWN, scale_down_kv_usage=0.5))
     got = [t for t, v in _drive(law, step, 2300, start=4) if v.action == "down"]
     assert got == downs
+
+
+@pytest.mark.parametrize(("miss_from", "ups"), [
+    pytest.param(660.0, [(660.0, 4)], id="unmet 8% a minute after the scale-down: the replica goes back"),
+    pytest.param(1200.0, [], id="unmet 8% only after a whole cooldown at 3: held in the band"),
+])
+def test_unmet_demand_in_the_band_after_a_scale_down_undoes_it(miss_from: float, ups: list[tuple[float, int]]) -> None:
+    """4 replicas with no unmet demand: down to 3 after a cooldown. When the 3 then leave 8% of the demand
+    unmet (a shifting prompt mix: inside the 5-25% hold band) within a cooldown, the scale-down was
+    wrong and is undone (a flap: the next one to 3 waits twice as long); later, the band holds."""
+    law = ControlLaw(DOWN)
+    step: Callable[[float, int], Signals] = lambda t, n: window(  # noqa: E731
+        AB, slo={"a": 8} if t >= miss_from else None, replicas=n)
+    verdicts = _drive(law, step, 1800, start=4)
+    assert [(t, v.desired) for t, v in verdicts if v.action == "down"] == [(600.0, 3)]
+    assert [(t, v.desired) for t, v in verdicts if v.action == "up"] == ups
+    if ups:
+        v = dict(verdicts)[ups[0][0]]
+        assert "within a cooldown of a scale-down" in v.reason and "undoes the scale-down" in v.reason, v.reason
+        assert law.backoff == 2 and law.flap_level == 3
 
 
 def _demand(t: float) -> int:
