@@ -78,6 +78,9 @@ class Node:
     pending_prompt: int = 0
     requests: dict[str, tuple[int, int, int]] = field(default_factory=dict)
     """kvgate's requests in flight here, in dispatch order: ticket → (tokens, prompt tokens, vLLM priority)."""
+    added: dict[str, dict[int, float]] = field(default_factory=dict)
+    """Ticket → what its booking added to each level's clock: a less urgent level with a backlog gains only
+    its packed share, not its own full prefill, and gives back no more when it ends (``completed``)."""
     waiting_tokens: int = 0
     """Tokens of the requests vLLM had waiting at the last snapshot: they hold no KV yet, so the KV
     reading does not show them (taken as kvgate's newest requests sent before it: vLLM is FCFS)."""
@@ -659,7 +662,9 @@ class NodeBook:
             self._lora_use(n, adapter)
             n.lora_sent.append((now, adapter))
         n.requests[ticket] = (tokens, prompt_tokens, priority)
-        start, cost = self._book(n, tokens, prompt_tokens, priority, now)
+        added: dict[int, float] = {}
+        start, cost = self._book(n, tokens, prompt_tokens, priority, now, added)
+        n.added[ticket] = added
         if start <= now:  # nothing ahead at its level: it starts with the next step
             decode, context = self._load(n)
             start = now + n.step_left(n.model.step(0, decode, context) * n.speed.factor, now)
@@ -680,7 +685,8 @@ class NodeBook:
         self._book(n, tokens, prompt_tokens, priority, now)
         self.room.update(n)
 
-    def _book(self, n: Node, tokens: int, prompt_tokens: int, priority: int, now: float) -> tuple[float, float]:
+    def _book(self, n: Node, tokens: int, prompt_tokens: int, priority: int, now: float,
+              added: dict[int, float] | None = None) -> tuple[float, float]:
         """A request sent to ``n``, by this replica or another: it counts in the KV projection until a
         reading taken after it shows it, and its prefill runs ahead of everything booked at less urgent
         levels (their clocks advance). Returns (when its prefill starts, what it costs)."""
@@ -698,6 +704,8 @@ class NodeBook:
                 clock = n.busy.get(lv.priority, now)
                 # behind others, it packs into their steps (vLLM fills each step's budget with what waits)
                 n.busy[lv.priority] = (clock + packed) if clock > now else now + cost
+                if added is not None:
+                    added[lv.priority] = packed if clock > now else cost
         return start, cost
 
     def completed(self, address: str, ticket: str, tokens: int, ok: bool | None, now: float) -> None:
@@ -705,15 +713,21 @@ class NodeBook:
         n = self.nodes.get(address)
         if n is None:
             return
+        added = n.added.pop(ticket, None)
         if n.requests.pop(ticket, None) is not None:
             # it ended: its prefill is behind it, whatever was booked for it (it may have failed at once,
-            # or hit vLLM's prefix cache) — what is left of the booking comes off the clocks
+            # or hit vLLM's prefix cache) — what is left of the booking comes off the clocks, each in the
+            # proportion the booking added to it (a less urgent backlog gained only its packed share)
             for start, end, level, t in n.prefills:
                 if t == ticket and end > now:
                     left = end - max(now, start)
+                    cost = end - start
                     for lv in self.levels:
                         if lv.priority >= level and lv.priority in n.busy:
-                            n.busy[lv.priority] = max(now, n.busy[lv.priority] - left)
+                            share = left
+                            if added is not None and cost > 0.0 and lv.priority in added:
+                                share = min(left, left * added[lv.priority] / cost)
+                            n.busy[lv.priority] = max(now, n.busy[lv.priority] - share)
             for booked in (n.prefills, n.running_low):
                 if any(e[3] == ticket for e in booked):
                     kept = [e for e in booked if e[3] != ticket]

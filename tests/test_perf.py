@@ -749,3 +749,21 @@ def test_the_step_in_progress_is_read_from_the_last_request_that_ended() -> None
     assert late < blind < early
     stale = f.predict(node, 200, 0, 1.0 + 10.1 * step)  # ten steps on: the phase is lost
     assert stale == pytest.approx(blind, rel=0.01)  # (the ended request is still counted as sent)
+
+
+def test_a_short_top_tier_request_gives_back_to_a_less_urgent_clock_only_what_it_added() -> None:
+    """A short top-tier prompt sent to a node whose own level is idle but whose less urgent level has a
+    backlog adds its packed share of a step to that level's clock (it packs into the backlog's steps), but
+    is booked at its own full step. When it ends before its booking does (it failed at once, its prefix
+    was cached), the less urgent clock must lose only what it gained — it lost the whole step: ten such
+    requests took 28% off a batch backlog's predicted wait (review12)."""
+    f = _fleet(profile="8b-h100", inject=True)
+    _busy(f, 0.0)
+    node = next(iter(f.nodes.values()))
+    f.dispatched(node.address, "big", 15_000, 14_000, 0.0, priority=2)
+    backlog = node.busy[2]
+    for i in range(10):
+        t = 0.001 * i
+        f.dispatched(node.address, f"s{i}", 300, 100, t, priority=0)
+        f.completed(node.address, f"s{i}", 300, True, t)
+    assert node.busy[2] == pytest.approx(backlog, abs=1e-9)
