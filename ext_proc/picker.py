@@ -340,18 +340,23 @@ class Picker(NodeBook):
         then runs before a top-tier request that arrives after it, and the gateway queue is the only
         place where tiers are put in order: so it goes only to a node whose queue ahead of it is short
         (a top-tier request arriving now would wait at most ``READY_SHARE`` of its target there), and
-        not to the last such node if it would leave none. None: no node now — it waits in the gateway
+        not to the last such node if it would leave none (with two nodes or more to choose from: a lone
+        candidate is not held). None: no node now — it waits in the gateway
         queue, where a top-tier arrival passes it. Without it, with every tier at one level, nothing
         kept a node ready: on the bursty-mmpp family's seed 1 a burst of long standard and batch
         prompts put 2-3 s of prefill on all four nodes at 15-40 % KV, and the interactive tenant got
         10 of its 34 requests refused in that minute."""
         assert top.target is not None
+        if len(scored) < 2:
+            # one node: nothing to keep apart — holding would only leave it idle between pumps (two-pools'
+            # 70B pool, one node at a fifth of its load, refused a prompt the drain-rate estimate doomed)
+            return scored, *self._soonest(scored, tokens)
         ready_s = READY_SHARE * top.target
         waits = [(self.predict(n, 0, top.priority, now), t, n) for t, n in scored]
         short = [(w, t, n) for w, t, n in waits if w <= ready_s]
         if not short:
             return None
-        if len(short) == 1 and len(scored) > 1:
+        if len(short) == 1:
             w, _, n = short[0]
             if w + self._own(n, prompt_tokens - hits.get(n.address, 0)) > ready_s:
                 return None
