@@ -634,7 +634,7 @@ class Core:
         if c.lease.node is not None:
             f = self.fleets.get(c.lease.pool) or self._node_fleet(c.lease.node)
             if f is not None:
-                f.completed(c.lease.node, ticket, c.charged_tokens, verdict, self._clock())
+                f.completed(c.lease.node, ticket, c.charged_tokens, verdict, self._clock(), step_end=outcome == "ok")
 
     # -- Envoys ----------------------------------------------------------------------------------
 

@@ -708,8 +708,12 @@ class NodeBook:
                     added[lv.priority] = packed if clock > now else cost
         return start, cost
 
-    def completed(self, address: str, ticket: str, tokens: int, ok: bool | None, now: float) -> None:
-        """A request sent to ``address`` ended; ``ok`` None: no verdict on the node (never reached it)."""
+    def completed(self, address: str, ticket: str, tokens: int, ok: bool | None, now: float,
+                  step_end: bool | None = None) -> None:
+        """A request sent to ``address`` ended; ``ok`` None: no verdict on the node (never reached it).
+        ``step_end``: whether it ended with its last token, at the end of an engine step (its final usage
+        came) — not a client that left mid-stream, nor a 4xx vLLM's API server answered without a step
+        (review12: those moved ``Node.edge``); None: as ``ok``."""
         n = self.nodes.get(address)
         if n is None:
             return
@@ -744,7 +748,7 @@ class NodeBook:
             self.room.update(n)  # idle now: a request too large for the threshold alone may go there
         if ok is None:
             return
-        if ok:
+        if ok and (step_end is None or step_end):
             n.edge = now
         if ok and n._last_completion is not None and now > n._last_completion:
             rate = tokens / (now - n._last_completion) if n.inflight else None

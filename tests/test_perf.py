@@ -751,6 +751,19 @@ def test_the_step_in_progress_is_read_from_the_last_request_that_ended() -> None
     assert stale == pytest.approx(blind, rel=0.01)  # (the ended request is still counted as sent)
 
 
+def test_a_request_that_did_not_end_at_a_step_says_nothing_of_the_step_in_progress() -> None:
+    """A client that left mid-stream, or a 4xx vLLM's API server answered without an engine step, ends a
+    request between steps: its end is no step boundary (review12: it moved ``Node.edge``)."""
+    f = _fleet(profile="8b-h100", inject=False)
+    _busy(f, 0.0)
+    node = next(iter(f.nodes.values()))
+    blind = f.predict(node, 200, 0, 1.0)
+    f.place(300, 200, "x", 1.0)
+    f.completed(node.address, "x", 300, True, 1.0, step_end=False)
+    assert node.edge is None
+    assert f.predict(node, 200, 0, 1.0) == pytest.approx(blind, rel=0.01)
+
+
 def test_a_short_top_tier_request_gives_back_to_a_less_urgent_clock_only_what_it_added() -> None:
     """A short top-tier prompt sent to a node whose own level is idle but whose less urgent level has a
     backlog adds its packed share of a step to that level's clock (it packs into the backlog's steps), but
