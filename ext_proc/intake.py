@@ -51,8 +51,9 @@ CHARGE_BYTES = 65_536
 """A refused body costs its sender one request per this many bytes (:func:`charge_for`): about what
 an ordinary decision costs, read at the scan's speed."""
 
-_KEEP = b'",[{'
+_KEEP = b'",[{\\'
 _DROP = bytes(c for c in range(256) if c not in _KEEP)
+_DROP_TO_STRUCTURE = bytes(c for c in range(256) if c not in b'",[{')
 _ONE_BRACKET = bytes.maketrans(b"[", b"{")
 """Arrays and objects cost alike: counted as one character, one count."""
 _FEW_QUOTES = 512
@@ -110,19 +111,28 @@ def scan(body: bytes, caps: Caps) -> int | None:
     """
     if len(body) <= caps.small:
         return None
-    s = body.translate(_ONE_BRACKET, _DROP)  # one pass: quotes, commas, brackets; nothing else
+    s = body.translate(_ONE_BRACKET, _DROP)  # one pass: quotes, commas, brackets, backslashes; nothing else
     quotes = s.count(b'"')
     containers = s.count(b"{")
-    elements = len(s) - quotes  # commas + containers
+    elements = len(s) - quotes  # commas + containers (+ backslashes: still an upper bound)
     if quotes <= 2 * caps.strings and containers <= caps.containers and elements <= caps.elements:
         return containers
+    backslashes = s.count(b"\\") if b"\\" in s else 0  # (memchr first: most bodies over a bound have none)
+    elements -= backslashes
+    if quotes - backslashes > 2 * caps.strings:
+        # a quote inside a string is escaped, and a backslash escapes at most one: this many quotes are
+        # delimiters whatever the exact pass would find — refused without it (a flood of strings with
+        # escaped quotes in them cost that pass 18 ms; this refusal costs the scan's first pass)
+        raise _too_complex(f"at least {(quotes - backslashes) // 2} strings", caps.strings)
     if quotes:
         # some of them may be inside strings: take those out (an escaped quote, or an escaped
         # backslash before a closing one, is the only way a quote is not a delimiter)
-        if b"\\" in body and b'\\"' in body:  # (one byte first: memchr; the pair alone is a slow search)
+        if backslashes and b'\\"' in body:
             s = body.translate(None, _DROP_BUT_ESCAPABLE).replace(b"\\\\", b"").replace(b'\\"', b"")
-            s = s.translate(_ONE_BRACKET, _DROP)
+            s = s.translate(_ONE_BRACKET, _DROP_TO_STRUCTURE)
             quotes = s.count(b'"')
+        elif backslashes:
+            s = s.translate(None, b"\\")  # (what follows counts quotes, commas and brackets only)
         if quotes > 2 * caps.strings:
             raise _too_complex(f"{quotes // 2} strings", caps.strings)
         if quotes <= _FEW_QUOTES:

@@ -66,6 +66,10 @@ HOSTILE = {
                               "strings"),
     "numbers": (COMPLETIONS, fill(b'{"model":"m","prompt":[', b"123456789", b"]}"), "elements"),
     "strings": (COMPLETIONS, fill(b'{"model":"m","prompt":[', b'"a"', b"]}"), "strings"),
+    # escaped quotes in every string: the scan's exact pass would take them out first (18 ms at 4 MB);
+    # more quotes than backslashes already says how many strings there are at least
+    "objects of strings with escaped quotes": (CHAT, fill(b'{"model":"m","messages":[],"tools":[',
+                                                          b'{"a":"\\""}', b"]}"), "at least"),
 }
 
 

@@ -52,6 +52,10 @@ def kinds(max_bytes: int) -> list[tuple[str, str, bytes]]:
             max_bytes)),
         ("numbers", COMPLETIONS, _fill(b'{"model":"m","prompt":[', b"123456789", b"]}", max_bytes)),
         ("strings", COMPLETIONS, _fill(b'{"model":"m","prompt":[', b'"a"', b"]}", max_bytes)),
+        # escaped quotes: the scan's quick bound is over the caps and the body has ``\"``, so it takes the
+        # exact pass (removing the escapes) before it is refused — the costliest refusal
+        ("tools: escaped quotes", CHAT, _fill(b'{"model":"m","messages":[],"tools":[', b'{"a":"\\""}', b"]}",
+                                              max_bytes)),
         ("BOM + n=16, stream", CHAT, b'\xef\xbb\xbf{"model":"m","messages":[{"role":"user","content":"hi"}],'
                                      b'"max_tokens":100000,"n":16,"stream":true}'),
         ("NaN", CHAT, b'{"model":"m","messages":[{"role":"user","content":"hi"}],"temperature":NaN}'),
