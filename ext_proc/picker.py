@@ -377,7 +377,9 @@ class Picker(NodeBook):
         if not self._order:
             return 0.0
         if len(self._order) > SCAN_LIMIT:
-            return self.model.prefill(prompt_tokens, 0, 0)
+            # a large pool: the fastest of the profiles its nodes were given (a handful), not a walk of
+            # every node — the pool's own profile alone missed the faster GPUs of a mixed pool (review12)
+            return min(m.prefill(prompt_tokens, 0, 0) for m in self._models.values())
         return min(n.model.prefill(prompt_tokens, 0, 0) * n.speed.factor for n in self._order)
 
     def predict(self, n: Node, prompt_tokens: int, priority: int, now: float) -> float:

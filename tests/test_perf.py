@@ -780,3 +780,24 @@ def test_a_short_top_tier_request_gives_back_to_a_less_urgent_clock_only_what_it
         f.dispatched(node.address, f"s{i}", 300, 100, t, priority=0)
         f.completed(node.address, f"s{i}", 300, True, t)
     assert node.busy[2] == pytest.approx(backlog, abs=1e-9)
+
+
+def test_a_large_mixed_pools_floor_is_its_fastest_profile_not_its_own() -> None:
+    """The floor under a predicted miss ("could more nodes have prevented it": the scaler's demand, best
+    effort, the queue's hold) is the fastest node's prefill alone. A pool over ``SCAN_LIMIT`` nodes is
+    not walked: its profiles are few — the pool's own (34B on A100s here) was used alone, and a prompt
+    the H100s could prefill in time counted as one no node could (review12)."""
+    from ext_proc.config import Nodes
+    from ext_proc.picker import SCAN_LIMIT
+    from ext_proc.profiles import get_profile as prof
+
+    n = SCAN_LIMIT + 8
+    cfg = Nodes.model_validate({"static": [{"address": f"10.0.{i // 200}.{i % 200}:8000", "probe": f"http://p{i}",
+                                            **({"profile": "34b-h100"} if i % 4 == 0 else {})} for i in range(n)],
+                                "performance": {"profile": "34b-a100"}})
+    f = Fleet(cfg, rng=random.Random(1))
+    assert len(f.nodes) == n
+    fast = min(m.model.prefill(3000, 0, 0) for m in f.nodes.values())
+    slow = max(m.model.prefill(3000, 0, 0) for m in f.nodes.values())
+    assert fast < slow and prof("34b-h100").gpu != prof("34b-a100").gpu
+    assert f.floor_ttft(3000) == pytest.approx(fast)
