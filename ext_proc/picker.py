@@ -19,7 +19,10 @@ Shaped like the Gateway API Inference Extension's scheduler. Per request:
    still meets its own target (best fit), joins the long prefills already booked where it can, and
    never takes the last node without one while the top tier has traffic: long prefills gather, the
    top tier goes where nothing long is running — prefill isolation emerges from the predictions rather
-   than from a fixed split of nodes.
+   than from a fixed split of nodes. That rule reads vLLM priority levels; with one level (kvgate writes
+   no priorities: vLLM is first come, first served) a less urgent request instead goes only where a
+   top-tier request would still be quick, and never takes the last such node of two or more
+   (``Picker._keep_one_ready``) — else it is held in the gateway queue (``fleet-queue``, no prediction).
 
 A new request no node can give a first token within its tier's max wait (``limit``) → ``fleet-queue``
 with the predicted wait until one could meet its target: waiting would not help (the backlog ahead
