@@ -38,15 +38,11 @@ Per evaluation, over the signal window:
 * scale down by one when the unmet rate and its projection stayed under ``scale_down_threshold``
   for ``cooldown_s`` (never while unmet demand is present; any scale-up restarts the cooldown) and
   the replicas left beyond the warm pool would have carried the fleet's KV cache in use — at its
-<<<<<<< HEAD
-  peak over that cooldown — at most at ``scale_down_kv_usage`` mean usage (when kvgate reports it),
-  and fewer than ``scale_down_threshold`` of the window's admissions waited in kvgate's queue for room
-  (what waits there holds no KV: kvgate keeps vLLM's queues short while the top tier has traffic);
-=======
   peak over that cooldown, and as read now (the window's mean lags a rising load: families
   ``diurnal`` seed 1 went 4 → 3 at 44% by the mean, 70% by the reading, and back 15 s later) — at
-  most at ``scale_down_kv_usage`` mean usage (when kvgate reports it);
->>>>>>> scaler11
+  most at ``scale_down_kv_usage`` mean usage (when kvgate reports it), and fewer than
+  ``scale_down_threshold`` of the window's admissions waited in kvgate's queue for room (what waits
+  there holds no KV: kvgate keeps vLLM's queues short while the top tier has traffic);
   then wait another cooldown. The gap between the two KV bounds is the hysteresis: a scale-down
   never makes the next scale-up. Without KV readings nothing tells a fleet with room from one just
   big enough: a scale-down undone within a cooldown (a flap) doubles the cooldown the next one to
