@@ -363,7 +363,13 @@ class Picker(NodeBook):
             w, _, n = short[0]
             if w + self._own(n, prompt_tokens - hits.get(n.address, 0)) > ready_s:
                 return None
-        kept = [(t, n) for _, t, n in short if lim is None or t <= lim] or [(t, n) for _, t, n in short]
+        kept = [(t, n) for _, t, n in short if lim is None or t <= lim]
+        if not kept:
+            if lim is not None and any(t <= lim for t, _ in scored):
+                # a node not ready now would make its limit: wait for it rather than be refused (or sent
+                # past its limit) for what the ready nodes alone predict (review11)
+                return None
+            kept = [(t, n) for _, t, n in short]
         s, f = self._soonest(kept, tokens)
         return kept, s, f
 

@@ -171,6 +171,34 @@ def test_with_one_vllm_level_less_urgent_prompts_leave_the_top_tier_a_ready_node
     assert b.send(100, 16, urgent=False, target=1.0, limit=5.0) is not None
 
 
+def test_with_one_vllm_level_a_node_not_ready_yet_that_meets_the_limit_keeps_a_request_from_its_refusal() -> None:
+    """review11: the hold keeps a less urgent request to the nodes ready for the top tier, and the deadline
+    check then looked at those alone. Two slow ready nodes (speed factor 6: a mixed fleet) and one fast
+    node with top-tier prefill booked (not ready): a standard request held in the queue with 0.42 s of
+    its target left was refused (``fleet-queue`` with a prediction: dropped, 503 ``queue-deadline``)
+    although the fast node gives it its first token in 0.28 s — and with 0.3 s left it went to a slow
+    node predicted at 0.45 s. Either way the request should wait for that node to become ready."""
+    from ext_proc.nodes import Level
+
+    b = Bench("8b-h100", nodes=3)
+    b.fleet.set_levels([Level(0, 0.2)])
+    b.advance(1.0)
+    ns = [b.fleet.nodes[b.address(i)] for i in range(3)]
+    ns[0].speed.factor = ns[1].speed.factor = 6.0
+    assert b.send(100, 16, urgent=True, target=0.2, limit=1.0) is not None  # the top tier has traffic
+    for _ in range(8):
+        b.send(1500, 16, node=2)
+    b.send(300, 200, node=0)
+    b.send(300, 200, node=1)
+    b.advance(b.now + 0.05)
+    fast = b.fleet.predict(ns[2], 3000, 0, b.now)
+    assert b.fleet.predict(ns[2], 0, 0, b.now) > 0.1 and fast < 0.3  # not ready, but quick for this one
+    for lim in (0.3, 0.42):
+        assert b.fleet.predict(ns[0], 3000, 0, b.now) > lim
+        c = b.fleet.choose(3016, b.now, prompt_tokens=3000, target=lim, limit=lim, urgent=False)
+        assert (c.node, c.reason, c.ttft) == (None, "fleet-queue", None), (lim, c)
+
+
 def test_the_nodes_long_prefill_token_threshold_is_the_models_chunk() -> None:
     """``nodes.performance.long_prefill_token_threshold``: kvgate's prior chunks a prompt as the node does
     (vLLM caps one request's share of a step at it), so a long prompt's prefill takes more steps."""
