@@ -12,6 +12,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -714,3 +715,46 @@ def test_a_request_released_from_the_queue_is_read_by_the_scaler_as_one_that_wai
     r = parse_kvgate(generate_latest(core.stats.registry).decode())
     assert r.totals[("waited", "")] == 1
     assert r.totals[("admitted", "s")] == 2
+
+
+@pytest.mark.xfail(strict=True, reason="review11: with one vLLM level the hold (picker._keep_one_ready) applies to "
+                   "the release the starvation guard owes a tier too; fix: a guarded release skips the hold "
+                   "(needs the families re-run: it trades top-tier TTFT for the guard's promise)")
+def test_with_one_vllm_level_the_release_the_starvation_guard_owes_still_goes() -> None:
+    """review11: kvgate writes no priorities (the default). An interactive tenant keeps the only node's
+    queue over half of interactive's target (a request every 30 ms, 2,000-token prompts: the node reads
+    8 running, 3 waiting); a batch request waits. The guard counts every interactive dispatch
+    (``FairQueue.passed``) and owes batch a release after 8 — but the release goes through the same hold
+    (no node is ready for the top tier), so batch is never released and gets its 503 when its hold runs
+    out, ``skipped`` at 160. The interactive requests themselves were predicted past their target all
+    along: the hold protected nothing."""
+    from ext_proc.core import Core, Held, Request, null_logger
+    from gpu_probe.snapshot import Snapshot
+
+    clock = FakeClock()
+    core = Core(parse_config({
+        "nodes": {"static": [{"address": "10.0.0.1:8000", "probe": "http://p"}]},
+        "tenants": [{"name": "i", "tier": "interactive", "api_key_sha256": [hash_key("i")]},
+                    {"name": "b", "tier": "batch", "api_key_sha256": [hash_key("b")]}]}),
+        clock, random.Random(1), log=null_logger())
+
+    def reading() -> None:
+        core.snapshot("10.0.0.1:8000", Snapshot(node="n", at=clock(), ok=True, kv_usage=0.3, blocks_total=100_000,
+                                                block_size=16, running=8, waiting=3))
+
+    reading()
+    got: dict[str, bool] = {}
+    owed = False
+    for k in range(800):
+        clock.advance(0.01)
+        owed = owed or core.admission.queue_of(None).guarded("batch")
+        if k % 3 == 0:
+            core.decide(Request("/v1/chat/completions", f"i{k}", "Bearer i", estimate=E(2_000, 50), body_bytes=10))
+        if k == 20:
+            assert isinstance(core.decide(Request("/v1/chat/completions", "batch", "Bearer b",
+                                                  estimate=E(1_000, 50), body_bytes=10)), Held)
+        if k % 10 == 0:
+            reading()
+        got.update((x.request_id, x.decision.admitted) for x in core.answers())
+    assert owed  # the guard owed batch its release
+    assert got.get("batch") is True
