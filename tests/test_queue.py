@@ -758,3 +758,48 @@ def test_with_one_vllm_level_the_release_the_starvation_guard_owes_still_goes() 
         got.update((x.request_id, x.decision.admitted) for x in core.answers())
     assert owed  # the guard owed batch its release
     assert got.get("batch") is True
+
+
+@pytest.mark.xfail(strict=True, reason="review11: Signals.waited counts every release from the queue, also those "
+                   "queued 0 s only because a head no node could take was ahead of them; a tenant's unplaceable "
+                   "request keeps the scaler's scale-down gate shut (needs a signal of waits for room: a new "
+                   "counter or a wait-length bucket)")
+def test_requests_queued_behind_a_stuck_head_and_released_at_once_are_not_read_as_waiting_for_room() -> None:
+    """review11: one 70,000-token batch prompt no node has KV room for waits at the head of batch; every
+    batch arrival after it is queued without a node choice (``waiting_at_or_above``) and released by
+    the same pump, 0 s later, by backfill. The scaler reads each as an admission that waited for room
+    (``kvgate_queue_wait_seconds_count{outcome="admitted"}``): 11% here, over its 5% scale-down gate,
+    for a fleet at half its KV — one tenant's unplaceable request, refused at no cost to it, repeated
+    every few seconds, pins the pool's size (scaler/law.py's gate on ``Signals.waited``)."""
+    from prometheus_client import generate_latest
+
+    from ext_proc.core import Core, Held, Request, null_logger
+    from gpu_probe.snapshot import Snapshot
+    from scaler.signals import parse_kvgate
+
+    clock = FakeClock()
+    nodes = ["10.0.0.1:8000", "10.0.0.2:8000"]
+    core = Core(parse_config({
+        "nodes": {"static": [{"address": a, "probe": f"http://p{i}"} for i, a in enumerate(nodes)]},
+        "tenants": [{"name": "a", "tier": "batch", "api_key_sha256": [hash_key("a")]},
+                    {"name": "b", "tier": "batch", "api_key_sha256": [hash_key("b")]}]}),
+        clock, random.Random(1), log=null_logger())
+
+    def reading() -> None:
+        for a in nodes:
+            core.snapshot(a, Snapshot(node="n", at=clock(), ok=True, kv_usage=0.5, blocks_total=10_000,
+                                      block_size=16, running=4, waiting=0))
+
+    reading()
+    assert isinstance(core.decide(Request("/v1/chat/completions", "big", "Bearer a", estimate=E(70_000, 100),
+                                          body_bytes=10)), Held)
+    for k in range(100):
+        clock.advance(0.05)
+        core.decide(Request("/v1/chat/completions", f"s{k}", "Bearer b", estimate=E(200, 50), body_bytes=10))
+        if k % 4 == 0:
+            reading()
+        core.answers()
+    r = parse_kvgate(generate_latest(core.stats.registry).decode())
+    admitted = sum(v for (kind, _), v in r.totals.items() if kind == "admitted")
+    assert admitted == 100
+    assert r.totals.get(("waited", ""), 0.0) / admitted < 0.05
