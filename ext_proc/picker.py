@@ -297,6 +297,12 @@ class Picker(NodeBook):
             if top.target is not None and now - self._top_seen < TOP_RECENT_S:
                 kept = self._keep_one_ready(scored, prompt_tokens, hits, top, lim, tokens, now)
                 if kept is None:
+                    if target is not None and lim is not None and soonest > lim:
+                        own = self._own(first, prompt_tokens - hits.get(first.address, 0))
+                        if own <= lim or soonest - own > lim:
+                            # no node at all can make its limit: refused at once, as below (waiting for a
+                            # ready node would not help: review11)
+                            return Choice(None, "fleet-queue", max(0.0, soonest - target), soonest)
                     return Choice(None, "fleet-queue", self._retry_after(tokens, now) if retry else None)
                 scored, soonest, first = kept
         elif (top.target is not None and now - self._top_seen < TOP_RECENT_S and len(scored) > 1

@@ -199,6 +199,27 @@ def test_with_one_vllm_level_a_node_not_ready_yet_that_meets_the_limit_keeps_a_r
         assert (c.node, c.reason, c.ttft) == (None, "fleet-queue", None), (lim, c)
 
 
+def test_with_one_vllm_level_a_request_no_node_can_serve_in_time_is_still_refused_at_once() -> None:
+    """review11: the hold answered ``fleet-queue`` without a prediction (wait in the gateway queue)
+    before the deadline check ran, so a less urgent request that no node at all can give a first token
+    within its limit was queued to its deadline instead of refused at once (docs/concepts/nodes.md:
+    "refused at once ... holding it would not help"). Two nodes with 1.2 s of top-tier prefill booked:
+    a standard request with 0.5 s left is refused with the prediction, as before the hold."""
+    from ext_proc.nodes import Level
+
+    b = Bench("8b-h100", nodes=2)
+    b.fleet.set_levels([Level(0, 0.2)])
+    b.advance(1.0)
+    assert b.send(100, 16, urgent=True, target=0.2, limit=1.0) is not None  # the top tier has traffic
+    for i in range(2):
+        for _ in range(40):
+            b.send(1500, 16, node=i)
+    b.advance(b.now + 0.05)
+    c = b.fleet.choose(1016, b.now, prompt_tokens=1000, target=0.5, limit=0.5, urgent=False)
+    assert (c.node, c.reason) == (None, "fleet-queue")
+    assert c.ttft is not None and c.ttft > 1.0
+
+
 def test_the_nodes_long_prefill_token_threshold_is_the_models_chunk() -> None:
     """``nodes.performance.long_prefill_token_threshold``: kvgate's prior chunks a prompt as the node does
     (vLLM caps one request's share of a step at it), so a long prompt's prefill takes more steps."""
