@@ -26,7 +26,8 @@ class Pool(_Strict):
         default=0.25, description="unmet-demand rate (share of the demand the fleet could not serve within SLO) "
         "above which the pool scales up")
     scale_down_threshold: Annotated[float, Field(ge=0, lt=1)] = Field(
-        default=0.05, description="unmet-demand rate below which the pool may scale down (after the cooldown)")
+        default=0.05, description="unmet-demand rate below which the pool may scale down (after the cooldown); "
+        "also the share of the window's admissions that waited in kvgate's queue at or above which it may not")
     cooldown_seconds: Annotated[float, Field(ge=0)] = Field(
         default=600.0, description="no scale-down sooner than this after the last change")
     warm_pool: Annotated[int, Field(ge=0)] = Field(
