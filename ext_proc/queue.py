@@ -275,6 +275,8 @@ class FairQueue:
         self._advance(now)
         e.live = False
         t.live -= 1
+        if not t.live:
+            t.skipped = 0.0  # it no longer waits: the releases from above "in a row" start again (review11)
         t.tokens -= e.cost
         self._live -= 1
         t.n[e.tenant] -= 1

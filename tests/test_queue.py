@@ -803,3 +803,23 @@ def test_requests_queued_behind_a_stuck_head_and_released_at_once_are_not_read_a
     admitted = sum(v for (kind, _), v in r.totals.items() if kind == "admitted")
     assert admitted == 100
     assert r.totals.get(("waited", ""), 0.0) / admitted < 0.05
+
+
+def test_a_tier_that_stopped_waiting_starts_the_guards_count_again() -> None:
+    """review11: ``skipped`` counts releases from above *in a row while the tier waits*. A batch tier
+    whose requests all left without a release (timed out, refused, cancelled) kept its count — with
+    ``passed`` counting every direct dispatch above, 160 after a few seconds — so the next batch arrival,
+    minutes later, was owed a release at once: ahead of the higher tiers waiting then, without its KV
+    reserve."""
+    q = FairQueue([TierSpec("interactive", 0, 60), TierSpec("batch", 2, 60)], 1000, 8)
+    e = Entry("b0", "bt", "batch", 100, 0, 60)
+    q.push(e, 0)
+    for _ in range(20):
+        q.passed("interactive", 500)
+    assert q.guarded("batch")
+    q.remove(e, 30)  # timed out: never released
+    q.push(Entry("i0", "it", "interactive", 100, 100, 160), 100)
+    q.push(Entry("b1", "bt", "batch", 100, 100, 160), 100)
+    assert not q.guarded("batch")
+    head = q.peek()
+    assert head is not None and head.key == "i0"
