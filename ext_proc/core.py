@@ -711,7 +711,7 @@ class Core:
         c = fleet.place(est.total, est.prompt_tokens, ticket, self._clock(), force=shadow, reserve=reserve,
                         queue_caps=caps, priority=self._level(tier_name), target=target, limit=limit,
                         prefix=prefix, retry=not self._pumping, adapter=adapter,
-                        urgent=tier_name == cfg.top_tier if cfg.queue.enabled else None)
+                        urgent=tier_name == cfg.top_tier if cfg.queue.enabled else None, owed=guarded)
         return Placed(c.node.address if c.node else None, c.reason, c.retry_after, c.ttft)
 
     def _chain(self, ticket: str, document: dict[str, Any], fleet: Fleet) -> tuple[int, ...]:

@@ -29,12 +29,13 @@ class Fleet(Picker):
         self, tokens: int, prompt_tokens: int, ticket: str, now: float, force: bool = False, reserve: float = 0.0,
         queue_caps: bool = True, priority: int = 0, target: float | None = None, limit: float | None = None,
         prefix: tuple[int, ...] = (), retry: bool = True, adapter: str | None = None, urgent: bool | None = None,
+        owed: bool = False,
     ) -> Choice:
         """Choose a node and book the request there (what ``Admission`` calls). ``prefix``: the chain of
         the prompt's leading blocks (``prefix.py``), for prefix-cache affinity. ``adapter``: the LoRA adapter
         it runs with (one of the pool's ``adapters``), for adapter affinity."""
         c = self.choose(tokens, now, force, prompt_tokens, reserve, queue_caps, priority, target, limit, prefix,
-                        retry, adapter, urgent)
+                        retry, adapter, urgent, owed)
         if c.node is not None:
             # its KV counts whole (vLLM takes cached blocks nobody uses back out of the free pool: usage
             # rises by the whole prompt), its prefill only what is not cached

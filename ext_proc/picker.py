@@ -114,6 +114,7 @@ class Picker(NodeBook):
         self, tokens: int, now: float, force: bool = False, prompt_tokens: int = 0, reserve: float = 0.0,
         queue_caps: bool = True, priority: int = 0, target: float | None = None, limit: float | None = None,
         prefix: tuple[int, ...] = (), retry: bool = True, adapter: str | None = None, urgent: bool | None = None,
+        owed: bool = False,
     ) -> Choice:
         """``force``: any live node, whatever its load or breaker (shadow mode, bodyless routes).
         ``reserve``: KV fraction to leave free below each node's threshold (for more important tiers).
@@ -126,7 +127,9 @@ class Picker(NodeBook):
         request runs with — each node's prediction counts loading it where the node does not hold it
         (``lora_cost``), so a holder wins unless its first token is later by more than a load costs.
         ``urgent``: whether the request is of the most urgent tier (None: whether it runs at the top
-        priority level — the same thing when kvgate writes priorities into bodies)."""
+        priority level — the same thing when kvgate writes priorities into bodies). ``owed``: a release the
+        gateway queue's starvation guard owes a less urgent tier — not kept off the top tier's nodes (the
+        guard's promise is that it goes; review11 F3)."""
         if force:
             return self._any_live(tokens, now)
         if not self.room.might_fit(reserve, now, tokens):
@@ -143,9 +146,10 @@ class Picker(NodeBook):
             # those candidates only: a prompt every node was sent (a common system prompt) is held by the
             # whole fleet, and matching it against every node was most of a decision at 1,000 nodes
             return self._choose(self._scan_order(prefix, now), tokens, now, prompt_tokens, reserve, queue_caps,
-                                priority, target, limit, None, prefix, retry, adapter, urgent)
+                                priority, target, limit, None, prefix, retry, adapter, urgent, owed)
         return self._choose(self._order, tokens, now, prompt_tokens, reserve, queue_caps, priority, target, limit,
-                            self.hits(prefix, prompt_tokens, now), retry=retry, adapter=adapter, urgent=urgent)
+                            self.hits(prefix, prompt_tokens, now), retry=retry, adapter=adapter, urgent=urgent,
+                            owed=owed)
 
     def _any_live(self, tokens: int, now: float) -> Choice:
         """Any live node, the roomiest of those looked at (shadow decisions, bodyless routes): a small
@@ -216,7 +220,7 @@ class Picker(NodeBook):
         self, pool: Iterable[Node], tokens: int, now: float, prompt_tokens: int, reserve: float, queue_caps: bool,
         priority: int, target: float | None, limit: float | None, hits: dict[str, int] | None = None,
         prefix: tuple[int, ...] | None = None, retry: bool = True, adapter: str | None = None,
-        urgent: bool | None = None,
+        urgent: bool | None = None, owed: bool = False,
     ) -> Choice:
         """The filters, the predictions and the pick. ``hits``: prompt tokens each node is expected to hold
         in its prefix cache — that much less to prefill there, that much less new KV. ``prefix`` instead
@@ -293,6 +297,8 @@ class Picker(NodeBook):
         top = self.levels[0]
         if (priority == top.priority) if urgent is None else urgent:
             self._top_seen = now
+        elif owed:
+            pass  # the starvation guard's release: it goes where it is soonest, as the top tier's would
         elif priority == top.priority:
             if top.target is not None and now - self._top_seen < TOP_RECENT_S:
                 kept = self._keep_one_ready(scored, prompt_tokens, hits, top, lim, tokens, now)

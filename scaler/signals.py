@@ -41,7 +41,8 @@ from .law import Signals
 Totals = dict[tuple[str, str], float]
 """(kind, tenant) → count; kind: admitted | capacity | policy | budget (of policy: a tenant's own request
 or token budget) | fleet (of policy: caused by the fleet) | slo_miss (of admitted: predicted to miss) |
-waited (of admitted: released from kvgate's gateway queue; no tenant label, tenant "")."""
+waited (of admitted: released from kvgate's gateway queue after more than :data:`WAITED_OVER_S`; no tenant
+label, tenant "")."""
 
 KINDS = ("admitted", "capacity", "policy", "budget", "fleet", "slo_miss", "waited")
 BUDGET_REASONS = ("tenant-requests", "tenant-tokens")
@@ -49,6 +50,12 @@ BUDGET_REASONS = ("tenant-requests", "tenant-tokens")
 FLEET_CAUSED = "kvgate_fleet_caused_rejections_total"
 PREDICTED_MISSES = "kvgate_predicted_slo_misses_total"
 QUEUE_WAITS = "kvgate_queue_wait_seconds_count"
+QUEUE_WAIT_BUCKETS = "kvgate_queue_wait_seconds_bucket"
+WAITED_OVER_S = "0.05"
+"""A release from the queue counts as having waited for room only past this wait (a bucket bound of
+``kvgate_queue_wait_seconds``, spelled as the exposition writes it): requests queued only because a
+request of their tier waited ahead of them, and released by the same pass, wait 0 s — one unplaceable
+prompt, re-sent, would otherwise keep the scale-down gate shut (review11 F4)."""
 
 DEFAULT_POOL = "default"
 """The one pool of a kvgate without ``pools``, and of series without a pool label (ext_proc.pools.DEFAULT_POOL;
@@ -57,7 +64,8 @@ NO_POOL = "none"
 """``pool="none"``: requests refused before routing (ext_proc.pools.NO_POOL). Never a pool's demand."""
 POOL_NAME = re.compile(r"^[a-z0-9][a-z0-9_.-]{0,62}$")
 """A pool's name, as kvgate's and the scaler's configs spell it (also what makes it safe inside PromQL)."""
-POOLED = frozenset({"kvgate_requests_total", FLEET_CAUSED, PREDICTED_MISSES, QUEUE_WAITS, "kvgate_queue_depth_requests",
+POOLED = frozenset({"kvgate_requests_total", FLEET_CAUSED, PREDICTED_MISSES, QUEUE_WAITS, QUEUE_WAIT_BUCKETS,
+                    "kvgate_queue_depth_requests",
                     "kvgate_nodes_total", "kvgate_node_kv_usage_ratio", "kvgate_fleet_inflight_requests",
                     "kvgate_node_kv_capacity_tokens"})
 """The families whose ``pool`` label says which pools a kvgate reports (the gauges exist for every pool
@@ -140,6 +148,9 @@ def parse_kvgate(text: str) -> Reading:
             elif s.name == QUEUE_WAITS:
                 if s.labels.get("outcome") == "admitted":
                     a.add(("waited", ""), s.value)
+            elif s.name == QUEUE_WAIT_BUCKETS:
+                if s.labels.get("outcome") == "admitted" and s.labels.get("le") == WAITED_OVER_S:
+                    a.add(("waited", ""), -s.value)  # (cumulative: the count less those within the bound)
             elif s.name == "kvgate_queue_depth_requests":
                 a.held += s.value
             elif s.name == "kvgate_nodes_total":
@@ -330,7 +341,8 @@ QUERIES = {
     # absent from an older kvgate: no series, an empty answer, none counted
     "fleet": f"sum by (tenant, pool) (increase({FLEET_CAUSED}[%s]))",
     "slo_miss": f"sum by (tenant, pool) (increase({PREDICTED_MISSES}[%s]))",
-    "waited": 'sum by (pool) (increase(kvgate_queue_wait_seconds_count{outcome="admitted"}[%s]))',
+    "waited": 'sum by (pool) (increase(kvgate_queue_wait_seconds_count{outcome="admitted"}[%s])) - sum by (pool) '
+              f'(increase(kvgate_queue_wait_seconds_bucket{{outcome="admitted",le="{WAITED_OVER_S}"}}[%s]))',
     "held": "sum by (pool) (kvgate_queue_depth_requests)",
     # per kvgate replica (instance): the largest view of each pool is taken after pool-less series join "default"
     "nodes": "sum by (instance, pool) (kvgate_nodes_total)",
@@ -427,7 +439,7 @@ class PrometheusSource:
             at = self.instant()
             delta: dict[str, Totals] = {}
             for kind in KINDS:
-                for pool, labels, v in rows(QUERIES[kind] % w):
+                for pool, labels, v in rows(QUERIES[kind].replace("%s", w)):  # (the window, wherever named)
                     d, key = delta.setdefault(pool, {}), (kind, labels.get("tenant", ""))
                     d[key] = d.get(key, 0.0) + v  # pool-less and pool="default" rows: one pool
             held = _by_pool(rows(QUERIES["held"]))

@@ -12,7 +12,6 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
-import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -708,8 +707,8 @@ def test_a_request_released_from_the_queue_is_read_by_the_scaler_as_one_that_wai
 
     reading(0.0, 0.95)
     assert isinstance(core.decide(Request("/v1/chat/completions", "w", "Bearer s", estimate=E(), body_bytes=10)), Held)
-    clock.advance(0.01)
-    reading(0.01, 0.5)
+    clock.advance(0.1)  # (a wait the scaler reads: over scaler.signals.WAITED_OVER_S)
+    reading(0.1, 0.5)
     assert [x.decision.admitted for x in core.answers()] == [True]
     core.decide(Request("/v1/chat/completions", "direct", "Bearer s", estimate=E(), body_bytes=10))
     r = parse_kvgate(generate_latest(core.stats.registry).decode())
@@ -717,12 +716,9 @@ def test_a_request_released_from_the_queue_is_read_by_the_scaler_as_one_that_wai
     assert r.totals[("admitted", "s")] == 2
 
 
-@pytest.mark.xfail(strict=True, reason="review11: with one vLLM level the hold (picker._keep_one_ready) applies to "
-                   "the release the starvation guard owes a tier too; fix: a guarded release skips the hold "
-                   "(needs the families re-run: it trades top-tier TTFT for the guard's promise)")
 def test_with_one_vllm_level_the_release_the_starvation_guard_owes_still_goes() -> None:
-    """review11: kvgate writes no priorities (the default). An interactive tenant keeps the only node's
-    queue over half of interactive's target (a request every 30 ms, 2,000-token prompts: the node reads
+    """review11: kvgate writes no priorities (the default). An interactive tenant keeps both nodes'
+    queues over half of interactive's target (a request every 30 ms, 2,000-token prompts: the node reads
     8 running, 3 waiting); a batch request waits. The guard counts every interactive dispatch
     (``FairQueue.passed``) and owes batch a release after 8 — but the release goes through the same hold
     (no node is ready for the top tier), so batch is never released and gets its 503 when its hold runs
@@ -732,15 +728,17 @@ def test_with_one_vllm_level_the_release_the_starvation_guard_owes_still_goes() 
     from gpu_probe.snapshot import Snapshot
 
     clock = FakeClock()
+    nodes = ["10.0.0.1:8000", "10.0.0.2:8000"]
     core = Core(parse_config({
-        "nodes": {"static": [{"address": "10.0.0.1:8000", "probe": "http://p"}]},
+        "nodes": {"static": [{"address": a, "probe": f"http://p{j}"} for j, a in enumerate(nodes)]},
         "tenants": [{"name": "i", "tier": "interactive", "api_key_sha256": [hash_key("i")]},
                     {"name": "b", "tier": "batch", "api_key_sha256": [hash_key("b")]}]}),
         clock, random.Random(1), log=null_logger())
 
     def reading() -> None:
-        core.snapshot("10.0.0.1:8000", Snapshot(node="n", at=clock(), ok=True, kv_usage=0.3, blocks_total=100_000,
-                                                block_size=16, running=8, waiting=3))
+        for a in nodes:
+            core.snapshot(a, Snapshot(node="n", at=clock(), ok=True, kv_usage=0.3, blocks_total=100_000,
+                                      block_size=16, running=8, waiting=3))
 
     reading()
     got: dict[str, bool] = {}
@@ -760,10 +758,6 @@ def test_with_one_vllm_level_the_release_the_starvation_guard_owes_still_goes() 
     assert got.get("batch") is True
 
 
-@pytest.mark.xfail(strict=True, reason="review11: Signals.waited counts every release from the queue, also those "
-                   "queued 0 s only because a head no node could take was ahead of them; a tenant's unplaceable "
-                   "request keeps the scaler's scale-down gate shut (needs a signal of waits for room: a new "
-                   "counter or a wait-length bucket)")
 def test_requests_queued_behind_a_stuck_head_and_released_at_once_are_not_read_as_waiting_for_room() -> None:
     """review11: one 70,000-token batch prompt no node has KV room for waits at the head of batch; every
     batch arrival after it is queued without a node choice (``waiting_at_or_above``) and released by
