@@ -41,7 +41,7 @@ Per evaluation, over the signal window:
   peak over that cooldown, and as read now (the window's mean lags a rising load: families
   ``diurnal`` seed 1 went 4 → 3 at 44% by the mean, 70% by the reading, and back 15 s later) — at
   most at ``scale_down_kv_usage`` mean usage (when kvgate reports it), and fewer than
-  ``scale_down_threshold`` of the window's admissions waited in kvgate's queue for room, over 50 ms (what waits
+  ``scale_down_threshold`` of the window's admissions waited in kvgate's queue for room, over 5 ms (what waits
   there holds no KV: kvgate keeps vLLM's queues short while the top tier has traffic);
   then wait another cooldown. The gap between the two KV bounds is the hysteresis: a scale-down
   never makes the next scale-up. Without KV readings nothing tells a fleet with room from one just

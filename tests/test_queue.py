@@ -707,8 +707,8 @@ def test_a_request_released_from_the_queue_is_read_by_the_scaler_as_one_that_wai
 
     reading(0.0, 0.95)
     assert isinstance(core.decide(Request("/v1/chat/completions", "w", "Bearer s", estimate=E(), body_bytes=10)), Held)
-    clock.advance(0.1)  # (a wait the scaler reads: over scaler.signals.WAITED_OVER_S)
-    reading(0.1, 0.5)
+    clock.advance(0.01)  # (a wait the scaler reads: over scaler.signals.WAITED_OVER_S)
+    reading(0.01, 0.5)
     assert [x.decision.admitted for x in core.answers()] == [True]
     core.decide(Request("/v1/chat/completions", "direct", "Bearer s", estimate=E(), body_bytes=10))
     r = parse_kvgate(generate_latest(core.stats.registry).decode())
