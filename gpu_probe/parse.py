@@ -148,7 +148,7 @@ def parse(text: str) -> dict[tuple[str, str], EngineReading]:
             labels = lora[1]
             r.lora_running, r.lora_waiting = _names(labels.get("running_lora_adapters")), _names(
                 labels.get("waiting_lora_adapters"))
-            r.max_lora = _int(labels.get("max_lora"))
+            r.max_lora = _slots(labels.get("max_lora"))
     if not out:
         raise ParseError("no vLLM engine metrics (vllm:* with a model_name label) in the exposition")
     return out
@@ -160,6 +160,13 @@ def _names(v: str | None) -> list[str]:
     hostile or broken exposition costs one bounded split."""
     names = (v or "").split(",", MAX_NAMES)[:MAX_NAMES]
     return [n for n in names if n and len(n) <= MAX_NAME_CHARS]
+
+
+def _slots(v: str | None) -> int | None:
+    """``max_lora`` as a snapshot takes it: at most ``MAX_NAMES``, None when negative or not an integer
+    (kvgate refuses a snapshot outside those bounds, so an odd label would cost the node every reading)."""
+    n = _int(v)
+    return None if n is None or n < 0 else min(n, MAX_NAMES)
 
 
 def _int(v: str | None) -> int | None:

@@ -261,8 +261,8 @@ class Deriver:
             step_fresh="itl" in sums if had_prev else None, step_tokens=step_tokens, step_decode=step_decode,
             prefix_hit_rate=min(1.0, hit / queried) if queried > 0 else None,
             gpu_memory_used_bytes=gpu.get("memory_used"), gpu_memory_total_bytes=gpu.get("memory_total"),
-            gpu_utilization=gpu.get("utilization"), gpu_name=gpu.get("name"), gpu_count=gpu.get("count"),
-            model=next((r.model for r in readings.values() if r.model), None),
+            gpu_utilization=gpu.get("utilization"), gpu_name=_bounded(gpu.get("name")), gpu_count=gpu.get("count"),
+            model=_bounded(next((r.model for r in readings.values() if r.model), None)),
             lora_running=_first(r.lora_running for r in readings.values()),
             lora_waiting=_first(r.lora_waiting for r in readings.values()),
             max_lora=_first(r.max_lora for r in readings.values()),
@@ -272,6 +272,12 @@ class Deriver:
 
     def failed(self, error: str, at: float) -> Snapshot:
         return Snapshot(node=self.node, at=at, ok=False, error=error)
+
+
+def _bounded(name: Any) -> str | None:
+    """A GPU or model name as kvgate takes it (``BOUNDED_NAMES``): None when over ``MAX_NAME_CHARS`` — kvgate
+    refuses such a snapshot whole, so one over-long name would cost the node every reading."""
+    return name if isinstance(name, str) and len(name) <= MAX_NAME_CHARS else None
 
 
 def _first(values: Any) -> Any:

@@ -1,0 +1,88 @@
+"""Hostile input to LoRA routing and per-node GPU profiles (attack14): a vLLM exposition or probe that
+says odd things about adapters, max_lora, the GPU or the model must never take a node out of service, nor
+grow anything without bound."""
+
+from __future__ import annotations
+
+import pytest
+
+from ext_proc.profiles import detect
+from gpu_probe.parse import MAX_NAME_CHARS, MAX_NAMES, parse
+from gpu_probe.snapshot import Deriver, Snapshot, StreamDecoder
+from tests.test_fleets import A100, H100, LLAMA_8B, fleet, reading
+
+ENGINE = 'vllm:num_requests_running{model_name="m",engine="0"} 1\n'
+
+
+def lora_exposition(running: str, waiting: str, max_lora: str, series: int = 1) -> str:
+    lines = ["# TYPE vllm:lora_requests_info gauge"]
+    lines += [f'vllm:lora_requests_info{{max_lora="{max_lora}",running_lora_adapters="{running}",'
+              f'waiting_lora_adapters="{waiting}"}} {1.0 + i}' for i in range(series)]
+    return "\n".join(lines) + "\n" + ENGINE
+
+
+def through_the_wire(text: str, gpu: dict | None = None, model: str | None = None) -> Snapshot:
+    """What the probe derives from ``text`` and kvgate reads back, by poll and by stream."""
+    if model is not None:
+        text = text.replace('model_name="m"', f'model_name="{model}"')
+    snap = Deriver("n").update(parse(text), 1.0, gpu)
+    back = Snapshot.from_json(snap.to_json())
+    assert StreamDecoder().feed(snap.to_json()) == back
+    return back
+
+
+def test_thousands_of_adapters_huge_labels_and_many_series_are_capped() -> None:
+    names = ",".join(f"adapter-{i}" for i in range(5000))
+    back = through_the_wire(lora_exposition(names, names, "4"))
+    assert back.lora_running is not None and len(back.lora_running) == MAX_NAMES
+    assert back.lora_waiting is not None and len(back.lora_waiting) == MAX_NAMES
+    big = "x" * (1 << 20)
+    back = through_the_wire(lora_exposition(big, f"a,{big},b", "4"))
+    assert (back.lora_running, back.lora_waiting) == ([], ["a", "b"])
+    # duplicate series (the same labels twice) and many label sets: the newest wins, nothing breaks
+    text = lora_exposition("a", "", "2", series=3000)
+    back = through_the_wire(text + text.split("\n", 1)[1])
+    assert (back.lora_running, back.max_lora) == (["a"], 2)
+
+
+@pytest.mark.parametrize(("raw", "want"), [
+    ("NaN", None), ("1e9", None), ("", None), ("0", 0), ("3", 3),
+    # what vLLM reports, odd or hostile, must not make kvgate refuse every reading of a healthy node
+    ("-5", None), ("512", MAX_NAMES), ("99999999999999999999", MAX_NAMES),
+])
+def test_an_odd_max_lora_is_capped_not_a_reading_kvgate_refuses(raw: str, want: int | None) -> None:
+    back = through_the_wire(lora_exposition("a", "", raw))
+    assert back.max_lora == want
+    assert back.lora_running == ["a"]
+
+
+def test_an_over_long_model_or_gpu_name_is_dropped_not_a_reading_kvgate_refuses() -> None:
+    back = through_the_wire(lora_exposition("", "", "2"), gpu={"name": "H" * 10_000, "count": 1},
+                            model="m" * (MAX_NAME_CHARS + 1))
+    assert (back.gpu_name, back.model, back.kv_usage) == (None, None, None)
+    assert back.running == 1.0  # the reading itself is there
+    ok = through_the_wire(lora_exposition("", "", "2"), gpu={"name": H100, "count": 1}, model=LLAMA_8B)
+    assert (ok.gpu_name, ok.model) == (H100, LLAMA_8B)
+
+
+@pytest.mark.parametrize(("gpu", "count", "want"), [
+    ("", 1, None), (None, 1, None), ("NVIDIA L40S", 1, None), ("H" * 10_000, 1, None),
+    ("x" * 10_000 + "H100", 1, "8b-h100"),  # (detect itself takes any length: the snapshot bounds it)
+    (H100, None, "8b-h100"),  # no count: one GPU
+    (H100, 0, "8b-h100"),  # zero read as one (NVML says at least one when it names a GPU)
+    (H100, -2, None), (H100, 3, None), (H100, 10**9, None),
+])
+def test_detect_falls_back_clearly_on_names_and_counts_no_profile_knows(gpu: str | None, count: int | None,
+                                                                        want: str | None) -> None:
+    assert detect("8b-h100", gpu, count, LLAMA_8B) == want
+
+
+@pytest.mark.parametrize(("gpu", "count"), [("", 1), ("NVIDIA L40S", 1), (H100, 0), (A100, 7), (None, None)])
+def test_a_node_on_unknown_hardware_keeps_the_pool_prior_and_is_placed(gpu: str | None, count: int | None) -> None:
+    f = fleet(2, performance={"profile": "8b-h100"})
+    for a in f.nodes:
+        f.on_snapshot(a, reading(gpu, count), 0.0)
+    for n in f.nodes.values():
+        want = "8b-a100" if (gpu, count) == (A100, 1) else "8b-h100"
+        assert n.profile == want
+    assert f.choose(1000, 0.0, prompt_tokens=900) is not None
