@@ -86,3 +86,45 @@ def test_a_node_on_unknown_hardware_keeps_the_pool_prior_and_is_placed(gpu: str 
         want = "8b-a100" if (gpu, count) == (A100, 1) else "8b-h100"
         assert n.profile == want
     assert f.choose(1000, 0.0, prompt_tokens=900) is not None
+
+
+def test_ten_thousand_distinct_models_grow_no_metric_label_and_no_per_model_state() -> None:
+    """Clients naming 10,000 distinct models — unknown ones (404), and ones a pool's pattern routes
+    (``llama-8b-*``) — grow no Prometheus series and no per-model table in the core beyond a bound."""
+    import orjson
+    from prometheus_client import generate_latest
+
+    from ext_proc.core import Answer, Ended
+    from ext_proc.core import Request as GatewayRequest
+    from ext_proc.pools import _CACHE_MAX
+    from tests.test_pools import core_and_clock
+
+    core, clock = core_and_clock()
+    admitted = 0
+
+    def send(i: int, model: str) -> None:
+        nonlocal admitted
+        body = orjson.dumps({"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 5})
+        a = core.decide(GatewayRequest("/v1/chat/completions", f"r{i}", "Bearer k-bulk", body))
+        if isinstance(a, Answer) and a.decision.admitted and a.decision.lease is not None:
+            admitted += 1
+            core.ended(Ended(a.decision.lease.ticket, f"r{i}", 200, upstream_answered=True))
+
+    def series() -> int:
+        return sum(1 for line in generate_latest(core.stats.registry).decode().splitlines()
+                   if line and not line.startswith("#"))
+
+    for i in range(100):
+        send(i, f"unknown-{i}")
+        send(10**6 + i, f"llama-8b-{i}")
+        clock.advance(0.001)
+    before = series()
+    for i in range(100, 10_000):
+        send(i, f"unknown-{i}")
+        send(10**6 + i, f"llama-8b-{i}")
+        clock.advance(0.001)
+    assert series() == before
+    assert admitted > 5_000  # (the routed ones went through)
+    assert len(core.router._cache) <= _CACHE_MAX
+    for f in core.fleets.values():
+        assert all(len(n.loras) == 0 and not n.lora_sent for n in f.nodes.values())
