@@ -102,8 +102,8 @@ def parse(text: str) -> dict[tuple[str, str], EngineReading]:
     for fam in families:
         if fam.name == "vllm:cache_config_info":
             for s in fam.samples:
-                cache_info[s.labels.get("engine", "0")] = (_int(s.labels.get("num_gpu_blocks")),
-                                                           _int(s.labels.get("block_size")))
+                cache_info[s.labels.get("engine", "0")] = (_count(s.labels.get("num_gpu_blocks")),
+                                                           _count(s.labels.get("block_size")))
             continue
         if fam.name == "vllm:lora_requests_info":
             for s in fam.samples:
@@ -112,7 +112,9 @@ def parse(text: str) -> dict[tuple[str, str], EngineReading]:
                     lora = (s.value, s.labels)
             continue
         for s in fam.samples:
-            if "model_name" not in s.labels:
+            if "model_name" not in s.labels or not 0.0 <= s.value < math.inf:
+                # (no vLLM engine figure is negative or NaN: one that is would make the snapshot one kvgate
+                # refuses whole, the node failed on every reading — dropped, as if not reported)
                 continue
             if s.name == KV_NEW:
                 r = reading(s.labels)
@@ -167,6 +169,12 @@ def _slots(v: str | None) -> int | None:
     (kvgate refuses a snapshot outside those bounds, so an odd label would cost the node every reading)."""
     n = _int(v)
     return None if n is None or n < 0 else min(n, MAX_NAMES)
+
+
+def _count(v: str | None) -> int | None:
+    """A label that counts something (blocks, tokens): None when negative or not an integer."""
+    n = _int(v)
+    return None if n is None or n < 0 else n
 
 
 def _int(v: str | None) -> int | None:

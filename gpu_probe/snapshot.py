@@ -212,7 +212,10 @@ class Deriver:
                 continue
             for name, (total, count) in r.hist.items():
                 p_total, p_count = prev.hist.get(name, (0.0, 0.0))
-                if count > p_count:
+                if count > p_count and total >= p_total:
+                    # (a sum that went back with a count that went up: vLLM restarted between the readings
+                    # and served more than before — the interval says nothing, and its negative mean, kept
+                    # until newer observations, made every later snapshot one kvgate refuses)
                     acc = sums.setdefault(name, [0.0, 0.0])
                     acc[0] += total - p_total
                     acc[1] += count - p_count

@@ -128,3 +128,43 @@ def test_ten_thousand_distinct_models_grow_no_metric_label_and_no_per_model_stat
     assert len(core.router._cache) <= _CACHE_MAX
     for f in core.fleets.values():
         assert all(len(n.loras) == 0 and not n.lora_sent for n in f.nodes.values())
+
+
+def engine_text(extra: str) -> str:
+    return ENGINE + extra
+
+
+@pytest.mark.parametrize("extra", [
+    'vllm:kv_cache_usage_perc{model_name="m",engine="0"} NaN\n',
+    'vllm:kv_cache_usage_perc{model_name="m",engine="0"} -1\n',
+    'vllm:kv_cache_usage_perc{model_name="m",engine="0"} +Inf\n',
+    'vllm:num_requests_waiting{model_name="m",engine="0"} NaN\n',
+    'vllm:num_requests_waiting{model_name="m",engine="0"} -3\n',
+    'vllm:cache_config_info{engine="0",num_gpu_blocks="-5",block_size="16"} 1\n',
+    'vllm:cache_config_info{engine="0",num_gpu_blocks="1000",block_size="-16"} 1\n',
+])
+def test_an_odd_vllm_value_is_dropped_not_a_reading_kvgate_refuses(extra: str) -> None:
+    d = Deriver("n")
+    for at in (1.0, 2.0):
+        snap = d.update(parse(engine_text(extra)), at)
+        back = Snapshot.from_json(snap.to_json())
+    assert back.running == 1.0
+
+
+def ttft(total: float | str, count: float) -> str:
+    return engine_text(f'vllm:time_to_first_token_seconds_sum{{model_name="m",engine="0"}} {total}\n'
+                       f'vllm:time_to_first_token_seconds_count{{model_name="m",engine="0"}} {count}\n')
+
+
+@pytest.mark.parametrize("after", [ttft(50, 20), ttft("NaN", 20), ttft(-10, 20)])
+def test_a_histogram_that_went_back_leaves_no_figure_kvgate_refuses_on_every_later_reading(after: str) -> None:
+    """vLLM restarted between two readings and served more requests than before: its TTFT count went up
+    but its sum down. The interval's mean (-5 s) was kept until newer observations replaced it, so every
+    later reading was refused — the node failed and, sent nothing, never got a newer observation."""
+    d = Deriver("n")
+    d.update(parse(ttft(100, 10)), 1.0)
+    for at in (2.0, 3.0, 4.0):
+        snap = Snapshot.from_json(d.update(parse(after), at).to_json())
+        assert snap.ttft_s is None or snap.ttft_s >= 0
+    snap = d.update(parse(ttft(150, 30)), 5.0)  # the next interval's requests are read again
+    assert snap.ttft_s is not None and snap.ttft_s > 0
