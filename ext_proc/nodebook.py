@@ -119,9 +119,10 @@ class Node:
     """The LoRA adapters the node is taken to hold in its GPU slots, least recently used first: vLLM keeps
     the last ``max_loras`` adapters it ran (an LRU), so the last that many seen running there (its
     ``lora_requests_info``) or sent there by kvgate."""
-    lora_sent: deque[tuple[float, str]] = field(default_factory=deque)
-    """(when, adapter) of kvgate's requests for an adapter sent since the last reading: running there
-    soon, though the reading does not say so yet."""
+    lora_sent: OrderedDict[str, float] = field(default_factory=OrderedDict)
+    """Adapter → when kvgate last sent a request for it, of those sent since the last reading (least recently
+    sent first): running there soon, though the reading does not say so yet. One entry an adapter, not one a
+    request: with the probe silent every adapter request's node choice went over all of them."""
     _last_completion: float | None = None
     edge: float | None = None
     """When a request last ended here: vLLM returns a request's last token at the end of an engine step,
@@ -592,11 +593,11 @@ class NodeBook:
     def _lora_reading(self, n: Node, snap: Snapshot, taken: float) -> None:
         """A reading's adapters: those running are in slots; what was sent before it is in the reading."""
         sent = n.lora_sent
-        while sent and sent[0][0] <= taken:
-            sent.popleft()
+        while sent and next(iter(sent.values())) <= taken:
+            sent.popitem(last=False)
         for adapter in snap.lora_running or ():
             self._lora_use(n, adapter)
-        for _, adapter in sent:  # sent since: used after what the reading shows
+        for adapter in sent:  # sent since: used after what the reading shows
             self._lora_use(n, adapter)
 
     def lora_cost(self, n: Node, adapter: str) -> float:
@@ -609,7 +610,7 @@ class NodeBook:
         cost = self.cfg.lora.load_seconds
         s = n.snapshot
         running = set(s.lora_running or ()) if s is not None else set()
-        running.update(a for _, a in n.lora_sent)
+        running.update(n.lora_sent)
         if len(running) >= self._lora_slots(n):
             outputs = [t - p for t, p, _ in n.requests.values()]
             left = (sum(outputs) / len(outputs) if outputs else LORA_DEFAULT_OUTPUT) / 2
@@ -660,7 +661,9 @@ class NodeBook:
             return
         if adapter is not None:
             self._lora_use(n, adapter)
-            n.lora_sent.append((now, adapter))
+            sent = n.lora_sent
+            sent[adapter] = now
+            sent.move_to_end(adapter)
         n.requests[ticket] = (tokens, prompt_tokens, priority)
         added: dict[int, float] = {}
         start, cost = self._book(n, tokens, prompt_tokens, priority, now, added)
