@@ -169,3 +169,60 @@ def test_every_dashboard_query_runs_and_the_kvgate_ones_return_data(scraped: tup
                           "Spend by tenant and model (money per hour, at the configured prices)",
                           "Spend budgets: share of each window spent"}, empty
     assert "Replicas: config version each runs" not in empty
+
+
+def test_the_waited_query_counts_what_the_scrape_path_counts(tmp_path: Path) -> None:
+    """review14: the scaler's waited gate reads ``kvgate_queue_wait_seconds`` count less its
+    ``le=WAITED_OVER_S`` bucket two ways — ``parse_kvgate`` (DirectSource) and ``QUERIES["waited"]``
+    (PrometheusSource). Both must find that bucket as kvgate's own exposition spells it: a mismatch
+    leaves the PromQL difference without a match (no row: none waited) while the scrape path subtracts
+    nothing (every release waited). promtool evaluates the query over kvgate's real series, two kvgate
+    replicas, two tiers, rejected waits beside."""
+    from prometheus_client import generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from ext_proc.stats import Stats
+    from scaler.signals import QUERIES, parse_kvgate
+
+    replicas = [Stats(), Stats()]
+
+    def observe(scale: int) -> None:
+        for k, st in enumerate(replicas):
+            for tier, waits in (("batch", [0.0, 0.004, 0.2]), ("standard", [0.005, 0.03])):
+                for w in waits * (scale + k):
+                    st.queue_wait.labels(tier, "admitted", "p").observe(w)
+                st.queue_wait.labels(tier, "rejected", "p").observe(1.0)
+            st.requests.inc(("t", "batch", "admit", "ok", "none", "p"))  # (a kvgate page for parse_kvgate)
+
+    observe(1)
+    before = [generate_latest(st.registry).decode() for st in replicas]
+    observe(3)
+    after = [generate_latest(st.registry).decode() for st in replicas]
+    expected = sum(parse_kvgate(a).totals[("waited", "")] - parse_kvgate(b).totals[("waited", "")]
+                   for a, b in zip(after, before, strict=True))
+    assert expected == 2 * (3 + 4)  # the 0.2 s and 0.03 s waits of the second round (3 and 4 of each)
+
+    def series(text: str, instance: str) -> dict[str, float]:
+        out = {}
+        for fam in text_string_to_metric_families(text):
+            for s in fam.samples:
+                if s.name.startswith("kvgate_queue_wait_seconds_"):
+                    labels = ",".join(f'{k}="{v}"' for k, v in sorted({**s.labels, "instance": instance}.items()))
+                    out[f"{s.name}{{{labels}}}"] = s.value
+        return out
+
+    inputs = []
+    for k, (b, a) in enumerate(zip(before, after, strict=True)):
+        old, new = series(b, f"r{k}"), series(a, f"r{k}")
+        assert set(old) == set(new)
+        inputs += [{"series": name, "values": f"{old[name]:g} {new[name]:g} {new[name]:g} {new[name]:g} {new[name]:g}"}
+                   for name in old]
+    (tmp_path / "rules.yaml").write_text(yaml.safe_dump({"groups": [{"name": "g", "rules": [
+        {"record": "kvgate:waited", "expr": QUERIES["waited"].replace("%s", "1m")}]}]}))
+    (tmp_path / "test.yaml").write_text(yaml.safe_dump({
+        "rule_files": ["rules.yaml"], "evaluation_interval": "15s",
+        "tests": [{"interval": "15s", "input_series": inputs, "promql_expr_test": [
+            {"expr": "kvgate:waited", "eval_time": "1m",
+             "exp_samples": [{"labels": 'kvgate:waited{pool="p"}', "value": expected}]}]}]}))
+    r = subprocess.run(["promtool", "test", "rules", "test.yaml"], capture_output=True, text=True, cwd=tmp_path)
+    assert r.returncode == 0, r.stdout + r.stderr
