@@ -136,9 +136,9 @@ class Picker(NodeBook):
         (``lora_cost``), so a holder wins unless its first token is later by more than a load costs.
         ``urgent``: whether the request is of the most urgent tier (None: whether it runs at the top
         priority level — the same thing when kvgate writes priorities into bodies). ``owed``: a release the
-        gateway queue's starvation guard owes a less urgent tier — it may take the last node ready for the
-        top tier, and goes to the soonest node when none has been ready for ``OWED_HOLD_S`` (the guard's
-        promise is that it goes; review11 F3)."""
+        gateway queue's starvation guard owes a less urgent tier — with one vLLM level it may take the last
+        node ready for the top tier, and goes to the soonest node when none has been ready for
+        ``OWED_HOLD_S`` (the guard's promise is that it goes; review11 F3); with several, placed as any."""
         if force:
             return self._any_live(tokens, now)
         if not self.room.might_fit(reserve, now, tokens):

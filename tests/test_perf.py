@@ -220,6 +220,26 @@ def test_with_one_vllm_level_a_request_no_node_can_serve_in_time_is_still_refuse
     assert c.ttft is not None and c.ttft > 1.0
 
 
+def test_with_several_vllm_levels_the_guards_owed_long_release_still_leaves_a_node_clear() -> None:
+    """review14: ``owed`` (the starvation guard's release) lifts the one-level readiness hold only. With
+    priorities written into bodies a long, less urgent prefill still joins the long prefills booked where
+    it makes its max wait rather than take the last node with none booked: that rule never holds a
+    request, so the guard's release goes either way — ``owed`` skipped it too, and the release took the
+    last clear node."""
+    from ext_proc.nodes import Level
+
+    b = Bench("8b-h100", nodes=2, policy="priority")
+    b.fleet.set_levels([Level(0, 0.2), Level(1, 5.0)])
+    b.advance(1.0)
+    assert b.send(100, 16, priority=0, target=0.2, limit=1.0) is not None  # the top tier has traffic
+    b.advance(1.5)
+    first = b.send(12000, 16, priority=1, target=5.0, limit=10.0)
+    assert first is not None
+    for owed in (False, True):
+        c = b.fleet.choose(12016, b.now, prompt_tokens=12000, priority=1, target=0.4, limit=10.0, owed=owed)
+        assert c.node is not None and c.node.address == b.address(first.node), (owed, c)
+
+
 @pytest.mark.xfail(strict=True, reason="review11: with one vLLM level, the hold's 'not the last ready node' is judged "
                    "on the decision's sample of 8 candidates, not the fleet; a fleet-wide count of ready nodes "
                    "(kept like Room) would fix it — a cheap change would give the last one away instead")
