@@ -205,6 +205,9 @@ class Outcome:
     decision: Decision
     waited: float
     pool: str = DEFAULT_POOL
+    for_room: bool = False
+    """It waited for room: a node choice refused it at least once while it was queued (not only queued
+    behind others and released by the pass that found it room: ``kvgate_queue_waited_for_room_total``)."""
 
 
 @dataclass(slots=True, eq=False)
@@ -212,6 +215,11 @@ class _Held:
     lease: Lease
     estimate: Estimate
     entry: Entry
+    refused: bool = False
+    """A node choice refused it (at arrival or in a pump) since it was queued: ``Outcome.for_room``."""
+    short_at: int = 0
+    """Its queue's ``short_passes`` when it was queued: a pass that left its tier (or any) without a node
+    since then means it waited for room too (``Outcome.for_room``)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -600,7 +608,7 @@ class Admission:
             self._drop(victim, "queue-evicted", now, queue=q)
         lease = self._grant(s, ticket, request_id, est, now, None, queued=True)
         entry = Entry(ticket, s.name, tier, cost, now, now + max_wait)
-        self._held[ticket] = _Held(lease, est, entry)
+        self._held[ticket] = _Held(lease, est, entry, refused=placed is not None, short_at=q.short_passes)
         q.push(entry, now)
         return Decision(s.name, tier, lease, None, queued=True)
 
@@ -667,7 +675,9 @@ class Admission:
             placed, capacity = self._place(h.estimate, head.key, head.tier, now, now - head.arrived, guarded)
             nxt = head
             if capacity is not None:
+                h.refused = True
                 if capacity.reason == "fleet-inflight":
+                    q.short_passes += 1
                     break  # no tier can go
                 if placed.reason == "fleet-queue" and placed.ttft is not None:
                     # it cannot make it: say so now
@@ -678,6 +688,7 @@ class Admission:
                 found = self._backfill(q, head, h.estimate.total, now, guarded)
                 if found is None:
                     blocked.add(head.tier)
+                    q.short_passes += 1
                     continue
                 nxt, h, placed = found
             q.take(nxt, now)
@@ -687,7 +698,7 @@ class Admission:
             self._predicted(lease, placed, now - nxt.arrived, h.estimate)
             self._dispatch(lease, h.estimate, now)
             out.append(Outcome(nxt.key, Decision(lease.tenant.name, lease.tier, lease, None), now - nxt.arrived,
-                               lease.pool))
+                               lease.pool, h.refused or q.short_passes > h.short_at))
 
     def _backfill(self, q: FairQueue, head: Entry, size: int, now: float,
                   guarded: bool) -> tuple[Entry, _Held, Placed] | None:
@@ -710,6 +721,7 @@ class Admission:
             placed, capacity = self._place(h.estimate, e.key, e.tier, now, now - e.arrived, guarded)
             if capacity is None:
                 return e, h, placed
+            h.refused = True
             if capacity.reason == "fleet-inflight":
                 return None
             if capacity.reason == "fleet-kv":

@@ -97,6 +97,8 @@ class Answer:
     """What Envoy's side needs (dynamic metadata ``kvgate``): ticket, endpoint, strip_usage, tenant."""
     held: str | None = None
     """For the answer to a queued request: the ticket its :class:`Held` named (admitted or not)."""
+    waited_for_room: bool = False
+    """For a queued request admitted: it waited for room (``Outcome.for_room``), not only behind others."""
     pool: str = NO_POOL
     """The pool the request was routed to (``none``: refused before routing)."""
 
@@ -542,12 +544,15 @@ class Core:
         for o in outcomes:
             d = o.decision
             self.stats.queue_wait.labels(d.tier, "admitted" if d.admitted else "rejected", o.pool).observe(o.waited)
+            if d.admitted and o.for_room:
+                self.stats.queue_waited_for_room.labels(d.tier, o.pool).inc()
             if d.rejection is not None:
                 self.stats.queue_rejections.labels(d.tier, d.rejection.reason, o.pool).inc()
             w = self._waiting.pop(o.ticket, None)
             if w is None:
                 continue
-            a = replace(self._final(d, w.request_id, w.estimate, w.envoy), held=o.ticket)
+            a = replace(self._final(d, w.request_id, w.estimate, w.envoy), held=o.ticket,
+                        waited_for_room=d.admitted and o.for_room)
             if a.decision.admitted and w.request_id in self._tombstones:
                 # its end was already reported (the client left while it waited): nothing will end it
                 self._release(o.ticket, None, False, "aborted", None)

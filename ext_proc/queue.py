@@ -100,6 +100,9 @@ class FairQueue:
         self._deadlines: list[tuple[float, int, Entry]] = []
         self._seq = 0
         self._live = 0
+        self.short_passes = 0
+        """Passes of the admission's pump that left a tier here without a node (the admission counts them):
+        a request queued across one waited for room, not only behind others."""
         self._t: float | None = None
         self._drained = 0.0
         self._events = 0.0

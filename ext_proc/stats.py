@@ -120,6 +120,11 @@ class Stats:
             "kvgate_queue_wait_seconds", "Time queued requests waited, per tier and outcome (admitted | rejected)",
             ["tier", "outcome", "pool"], buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60),
             registry=r)
+        self.queue_waited_for_room = Counter(
+            "kvgate_queue_waited_for_room_total",
+            "Queued requests admitted after waiting for room: a node choice refused them, or a pass of the queue "
+            "found their tier no node, while they waited (not those only queued behind others and released at "
+            "once): what the scaler's scale-down gate reads", ["tier", "pool"], registry=r)
         self.queue_rejections = Counter(
             "kvgate_queue_rejections_total",
             "Queued or arriving requests answered 503 by the queue: queue-deadline (could not make its "

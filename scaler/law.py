@@ -41,7 +41,7 @@ Per evaluation, over the signal window:
   peak over that cooldown, and as read now (the window's mean lags a rising load: families
   ``diurnal`` seed 1 went 4 → 3 at 44% by the mean, 70% by the reading, and back 15 s later) — at
   most at ``scale_down_kv_usage`` mean usage (when kvgate reports it), and fewer than
-  ``scale_down_threshold`` of the window's admissions waited in kvgate's queue for room, over 5 ms (what waits
+  ``scale_down_threshold`` of the window's admissions waited in kvgate's queue for room (what waits
   there holds no KV: kvgate keeps vLLM's queues short while the top tier has traffic);
   then wait another cooldown. The gap between the two KV bounds is the hysteresis: a scale-down
   never makes the next scale-up. Without KV readings nothing tells a fleet with room from one just
@@ -137,9 +137,9 @@ class Signals:
     kv_usage: float | None = None
     """The mean KV-cache usage of the replicas up now (0-1, ``kvgate_node_kv_usage_ratio``); None: unknown."""
     waited: float = 0.0
-    """Of ``admitted``: requests admitted after waiting in kvgate's gateway queue for room, over
-    ``scaler.signals.WAITED_OVER_S`` (``kvgate_queue_wait_seconds_count{outcome="admitted"}`` less that
-    bucket). Absent (an older kvgate): none."""
+    """Of ``admitted``: requests admitted after waiting in kvgate's gateway queue for room
+    (``kvgate_queue_waited_for_room_total``: a node choice refused them, or a pass of the queue found their
+    tier no node, while they waited). Absent (an older kvgate): none."""
 
     @property
     def capacity_total(self) -> float:

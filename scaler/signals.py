@@ -41,23 +41,20 @@ from .law import Signals
 Totals = dict[tuple[str, str], float]
 """(kind, tenant) → count; kind: admitted | capacity | policy | budget (of policy: a tenant's own request
 or token budget) | fleet (of policy: caused by the fleet) | slo_miss (of admitted: predicted to miss) |
-waited (of admitted: released from kvgate's gateway queue after more than :data:`WAITED_OVER_S`; no tenant
-label, tenant "")."""
+waited (of admitted: waited in kvgate's gateway queue for room, :data:`WAITED_FOR_ROOM`; no tenant label,
+tenant "")."""
 
 KINDS = ("admitted", "capacity", "policy", "budget", "fleet", "slo_miss", "waited")
 BUDGET_REASONS = ("tenant-requests", "tenant-tokens")
 """The 429 reasons of a tenant over its own budget: never a scaling signal."""
 FLEET_CAUSED = "kvgate_fleet_caused_rejections_total"
 PREDICTED_MISSES = "kvgate_predicted_slo_misses_total"
-QUEUE_WAITS = "kvgate_queue_wait_seconds_count"
-QUEUE_WAIT_BUCKETS = "kvgate_queue_wait_seconds_bucket"
-WAITED_OVER_S = "0.005"
-"""A release from the queue counts as having waited for room only past this wait (a bucket bound of
-``kvgate_queue_wait_seconds``, spelled as the exposition writes it): requests queued only because a
-request of their tier waited ahead of them, and released by the same pass, wait 0 s — one unplaceable
-prompt, re-sent, would otherwise keep the scale-down gate shut (review11 F4). The smallest bucket: a
-request held even briefly for a node ready for the top tier is pressure (at 50 ms the mixed family's
-seed 2 scaled down into 1.6 points less interactive SLO)."""
+WAITED_FOR_ROOM = "kvgate_queue_waited_for_room_total"
+"""Admissions that waited in kvgate's queue for room (a node choice refused them, or a pass found their tier
+no node, while they waited). Not every release from the queue: requests queued only because one of their
+tier waited ahead, and released by the pass that found them room, wait for nothing — one unplaceable
+prompt, re-sent, kept the scale-down gate shut when they counted (review11 F4); nor a wait's length, which
+in a live kvgate includes an event-loop turn (review14)."""
 
 DEFAULT_POOL = "default"
 """The one pool of a kvgate without ``pools``, and of series without a pool label (ext_proc.pools.DEFAULT_POOL;
@@ -66,7 +63,7 @@ NO_POOL = "none"
 """``pool="none"``: requests refused before routing (ext_proc.pools.NO_POOL). Never a pool's demand."""
 POOL_NAME = re.compile(r"^[a-z0-9][a-z0-9_.-]{0,62}$")
 """A pool's name, as kvgate's and the scaler's configs spell it (also what makes it safe inside PromQL)."""
-POOLED = frozenset({"kvgate_requests_total", FLEET_CAUSED, PREDICTED_MISSES, QUEUE_WAITS, QUEUE_WAIT_BUCKETS,
+POOLED = frozenset({"kvgate_requests_total", FLEET_CAUSED, PREDICTED_MISSES, WAITED_FOR_ROOM,
                     "kvgate_queue_depth_requests",
                     "kvgate_nodes_total", "kvgate_node_kv_usage_ratio", "kvgate_fleet_inflight_requests",
                     "kvgate_node_kv_capacity_tokens"})
@@ -147,12 +144,8 @@ def parse_kvgate(text: str) -> Reading:
                     a.add(("budget", tenant), s.value)
             elif s.name in (FLEET_CAUSED, PREDICTED_MISSES):
                 a.add(("fleet" if s.name == FLEET_CAUSED else "slo_miss", tenant), s.value)
-            elif s.name == QUEUE_WAITS:
-                if s.labels.get("outcome") == "admitted":
-                    a.add(("waited", ""), s.value)
-            elif s.name == QUEUE_WAIT_BUCKETS:
-                if s.labels.get("outcome") == "admitted" and s.labels.get("le") == WAITED_OVER_S:
-                    a.add(("waited", ""), -s.value)  # (cumulative: the count less those within the bound)
+            elif s.name == WAITED_FOR_ROOM:
+                a.add(("waited", ""), s.value)
             elif s.name == "kvgate_queue_depth_requests":
                 a.held += s.value
             elif s.name == "kvgate_nodes_total":
@@ -343,8 +336,7 @@ QUERIES = {
     # absent from an older kvgate: no series, an empty answer, none counted
     "fleet": f"sum by (tenant, pool) (increase({FLEET_CAUSED}[%s]))",
     "slo_miss": f"sum by (tenant, pool) (increase({PREDICTED_MISSES}[%s]))",
-    "waited": 'sum by (pool) (increase(kvgate_queue_wait_seconds_count{outcome="admitted"}[%s])) - sum by (pool) '
-              f'(increase(kvgate_queue_wait_seconds_bucket{{outcome="admitted",le="{WAITED_OVER_S}"}}[%s]))',
+    "waited": f"sum by (pool) (increase({WAITED_FOR_ROOM}[%s]))",
     "held": "sum by (pool) (kvgate_queue_depth_requests)",
     # per kvgate replica (instance): the largest view of each pool is taken after pool-less series join "default"
     "nodes": "sum by (instance, pool) (kvgate_nodes_total)",

@@ -172,12 +172,10 @@ def test_every_dashboard_query_runs_and_the_kvgate_ones_return_data(scraped: tup
 
 
 def test_the_waited_query_counts_what_the_scrape_path_counts(tmp_path: Path) -> None:
-    """review14: the scaler's waited gate reads ``kvgate_queue_wait_seconds`` count less its
-    ``le=WAITED_OVER_S`` bucket two ways — ``parse_kvgate`` (DirectSource) and ``QUERIES["waited"]``
-    (PrometheusSource). Both must find that bucket as kvgate's own exposition spells it: a mismatch
-    leaves the PromQL difference without a match (no row: none waited) while the scrape path subtracts
-    nothing (every release waited). promtool evaluates the query over kvgate's real series, two kvgate
-    replicas, two tiers, rejected waits beside."""
+    """review14: the scaler's waited gate reads ``kvgate_queue_waited_for_room_total`` two ways —
+    ``parse_kvgate`` (DirectSource) and ``QUERIES["waited"]`` (PrometheusSource) — and both must count the
+    same. promtool evaluates the query over kvgate's real series: two kvgate replicas, two tiers, the
+    queue-wait histogram (which the gate no longer reads) beside."""
     from prometheus_client import generate_latest
     from prometheus_client.parser import text_string_to_metric_families
 
@@ -191,6 +189,8 @@ def test_the_waited_query_counts_what_the_scrape_path_counts(tmp_path: Path) -> 
             for tier, waits in (("batch", [0.0, 0.004, 0.2]), ("standard", [0.005, 0.03])):
                 for w in waits * (scale + k):
                     st.queue_wait.labels(tier, "admitted", "p").observe(w)
+                    if w > 0.01:  # (those a node choice refused while they waited, say)
+                        st.queue_waited_for_room.labels(tier, "p").inc()
                 st.queue_wait.labels(tier, "rejected", "p").observe(1.0)
             st.requests.inc(("t", "batch", "admit", "ok", "none", "p"))  # (a kvgate page for parse_kvgate)
 
@@ -206,7 +206,7 @@ def test_the_waited_query_counts_what_the_scrape_path_counts(tmp_path: Path) -> 
         out = {}
         for fam in text_string_to_metric_families(text):
             for s in fam.samples:
-                if s.name.startswith("kvgate_queue_wait_seconds_"):
+                if s.name == "kvgate_queue_waited_for_room_total":
                     labels = ",".join(f'{k}="{v}"' for k, v in sorted({**s.labels, "instance": instance}.items()))
                     out[f"{s.name}{{{labels}}}"] = s.value
         return out

@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import random
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -707,7 +709,7 @@ def test_a_request_released_from_the_queue_is_read_by_the_scaler_as_one_that_wai
 
     reading(0.0, 0.95)
     assert isinstance(core.decide(Request("/v1/chat/completions", "w", "Bearer s", estimate=E(), body_bytes=10)), Held)
-    clock.advance(0.01)  # (a wait the scaler reads: over scaler.signals.WAITED_OVER_S)
+    clock.advance(0.01)
     reading(0.01, 0.5)
     assert [x.decision.admitted for x in core.answers()] == [True]
     core.decide(Request("/v1/chat/completions", "direct", "Bearer s", estimate=E(), body_bytes=10))
@@ -758,13 +760,16 @@ def test_with_one_vllm_level_the_release_the_starvation_guard_owes_still_goes() 
     assert got.get("batch") is True
 
 
-def test_requests_queued_behind_a_stuck_head_and_released_at_once_are_not_read_as_waiting_for_room() -> None:
+@pytest.mark.parametrize("turn_s", [0.0, 0.02])
+def test_requests_queued_behind_a_stuck_head_and_released_at_once_are_not_read_as_waiting_for_room(
+        turn_s: float) -> None:
     """review11: one 70,000-token batch prompt no node has KV room for waits at the head of batch; every
     batch arrival after it is queued without a node choice (``waiting_at_or_above``) and released by
-    the same pump, 0 s later, by backfill. The scaler reads each as an admission that waited for room
-    (``kvgate_queue_wait_seconds_count{outcome="admitted"}``): 11% here, over its 5% scale-down gate,
-    for a fleet at half its KV — one tenant's unplaceable request, refused at no cost to it, repeated
-    every few seconds, pins the pool's size (scaler/law.py's gate on ``Signals.waited``)."""
+    the next pump by backfill. The scaler read each as an admission that waited for room (every
+    admitted release from the queue): 11% here, over its 5% scale-down gate, for a fleet at half its KV —
+    one tenant's unplaceable request, refused at no cost to it, repeated every few seconds, pinned the
+    pool's size (scaler/law.py's gate on ``Signals.waited``). Nor may the wait's length decide it
+    (review14): in a live kvgate the pump runs an event-loop turn after the decision (``turn_s``)."""
     from prometheus_client import generate_latest
 
     from ext_proc.core import Core, Held, Request, null_logger
@@ -778,6 +783,9 @@ def test_requests_queued_behind_a_stuck_head_and_released_at_once_are_not_read_a
         "tenants": [{"name": "a", "tier": "batch", "api_key_sha256": [hash_key("a")]},
                     {"name": "b", "tier": "batch", "api_key_sha256": [hash_key("b")]}]}),
         clock, random.Random(1), log=null_logger())
+    turn: list[Callable[[], None]] = []
+    if turn_s:
+        core.pump_once_per_turn(turn.append)
 
     def reading() -> None:
         for a in nodes:
@@ -792,6 +800,9 @@ def test_requests_queued_behind_a_stuck_head_and_released_at_once_are_not_read_a
         core.decide(Request("/v1/chat/completions", f"s{k}", "Bearer b", estimate=E(200, 50), body_bytes=10))
         if k % 4 == 0:
             reading()
+        clock.advance(turn_s)
+        while turn:
+            turn.pop(0)()
         core.answers()
     r = parse_kvgate(generate_latest(core.stats.registry).decode())
     admitted = sum(v for (kind, _), v in r.totals.items() if kind == "admitted")

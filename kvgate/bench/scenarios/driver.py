@@ -46,7 +46,7 @@ from ext_proc.profiles import Profile, get_profile
 from gpu_probe.parse import EngineReading
 from gpu_probe.snapshot import Deriver
 from scaler.law import ControlLaw, LawSettings, Signals
-from scaler.signals import BUDGET_REASONS, KINDS, WAITED_OVER_S
+from scaler.signals import BUDGET_REASONS, KINDS
 from sim.engine import Engine, EngineOptions
 from sim.prefix_cache import Prompt
 from sim.scheduler import Request
@@ -668,8 +668,7 @@ class Run:
                 pool.decisions.append((self.now, "admitted", tenant))
                 if d.lease.slo_miss:
                     pool.decisions.append((self.now, "slo_miss", tenant))
-                if a.held is not None and self.now - o.req.t > float(WAITED_OVER_S):
-                    # (released from the gateway queue after waiting: kvgate_queue_wait_seconds)
+                if a.waited_for_room:  # (kvgate_queue_waited_for_room_total)
                     pool.decisions.append((self.now, "waited", tenant))
         else:
             assert d.rejection is not None
