@@ -218,8 +218,8 @@ class _Held:
     refused: bool = False
     """A node choice refused it (at arrival or in a pump) since it was queued: ``Outcome.for_room``."""
     short_at: int = 0
-    """Its queue's ``short_passes`` when it was queued: a pass that left its tier (or any) without a node
-    since then means it waited for room too (``Outcome.for_room``)."""
+    """Its queue's ``short_passes`` of its tier when it was queued: a pass that left its tier (or every tier)
+    without a node since then means it waited for room too (``Outcome.for_room``)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -608,7 +608,7 @@ class Admission:
             self._drop(victim, "queue-evicted", now, queue=q)
         lease = self._grant(s, ticket, request_id, est, now, None, queued=True)
         entry = Entry(ticket, s.name, tier, cost, now, now + max_wait)
-        self._held[ticket] = _Held(lease, est, entry, refused=placed is not None, short_at=q.short_passes)
+        self._held[ticket] = _Held(lease, est, entry, refused=placed is not None, short_at=q.short_passes(tier))
         q.push(entry, now)
         return Decision(s.name, tier, lease, None, queued=True)
 
@@ -677,7 +677,7 @@ class Admission:
             if capacity is not None:
                 h.refused = True
                 if capacity.reason == "fleet-inflight":
-                    q.short_passes += 1
+                    q.short_pass(None)
                     break  # no tier can go
                 if placed.reason == "fleet-queue" and placed.ttft is not None:
                     # it cannot make it: say so now
@@ -688,7 +688,7 @@ class Admission:
                 found = self._backfill(q, head, h.estimate.total, now, guarded)
                 if found is None:
                     blocked.add(head.tier)
-                    q.short_passes += 1
+                    q.short_pass(head.tier)
                     continue
                 nxt, h, placed = found
             q.take(nxt, now)
@@ -698,7 +698,7 @@ class Admission:
             self._predicted(lease, placed, now - nxt.arrived, h.estimate)
             self._dispatch(lease, h.estimate, now)
             out.append(Outcome(nxt.key, Decision(lease.tenant.name, lease.tier, lease, None), now - nxt.arrived,
-                               lease.pool, h.refused or q.short_passes > h.short_at))
+                               lease.pool, h.refused or q.short_passes(nxt.tier) > h.short_at))
 
     def _backfill(self, q: FairQueue, head: Entry, size: int, now: float,
                   guarded: bool) -> tuple[Entry, _Held, Placed] | None:

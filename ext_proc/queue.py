@@ -100,9 +100,10 @@ class FairQueue:
         self._deadlines: list[tuple[float, int, Entry]] = []
         self._seq = 0
         self._live = 0
-        self.short_passes = 0
-        """Passes of the admission's pump that left a tier here without a node (the admission counts them):
-        a request queued across one waited for room, not only behind others."""
+        self._short: dict[str | None, int] = {}
+        """Passes of the admission's pump that left a tier here (None: every tier) without a node
+        (:meth:`short_pass`): a request of that tier queued across one waited for room, not only behind
+        others."""
         self._t: float | None = None
         self._drained = 0.0
         self._events = 0.0
@@ -130,6 +131,17 @@ class FairQueue:
     def depth(self, tier: str) -> int:
         t = self._tiers.get(tier)
         return t.live if t is not None else 0
+
+    def short_pass(self, tier: str | None) -> None:
+        """A pass of the admission's pump left ``tier`` (None: every tier, the fleet's in-flight cap)
+        without a node."""
+        self._short[tier] = self._short.get(tier, 0) + 1
+
+    def short_passes(self, tier: str) -> int:
+        """How many passes left ``tier`` without a node so far (:meth:`short_pass`). Only its own tier's: a
+        more urgent tier's stuck head blocks that tier first in every pass, and the less urgent requests
+        the same pass then releases waited for nothing (review15)."""
+        return self._short.get(None, 0) + self._short.get(tier, 0)
 
     def guarded(self, tier: str) -> bool:
         """Whether ``tier`` has waited out the starvation guard: its next release is owed to it."""

@@ -810,6 +810,57 @@ def test_requests_queued_behind_a_stuck_head_and_released_at_once_are_not_read_a
     assert r.totals.get(("waited", ""), 0.0) / admitted < 0.05
 
 
+@pytest.mark.parametrize("stuck_tier", ["interactive", "standard"])
+def test_requests_queued_behind_a_more_urgent_tiers_stuck_head_are_not_read_as_waiting_for_room(
+        stuck_tier: str) -> None:
+    """review15: the cross-tier form of review11 F4. An unplaceable prompt of a more urgent tier, re-sent
+    whenever it is refused, queues every less urgent arrival behind it (``waiting_at_or_above`` counts the
+    tiers above) and blocks its own tier first in every pass of the pump; a pass that left *any* tier
+    without a node counted every later release as having waited for room, so the batch tenant's requests,
+    released by the pump right after they queued, read 11% waited here, over the 5% scale-down gate, on a
+    fleet at half its KV. Only a pass that left the request's own tier without a node (or every tier: the
+    fleet's in-flight cap) says it waited for room."""
+    from prometheus_client import generate_latest
+
+    from ext_proc.core import Core, Held, Request, null_logger
+    from gpu_probe.snapshot import Snapshot
+    from scaler.signals import parse_kvgate
+
+    clock = FakeClock()
+    nodes = ["10.0.0.1:8000", "10.0.0.2:8000"]
+    core = Core(parse_config({
+        "nodes": {"static": [{"address": a, "probe": f"http://p{i}"} for i, a in enumerate(nodes)]},
+        "tenants": [{"name": "a", "tier": stuck_tier, "api_key_sha256": [hash_key("a")]},
+                    {"name": "b", "tier": "batch", "api_key_sha256": [hash_key("b")]}]}),
+        clock, random.Random(1), log=null_logger())
+
+    def reading() -> None:
+        for a in nodes:
+            core.snapshot(a, Snapshot(node="n", at=clock(), ok=True, kv_usage=0.5, blocks_total=10_000,
+                                      block_size=16, running=4, waiting=0))
+
+    reading()
+    held: set[str] = set()
+    sent = 0
+    for k in range(100):
+        clock.advance(0.05)
+        if not held:  # the attacker's prompt again, once the last one was refused
+            sent += 1
+            if isinstance(core.decide(Request("/v1/chat/completions", f"big{sent}", "Bearer a",
+                                              estimate=E(70_000, 100), body_bytes=10)), Held):
+                held.add(f"big{sent}")
+        core.decide(Request("/v1/chat/completions", f"s{k}", "Bearer b", estimate=E(200, 50), body_bytes=10))
+        if k % 4 == 0:
+            reading()
+        for a in core.answers():
+            held.discard(a.request_id)
+    assert sent > 50  # (it was held, and refused, again and again)
+    r = parse_kvgate(generate_latest(core.stats.registry).decode())
+    admitted = sum(v for (kind, _), v in r.totals.items() if kind == "admitted")
+    assert admitted == 100
+    assert r.totals.get(("waited", ""), 0.0) / admitted < 0.05
+
+
 def test_a_tier_that_stopped_waiting_starts_the_guards_count_again() -> None:
     """review11: ``skipped`` counts releases from above *in a row while the tier waits*. A batch tier
     whose requests all left without a release (timed out, refused, cancelled) kept its count — with
