@@ -135,8 +135,12 @@ def parse(text: str) -> dict[tuple[str, str], EngineReading]:
                 r = reading(s.labels)
                 is_sum = s.name in hist_sums
                 k = hist_sums[s.name] if is_sum else hist_counts[s.name]
-                total, count = r.hist.get(k, (0.0, 0.0))
+                total, count = r.hist.get(k, (math.nan, math.nan))
                 r.hist[k] = (s.value, count) if is_sum else (total, s.value)
+    for r in out.values():
+        # a histogram read by half (its sum or count odd, dropped above, or absent) is not read: a missing
+        # sum taken as 0 made the next interval count every second vLLM ever spent as that interval's
+        r.hist = {k: v for k, v in r.hist.items() if not (math.isnan(v[0]) or math.isnan(v[1]))}
     for key, value in old_kv.items():
         r = out[key]
         if r.kv_usage is None:

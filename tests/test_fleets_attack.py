@@ -170,6 +170,19 @@ def test_a_histogram_that_went_back_leaves_no_figure_kvgate_refuses_on_every_lat
     assert snap.ttft_s is not None and snap.ttft_s > 0
 
 
+@pytest.mark.parametrize("odd", ["NaN", "-10", "+Inf"])
+def test_a_histogram_with_half_its_pair_dropped_is_not_read_as_a_zero_sum(odd: str) -> None:
+    """review15: the probe drops an odd value (NaN, negative, inf) sample by sample; a histogram whose
+    ``_sum`` was dropped kept its ``_count`` beside a sum of 0, and the next interval took every second
+    vLLM had ever spent on TTFT as that interval's: 150 s over 10 requests, a 15 s TTFT for a node whose
+    requests took 5 s. A histogram read by half is not read."""
+    d = Deriver("n")
+    d.update(parse(ttft(100, 10)), 1.0)
+    d.update(parse(ttft(odd, 20)), 2.0)
+    snap = d.update(parse(ttft(150, 30)), 3.0)
+    assert snap.ttft_s is None or snap.ttft_s <= 5.0 + 1e-9
+
+
 def test_adapter_requests_sent_during_a_probe_outage_keep_node_state_bounded() -> None:
     """Every adapter request sent to a node is remembered until its next reading (it is running there
     though no reading says so yet), and each adapter request's node choice went over all of them on every
