@@ -53,6 +53,11 @@ BACKFILL_WINDOW = 32
 """How many requests behind such a head it looks at (those larger than a KV room refused are not tried)."""
 BACKFILL_PER_TENANT = 8
 """Of which at most this many of any one tenant."""
+BACKFILL_TRIES_PER_TENANT = 2
+"""Of the tries, at most this many of any one tenant: a tenant's own queue of prompts no node can take
+(each a little smaller than the last, so each is tried) used every try and hid another tenant's short
+requests behind them — 71 of 100 waited, and each read as waiting for room kept the scaler's scale-down
+gate shut (review15)."""
 NORM_ALPHA = 0.02
 """How slowly a tenant's *norm* request duration follows: about its last 50 requests, against the
 recent mean's last 5 — a fleet that slowed down shows as the recent mean pulling away from the norm."""
@@ -710,13 +715,15 @@ class Admission:
         queue: on the bursty-onoff family's seed 1 the queue admitted 130 fewer standard requests than
         no queue at all. A request larger than one KV room already refused is passed over without a
         node choice; one refused for another reason (its target: it has waited longer) does not bound
-        the rest. The per-tenant cap and counting only what is tried keep one tenant's queue of long
-        prompts from hiding another tenant's short request (review). The head keeps its place and its
+        the rest. The per-tenant caps (looked at, :data:`BACKFILL_TRIES_PER_TENANT` tried) and counting only
+        what is tried keep one tenant's queue of long prompts from hiding another tenant's short request
+        (review; review15). The head keeps its place and its
         deadline."""
         tried = 0
+        tenants: dict[str, int] = {}
         for e in q.behind(head, BACKFILL_WINDOW, BACKFILL_PER_TENANT):
             h = self._held[e.key]
-            if h.estimate.total >= size:
+            if h.estimate.total >= size or tenants.get(e.tenant, 0) >= BACKFILL_TRIES_PER_TENANT:
                 continue
             placed, capacity = self._place(h.estimate, e.key, e.tier, now, now - e.arrived, guarded)
             if capacity is None:
@@ -727,6 +734,7 @@ class Admission:
             if capacity.reason == "fleet-kv":
                 size = h.estimate.total
             tried += 1
+            tenants[e.tenant] = tenants.get(e.tenant, 0) + 1
             if tried >= BACKFILL_TRIES:
                 break
         return None

@@ -879,3 +879,42 @@ def test_a_tier_that_stopped_waiting_starts_the_guards_count_again() -> None:
     assert not q.guarded("batch")
     head = q.peek()
     assert head is not None and head.key == "i0"
+
+
+def test_a_tenants_unplaceable_prompts_do_not_use_up_backfills_tries() -> None:
+    """review15: a tenant queues nine prompts no node can take, each a little smaller than the last (so a
+    KV refusal never bounds the next): they took every one of backfill's tries, another tenant's 200-token
+    requests behind them were never tried — 71 of its 100 waited in the queue, each read by the scaler as
+    waiting for room (69%: its scale-down gate shut on a fleet at half its KV)."""
+    from prometheus_client import generate_latest
+
+    from ext_proc.core import Core, Request, null_logger
+    from gpu_probe.snapshot import Snapshot
+    from scaler.signals import parse_kvgate
+
+    clock = FakeClock()
+    nodes = ["10.0.0.1:8000", "10.0.0.2:8000"]
+    core = Core(parse_config({
+        "nodes": {"static": [{"address": a, "probe": f"http://p{i}"} for i, a in enumerate(nodes)]},
+        "tenants": [{"name": "a", "tier": "batch", "api_key_sha256": [hash_key("a")]},
+                    {"name": "b", "tier": "batch", "api_key_sha256": [hash_key("b")]}]}),
+        clock, random.Random(1), log=null_logger())
+
+    def reading() -> None:
+        for a in nodes:
+            core.snapshot(a, Snapshot(node="n", at=clock(), ok=True, kv_usage=0.5, blocks_total=10_000,
+                                      block_size=16, running=4, waiting=0))
+
+    reading()
+    for j in range(9):
+        core.decide(Request("/v1/chat/completions", f"big{j}", "Bearer a", estimate=E(70_000 - 100 * j, 100),
+                            body_bytes=10))
+    for k in range(100):
+        clock.advance(0.05)
+        core.decide(Request("/v1/chat/completions", f"s{k}", "Bearer b", estimate=E(200, 50), body_bytes=10))
+        if k % 4 == 0:
+            reading()
+        core.answers()
+    r = parse_kvgate(generate_latest(core.stats.registry).decode())
+    assert r.totals[("admitted", "b")] == 100
+    assert r.totals.get(("waited", ""), 0.0) / 100 < 0.05
