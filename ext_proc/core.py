@@ -244,6 +244,12 @@ class Core:
         self.admission.pick = self._pick if fleets else None
         self.admission.floor = self._floor if fleets else None
         self.stats.set_tenants([t.name for t in config.tenants], config.metrics.max_tenant_labels)
+        if config.queue.enabled:
+            # the scaler reads this counter with PromQL's increase(), which misses a series' first
+            # increment: each tier and pool starts at 0 (review15)
+            for pool in self.router.pools:
+                for tier in config.tiers:
+                    self.stats.queue_waited_for_room.labels(tier, pool.name)
         self._pump()
 
     def _addresses(self) -> set[tuple[str, str]]:

@@ -54,7 +54,10 @@ WAITED_FOR_ROOM = "kvgate_queue_waited_for_room_total"
 no node, while they waited). Not every release from the queue: requests queued only because one of their
 tier waited ahead, and released by the pass that found them room, wait for nothing — one unplaceable
 prompt, re-sent, kept the scale-down gate shut when they counted (review11 F4); nor a wait's length, which
-in a live kvgate includes an event-loop turn (review14)."""
+in a live kvgate includes an event-loop turn (review14). A kvgate older than the counter: every admitted
+release from its queue (:data:`QUEUE_WAITS`, what the gate read before), so that a scaler upgraded first
+keeps the gate (review15)."""
+QUEUE_WAITS = "kvgate_queue_wait_seconds_count"
 
 DEFAULT_POOL = "default"
 """The one pool of a kvgate without ``pools``, and of series without a pool label (ext_proc.pools.DEFAULT_POOL;
@@ -63,7 +66,7 @@ NO_POOL = "none"
 """``pool="none"``: requests refused before routing (ext_proc.pools.NO_POOL). Never a pool's demand."""
 POOL_NAME = re.compile(r"^[a-z0-9][a-z0-9_.-]{0,62}$")
 """A pool's name, as kvgate's and the scaler's configs spell it (also what makes it safe inside PromQL)."""
-POOLED = frozenset({"kvgate_requests_total", FLEET_CAUSED, PREDICTED_MISSES, WAITED_FOR_ROOM,
+POOLED = frozenset({"kvgate_requests_total", FLEET_CAUSED, PREDICTED_MISSES, WAITED_FOR_ROOM, QUEUE_WAITS,
                     "kvgate_queue_depth_requests",
                     "kvgate_nodes_total", "kvgate_node_kv_usage_ratio", "kvgate_fleet_inflight_requests",
                     "kvgate_node_kv_capacity_tokens"})
@@ -101,6 +104,9 @@ class _Acc:
     """Node → its KV usage (``kvgate_node_kv_usage_ratio``)."""
     capacity: dict[str, float] = field(default_factory=dict)
     """Node → its KV cache in tokens (``kvgate_node_kv_capacity_tokens``; absent from an older kvgate)."""
+    released: float = 0.0
+    """Admitted releases from the queue (:data:`QUEUE_WAITS`): ``waited`` on a page without
+    :data:`WAITED_FOR_ROOM`."""
 
     def add(self, key: tuple[str, str], v: float) -> None:
         self.totals[key] = self.totals.get(key, 0.0) + v
@@ -122,7 +128,7 @@ def parse_kvgate(text: str) -> Reading:
     """One replica's exposition → cumulative counts, per pool and summed (raises ValueError on text that is
     not one)."""
     acc: dict[str, _Acc] = {}
-    seen = False
+    seen = room = False
     for fam in text_string_to_metric_families(text):
         for s in fam.samples:
             if s.name in ("kvgate_requests_total", "kvgate_fleet_inflight_requests"):
@@ -145,7 +151,12 @@ def parse_kvgate(text: str) -> Reading:
             elif s.name in (FLEET_CAUSED, PREDICTED_MISSES):
                 a.add(("fleet" if s.name == FLEET_CAUSED else "slo_miss", tenant), s.value)
             elif s.name == WAITED_FOR_ROOM:
-                a.add(("waited", ""), s.value)
+                room = True
+                if s.value:  # (kvgate writes each tier's and pool's at 0 from the start)
+                    a.add(("waited", ""), s.value)
+            elif s.name == QUEUE_WAITS:
+                if s.labels.get("outcome") == "admitted":
+                    a.released += s.value
             elif s.name == "kvgate_queue_depth_requests":
                 a.held += s.value
             elif s.name == "kvgate_nodes_total":
@@ -157,6 +168,10 @@ def parse_kvgate(text: str) -> Reading:
                 a.capacity[s.labels.get("node", "")] = s.value
     if not seen:
         raise ValueError("not a kvgate metrics page (no kvgate_requests_total / kvgate_fleet_inflight_requests)")
+    if not room:  # an older kvgate
+        for a in acc.values():
+            if a.released:
+                a.add(("waited", ""), a.released)
     whole = _Acc()
     for a in acc.values():
         for k, v in a.totals.items():
@@ -336,7 +351,9 @@ QUERIES = {
     # absent from an older kvgate: no series, an empty answer, none counted
     "fleet": f"sum by (tenant, pool) (increase({FLEET_CAUSED}[%s]))",
     "slo_miss": f"sum by (tenant, pool) (increase({PREDICTED_MISSES}[%s]))",
-    "waited": f"sum by (pool) (increase({WAITED_FOR_ROOM}[%s]))",
+    # (an older kvgate, without the counter: every admitted release from its queue, as the gate read before)
+    "waited": f"sum by (pool) (increase({WAITED_FOR_ROOM}[%s])) or "
+              'sum by (pool) (increase(kvgate_queue_wait_seconds_count{outcome="admitted"}[%s]))',
     "held": "sum by (pool) (kvgate_queue_depth_requests)",
     # per kvgate replica (instance): the largest view of each pool is taken after pool-less series join "default"
     "nodes": "sum by (instance, pool) (kvgate_nodes_total)",

@@ -226,3 +226,36 @@ def test_the_waited_query_counts_what_the_scrape_path_counts(tmp_path: Path) -> 
              "exp_samples": [{"labels": 'kvgate:waited{pool="p"}', "value": expected}]}]}]}))
     r = subprocess.run(["promtool", "test", "rules", "test.yaml"], capture_output=True, text=True, cwd=tmp_path)
     assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_an_older_kvgate_without_the_waited_counter_is_read_as_before(tmp_path: Path) -> None:
+    """review15: a scaler upgraded before kvgate finds no ``kvgate_queue_waited_for_room_total``; it reads
+    every admitted release from the queue (``kvgate_queue_wait_seconds_count{outcome="admitted"}``, what
+    the gate read before) rather than none — the scale-down gate would silently open. Both paths: the
+    scrape (``parse_kvgate``) and the PromQL (``or``, evaluated by promtool)."""
+    from prometheus_client import generate_latest
+
+    from ext_proc.stats import Stats
+    from scaler.signals import QUERIES, parse_kvgate
+
+    st = Stats()
+    st.requests.inc(("t", "batch", "admit", "ok", "none", "p"))
+    for w in (0.0, 0.3, 2.0):
+        st.queue_wait.labels("batch", "admitted", "p").observe(w)
+    st.queue_wait.labels("batch", "rejected", "p").observe(1.0)
+    old = "\n".join(line for line in generate_latest(st.registry).decode().splitlines()
+                    if "waited_for_room" not in line) + "\n"
+    assert parse_kvgate(old).pools["p"].totals[("waited", "")] == 3
+    st.queue_waited_for_room.labels("batch", "p").inc()  # a kvgate with the counter: the counter alone
+    assert parse_kvgate(generate_latest(st.registry).decode()).pools["p"].totals[("waited", "")] == 1
+
+    name = 'kvgate_queue_wait_seconds_count{instance="r0",outcome="admitted",pool="p",tier="batch"}'
+    (tmp_path / "rules.yaml").write_text(yaml.safe_dump({"groups": [{"name": "g", "rules": [
+        {"record": "kvgate:waited", "expr": QUERIES["waited"].replace("%s", "1m")}]}]}))
+    (tmp_path / "test.yaml").write_text(yaml.safe_dump({
+        "rule_files": ["rules.yaml"], "evaluation_interval": "15s",
+        "tests": [{"interval": "15s", "input_series": [{"series": name, "values": "0 3 6 9 12"}],
+                   "promql_expr_test": [{"expr": "kvgate:waited", "eval_time": "1m",
+                                         "exp_samples": [{"labels": 'kvgate:waited{pool="p"}', "value": 12}]}]}]}))
+    r = subprocess.run(["promtool", "test", "rules", "test.yaml"], capture_output=True, text=True, cwd=tmp_path)
+    assert r.returncode == 0, r.stdout + r.stderr
