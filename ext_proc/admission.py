@@ -26,6 +26,7 @@ import math
 import random
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
+from itertools import chain
 from typing import NamedTuple, cast
 
 from .budgets import BudgetBook, Refusal
@@ -54,9 +55,10 @@ BACKFILL_WINDOW = 32
 BACKFILL_PER_TENANT = 8
 """Of which at most this many of any one tenant."""
 BACKFILL_TRIES_PER_TENANT = 2
-"""Of the tries, at most this many of any one tenant: a tenant's own queue of prompts no node can take
-(each a little smaller than the last, so each is tried) used every try and hid another tenant's short
-requests behind them — 71 of 100 waited, and each read as waiting for room kept the scaler's scale-down
+"""Of the tries, at most this many of any one tenant until every other tenant's requests in the window were
+tried (the tries left then go to the rest of its own, in order: review16): a tenant's own queue of prompts
+no node can take (each a little smaller than the last, so each is tried) used every try and hid another
+tenant's short requests behind them — 71 of 100 waited, and each read as waiting for room kept the scaler's scale-down
 gate shut (review15)."""
 NORM_ALPHA = 0.02
 """How slowly a tenant's *norm* request duration follows: about its last 50 requests, against the
@@ -715,15 +717,23 @@ class Admission:
         queue: on the bursty-onoff family's seed 1 the queue admitted 130 fewer standard requests than
         no queue at all. A request larger than one KV room already refused is passed over without a
         node choice; one refused for another reason (its target: it has waited longer) does not bound
-        the rest. The per-tenant caps (looked at, :data:`BACKFILL_TRIES_PER_TENANT` tried) and counting only
-        what is tried keep one tenant's queue of long prompts from hiding another tenant's short request
-        (review; review15). The head keeps its place and its
-        deadline."""
+        the rest. The per-tenant caps (looked at; tried: :data:`BACKFILL_TRIES_PER_TENANT` of one tenant,
+        its others only with the tries the other tenants' requests left) and counting only what is tried
+        keep one tenant's queue of long prompts from hiding another tenant's short request (review;
+        review15) and from hiding its own (review16). The head keeps its place and its deadline."""
         tried = 0
         tenants: dict[str, int] = {}
-        for e in q.behind(head, BACKFILL_WINDOW, BACKFILL_PER_TENANT):
+        later: list[Entry] = []
+        window = q.behind(head, BACKFILL_WINDOW, BACKFILL_PER_TENANT)
+        for i, e in enumerate(chain(window, later)):
             h = self._held[e.key]
-            if h.estimate.total >= size or tenants.get(e.tenant, 0) >= BACKFILL_TRIES_PER_TENANT:
+            if h.estimate.total >= size:
+                continue
+            if i < len(window) and tenants.get(e.tenant, 0) >= BACKFILL_TRIES_PER_TENANT:
+                # the other tenants' requests first; the tries they leave still go to this one's (one
+                # tenant's tier, three prompts no node can take at its front: its short requests behind
+                # them never tried, the whole tier held for their max wait — review16)
+                later.append(e)
                 continue
             placed, capacity = self._place(h.estimate, e.key, e.tier, now, now - e.arrived, guarded)
             if capacity is None:

@@ -918,3 +918,42 @@ def test_a_tenants_unplaceable_prompts_do_not_use_up_backfills_tries() -> None:
     r = parse_kvgate(generate_latest(core.stats.registry).decode())
     assert r.totals[("admitted", "b")] == 100
     assert r.totals.get(("waited", ""), 0.0) / 100 < 0.05
+
+
+def test_one_tenants_short_requests_behind_its_own_unplaceable_prompts_are_still_backfilled() -> None:
+    """review16: the per-tenant cap on backfill's tries (review15) left the tries it did not use unused. A
+    tier of one tenant (or one busy tenant) whose queue starts with three prompts no node can take now —
+    the head and two behind it — had its short requests behind them never tried: the whole tier waited
+    for the long ones' max wait, where before the cap the third try found them a node. The cap orders
+    the tries (other tenants' first); it does not leave a request that could go untried."""
+    from prometheus_client import generate_latest
+
+    from ext_proc.core import Core, Request, null_logger
+    from gpu_probe.snapshot import Snapshot
+    from scaler.signals import parse_kvgate
+
+    clock = FakeClock()
+    nodes = ["10.0.0.1:8000", "10.0.0.2:8000"]
+    core = Core(parse_config({
+        "nodes": {"static": [{"address": a, "probe": f"http://p{i}"} for i, a in enumerate(nodes)]},
+        "tenants": [{"name": "a", "tier": "batch", "api_key_sha256": [hash_key("a")]}]}),
+        clock, random.Random(1), log=null_logger())
+
+    def reading() -> None:
+        for a in nodes:
+            core.snapshot(a, Snapshot(node="n", at=clock(), ok=True, kv_usage=0.5, blocks_total=10_000,
+                                      block_size=16, running=4, waiting=0))
+
+    reading()
+    for j in range(3):
+        core.decide(Request("/v1/chat/completions", f"big{j}", "Bearer a", estimate=E(70_000 - 100 * j, 100),
+                            body_bytes=10))
+    for k in range(100):
+        clock.advance(0.05)
+        core.decide(Request("/v1/chat/completions", f"s{k}", "Bearer a", estimate=E(200, 50), body_bytes=10))
+        if k % 4 == 0:
+            reading()
+        core.answers()
+    r = parse_kvgate(generate_latest(core.stats.registry).decode())
+    assert r.totals[("admitted", "a")] >= 95
+    assert r.totals.get(("waited", ""), 0.0) / 100 < 0.05
