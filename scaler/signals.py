@@ -351,9 +351,11 @@ QUERIES = {
     # absent from an older kvgate: no series, an empty answer, none counted
     "fleet": f"sum by (tenant, pool) (increase({FLEET_CAUSED}[%s]))",
     "slo_miss": f"sum by (tenant, pool) (increase({PREDICTED_MISSES}[%s]))",
-    # (an older kvgate, without the counter: every admitted release from its queue, as the gate read before)
-    "waited": f"sum by (pool) (increase({WAITED_FOR_ROOM}[%s])) or "
-              'sum by (pool) (increase(kvgate_queue_wait_seconds_count{outcome="admitted"}[%s]))',
+    # (an older kvgate, without the counter: every admitted release from its queue, as the gate read before;
+    # chosen per replica, as parse_kvgate does per page — per pool, a rolling upgrade's newer replica hid
+    # every older one's releases: review16)
+    "waited": f"sum by (pool) (sum by (instance, pool) (increase({WAITED_FOR_ROOM}[%s])) or "
+              f'sum by (instance, pool) (increase({QUEUE_WAITS}{{outcome="admitted"}}[%s])))',
     "held": "sum by (pool) (kvgate_queue_depth_requests)",
     # per kvgate replica (instance): the largest view of each pool is taken after pool-less series join "default"
     "nodes": "sum by (instance, pool) (kvgate_nodes_total)",

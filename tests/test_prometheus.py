@@ -259,3 +259,28 @@ def test_an_older_kvgate_without_the_waited_counter_is_read_as_before(tmp_path: 
                                          "exp_samples": [{"labels": 'kvgate:waited{pool="p"}', "value": 12}]}]}]}))
     r = subprocess.run(["promtool", "test", "rules", "test.yaml"], capture_output=True, text=True, cwd=tmp_path)
     assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_the_waited_query_reads_each_replica_by_its_own_version(tmp_path: Path) -> None:
+    """review16: during a rolling upgrade one pool's kvgate replicas are of both versions. ``A or B`` taken
+    per pool kept the counter's sum and dropped the older replicas' admitted releases altogether (their
+    pool label matches): two replicas, the new one 4 waits, the old one 12 releases, read as 4 — the
+    scale-down gate opened on every old replica's queue for the whole rollout. The fallback is per replica
+    (instance), as parse_kvgate's is per page: 16. A replica with both reads its counter only."""
+    from scaler.signals import QUERIES
+
+    old = 'kvgate_queue_wait_seconds_count{instance="r0",outcome="admitted",pool="p",tier="batch"}'
+    new_waits = 'kvgate_queue_wait_seconds_count{instance="r1",outcome="admitted",pool="p",tier="batch"}'
+    new_room = 'kvgate_queue_waited_for_room_total{instance="r1",pool="p",tier="batch"}'
+    (tmp_path / "rules.yaml").write_text(yaml.safe_dump({"groups": [{"name": "g", "rules": [
+        {"record": "kvgate:waited", "expr": QUERIES["waited"].replace("%s", "1m")}]}]}))
+    (tmp_path / "test.yaml").write_text(yaml.safe_dump({
+        "rule_files": ["rules.yaml"], "evaluation_interval": "15s",
+        "tests": [{"interval": "15s", "input_series": [
+            {"series": old, "values": "0 3 6 9 12"},
+            {"series": new_waits, "values": "0 10 20 30 40"},
+            {"series": new_room, "values": "0 1 2 3 4"}],
+            "promql_expr_test": [{"expr": "kvgate:waited", "eval_time": "1m",
+                                  "exp_samples": [{"labels": 'kvgate:waited{pool="p"}', "value": 16}]}]}]}))
+    r = subprocess.run(["promtool", "test", "rules", "test.yaml"], capture_output=True, text=True, cwd=tmp_path)
+    assert r.returncode == 0, r.stdout + r.stderr
