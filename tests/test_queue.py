@@ -957,3 +957,32 @@ def test_one_tenants_short_requests_behind_its_own_unplaceable_prompts_are_still
     r = parse_kvgate(generate_latest(core.stats.registry).decode())
     assert r.totals[("admitted", "a")] >= 95
     assert r.totals.get(("waited", ""), 0.0) / 100 < 0.05
+
+
+def test_the_waited_for_room_counter_starts_at_zero_for_every_tier_and_pool() -> None:
+    """review15 F5 (untested there): PromQL's ``increase()`` misses a series' first increment, so kvgate
+    writes ``kvgate_queue_waited_for_room_total`` at 0 for every configured tier and pool — and for a pool
+    a reload adds. A kvgate whose page has the counter is read by it alone (never the older fallback)."""
+    from prometheus_client import generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from ext_proc.core import Core, null_logger
+
+    def cfg(pools: list[str]) -> Config:
+        return parse_config({
+            "tenants": [{"name": "a", "api_key_sha256": [hash_key("a")]}],
+            "pools": [{"name": p, "models": [f"{p}-m"], "nodes": {"static": [
+                {"address": f"10.0.{k}.1:8000", "probe": f"http://p{k}"}]}} for k, p in enumerate(pools)]})
+
+    def series(core: Core) -> dict[tuple[str, str], float]:
+        text = generate_latest(core.stats.registry).decode()
+        return {(s.labels["tier"], s.labels["pool"]): s.value for fam in text_string_to_metric_families(text)
+                for s in fam.samples if s.name == "kvgate_queue_waited_for_room_total"}
+
+    c = cfg(["x", "y"])
+    core = Core(c, FakeClock(), random.Random(1), log=null_logger())
+    tiers = set(c.tiers)
+    assert len(tiers) >= 2
+    assert series(core) == {(t, p): 0.0 for t in tiers for p in ("x", "y")}
+    core.reconfigure(cfg(["x", "z"]))
+    assert {(t, "z") for t in tiers} <= set(series(core))
