@@ -197,6 +197,10 @@ class Deriver:
         self.node = node
         self._prev: dict[tuple[str, str], EngineReading] = {}
         self._prev_at: float | None = None
+        self._hist: dict[tuple[tuple[str, str], str], tuple[float, float]] = {}
+        """(engine, histogram) → its last whole reading (sum, count): what an interval is measured from
+        when the previous reading had it only by half (``parse`` leaves it out), not (0, 0) — vLLM's
+        lifetime mean read as the interval's (review16)."""
         self._recent: dict[str, float] = {}
         self._preempt_rate: float | None = None
 
@@ -211,7 +215,7 @@ class Deriver:
             if prev is None:
                 continue
             for name, (total, count) in r.hist.items():
-                p_total, p_count = prev.hist.get(name, (0.0, 0.0))
+                p_total, p_count = prev.hist.get(name) or self._hist.get((key, name), (0.0, 0.0))
                 if count > p_count and total >= p_total:
                     # (a sum that went back with a count that went up: vLLM restarted between the readings
                     # and served more than before — the interval says nothing, and its negative mean, kept
@@ -241,6 +245,8 @@ class Deriver:
             step_decode = min(step_tokens, generated / steps[1])
         if dt is not None and dt > 0 and self._prev:
             self._preempt_rate = preempted / dt
+        self._hist = {(key, name): v for (key, name), v in self._hist.items() if key in readings}  # (bounded)
+        self._hist.update({(key, name): v for key, r in readings.items() for name, v in r.hist.items()})
         self._prev, self._prev_at = readings, at
         kv = [r.kv_usage for r in readings.values() if r.kv_usage is not None]
         total_blocks = sum(r.num_gpu_blocks or 0 for r in readings.values()) or None

@@ -211,3 +211,16 @@ def test_adapter_requests_sent_during_a_probe_outage_keep_node_state_bounded() -
                     waiting=0.0, lora_running=[], max_lora=2)
     f.on_snapshot(n.address, snap, 4.0, 0.0015)
     assert set(n.lora_sent) <= {"a3"} and len(n.loras) <= 2
+
+
+@pytest.mark.parametrize("odd", ["NaN", "-10", "+Inf"])
+def test_a_half_read_histogram_does_not_make_the_next_interval_vllms_lifetime_mean(odd: str) -> None:
+    """review16: since review15 a histogram read by half is absent from its reading, and the next reading's
+    interval took an absent previous histogram as (0, 0): the mean of every request vLLM had served since it
+    started, given as the last interval's. A node that served 1000 requests at 1 s and then 20 at 10 s
+    read 1.18 s. The interval is measured from the last reading that had the histogram whole."""
+    d = Deriver("n")
+    d.update(parse(ttft(1000, 1000)), 1.0)
+    d.update(parse(ttft(odd, 1010)), 2.0)
+    snap = d.update(parse(ttft(1200, 1020)), 3.0)
+    assert snap.ttft_s is None or abs(snap.ttft_s - 10.0) < 1e-9
