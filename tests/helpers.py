@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import random
 import time
 import urllib.request
 from collections.abc import Callable
@@ -99,3 +100,28 @@ def helm_binary() -> str:
         tmp.chmod(0o755)
         tmp.replace(target)
     return str(target)
+
+
+PAIR = ("10.0.0.1:8000", "10.0.0.2:8000")
+"""The two static nodes of :func:`pair_core`."""
+
+
+def pair_core(clock: Callable[[], float], **tiers: str) -> Any:
+    """A gateway core over the two static nodes of ``PAIR`` (one vLLM level, the default config otherwise),
+    with a tenant per keyword — its name, its tier; its API key is its name."""
+    from ext_proc.config import parse_config
+    from ext_proc.core import Core, null_logger
+    from ext_proc.identity import hash_key
+
+    return Core(parse_config({
+        "nodes": {"static": [{"address": a, "probe": f"http://p{i}"} for i, a in enumerate(PAIR)]},
+        "tenants": [{"name": n, "tier": t, "api_key_sha256": [hash_key(n)]} for n, t in tiers.items()]}),
+        clock, random.Random(1), log=null_logger())
+
+
+def read_pair(core: Any, at: float, **reading: Any) -> None:
+    """The same probe reading of both nodes of ``PAIR`` (``Snapshot`` fields: kv_usage, running, ...)."""
+    from gpu_probe.snapshot import Snapshot
+
+    for a in PAIR:
+        core.snapshot(a, Snapshot(node="n", at=at, ok=True, **reading))

@@ -22,7 +22,7 @@ from ext_proc.config import Config, parse_config
 from ext_proc.estimate import Estimate
 from ext_proc.identity import hash_key
 from ext_proc.queue import COMPACT_SLACK, Entry, FairQueue, TierSpec
-from tests.helpers import FakeClock
+from tests.helpers import FakeClock, pair_core, read_pair
 
 
 def make(cfg: dict[str, Any]) -> tuple[Admission, FakeClock, Config]:
@@ -726,21 +726,13 @@ def test_with_one_vllm_level_the_release_the_starvation_guard_owes_still_goes() 
     (no node is ready for the top tier), so batch is never released and gets its 503 when its hold runs
     out, ``skipped`` at 160. The interactive requests themselves were predicted past their target all
     along: the hold protected nothing."""
-    from ext_proc.core import Core, Held, Request, null_logger
-    from gpu_probe.snapshot import Snapshot
+    from ext_proc.core import Held, Request
 
     clock = FakeClock()
-    nodes = ["10.0.0.1:8000", "10.0.0.2:8000"]
-    core = Core(parse_config({
-        "nodes": {"static": [{"address": a, "probe": f"http://p{j}"} for j, a in enumerate(nodes)]},
-        "tenants": [{"name": "i", "tier": "interactive", "api_key_sha256": [hash_key("i")]},
-                    {"name": "b", "tier": "batch", "api_key_sha256": [hash_key("b")]}]}),
-        clock, random.Random(1), log=null_logger())
+    core = pair_core(clock, i="interactive", b="batch")
 
     def reading() -> None:
-        for a in nodes:
-            core.snapshot(a, Snapshot(node="n", at=clock(), ok=True, kv_usage=0.3, blocks_total=100_000,
-                                      block_size=16, running=8, waiting=3))
+        read_pair(core, clock(), kv_usage=0.3, blocks_total=100_000, block_size=16, running=8, waiting=3)
 
     reading()
     got: dict[str, bool] = {}
@@ -772,25 +764,17 @@ def test_requests_queued_behind_a_stuck_head_and_released_at_once_are_not_read_a
     (review14): in a live kvgate the pump runs an event-loop turn after the decision (``turn_s``)."""
     from prometheus_client import generate_latest
 
-    from ext_proc.core import Core, Held, Request, null_logger
-    from gpu_probe.snapshot import Snapshot
+    from ext_proc.core import Held, Request
     from scaler.signals import parse_kvgate
 
     clock = FakeClock()
-    nodes = ["10.0.0.1:8000", "10.0.0.2:8000"]
-    core = Core(parse_config({
-        "nodes": {"static": [{"address": a, "probe": f"http://p{i}"} for i, a in enumerate(nodes)]},
-        "tenants": [{"name": "a", "tier": "batch", "api_key_sha256": [hash_key("a")]},
-                    {"name": "b", "tier": "batch", "api_key_sha256": [hash_key("b")]}]}),
-        clock, random.Random(1), log=null_logger())
+    core = pair_core(clock, a="batch", b="batch")
     turn: list[Callable[[], None]] = []
     if turn_s:
         core.pump_once_per_turn(turn.append)
 
     def reading() -> None:
-        for a in nodes:
-            core.snapshot(a, Snapshot(node="n", at=clock(), ok=True, kv_usage=0.5, blocks_total=10_000,
-                                      block_size=16, running=4, waiting=0))
+        read_pair(core, clock(), kv_usage=0.5, blocks_total=10_000, block_size=16, running=4, waiting=0)
 
     reading()
     assert isinstance(core.decide(Request("/v1/chat/completions", "big", "Bearer a", estimate=E(70_000, 100),
@@ -822,22 +806,14 @@ def test_requests_queued_behind_a_more_urgent_tiers_stuck_head_are_not_read_as_w
     fleet's in-flight cap) says it waited for room."""
     from prometheus_client import generate_latest
 
-    from ext_proc.core import Core, Held, Request, null_logger
-    from gpu_probe.snapshot import Snapshot
+    from ext_proc.core import Held, Request
     from scaler.signals import parse_kvgate
 
     clock = FakeClock()
-    nodes = ["10.0.0.1:8000", "10.0.0.2:8000"]
-    core = Core(parse_config({
-        "nodes": {"static": [{"address": a, "probe": f"http://p{i}"} for i, a in enumerate(nodes)]},
-        "tenants": [{"name": "a", "tier": stuck_tier, "api_key_sha256": [hash_key("a")]},
-                    {"name": "b", "tier": "batch", "api_key_sha256": [hash_key("b")]}]}),
-        clock, random.Random(1), log=null_logger())
+    core = pair_core(clock, a=stuck_tier, b="batch")
 
     def reading() -> None:
-        for a in nodes:
-            core.snapshot(a, Snapshot(node="n", at=clock(), ok=True, kv_usage=0.5, blocks_total=10_000,
-                                      block_size=16, running=4, waiting=0))
+        read_pair(core, clock(), kv_usage=0.5, blocks_total=10_000, block_size=16, running=4, waiting=0)
 
     reading()
     held: set[str] = set()
@@ -881,41 +857,41 @@ def test_a_tier_that_stopped_waiting_starts_the_guards_count_again() -> None:
     assert head is not None and head.key == "i0"
 
 
+def _behind_unplaceable(big: int, short_from: str, **tiers: str) -> Any:
+    """Two nodes at half their KV; tenant ``a`` queues ``big`` prompts no node can take, each 100 tokens
+    smaller than the last (so a KV refusal never bounds the next), then ``short_from`` sends 100 requests
+    of 200 tokens, one per 50 ms: the scaler's reading of the core after them."""
+    from prometheus_client import generate_latest
+
+    from ext_proc.core import Request
+    from scaler.signals import parse_kvgate
+
+    clock = FakeClock()
+    core = pair_core(clock, **tiers)
+
+    def reading() -> None:
+        read_pair(core, clock(), kv_usage=0.5, blocks_total=10_000, block_size=16, running=4, waiting=0)
+
+    reading()
+    for j in range(big):
+        core.decide(Request("/v1/chat/completions", f"big{j}", "Bearer a", estimate=E(70_000 - 100 * j, 100),
+                            body_bytes=10))
+    for k in range(100):
+        clock.advance(0.05)
+        core.decide(Request("/v1/chat/completions", f"s{k}", f"Bearer {short_from}", estimate=E(200, 50),
+                            body_bytes=10))
+        if k % 4 == 0:
+            reading()
+        core.answers()
+    return parse_kvgate(generate_latest(core.stats.registry).decode())
+
+
 def test_a_tenants_unplaceable_prompts_do_not_use_up_backfills_tries() -> None:
     """review15: a tenant queues nine prompts no node can take, each a little smaller than the last (so a
     KV refusal never bounds the next): they took every one of backfill's tries, another tenant's 200-token
     requests behind them were never tried — 71 of its 100 waited in the queue, each read by the scaler as
     waiting for room (69%: its scale-down gate shut on a fleet at half its KV)."""
-    from prometheus_client import generate_latest
-
-    from ext_proc.core import Core, Request, null_logger
-    from gpu_probe.snapshot import Snapshot
-    from scaler.signals import parse_kvgate
-
-    clock = FakeClock()
-    nodes = ["10.0.0.1:8000", "10.0.0.2:8000"]
-    core = Core(parse_config({
-        "nodes": {"static": [{"address": a, "probe": f"http://p{i}"} for i, a in enumerate(nodes)]},
-        "tenants": [{"name": "a", "tier": "batch", "api_key_sha256": [hash_key("a")]},
-                    {"name": "b", "tier": "batch", "api_key_sha256": [hash_key("b")]}]}),
-        clock, random.Random(1), log=null_logger())
-
-    def reading() -> None:
-        for a in nodes:
-            core.snapshot(a, Snapshot(node="n", at=clock(), ok=True, kv_usage=0.5, blocks_total=10_000,
-                                      block_size=16, running=4, waiting=0))
-
-    reading()
-    for j in range(9):
-        core.decide(Request("/v1/chat/completions", f"big{j}", "Bearer a", estimate=E(70_000 - 100 * j, 100),
-                            body_bytes=10))
-    for k in range(100):
-        clock.advance(0.05)
-        core.decide(Request("/v1/chat/completions", f"s{k}", "Bearer b", estimate=E(200, 50), body_bytes=10))
-        if k % 4 == 0:
-            reading()
-        core.answers()
-    r = parse_kvgate(generate_latest(core.stats.registry).decode())
+    r = _behind_unplaceable(9, "b", a="batch", b="batch")
     assert r.totals[("admitted", "b")] == 100
     assert r.totals.get(("waited", ""), 0.0) / 100 < 0.05
 
@@ -926,35 +902,7 @@ def test_one_tenants_short_requests_behind_its_own_unplaceable_prompts_are_still
     the head and two behind it — had its short requests behind them never tried: the whole tier waited
     for the long ones' max wait, where before the cap the third try found them a node. The cap orders
     the tries (other tenants' first); it does not leave a request that could go untried."""
-    from prometheus_client import generate_latest
-
-    from ext_proc.core import Core, Request, null_logger
-    from gpu_probe.snapshot import Snapshot
-    from scaler.signals import parse_kvgate
-
-    clock = FakeClock()
-    nodes = ["10.0.0.1:8000", "10.0.0.2:8000"]
-    core = Core(parse_config({
-        "nodes": {"static": [{"address": a, "probe": f"http://p{i}"} for i, a in enumerate(nodes)]},
-        "tenants": [{"name": "a", "tier": "batch", "api_key_sha256": [hash_key("a")]}]}),
-        clock, random.Random(1), log=null_logger())
-
-    def reading() -> None:
-        for a in nodes:
-            core.snapshot(a, Snapshot(node="n", at=clock(), ok=True, kv_usage=0.5, blocks_total=10_000,
-                                      block_size=16, running=4, waiting=0))
-
-    reading()
-    for j in range(3):
-        core.decide(Request("/v1/chat/completions", f"big{j}", "Bearer a", estimate=E(70_000 - 100 * j, 100),
-                            body_bytes=10))
-    for k in range(100):
-        clock.advance(0.05)
-        core.decide(Request("/v1/chat/completions", f"s{k}", "Bearer a", estimate=E(200, 50), body_bytes=10))
-        if k % 4 == 0:
-            reading()
-        core.answers()
-    r = parse_kvgate(generate_latest(core.stats.registry).decode())
+    r = _behind_unplaceable(3, "a", a="batch")
     assert r.totals[("admitted", "a")] >= 95
     assert r.totals.get(("waited", ""), 0.0) / 100 < 0.05
 

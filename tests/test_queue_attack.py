@@ -6,12 +6,10 @@ from __future__ import annotations
 import random
 
 from ext_proc.admission import Usage
-from ext_proc.config import parse_config
-from ext_proc.core import Answer, Core, Ended, Request, null_logger
+from ext_proc.core import Answer, Ended, Request
 from ext_proc.estimate import Estimate
-from ext_proc.identity import hash_key
 from gpu_probe.snapshot import Snapshot
-from tests.helpers import FakeClock
+from tests.helpers import PAIR, FakeClock, pair_core
 
 
 def mixed_load(seconds: float = 30.0) -> tuple[int, int, int]:
@@ -20,19 +18,14 @@ def mixed_load(seconds: float = 30.0) -> tuple[int, int, int]:
     queued; each request ends its prefill + 0.75 s after dispatch. (interactive admitted, of them predicted
     past the 200 ms target, batch admitted)."""
     clock = FakeClock()
-    nodes = ["10.0.0.1:8000", "10.0.0.2:8000"]
-    core = Core(parse_config({
-        "nodes": {"static": [{"address": a, "probe": f"http://p{j}"} for j, a in enumerate(nodes)]},
-        "tenants": [{"name": "i", "tier": "interactive", "api_key_sha256": [hash_key("i")]},
-                    {"name": "b", "tier": "batch", "api_key_sha256": [hash_key("b")]}]}),
-        clock, random.Random(1), log=null_logger())
+    core = pair_core(clock, i="interactive", b="batch")
     rng = random.Random(1)
     running: dict[str, tuple[float, str, int]] = {}
     admitted = {"i": 0, "b": 0}
     missed = 0
 
     def reading() -> None:
-        for a in nodes:
+        for a in PAIR:
             n = sum(1 for _, node, _ in running.values() if node == a)
             core.snapshot(a, Snapshot(node="n", at=clock(), ok=True, kv_usage=0.3, blocks_total=100_000,
                                       block_size=16, running=float(n), waiting=0.0))
