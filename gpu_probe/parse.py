@@ -171,8 +171,8 @@ def _names(v: str | None) -> list[str]:
 def _slots(v: str | None) -> int | None:
     """``max_lora`` as a snapshot takes it: at most ``MAX_NAMES``, None when negative or not an integer
     (kvgate refuses a snapshot outside those bounds, so an odd label would cost the node every reading)."""
-    n = _int(v)
-    return None if n is None or n < 0 else min(n, MAX_NAMES)
+    n = _count(v)
+    return None if n is None else min(n, MAX_NAMES)
 
 
 def _count(v: str | None) -> int | None:

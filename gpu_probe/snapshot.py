@@ -198,9 +198,9 @@ class Deriver:
         self._prev: dict[tuple[str, str], EngineReading] = {}
         self._prev_at: float | None = None
         self._hist: dict[tuple[tuple[str, str], str], tuple[float, float]] = {}
-        """(engine, histogram) → its last whole reading (sum, count): what an interval is measured from
-        when the previous reading had it only by half (``parse`` leaves it out), not (0, 0) — vLLM's
-        lifetime mean read as the interval's (review16)."""
+        """(engine, histogram) → its last whole reading (sum, count): what the next interval is measured
+        from. The previous reading's when it had it; when it had it only by half (``parse`` leaves it
+        out), the one before — not (0, 0), vLLM's lifetime mean read as the interval's (review16)."""
         self._recent: dict[str, float] = {}
         self._preempt_rate: float | None = None
 
@@ -215,7 +215,7 @@ class Deriver:
             if prev is None:
                 continue
             for name, (total, count) in r.hist.items():
-                p_total, p_count = prev.hist.get(name) or self._hist.get((key, name), (0.0, 0.0))
+                p_total, p_count = self._hist.get((key, name), (0.0, 0.0))
                 if count > p_count and total >= p_total:
                     # (a sum that went back with a count that went up: vLLM restarted between the readings
                     # and served more than before — the interval says nothing, and its negative mean, kept
