@@ -39,6 +39,10 @@ from .perf import Speed, StepModel, from_config, prefill_heavy, step_ratio
 from .prefix import PrefixIndex
 from .profiles import detect
 
+TOP_DUE_MAX = 64
+"""At most this many of the top tier's requests waiting for their first token are remembered per node
+(``Node.top_due``; the oldest, due first, go)."""
+
 DEFAULT_BLOCK = 16
 ALONE_SLACK = 1e-9
 """Rounding room in the summary's test of whether a request alone could fit an idle node (the filter
@@ -124,6 +128,11 @@ class Node:
     sent first): running there soon, though the reading does not say so yet. One entry an adapter, not one a
     request: with the probe silent every adapter request's node choice went over all of them."""
     _last_completion: float | None = None
+    top_due: deque[tuple[float, float]] = field(default_factory=lambda: deque(maxlen=TOP_DUE_MAX))
+    """(predicted first token, latest first token within its target) of the top tier's requests sent here,
+    until the predicted time passes: a less urgent prompt booked beside one shares its engine step (vLLM
+    packs every waiting prompt into a step's token budget) and makes that step, so that first token,
+    later (``Picker._keep_one_ready``)."""
     edge: float | None = None
     """When a request last ended here: vLLM returns a request's last token at the end of an engine step,
     so this is a step boundary — the phase of the node's step clock (``Picker.predict``)."""

@@ -40,6 +40,8 @@ class Fleet(Picker):
             # its KV counts whole (vLLM takes cached blocks nobody uses back out of the free pool: usage
             # rises by the whole prompt), its prefill only what is not cached
             self.dispatched(c.node.address, ticket, tokens, prompt_tokens - c.hit, now, priority, c.ttft, adapter)
+            if urgent and target is not None and c.ttft is not None:
+                c.node.top_due.append((now + c.ttft, now + target))
             if prefix and self.cfg.prefix.enabled:
                 self.prefix.record(c.node.address, prefix, now)
         return c

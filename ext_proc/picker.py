@@ -21,7 +21,8 @@ Shaped like the Gateway API Inference Extension's scheduler. Per request:
    top tier goes where nothing long is running — prefill isolation emerges from the predictions rather
    than from a fixed split of nodes. That rule reads vLLM priority levels; with one level (kvgate writes
    no priorities: vLLM is first come, first served) a less urgent request instead goes only where a
-   top-tier request would still be quick, and never takes the last such node of two or more
+   top-tier request would still be quick, not beside a top-tier request its share of the step would
+   make late (``Picker._late_beside``), and never takes the last such node of two or more
    (``Picker._keep_one_ready``) — else it is held in the gateway queue (``fleet-queue``, no prediction).
 
 A new request no node can give a first token within its tier's max wait (``limit``) → ``fleet-queue``
@@ -380,6 +381,9 @@ class Picker(NodeBook):
         ready_s = READY_SHARE * top.target
         waits = [(self.predict(n, 0, top.priority, now), t, n) for t, n in scored]
         short = [(w, t, n) for w, t, n in waits if w <= ready_s]
+        if not owed:
+            short = [(w, t, n) for w, t, n in short
+                     if not self._late_beside(n, t, prompt_tokens - hits.get(n.address, 0), lim, now)]
         if not short:
             return None
         self._ready_seen = now
@@ -396,6 +400,26 @@ class Picker(NodeBook):
             kept = [(t, n) for _, t, n in short]
         s, f = self._soonest(kept, tokens)
         return kept, s, f
+
+    def _late_beside(self, n: Node, ttft: float, prompt_tokens: int, lim: float | None, now: float) -> bool:
+        """Whether this less urgent prompt, booked on ``n`` now, would make a top-tier request there miss its
+        target — and can afford to wait for that first token instead. vLLM packs every waiting prompt into
+        each engine step's token budget: a prompt booked beside a top-tier request still waiting for its
+        first token makes that step longer by its share (its tokens that fit the budget, at the node's
+        per-token cost), and the top-tier request's first token comes at the end of that step. On the
+        mixed-gpus scenario each of the 7 late interactive requests (201-232 ms against 200) had a
+        standard prompt booked onto its node just after it; with this, none, and interactive SLO on the
+        families rose up to 12 points. A prompt that cannot wait (its limit is nearer than that first
+        token plus its own) is not kept off: held, it would be refused."""
+        due = n.top_due
+        while due and due[0][0] <= now:
+            due.popleft()
+        if not due:
+            return False
+        decode, _ = self._load(n)
+        extra = n.model.b * min(prompt_tokens, n.model.chunk(decode)) * n.speed.factor
+        late = [p for p, d in due if p > now and p + extra > d]
+        return bool(late) and (lim is None or max(late) - now + ttft <= lim)
 
     def _soonest(self, scored: list[tuple[float, Node]], tokens: int) -> tuple[float, Node]:
         """The soonest predicted first token, ties to the most headroom (the first of equals): the
