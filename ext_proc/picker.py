@@ -418,7 +418,9 @@ class Picker(NodeBook):
             return False
         decode, _ = self._load(n)
         extra = n.model.b * min(prompt_tokens, n.model.chunk(decode)) * n.speed.factor
-        late = [p for p, d in due if p > now and p + extra > d]
+        # only one it would make late: one already predicted past its target misses it whatever runs beside
+        # it (kept off for it, even a prompt of a few tokens was held until that first token)
+        late = [p for p, d in due if now < p <= d < p + extra]
         return bool(late) and (lim is None or max(late) - now + ttft <= lim)
 
     def _soonest(self, scored: list[tuple[float, Node]], tokens: int) -> tuple[float, Node]:

@@ -936,3 +936,23 @@ def test_with_one_vllm_level_a_less_urgent_prompt_is_not_packed_into_a_waiting_t
     assert late > target  # beside it, the interactive request would have missed its target
     _, tight, _, _ = run(None, limit=0.065)
     assert tight == top_node  # a standard prompt that cannot wait still takes the soonest node
+
+
+def test_a_top_tier_request_already_predicted_past_its_target_does_not_keep_a_short_prompt_off_its_node() -> None:
+    """review17: ``_late_beside`` asks whether the prompt would *make* a waiting top-tier request miss its
+    target. One already predicted past it (a new arrival goes if it can make its max wait) misses it whatever is booked beside it — with ``p + extra > d`` it kept every less urgent prompt off
+    the node, however small (``extra`` near 0), until its predicted first token: here the only ready node,
+    so a 16-token standard prompt was held in the gateway queue."""
+    from ext_proc.nodes import Level
+
+    b = Bench("8b-h100", nodes=2)
+    b.fleet.set_levels([Level(0, 0.2)])
+    b.probe()
+    b.send(8000, 16, node=1)  # node 1 not ready for the top tier (167 ms of prefill ahead)
+    top = b.send(100, 16, urgent=True, target=0.005, limit=1.0)  # a new arrival sent past its target
+    assert top is not None and top.node == 0
+    n0 = b.fleet.nodes[b.address(0)]
+    (p, d), = n0.top_due
+    assert p > d  # predicted past its target already
+    c = b.fleet.choose(32, b.now, prompt_tokens=16, target=1.0, limit=5.0, urgent=False)
+    assert c.node is n0
