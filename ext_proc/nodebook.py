@@ -568,6 +568,7 @@ class NodeBook:
             n.prefills.clear()
             n.running_low.clear()
             n.busy.clear()
+            n.top_due.clear()  # (nor is a top-tier request waiting for its first token here)
             return
         while n.prefills and n.prefills[0][1] <= now:
             n.prefills.popleft()

@@ -956,3 +956,28 @@ def test_a_top_tier_request_already_predicted_past_its_target_does_not_keep_a_sh
     assert p > d  # predicted past its target already
     c = b.fleet.choose(32, b.now, prompt_tokens=16, target=1.0, limit=5.0, urgent=False)
     assert c.node is n0
+
+
+def test_an_idle_reading_forgets_the_top_tier_requests_a_node_was_waiting_on() -> None:
+    """review17: a reading that shows a node idle (nothing running, nothing waiting, nothing sent since)
+    clears its bookings — whatever was booked has run or never needed to — but ``Node.top_due`` stayed
+    until each predicted first token: a top-tier request that already ended (failed at once, a cached
+    prefix) kept the node closed to less urgent prompts (``Picker._late_beside``)."""
+    from ext_proc.nodes import Level
+    from gpu_probe.snapshot import Snapshot
+
+    b = Bench("8b-h100", nodes=2)
+    b.fleet.set_levels([Level(0, 0.2)])
+    b.probe()
+    b.send(8000, 16, node=1)  # node 1 not ready for the top tier
+    top = b.send(100, 16, urgent=True, target=0.012, limit=1.0)
+    assert top is not None and top.node == 0
+    a0 = b.address(0)
+    n0 = b.fleet.nodes[a0]
+    assert n0.top_due
+    (ticket,) = n0.requests
+    b.fleet.completed(a0, ticket, 116, True, b.now)  # it ended at once
+    b.fleet.on_snapshot(a0, Snapshot(node=a0, at=b.now, ok=True, kv_usage=0.0, blocks_total=27306, block_size=16,
+                                     running=0.0, waiting=0.0), b.now)
+    c = b.fleet.choose(2016, b.now, prompt_tokens=2000, target=1.0, limit=5.0, urgent=False)
+    assert c.node is n0
