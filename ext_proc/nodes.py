@@ -42,6 +42,8 @@ class Fleet(Picker):
             self.dispatched(c.node.address, ticket, tokens, prompt_tokens - c.hit, now, priority, c.ttft, adapter)
             if urgent and target is not None and c.ttft is not None:
                 c.node.top_due.append((now + c.ttft, now + target))
+            elif urgent is False and c.node.top_due:
+                self._packed_beside(c.node, prompt_tokens - c.hit, now)
             if prefix and self.cfg.prefix.enabled:
                 self.prefix.record(c.node.address, prefix, now)
         return c

@@ -416,12 +416,28 @@ class Picker(NodeBook):
             due.popleft()
         if not due:
             return False
-        decode, _ = self._load(n)
-        extra = n.model.b * min(prompt_tokens, n.model.chunk(decode)) * n.speed.factor
+        extra = self._extra(n, prompt_tokens)
         # only one it would make late: one already predicted past its target misses it whatever runs beside
         # it (kept off for it, even a prompt of a few tokens was held until that first token)
         late = [p for p, d in due if now < p <= d < p + extra]
         return bool(late) and (lim is None or max(late) - now + ttft <= lim)
+
+    def _extra(self, n: Node, prompt_tokens: int) -> float:
+        """Seconds a prompt booked on ``n`` adds to the engine step it is packed into: its tokens that fit
+        the step's budget, at the node's per-token cost."""
+        decode, _ = self._load(n)
+        return n.model.b * min(prompt_tokens, n.model.chunk(decode)) * n.speed.factor
+
+    def _packed_beside(self, n: Node, prompt_tokens: int, now: float) -> None:
+        """A less urgent prompt was booked on ``n``: the top-tier requests there still waiting for their
+        first token share its step, so each comes later by its share — the next prompt is weighed against
+        what is left of their targets, not against the whole (review17: two prompts that each fit it made
+        one late together). The same shift for all keeps them in order."""
+        extra = self._extra(n, prompt_tokens)
+        if extra > 0.0:
+            shifted = [(p + extra, d) if p > now else (p, d) for p, d in n.top_due]
+            n.top_due.clear()
+            n.top_due.extend(shifted)
 
     def _soonest(self, scored: list[tuple[float, Node]], tokens: int) -> tuple[float, Node]:
         """The soonest predicted first token, ties to the most headroom (the first of equals): the

@@ -981,3 +981,29 @@ def test_an_idle_reading_forgets_the_top_tier_requests_a_node_was_waiting_on() -
                                      running=0.0, waiting=0.0), b.now)
     c = b.fleet.choose(2016, b.now, prompt_tokens=2000, target=1.0, limit=5.0, urgent=False)
     assert c.node is n0
+
+
+def test_less_urgent_prompts_booked_beside_a_waiting_top_tier_request_add_up() -> None:
+    """review17: ``_late_beside`` weighed each less urgent prompt alone against the top-tier request's
+    slack; vLLM packs all of them into the same step, so two prompts that each fit the slack made it miss
+    its target together (simulator: 56 ms against 42). A prompt booked beside it moves its predicted first
+    token later by its share, so the next one is weighed against what is left."""
+    from ext_proc.nodes import Level
+
+    b = Bench("8b-h100", nodes=2)
+    b.fleet.set_levels([Level(0, 0.2)])
+    for k in range(2):  # both nodes decoding: a step in progress, which a new request waits out
+        for _ in range(4):
+            b.send(50, 400, node=k)
+    b.advance(0.5)
+    b.send(8000, 16, node=1)  # node 1 not ready for the top tier
+    n0 = b.fleet.nodes[b.address(0)]
+    target = b.fleet.predict(n0, 100, 0, b.now) + 0.030  # room for one 1,000-token prompt's share (20 ms)
+    start = b.now
+    top = b.send(100, 16, urgent=True, target=target, limit=1.0)
+    assert top is not None and top.node == 0
+    first = b.send(1000, 16, urgent=False, target=1.0, limit=5.0)
+    assert first is not None and first.node == 0
+    assert b.send(1000, 16, urgent=False, target=1.0, limit=5.0) is None  # held: it would make it late
+    b.advance(start + 0.5)
+    assert top.req.first_token is not None and top.req.first_token - start <= target
