@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import random
 
+import pytest
+
 from ext_proc.admission import Usage
 from ext_proc.core import Answer, Ended, Request
 from ext_proc.estimate import Estimate
@@ -74,3 +76,66 @@ def test_the_owed_release_does_not_become_a_steady_channel_past_the_readiness_ho
     interactive, missed, batch = mixed_load()
     assert batch > 100  # batch is served (with the hold kept for owed releases: 161)
     assert missed <= 0.2 * interactive
+
+
+def tiny_top_stream(seconds: float = 10.0) -> tuple[int, int]:
+    """review17 F0: one vLLM level, two nodes; an interactive tenant sends a 100-token request every 10 ms,
+    a standard tenant 8,000-token prompts (Poisson, 5/s); each ends its prefill + 0.3 s after dispatch.
+    (standard admitted, standard refused)."""
+    clock = FakeClock()
+    nodes = ["10.0.0.1:8000", "10.0.0.2:8000"]
+    core = Core(parse_config({
+        "nodes": {"static": [{"address": a, "probe": f"http://p{j}"} for j, a in enumerate(nodes)]},
+        "tenants": [{"name": "i", "tier": "interactive", "api_key_sha256": [hash_key("i")]},
+                    {"name": "s", "tier": "standard", "api_key_sha256": [hash_key("s")]}]}),
+        clock, random.Random(1), log=null_logger())
+    rng = random.Random(1)
+    running: dict[str, tuple[float, str, int]] = {}
+    got = {"ok": 0, "refused": 0}
+
+    def reading() -> None:
+        for a in nodes:
+            n = sum(1 for _, node, _ in running.values() if node == a)
+            core.snapshot(a, Snapshot(node="n", at=clock(), ok=True, kv_usage=0.3, blocks_total=100_000,
+                                      block_size=16, running=float(n), waiting=0.0))
+
+    def handle(a: Answer, prompt: int) -> None:
+        d = a.decision
+        if d.admitted and d.lease is not None:
+            got["ok"] += a.request_id[0] == "s"
+            running[d.lease.ticket] = (clock() + prompt * 2e-5 + 0.3, d.lease.node or "", prompt)
+        elif not d.queued and a.request_id[0] == "s":
+            got["refused"] += 1
+
+    reading()
+    for k in range(int(seconds / 0.01)):
+        clock.advance(0.01)
+        a = core.decide(Request("/v1/chat/completions", f"i{k}", "Bearer i",
+                                estimate=Estimate(100, 10, parsed=True), body_bytes=10))
+        if isinstance(a, Answer):
+            handle(a, 100)
+        if rng.random() < 0.05:
+            a = core.decide(Request("/v1/chat/completions", f"s{k}", "Bearer s",
+                                    estimate=Estimate(8_000, 50, parsed=True), body_bytes=10))
+            if isinstance(a, Answer):
+                handle(a, 8_000)
+        for a in core.answers():
+            handle(a, 8_000 if a.request_id[0] == "s" else 100)
+        for t, (end, _, p) in list(running.items()):
+            if end <= clock():
+                del running[t]
+                core.ended(Ended(t, "x", 200, Usage(p, 10), upstream_answered=True))
+        if k % 10 == 0:
+            reading()
+        core.tick()
+    return got["ok"], got["refused"]
+
+
+@pytest.mark.xfail(strict=True, reason="review17 F0: the one-level step-share rule (Picker._late_beside) holds "
+                   "every long lower-tier prompt while a tiny top-tier stream keeps a request waiting on each node")
+def test_a_stream_of_tiny_top_tier_requests_does_not_lock_out_long_lower_tier_prompts() -> None:
+    """review17 F0: without the rule all of standard's prompts are served; with it, none (every one 503
+    queue-deadline): the "cannot afford to wait" escape fires only near the end of its target, and the
+    queue drops it as doomed before that. A lower tier may lose some, not all."""
+    ok, refused = tiny_top_stream()
+    assert ok >= 2 * refused
