@@ -940,9 +940,10 @@ def test_with_one_vllm_level_a_less_urgent_prompt_is_not_packed_into_a_waiting_t
 
 def test_a_top_tier_request_already_predicted_past_its_target_does_not_keep_a_short_prompt_off_its_node() -> None:
     """review17: ``_late_beside`` asks whether the prompt would *make* a waiting top-tier request miss its
-    target. One already predicted past it (a new arrival goes if it can make its max wait) misses it whatever is booked beside it — with ``p + extra > d`` it kept every less urgent prompt off
-    the node, however small (``extra`` near 0), until its predicted first token: here the only ready node,
-    so a 16-token standard prompt was held in the gateway queue."""
+    target. One already predicted past it (a new arrival goes if it can make its max wait) misses it
+    whatever is booked beside it — with ``p + extra > d`` it kept every less urgent prompt off the node,
+    however small (``extra`` near 0), until its predicted first token: here the only ready node, so a
+    16-token standard prompt was held in the gateway queue."""
     from ext_proc.nodes import Level
 
     b = Bench("8b-h100", nodes=2)
