@@ -719,10 +719,12 @@ class Core:
         if not prefix and est.document is not None and est.output_tokens and fleet.cfg.prefix.enabled:
             prefix = self._chain(ticket, est.document, fleet)
         adapter = est.model if est.model is not None and est.model in fleet.adapters else None
-        c = fleet.place(est.total, est.prompt_tokens, ticket, self._clock(), force=shadow, reserve=reserve,
+        now = self._clock()
+        c = fleet.place(est.total, est.prompt_tokens, ticket, now, force=shadow, reserve=reserve,
                         queue_caps=caps, priority=self._level(tier_name), target=target, limit=limit,
                         prefix=prefix, retry=not self._pumping, adapter=adapter,
-                        urgent=tier_name == cfg.top_tier if cfg.queue.enabled else None, owed=guarded)
+                        urgent=tier_name == cfg.top_tier if cfg.queue.enabled else None, owed=guarded,
+                        since=now - waited)
         return Placed(c.node.address if c.node else None, c.reason, c.retry_after, c.ttft)
 
     def _chain(self, ticket: str, document: dict[str, Any], fleet: Fleet) -> tuple[int, ...]:

@@ -30,6 +30,7 @@ import math
 from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any, TypeVar
 
 from gpu_probe.snapshot import Snapshot
 
@@ -39,9 +40,11 @@ from .perf import Speed, StepModel, from_config, prefill_heavy, step_ratio
 from .prefix import PrefixIndex
 from .profiles import detect
 
+_Booked = TypeVar("_Booked", bound=tuple[Any, ...])
+
 TOP_DUE_MAX = 64
 """At most this many of the top tier's requests waiting for their first token are remembered per node
-(``Node.top_due``; the oldest, due first, go)."""
+(``Node.top_due``; the first sent go first)."""
 
 DEFAULT_BLOCK = 16
 ALONE_SLACK = 1e-9
@@ -101,11 +104,14 @@ class Node:
     running_low: deque[tuple[float, float, int, str]] = field(default_factory=deque)
     """(start, end, level, ticket) of the less urgent prefills booked here, in order: the one running at a
     given time holds every step's budget until its end, whatever arrives (vLLM runs running requests first)."""
-    prefills: deque[tuple[float, float, int, str]] = field(default_factory=deque)
-    """(start, end, level, ticket) of every prefill booked here, in booking order: one that started and
-    has not reached its end is still running."""
+    prefills: deque[tuple[float, float, int, str, float]] = field(default_factory=deque)
+    """(start, end, level, ticket, sent) of every prefill booked here, in booking order: one that started —
+    or was sent before the last reading and is not waiting in it (``_correct``) — and has not reached its
+    end is still running."""
     waiting_by_level: dict[int, int] = field(default_factory=dict)
     """Prompt tokens vLLM had waiting at the last reading, by priority level (kvgate's requests)."""
+    waiting_tickets: frozenset[str] = frozenset()
+    """Which of kvgate's requests those are (``_count_waiting``): the others sent before the reading run."""
     model: StepModel = DEFAULT_MODEL
     """The node's performance prior (``perf.py``): its own profile's — pinned, detected from what its
     probe reports, else the pool's ``nodes.performance`` — so a pool may mix GPUs."""
@@ -128,9 +134,9 @@ class Node:
     sent first): running there soon, though the reading does not say so yet. One entry an adapter, not one a
     request: with the probe silent every adapter request's node choice went over all of them."""
     _last_completion: float | None = None
-    top_due: deque[tuple[float, float]] = field(default_factory=lambda: deque(maxlen=TOP_DUE_MAX))
-    """(predicted first token, latest first token within its target) of the top tier's requests sent here,
-    until the predicted time passes: a less urgent prompt booked beside one shares its engine step (vLLM
+    top_due: deque[tuple[float, float, float]] = field(default_factory=lambda: deque(maxlen=TOP_DUE_MAX))
+    """(sent, predicted first token, latest first token within its target) of the top tier's requests sent
+    here, until the predicted time passes: a less urgent prompt booked beside one shares its engine step (vLLM
     packs every waiting prompt into a step's token budget) and makes that step, so that first token,
     later (``Picker._keep_one_ready``)."""
     edge: float | None = None
@@ -177,16 +183,19 @@ class Node:
         w = round(self.snapshot.waiting or 0.0) if self.snapshot is not None else 0
         tokens = prompt = 0
         by_level: dict[int, int] = {}
+        tickets: list[str] = []
         if w:
             skip = len(self.pending)  # the newest: sent after the reading was taken
-            sent = list(self.requests.values())
+            sent = list(self.requests.items())
             sent = sent[:max(0, len(sent) - skip)] if skip else sent
-            order = sorted(range(len(sent)), key=lambda i: (-sent[i][2], -i))
+            order = sorted(range(len(sent)), key=lambda i: (-sent[i][1][2], -i))
             for i in order[:w]:
-                t, pr, level = sent[i]
+                ticket, (t, pr, level) = sent[i]
                 tokens, prompt = tokens + t, prompt + pr
                 by_level[level] = by_level.get(level, 0) + pr
+                tickets.append(ticket)
         self.waiting_tokens, self.waiting_prompt, self.waiting_by_level = tokens, prompt, by_level
+        self.waiting_tickets = frozenset(tickets)
 
     def capacity_tokens(self) -> int | None:
         s = self.snapshot
@@ -537,7 +546,7 @@ class NodeBook:
         n.breaker.observe(snap.kv_usage, ratio, now, self._may_open_another() if closed and ratio is not None else True,
                           may_trip_on_kv=self._another_closed(n, now) if closed and snap.kv_usage is not None
                           and snap.kv_usage > n.breaker.s.kv_threshold else True)
-        self._correct(n, now)
+        self._correct(n, now, now - age_s)
         self.room.update(n)
 
     def _context(self, n: Node) -> float:
@@ -554,10 +563,11 @@ class NodeBook:
         running = (s.running or 0.0) if s is not None else float(n.inflight)
         return min(running + len(n.pending), float(n.model.max_seqs)), self._context(n) + n.pending_tokens
 
-    def _correct(self, n: Node, now: float) -> None:
-        """A reading shows what vLLM really has waiting: the virtual clocks become that backlog's predicted
-        prefill time (by level), plus what was sent since; booked work the reading no longer shows as
-        waiting is running or done — at most a chunk of it still ahead."""
+    def _correct(self, n: Node, now: float, taken: float) -> None:
+        """A reading (``taken`` then) shows what vLLM really has waiting: the virtual clocks become that
+        backlog's predicted prefill time (by level), plus what was sent since; booked work the reading no
+        longer shows as waiting is running or done — a prefill that started runs to its booked end, the
+        rest at most a chunk."""
         m, f = n.model, n.speed.factor
         decode, context = self._load(n)
         chunk_s = (m.step(m.chunk(decode), decode, context)) * f
@@ -572,8 +582,18 @@ class NodeBook:
             return
         while n.prefills and n.prefills[0][1] <= now:
             n.prefills.popleft()
-        # a prefill that started holds every step's budget until it is done (running requests first)
-        running_end = max((e for s, e, _, _ in n.prefills if s <= now), default=now)
+        # a prefill that started holds every step's budget until it is done (running requests first): one
+        # the reading saw (sent before it was taken) and does not show waiting started, whatever its booked
+        # start said — vLLM admits a waiting request into any step with budget left. Judged on the booked
+        # start alone, a 6,000-token prompt booked behind a short one and read at once as not waiting was
+        # taken for done: the next interactive request was predicted 71 ms on that node and waited 321
+        # (mixed-gpus). One the reading shows waiting is in that backlog instead
+        # — though at most its own cost from the reading: the chain booked ahead of it may have gone faster
+        # than booked (a prefix-cache hit, a faster GPU), which a reading cannot tell (attack18: a burst of
+        # 40 long prompts kept a node's clock 3.9 s ahead of readings that showed nothing waiting)
+        waiting = n.waiting_tickets
+        running_end = max((e if s <= now else min(e, taken + (e - s)) for s, e, _, t, sent in n.prefills
+                           if s <= now or (sent <= taken and t not in waiting)), default=now)
         behind: float = 0.0
         pending_by_level: dict[int, int] = {}
         for _, _, pr, level in n.pending:
@@ -683,7 +703,7 @@ class NodeBook:
             start = now + n.step_left(n.model.step(0, decode, context) * n.speed.factor, now)
         if priority != self.levels[0].priority:
             n.running_low.append((start, start + cost, priority, ticket))
-        n.prefills.append((start, start + cost, priority, ticket))
+        n.prefills.append((start, start + cost, priority, ticket, now))
         if n.breaker.dispatched():
             n.trials.add(ticket)
         self.room.update(n)
@@ -735,7 +755,7 @@ class NodeBook:
             # it ended: its prefill is behind it, whatever was booked for it (it may have failed at once,
             # or hit vLLM's prefix cache) — what is left of the booking comes off the clocks, each in the
             # proportion the booking added to it (a less urgent backlog gained only its packed share)
-            for start, end, level, t in n.prefills:
+            for start, end, level, t, _ in n.prefills:
                 if t == ticket and end > now:
                     left = end - max(now, start)
                     cost = end - start
@@ -745,11 +765,8 @@ class NodeBook:
                             if added is not None and cost > 0.0 and lv.priority in added:
                                 share = min(left, left * added[lv.priority] / cost)
                             n.busy[lv.priority] = max(now, n.busy[lv.priority] - share)
-            for booked in (n.prefills, n.running_low):
-                if any(e[3] == ticket for e in booked):
-                    kept = [e for e in booked if e[3] != ticket]
-                    booked.clear()
-                    booked.extend(kept)
+            _drop(n.prefills, ticket)
+            _drop(n.running_low, ticket)
         trial = ticket in n.trials
         n.trials.discard(ticket)
         if ok is None:
@@ -775,3 +792,11 @@ def _pins(cfg: Nodes) -> dict[str, str]:
     """Node address → the profile its ``nodes.static`` entry pins: looked up per node on every prior
     change, so built once per config (a scan per node cost O(N²) per reload at 1,000 nodes)."""
     return {e.address: e.profile for e in cfg.static if e.profile is not None}
+
+
+def _drop(booked: deque[_Booked], ticket: str) -> None:
+    """Take a ticket's entries out of a booking queue (ticket fourth), in place, keeping the order."""
+    if any(e[3] == ticket for e in booked):
+        kept = [e for e in booked if e[3] != ticket]
+        booked.clear()
+        booked.extend(kept)

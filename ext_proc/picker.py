@@ -123,7 +123,7 @@ class Picker(NodeBook):
         self, tokens: int, now: float, force: bool = False, prompt_tokens: int = 0, reserve: float = 0.0,
         queue_caps: bool = True, priority: int = 0, target: float | None = None, limit: float | None = None,
         prefix: tuple[int, ...] = (), retry: bool = True, adapter: str | None = None, urgent: bool | None = None,
-        owed: bool = False,
+        owed: bool = False, since: float | None = None,
     ) -> Choice:
         """``force``: any live node, whatever its load or breaker (shadow mode, bodyless routes).
         ``reserve``: KV fraction to leave free below each node's threshold (for more important tiers).
@@ -139,7 +139,9 @@ class Picker(NodeBook):
         priority level — the same thing when kvgate writes priorities into bodies). ``owed``: a release the
         gateway queue's starvation guard owes a less urgent tier — with one vLLM level it may take the last
         node ready for the top tier, and goes to the soonest node when none has been ready for
-        ``OWED_HOLD_S`` (the guard's promise is that it goes; review11 F3); with several, placed as any."""
+        ``OWED_HOLD_S`` (the guard's promise is that it goes; review11 F3); with several, placed as any.
+        ``since``: when the request arrived (default now) — with one vLLM level a less urgent prompt waits
+        only for the top-tier requests sent before it (``_late_beside``)."""
         if force:
             return self._any_live(tokens, now)
         if not self.room.might_fit(reserve, now, tokens):
@@ -156,10 +158,10 @@ class Picker(NodeBook):
             # those candidates only: a prompt every node was sent (a common system prompt) is held by the
             # whole fleet, and matching it against every node was most of a decision at 1,000 nodes
             return self._choose(self._scan_order(prefix, now), tokens, now, prompt_tokens, reserve, queue_caps,
-                                priority, target, limit, None, prefix, retry, adapter, urgent, owed)
+                                priority, target, limit, None, prefix, retry, adapter, urgent, owed, since)
         return self._choose(self._order, tokens, now, prompt_tokens, reserve, queue_caps, priority, target, limit,
                             self.hits(prefix, prompt_tokens, now), retry=retry, adapter=adapter, urgent=urgent,
-                            owed=owed)
+                            owed=owed, since=since)
 
     def _any_live(self, tokens: int, now: float) -> Choice:
         """Any live node, the roomiest of those looked at (shadow decisions, bodyless routes): a small
@@ -230,7 +232,7 @@ class Picker(NodeBook):
         self, pool: Iterable[Node], tokens: int, now: float, prompt_tokens: int, reserve: float, queue_caps: bool,
         priority: int, target: float | None, limit: float | None, hits: dict[str, int] | None = None,
         prefix: tuple[int, ...] | None = None, retry: bool = True, adapter: str | None = None,
-        urgent: bool | None = None, owed: bool = False,
+        urgent: bool | None = None, owed: bool = False, since: float | None = None,
     ) -> Choice:
         """The filters, the predictions and the pick. ``hits``: prompt tokens each node is expected to hold
         in its prefix cache — that much less to prefill there, that much less new KV. ``prefix`` instead
@@ -309,7 +311,7 @@ class Picker(NodeBook):
             self._top_seen = now
         elif priority == top.priority:
             if top.target is not None and now - self._top_seen < TOP_RECENT_S:
-                kept = self._keep_one_ready(scored, prompt_tokens, hits, top, lim, tokens, now, owed)
+                kept = self._keep_one_ready(scored, prompt_tokens, hits, top, lim, tokens, now, owed, since, target)
                 if kept is None and owed and now - self._ready_seen > OWED_HOLD_S:
                     # the guard's release, and no node has been ready for the top tier for a while:
                     # holding it would only move the top tier's loss onto the tiers below
@@ -361,7 +363,8 @@ class Picker(NodeBook):
 
     def _keep_one_ready(self, scored: list[tuple[float, Node]], prompt_tokens: int, hits: dict[str, int], top: Level,
                         lim: float | None, tokens: int, now: float,
-                        owed: bool = False) -> tuple[list[tuple[float, Node]], float, Node] | None:
+                        owed: bool = False, since: float | None = None, target: float | None = None,
+                        ) -> tuple[list[tuple[float, Node]], float, Node] | None:
         """A less urgent request that runs at the top tier's vLLM level (kvgate writes no priorities:
         vLLM is first come, first served) while the top tier has traffic. Everything booked on a node
         then runs before a top-tier request that arrives after it, and the gateway queue is the only
@@ -381,13 +384,19 @@ class Picker(NodeBook):
         ready_s = READY_SHARE * top.target
         waits = [(self.predict(n, 0, top.priority, now), t, n) for t, n in scored]
         short = [(w, t, n) for w, t, n in waits if w <= ready_s]
+        ready = len(short)  # (a node kept off below for a top-tier request waiting there is ready still)
+        if ready:
+            self._ready_seen = now
         if not owed:
+            arrived = now if since is None else since
+            # what it may wait once held: its target — a held request is placed again only while it can make
+            # it (``Core._pick``), not within the max wait a new arrival is sent for (review18)
+            afford = target if target is not None else lim
             short = [(w, t, n) for w, t, n in short
-                     if not self._late_beside(n, t, prompt_tokens - hits.get(n.address, 0), lim, now)]
+                     if not self._late_beside(n, t, prompt_tokens - hits.get(n.address, 0), afford, now, arrived)]
         if not short:
             return None
-        self._ready_seen = now
-        if len(short) == 1 and not owed:  # (the guard's owed release may take the last ready node)
+        if ready == 1 and not owed:  # (the guard's owed release may take the last ready node)
             w, _, n = short[0]
             if w + self._own(n, prompt_tokens - hits.get(n.address, 0)) > ready_s:
                 return None
@@ -401,25 +410,29 @@ class Picker(NodeBook):
         s, f = self._soonest(kept, tokens)
         return kept, s, f
 
-    def _late_beside(self, n: Node, ttft: float, prompt_tokens: int, lim: float | None, now: float) -> bool:
+    def _late_beside(self, n: Node, ttft: float, prompt_tokens: int, lim: float | None, now: float,
+                     arrived: float) -> bool:
         """Whether this less urgent prompt, booked on ``n`` now, would make a top-tier request there miss its
         target — and can afford to wait for that first token instead. vLLM packs every waiting prompt into
         each engine step's token budget: a prompt booked beside a top-tier request still waiting for its
         first token makes that step longer by its share (its tokens that fit the budget, at the node's
         per-token cost), and the top-tier request's first token comes at the end of that step. On the
         mixed-gpus scenario each of the 7 late interactive requests (201-232 ms against 200) had a
-        standard prompt booked onto its node just after it; with this, none, and interactive SLO on the
-        families rose up to 12 points. A prompt that cannot wait (its limit is nearer than that first
-        token plus its own) is not kept off: held, it would be refused."""
+        standard prompt booked onto its node just after it; with this (and a reading fix), 2 against
+        kv-shed's 1. A prompt that cannot wait (``lim``, its target, is nearer than that first token plus
+        its own) is not kept off: held, it would be refused. Nor does it wait for a top-tier
+        request sent after it ``arrived``: it yields to those ahead of it, so it waits at most their target
+        (review17 F0: waiting for each new one, a steady stream of 100-token interactive requests kept
+        every 8,000-token standard prompt out until its deadline — 0 of 54 served, 54 now)."""
         due = n.top_due
-        while due and due[0][0] <= now:
+        while due and due[0][1] <= now:
             due.popleft()
         if not due:
             return False
         extra = self._extra(n, prompt_tokens)
         # only one it would make late: one already predicted past its target misses it whatever runs beside
         # it (kept off for it, even a prompt of a few tokens was held until that first token)
-        late = [p for p, d in due if now < p <= d < p + extra]
+        late = [p for b, p, d in due if b <= arrived and now < p <= d < p + extra]
         return bool(late) and (lim is None or max(late) - now + ttft <= lim)
 
     def _extra(self, n: Node, prompt_tokens: int) -> float:
@@ -435,7 +448,7 @@ class Picker(NodeBook):
         one late together). The same shift for all keeps them in order."""
         extra = self._extra(n, prompt_tokens)
         if extra > 0.0:
-            shifted = [(p + extra, d) if p > now else (p, d) for p, d in n.top_due]
+            shifted = [(b, p + extra, d) if p > now else (b, p, d) for b, p, d in n.top_due]
             n.top_due.clear()
             n.top_due.extend(shifted)
 

@@ -909,7 +909,7 @@ def test_with_one_vllm_level_a_less_urgent_prompt_is_not_packed_into_a_waiting_t
     against 32), elsewhere it does not (16 ms) — unless it cannot afford to wait for that first token."""
     from ext_proc.nodes import Level
 
-    def run(std_node: int | None, limit: float = 1.0) -> tuple[int, int, float, float]:
+    def run(std_node: int | None, limit: float = 1.0, since: float | None = None) -> tuple[int, int, float, float]:
         b = Bench("8b-h100", nodes=2)
         b.fleet.set_levels([Level(0, 0.2)])
         for k in range(2):  # both nodes decoding: a step in progress, which a new request waits out
@@ -921,7 +921,8 @@ def test_with_one_vllm_level_a_less_urgent_prompt_is_not_packed_into_a_waiting_t
         top = b.send(100, 16, urgent=True, target=target, limit=1.0)
         assert top is not None and top.node == 0
         b.send(1000, 16, node=1)  # node 1 later for the standard prompt (77 ms against 59), still ready
-        c = b.fleet.choose(2016, b.now, prompt_tokens=2000, target=limit, limit=limit, urgent=False)
+        c = b.fleet.choose(2016, b.now, prompt_tokens=2000, target=limit, limit=limit, urgent=False,
+                           since=None if since is None else b.now + since)
         assert c.node is not None
         chosen = int(c.node.address.split("-")[1].split(":")[0])
         start = b.now
@@ -936,6 +937,8 @@ def test_with_one_vllm_level_a_less_urgent_prompt_is_not_packed_into_a_waiting_t
     assert late > target  # beside it, the interactive request would have missed its target
     _, tight, _, _ = run(None, limit=0.065)
     assert tight == top_node  # a standard prompt that cannot wait still takes the soonest node
+    _, later, _, _ = run(None, since=-1.0)
+    assert later == top_node  # one that arrived before that top-tier request does not wait for it
 
 
 def test_a_top_tier_request_already_predicted_past_its_target_does_not_keep_a_short_prompt_off_its_node() -> None:
@@ -953,7 +956,7 @@ def test_a_top_tier_request_already_predicted_past_its_target_does_not_keep_a_sh
     top = b.send(100, 16, urgent=True, target=0.005, limit=1.0)  # a new arrival sent past its target
     assert top is not None and top.node == 0
     n0 = b.fleet.nodes[b.address(0)]
-    (p, d), = n0.top_due
+    (_, p, d), = n0.top_due
     assert p > d  # predicted past its target already
     c = b.fleet.choose(32, b.now, prompt_tokens=16, target=1.0, limit=5.0, urgent=False)
     assert c.node is n0
@@ -1008,3 +1011,75 @@ def test_less_urgent_prompts_booked_beside_a_waiting_top_tier_request_add_up() -
     assert b.send(1000, 16, urgent=False, target=1.0, limit=5.0) is None  # held: it would make it late
     b.advance(start + 0.5)
     assert top.req.first_token is not None and top.req.first_token - start <= target
+
+
+def test_a_long_prompt_a_reading_shows_running_is_ahead_until_its_booked_end_whatever_its_booked_start() -> None:
+    """vLLM admits a waiting request into any step with budget left: a long prompt sent just behind a short
+    one is running by the next step, though the book had it start after the short one's end. A reading
+    then shows it not waiting, and the book took it for done (at most a chunk ahead): the next request on
+    that node was predicted 178 ms against 386 ms in the simulator (mixed-gpus: an interactive request
+    predicted 71 ms waited 321). Sent before the reading and not waiting in it, it is running — to its
+    booked end, or at most its own cost from the reading (here 348 ms against 386: the short prompt's rest
+    is ahead of it too)."""
+    b = Bench("8b-h100", nodes=1)
+    for _ in range(4):  # decoding: a step in progress, which the two prompts wait out
+        b.send(50, 400, node=0)
+    b.advance(0.5)
+    b.send(2000, 16, node=0)
+    long = b.send(16000, 16, node=0)
+    assert long is not None
+    n = b.fleet.nodes[b.address(0)]
+    end = n.prefills[-1][1]
+    b.advance(b.busy[0] or b.now)  # the step ends; the next takes both prompts in
+    b.probe()
+    assert n.snapshot is not None and n.snapshot.waiting == 0
+    assert n.prefills[-1][0] > b.now  # booked to start later: the short one's end
+    top = b.send(100, 16, node=0)
+    assert top is not None and top.predicted is not None
+    b.advance(b.now + 2.0)
+    assert top.realised is not None and top.realised > end - top.req.arrival
+    assert 0.85 * top.realised <= top.predicted <= 1.1 * top.realised  # (before: 178 ms against 386)
+
+
+def test_a_reading_that_shows_a_booked_chain_running_bounds_it_by_one_prompts_cost() -> None:
+    """attack18: a prompt a reading shows running although booked to start later counts as running — but
+    only its own cost from the reading, not to the end of the chain booked ahead of it. A burst of 40
+    8,000-token prompts booked one after another, all shown running (vLLM ran them faster than booked: a
+    prefix-cache hit, a faster GPU), kept the node's clock at the chain's end, 3.9 s ahead, and readings
+    could not bring it down: 126 of 170 interactive requests were refused."""
+    from gpu_probe.snapshot import Snapshot
+
+    b = Bench("8b-h100", nodes=1)
+    a = b.address(0)
+    for k in range(40):
+        b.fleet.dispatched(a, f"t{k}", 8016, 8000, 0.0)
+    n = b.fleet.nodes[a]
+    chain, one = n.prefills[-1][1], n.prefills[-1][1] - n.prefills[-1][0]
+    assert chain > 3.0
+    b.fleet.on_snapshot(a, Snapshot(node=a, at=0.1, ok=True, kv_usage=0.5, blocks_total=27306, block_size=16,
+                                    running=40.0, waiting=0.0), 0.1)
+    assert n.busy[0] <= 0.1 + one + 1e-9
+
+
+def test_a_prompt_that_would_miss_its_own_target_waiting_for_a_top_tier_request_is_not_held_for_it() -> None:
+    """review18: whether a less urgent prompt can afford to wait for a top-tier request's first token was
+    judged against its max wait — but a held request is placed again only while it can make its target,
+    so one that would meet its target sent now was held (the top-tier request had 10 ms of slack) and
+    then refused (503 queue-deadline). It is weighed against its target."""
+    from ext_proc.nodes import Level
+
+    b = Bench("8b-h100", nodes=2)
+    b.fleet.set_levels([Level(0, 0.2)])
+    for k in range(2):  # both nodes decoding: a step in progress
+        for _ in range(4):
+            b.send(50, 400, node=k)
+    b.advance(0.5)
+    b.send(8000, 16, node=1)  # node 1 not ready for the top tier
+    n0 = b.fleet.nodes[b.address(0)]
+    top = b.send(100, 16, urgent=True, target=b.fleet.predict(n0, 100, 0, b.now) + 0.010, limit=1.0)
+    assert top is not None and top.node == 0
+    own = b.fleet.predict(n0, 1000, 0, b.now)
+    c = b.fleet.choose(1016, b.now, prompt_tokens=1000, target=own + 0.005, limit=5.0, urgent=False)
+    assert c.node is n0
+    held = b.fleet.choose(1016, b.now, prompt_tokens=1000, target=1.0, limit=5.0, urgent=False)
+    assert held.node is None  # (with room in its target it waits for that first token)
