@@ -21,8 +21,8 @@ Shaped like the Gateway API Inference Extension's scheduler. Per request:
    top tier goes where nothing long is running — prefill isolation emerges from the predictions rather
    than from a fixed split of nodes. That rule reads vLLM priority levels; with one level (kvgate writes
    no priorities: vLLM is first come, first served) a less urgent request instead goes only where a
-   top-tier request would still be quick, not beside a top-tier request its share of the step would
-   make late (``Picker._late_beside``), and never takes the last such node of two or more
+   top-tier request would still be quick — of those, preferably not beside a top-tier request its share
+   of the step would make late (``Picker._late_beside``) —, and never takes the last such node of two or more
    (``Picker._keep_one_ready``) — else it is held in the gateway queue (``fleet-queue``, no prediction).
 
 A new request no node can give a first token within its tier's max wait (``limit``) → ``fleet-queue``
@@ -140,8 +140,8 @@ class Picker(NodeBook):
         gateway queue's starvation guard owes a less urgent tier — with one vLLM level it may take the last
         node ready for the top tier, and goes to the soonest node when none has been ready for
         ``OWED_HOLD_S`` (the guard's promise is that it goes; review11 F3); with several, placed as any.
-        ``since``: when the request arrived (default now) — with one vLLM level a less urgent prompt waits
-        only for the top-tier requests sent before it (``_late_beside``)."""
+        ``since``: when the request arrived (default now) — with one vLLM level a less urgent prompt is
+        steered only around the top-tier requests sent before it (``_late_beside``)."""
         if force:
             return self._any_live(tokens, now)
         if not self.room.might_fit(reserve, now, tokens):
@@ -371,7 +371,8 @@ class Picker(NodeBook):
         place where tiers are put in order: so it goes only to a node whose queue ahead of it is short
         (a top-tier request arriving now would wait at most ``READY_SHARE`` of its target there), and
         not to the last such node if it would leave none (with two nodes or more to choose from: a lone
-        candidate is not held). None: no node now — it waits in the gateway
+        candidate is not held); of those it prefers the nodes where it makes no top-tier request waiting
+        for its first token late (``_late_beside``). None: no node now — it waits in the gateway
         queue, where a top-tier arrival passes it. Without it, with every tier at one level, nothing
         kept a node ready: on the bursty-mmpp family's seed 1 a burst of long standard and batch
         prompts put 2-3 s of prefill on all four nodes at 15-40 % KV, and the interactive tenant got
@@ -384,16 +385,19 @@ class Picker(NodeBook):
         ready_s = READY_SHARE * top.target
         waits = [(self.predict(n, 0, top.priority, now), t, n) for t, n in scored]
         short = [(w, t, n) for w, t, n in waits if w <= ready_s]
-        ready = len(short)  # (a node kept off below for a top-tier request waiting there is ready still)
+        ready = len(short)  # (a node steered away from below, for a top-tier request there, is ready still)
         if ready:
             self._ready_seen = now
         if not owed:
             arrived = now if since is None else since
-            # what it may wait once held: its target — a held request is placed again only while it can make
-            # it (``Core._pick``), not within the max wait a new arrival is sent for (review18)
+            # steered to a ready node that spares the top-tier requests waiting there and still gives it its
+            # first token within its target (a held request is placed again only while it can make that:
+            # ``Core._pick``; review18/19) — never held for them: with none, it goes as without the rule
             afford = target if target is not None else lim
-            short = [(w, t, n) for w, t, n in short
-                     if not self._late_beside(n, t, prompt_tokens - hits.get(n.address, 0), afford, now, arrived)]
+            spared = [(w, t, n) for w, t, n in short if (afford is None or t <= afford)
+                      and not self._late_beside(n, prompt_tokens - hits.get(n.address, 0), now, arrived)]
+            if spared:
+                short = spared
         if not short:
             return None
         if ready == 1 and not owed:  # (the guard's owed release may take the last ready node)
@@ -410,20 +414,17 @@ class Picker(NodeBook):
         s, f = self._soonest(kept, tokens)
         return kept, s, f
 
-    def _late_beside(self, n: Node, ttft: float, prompt_tokens: int, lim: float | None, now: float,
-                     arrived: float) -> bool:
+    def _late_beside(self, n: Node, prompt_tokens: int, now: float, arrived: float) -> bool:
         """Whether this less urgent prompt, booked on ``n`` now, would make a top-tier request there miss its
-        target — and can afford to wait for that first token instead. vLLM packs every waiting prompt into
-        each engine step's token budget: a prompt booked beside a top-tier request still waiting for its
-        first token makes that step longer by its share (its tokens that fit the budget, at the node's
-        per-token cost), and the top-tier request's first token comes at the end of that step. On the
-        mixed-gpus scenario each of the 7 late interactive requests (201-232 ms against 200) had a
-        standard prompt booked onto its node just after it; with this (and a reading fix), 2 against
-        kv-shed's 1. A prompt that cannot wait (``lim``, its target, is nearer than that first token plus
-        its own) is not kept off: held, it would be refused. Nor does it wait for a top-tier
-        request sent after it ``arrived``: it yields to those ahead of it, so it waits at most their target
-        (review17 F0: waiting for each new one, a steady stream of 100-token interactive requests kept
-        every 8,000-token standard prompt out until its deadline — 0 of 54 served, 54 now)."""
+        target — one sent before the prompt ``arrived``. vLLM packs every waiting prompt into each engine
+        step's token budget: a prompt booked beside a top-tier request still waiting for its first token
+        makes that step longer by its share (its tokens that fit the budget, at the node's per-token
+        cost), and the top-tier request's first token comes at the end of that step. On the mixed-gpus
+        scenario each of the 7 late interactive requests (201-232 ms against 200) had a standard prompt
+        booked onto its node just after it. ``_keep_one_ready`` steers away from such a node, never holds
+        for it: held in the gateway queue, a prompt waited for each new top-tier request in turn (review17
+        F0: every 8,000-token prompt under a stream of 100-token ones refused) or, bounded, was refused
+        later, and the families lost two checks."""
         due = n.top_due
         while due and due[0][1] <= now:
             due.popleft()
@@ -431,9 +432,8 @@ class Picker(NodeBook):
             return False
         extra = self._extra(n, prompt_tokens)
         # only one it would make late: one already predicted past its target misses it whatever runs beside
-        # it (kept off for it, even a prompt of a few tokens was held until that first token)
-        late = [p for b, p, d in due if b <= arrived and now < p <= d < p + extra]
-        return bool(late) and (lim is None or max(late) - now + ttft <= lim)
+        # it (steered off for it, even a prompt of a few tokens was held until that first token)
+        return any(b <= arrived and now < p <= d < p + extra for b, p, d in due)
 
     def _extra(self, n: Node, prompt_tokens: int) -> float:
         """Seconds a prompt booked on ``n`` adds to the engine step it is packed into: its tokens that fit

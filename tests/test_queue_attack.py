@@ -126,8 +126,8 @@ def tiny_top_stream(seconds: float = 10.0) -> tuple[int, int]:
 
 def test_a_stream_of_tiny_top_tier_requests_does_not_lock_out_long_lower_tier_prompts() -> None:
     """review17 F0: under the one-level step-share rule (``Picker._late_beside``) every node always had a
-    top-tier request waiting for its first token, and a held prompt waited for each new one: 0 of 54 of
-    standard's prompts served (each 503 queue-deadline), 54 without the rule. A less urgent prompt now
-    waits only for the top-tier requests sent before it arrived — at most their target: 54 served."""
+    top-tier request waiting for its first token, and a prompt held for it waited for each new one: 0 of
+    54 of standard's prompts served (each 503 queue-deadline), 54 without the rule. The rule now only
+    steers a prompt to another ready node, never holds it: 54 served."""
     ok, refused = tiny_top_stream()
     assert ok >= 2 * refused
