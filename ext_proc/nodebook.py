@@ -83,6 +83,9 @@ class Node:
     pending_tokens: int = 0
     """Sum of ``pending``'s tokens, kept as it changes: read on every request, for every node."""
     pending_prompt: int = 0
+    sent_own: deque[float] = field(default_factory=deque)
+    """When this replica sent each of its requests in ``pending`` (the rest are other replicas'):
+    ``_count_waiting`` skips that many of its own, the newest, as sent after the reading."""
     requests: dict[str, tuple[int, int, int]] = field(default_factory=dict)
     """kvgate's requests in flight here, in dispatch order: ticket → (tokens, prompt tokens, vLLM priority)."""
     added: dict[str, dict[int, float]] = field(default_factory=dict)
@@ -157,6 +160,9 @@ class Node:
             _, tokens, prompt, _ = pending.popleft()
             self.pending_tokens -= tokens
             self.pending_prompt -= prompt
+        own = self.sent_own
+        while own and own[0] <= until:
+            own.popleft()
 
     def step_left(self, step: float, now: float) -> float:
         """What is left of the engine step in progress: from the last step boundary seen (a request's
@@ -185,7 +191,10 @@ class Node:
         by_level: dict[int, int] = {}
         tickets: list[str] = []
         if w:
-            skip = len(self.pending)  # the newest: sent after the reading was taken
+            # the newest: sent after the reading was taken — its own only (``pending`` also holds other
+            # replicas' bookings, which are not in ``requests``: counting them skipped its newest requests
+            # and named older ones waiting; review18 F4)
+            skip = len(self.sent_own)
             sent = list(self.requests.items())
             sent = sent[:max(0, len(sent) - skip)] if skip else sent
             order = sorted(range(len(sent)), key=lambda i: (-sent[i][1][2], -i))
@@ -697,6 +706,7 @@ class NodeBook:
         n.requests[ticket] = (tokens, prompt_tokens, priority)
         added: dict[int, float] = {}
         start, cost = self._book(n, tokens, prompt_tokens, priority, now, added)
+        n.sent_own.append(now)
         n.added[ticket] = added
         if start <= now:  # nothing ahead at its level: it starts with the next step
             decode, context = self._load(n)

@@ -1117,3 +1117,20 @@ def test_a_prompt_with_no_other_ready_node_goes_beside_a_waiting_top_tier_reques
     assert b.fleet._late_beside(n0, 1000, b.now, b.now)  # it would make that request late
     c = b.fleet.choose(1016, b.now, prompt_tokens=1000, target=1.0, limit=5.0, urgent=False)
     assert c.node is n0
+
+
+def test_another_replicas_booking_after_a_reading_does_not_shift_which_of_its_own_requests_are_waiting() -> None:
+    """review18 F4: which of its requests a reading shows waiting is the newest it sent before the reading
+    (vLLM's queue is FCFS), so it skipped as many of its newest as ``pending`` held — but ``pending`` also
+    holds other replicas' bookings: one booked after the reading skipped this replica's newest request and
+    named an older, running one waiting (``_correct`` then counts it as not started)."""
+    from gpu_probe.snapshot import Snapshot
+
+    b = Bench("8b-h100", nodes=1)
+    a = b.address(0)
+    b.fleet.dispatched(a, "old", 2016, 2000, 0.0)
+    b.fleet.dispatched(a, "new", 2016, 2000, 0.0)
+    b.fleet.booked_elsewhere(a, 2016, 2000, 0, 0.2)  # another replica's, after the reading below
+    b.fleet.on_snapshot(a, Snapshot(node=a, at=0.3, ok=True, kv_usage=0.1, blocks_total=27306, block_size=16,
+                                    running=1.0, waiting=1.0), 0.3, age_s=0.2)  # taken at 0.1
+    assert b.fleet.nodes[a].waiting_tickets == frozenset({"new"})
