@@ -899,6 +899,21 @@ def test_a_large_mixed_pools_floor_is_its_fastest_profile_not_its_own() -> None:
     assert f.floor_ttft(3000) == pytest.approx(fast)
 
 
+def decoding(nodes: int, one_level: bool = True) -> Bench:
+    """``nodes`` 8b-h100 nodes, each decoding four requests (a step in progress, which a new request waits
+    out), 0.5 s in; ``one_level``: kvgate writes no priorities (one vLLM level, a 200 ms top-tier target)."""
+    from ext_proc.nodes import Level
+
+    b = Bench("8b-h100", nodes=nodes)
+    if one_level:
+        b.fleet.set_levels([Level(0, 0.2)])
+    for k in range(nodes):
+        for _ in range(4):
+            b.send(50, 400, node=k)
+    b.advance(0.5)
+    return b
+
+
 def test_with_one_vllm_level_a_less_urgent_prompt_is_not_packed_into_a_waiting_top_tier_requests_step() -> None:
     """vLLM packs every waiting prompt into each engine step's token budget, and a request's first token
     comes at the end of the step that ran its prefill: a standard prompt booked beside an interactive
@@ -907,15 +922,9 @@ def test_with_one_vllm_level_a_less_urgent_prompt_is_not_packed_into_a_waiting_t
     target) had a standard prompt booked onto its node just after it. Such a prompt goes to another ready
     node — checked against the simulator: beside it, the interactive request misses its target (56 ms
     against 32), elsewhere it does not (16 ms) — unless the other node would miss its own target."""
-    from ext_proc.nodes import Level
 
     def run(std_node: int | None, limit: float = 1.0, since: float | None = None) -> tuple[int, int, float, float]:
-        b = Bench("8b-h100", nodes=2)
-        b.fleet.set_levels([Level(0, 0.2)])
-        for k in range(2):  # both nodes decoding: a step in progress, which a new request waits out
-            for _ in range(4):
-                b.send(50, 400, node=k)
-        b.advance(0.5)
+        b = decoding(2)
         n0 = b.fleet.nodes[b.address(0)]
         target = b.fleet.predict(n0, 100, 0, b.now) + 0.5 * n0.model.b * 2000 * n0.speed.factor
         top = b.send(100, 16, urgent=True, target=target, limit=1.0)
@@ -992,14 +1001,8 @@ def test_less_urgent_prompts_booked_beside_a_waiting_top_tier_request_add_up() -
     slack; vLLM packs all of them into the same step, so two prompts that each fit the slack made it miss
     its target together (simulator: 56 ms against 42). A prompt booked beside it moves its predicted first
     token later by its share, so the next one is weighed against what is left."""
-    from ext_proc.nodes import Level
 
-    b = Bench("8b-h100", nodes=3)
-    b.fleet.set_levels([Level(0, 0.2)])
-    for k in range(3):  # every node decoding: a step in progress, which a new request waits out
-        for _ in range(4):
-            b.send(50, 400, node=k)
-    b.advance(0.5)
+    b = decoding(3)
     b.send(8000, 16, node=1)  # node 1 not ready for the top tier
     b.send(2000, 16, node=2)  # node 2 ready, later for a standard prompt than node 0
     n0 = b.fleet.nodes[b.address(0)]
@@ -1023,10 +1026,7 @@ def test_a_long_prompt_a_reading_shows_running_is_ahead_until_its_booked_end_wha
     predicted 71 ms waited 321). Sent before the reading and not waiting in it, it is running — to its
     booked end, or at most its own cost from the reading (here 348 ms against 386: the short prompt's rest
     is ahead of it too)."""
-    b = Bench("8b-h100", nodes=1)
-    for _ in range(4):  # decoding: a step in progress, which the two prompts wait out
-        b.send(50, 400, node=0)
-    b.advance(0.5)
+    b = decoding(1, one_level=False)  # a step in progress, which the two prompts wait out
     b.send(2000, 16, node=0)
     long = b.send(16000, 16, node=0)
     assert long is not None
@@ -1069,14 +1069,8 @@ def test_a_prompt_that_would_miss_its_own_target_elsewhere_still_goes_beside_a_w
     its target, so one that would meet its target on the soonest node was held (the top-tier request had
     10 ms of slack) and then refused (503 queue-deadline). It is weighed against its target: one that
     can afford it goes to the other ready node, one that cannot goes to the soonest."""
-    from ext_proc.nodes import Level
 
-    b = Bench("8b-h100", nodes=2)
-    b.fleet.set_levels([Level(0, 0.2)])
-    for k in range(2):  # both nodes decoding: a step in progress
-        for _ in range(4):
-            b.send(50, 400, node=k)
-    b.advance(0.5)
+    b = decoding(2)
     b.send(2000, 16, node=1)  # node 1 ready, later for a standard prompt than node 0
     n0, n1 = b.fleet.nodes[b.address(0)], b.fleet.nodes[b.address(1)]
     top = b.send(100, 16, urgent=True, target=b.fleet.predict(n0, 100, 0, b.now) + 0.010, limit=1.0)
@@ -1102,14 +1096,8 @@ def test_a_prompt_with_no_other_ready_node_goes_beside_a_waiting_top_tier_reques
     a stream of small ones kept every long prompt out) or was later refused, and the families lost more
     than the rule won (199 of 210 against 200). With no other node ready for the top tier it goes beside
     the waiting request."""
-    from ext_proc.nodes import Level
 
-    b = Bench("8b-h100", nodes=2)
-    b.fleet.set_levels([Level(0, 0.2)])
-    for k in range(2):
-        for _ in range(4):
-            b.send(50, 400, node=k)
-    b.advance(0.5)
+    b = decoding(2)
     b.send(8000, 16, node=1)  # node 1 not ready for the top tier
     n0 = b.fleet.nodes[b.address(0)]
     top = b.send(100, 16, urgent=True, target=b.fleet.predict(n0, 100, 0, b.now) + 0.010, limit=1.0)
