@@ -12,57 +12,78 @@ from gpu_probe.snapshot import Snapshot
 from tests.helpers import PAIR, FakeClock, pair_core
 
 
+class FakePair:
+    """A core over the two nodes of ``PAIR`` (one vLLM level) and a stand-in vLLM behind it: a request ends
+    ``tail`` s after its prefill (20 µs a prompt token), dispatched at once; a reading every 100 ms shows
+    what runs and nothing waiting."""
+
+    def __init__(self, tail: float, output: int, **tiers: str) -> None:
+        self.clock = FakeClock()
+        self.core = pair_core(self.clock, **tiers)
+        self.tail, self.output = tail, output
+        self.running: dict[str, tuple[float, str, int]] = {}
+        self.reading()
+
+    def reading(self) -> None:
+        for a in PAIR:
+            n = sum(1 for _, node, _ in self.running.values() if node == a)
+            self.core.snapshot(a, Snapshot(node="n", at=self.clock(), ok=True, kv_usage=0.3, blocks_total=100_000,
+                                           block_size=16, running=float(n), waiting=0.0))
+
+    def ask(self, request_id: str, key: str, prompt: int) -> Answer | None:
+        a = self.core.decide(Request("/v1/chat/completions", request_id, f"Bearer {key}",
+                                     estimate=Estimate(prompt, self.output, parsed=True), body_bytes=10))
+        return a if isinstance(a, Answer) else None
+
+    def start(self, a: Answer, prompt: int) -> bool:
+        """Run an admitted answer's request; whether it was admitted."""
+        d = a.decision
+        if not (d.admitted and d.lease is not None):
+            return False
+        self.running[d.lease.ticket] = (self.clock() + prompt * 2e-5 + self.tail, d.lease.node or "", prompt)
+        return True
+
+    def step(self, k: int) -> None:
+        """The end of tick ``k``: requests that ended end, a reading every tenth, the core's tick."""
+        for t, (end, _, p) in list(self.running.items()):
+            if end <= self.clock():
+                del self.running[t]
+                self.core.ended(Ended(t, "x", 200, Usage(p, self.output), upstream_answered=True))
+        if k % 10 == 0:
+            self.reading()
+        self.core.tick()
+
+
 def mixed_load(seconds: float = 30.0) -> tuple[int, int, int]:
     """One vLLM level (kvgate writes no priorities), two nodes; an interactive tenant sends 1,500-token
     prompts (Poisson, one per 20 ms on average) and a batch tenant keeps about 20 requests of 2,000 tokens
     queued; each request ends its prefill + 0.75 s after dispatch. (interactive admitted, of them predicted
     past the 200 ms target, batch admitted)."""
-    clock = FakeClock()
-    core = pair_core(clock, i="interactive", b="batch")
+    sim = FakePair(0.75, 50, i="interactive", b="batch")
+    core = sim.core
     rng = random.Random(1)
-    running: dict[str, tuple[float, str, int]] = {}
     admitted = {"i": 0, "b": 0}
     missed = 0
 
-    def reading() -> None:
-        for a in PAIR:
-            n = sum(1 for _, node, _ in running.values() if node == a)
-            core.snapshot(a, Snapshot(node="n", at=clock(), ok=True, kv_usage=0.3, blocks_total=100_000,
-                                      block_size=16, running=float(n), waiting=0.0))
-
-    def handle(a: Answer, prompt: int) -> None:
+    def handle(a: Answer | None, prompt: int) -> None:
         nonlocal missed
-        d = a.decision
-        if d.admitted and d.lease is not None:
+        if a is not None and sim.start(a, prompt):
             who = a.request_id[0]
             admitted[who] += 1
-            missed += who == "i" and d.lease.slo_miss
-            running[d.lease.ticket] = (clock() + prompt * 2e-5 + 0.75, d.lease.node or "", prompt)
+            assert a.decision.lease is not None
+            missed += who == "i" and a.decision.lease.slo_miss
 
-    reading()
     batch = 0
     for k in range(int(seconds / 0.01)):
-        clock.advance(0.01)
+        sim.clock.advance(0.01)
         if rng.random() < 0.5:
-            a = core.decide(Request("/v1/chat/completions", f"i{k}", "Bearer i",
-                                    estimate=Estimate(1_500, 50, parsed=True), body_bytes=10))
-            if isinstance(a, Answer):
-                handle(a, 1_500)
+            handle(sim.ask(f"i{k}", "i", 1_500), 1_500)
         if core.queued < 20 and k % 5 == 0:
             batch += 1
-            a = core.decide(Request("/v1/chat/completions", f"b{batch}", "Bearer b",
-                                    estimate=Estimate(2_000, 50, parsed=True), body_bytes=10))
-            if isinstance(a, Answer):
-                handle(a, 2_000)
+            handle(sim.ask(f"b{batch}", "b", 2_000), 2_000)
         for a in core.answers():
             handle(a, 2_000 if a.request_id[0] == "b" else 1_500)
-        for t, (end, _, p) in list(running.items()):
-            if end <= clock():
-                del running[t]
-                core.ended(Ended(t, "x", 200, Usage(p, 50), upstream_answered=True))
-        if k % 10 == 0:
-            reading()
-        core.tick()
+        sim.step(k)
     return admitted["i"], missed, admitted["b"]
 
 
@@ -80,47 +101,26 @@ def tiny_top_stream(seconds: float = 10.0) -> tuple[int, int]:
     """review17 F0: one vLLM level, two nodes; an interactive tenant sends a 100-token request every 10 ms,
     a standard tenant 8,000-token prompts (Poisson, 5/s); each ends its prefill + 0.3 s after dispatch.
     (standard admitted, standard refused)."""
-    clock = FakeClock()
-    core = pair_core(clock, i="interactive", s="standard")
+    sim = FakePair(0.3, 10, i="interactive", s="standard")
     rng = random.Random(1)
-    running: dict[str, tuple[float, str, int]] = {}
     got = {"ok": 0, "refused": 0}
 
-    def reading() -> None:
-        for a in PAIR:
-            n = sum(1 for _, node, _ in running.values() if node == a)
-            core.snapshot(a, Snapshot(node="n", at=clock(), ok=True, kv_usage=0.3, blocks_total=100_000,
-                                      block_size=16, running=float(n), waiting=0.0))
-
-    def handle(a: Answer, prompt: int) -> None:
-        d = a.decision
-        if d.admitted and d.lease is not None:
+    def handle(a: Answer | None, prompt: int) -> None:
+        if a is None:
+            return
+        if sim.start(a, prompt):
             got["ok"] += a.request_id[0] == "s"
-            running[d.lease.ticket] = (clock() + prompt * 2e-5 + 0.3, d.lease.node or "", prompt)
-        elif not d.queued and a.request_id[0] == "s":
+        elif not a.decision.queued and a.request_id[0] == "s":
             got["refused"] += 1
 
-    reading()
     for k in range(int(seconds / 0.01)):
-        clock.advance(0.01)
-        a = core.decide(Request("/v1/chat/completions", f"i{k}", "Bearer i",
-                                estimate=Estimate(100, 10, parsed=True), body_bytes=10))
-        if isinstance(a, Answer):
-            handle(a, 100)
+        sim.clock.advance(0.01)
+        handle(sim.ask(f"i{k}", "i", 100), 100)
         if rng.random() < 0.05:
-            a = core.decide(Request("/v1/chat/completions", f"s{k}", "Bearer s",
-                                    estimate=Estimate(8_000, 50, parsed=True), body_bytes=10))
-            if isinstance(a, Answer):
-                handle(a, 8_000)
-        for a in core.answers():
+            handle(sim.ask(f"s{k}", "s", 8_000), 8_000)
+        for a in sim.core.answers():
             handle(a, 8_000 if a.request_id[0] == "s" else 100)
-        for t, (end, _, p) in list(running.items()):
-            if end <= clock():
-                del running[t]
-                core.ended(Ended(t, "x", 200, Usage(p, 10), upstream_answered=True))
-        if k % 10 == 0:
-            reading()
-        core.tick()
+        sim.step(k)
     return got["ok"], got["refused"]
 
 
