@@ -1,14 +1,21 @@
 # kvgate's image: the admission service, the probe and the scaler (one image, three commands).
-FROM python:3.11-slim
-WORKDIR /app
-COPY pyproject.toml README.md ./
+# Built in two stages: the full Python image has the C compiler that intake's structural scan
+# (ext_proc/_jsonscan.c) needs; the slim one runs the wheel built there.
+FROM python:3.11 AS build
+WORKDIR /src
+COPY pyproject.toml setup.py README.md ./
 COPY ext_proc ext_proc
 COPY gpu_probe gpu_probe
 COPY scaler scaler
 COPY sim sim
 COPY kvgate kvgate
 COPY envoy envoy
-RUN pip install --no-cache-dir . && useradd --uid 10001 --no-create-home kvgate
+RUN pip wheel --no-cache-dir --no-deps --wheel-dir /wheels .
+
+FROM python:3.11-slim
+WORKDIR /app
+COPY --from=build /wheels /wheels
+RUN pip install --no-cache-dir /wheels/*.whl && rm -rf /wheels && useradd --uid 10001 --no-create-home kvgate
 USER 10001
 ENTRYPOINT ["kvgate"]
 CMD ["extproc", "--config", "/etc/kvgate/kvgate.yaml"]

@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 
 .PHONY: demo demo-budgets test test-unit lint typecheck unit bench bench-docs envoy-config proto docs docs-reference docs-check image clean
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml setup.py ext_proc/_jsonscan.c
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q -e '.[dev]'

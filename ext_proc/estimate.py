@@ -410,6 +410,12 @@ class Estimator:
         return total + sum(n * math.ceil(length / ratio) for length, n in Counter(map(len, strings)).items())
 
 
+_all_ints: Callable[[list[Any]], bool] | None
+try:
+    from ._jsonscan import all_ints as _all_ints
+except ImportError:  # installed without a C compiler: _only_ints_bytes
+    _all_ints = None
+
 _LONG = 1024
 """A list at least this long is first checked for integers only by :func:`_only_ints`."""
 _INT_CHARS = b"0123456789,-"
@@ -417,6 +423,14 @@ _INT_CHARS = b"0123456789,-"
 
 def _only_ints(value: list[Any]) -> bool:
     """Whether a list (made by orjson) holds only integers: no bool, float, string, null or container.
+
+    In C where intake's extension was built (``_jsonscan.all_ints``: 0.3 ms for 262k ids); else
+    :func:`_only_ints_bytes`."""
+    return _all_ints(value) if _all_ints is not None else _only_ints_bytes(value)
+
+
+def _only_ints_bytes(value: list[Any]) -> bool:
+    """:func:`_only_ints` without the extension.
 
     Why not ``set(map(type, value))``: for a 262k-token prompt, the longest the scan lets through,
     that took 3.9 ms. orjson writes the list back in a third of it, and only digits, commas and minus

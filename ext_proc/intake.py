@@ -26,6 +26,7 @@ Pure: no I/O, no clock of its own.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -63,6 +64,14 @@ _ESCAPABLE = b'",[{\\/bfnrtu'
 stay pairs once everything else is dropped, so an escaped quote is never taken for a delimiter."""
 _DROP_BUT_ESCAPABLE = bytes(c for c in range(256) if c not in _ESCAPABLE)
 
+_native: Callable[[bytes, int, int, int], tuple[int, int, int, int]] | None
+try:
+    from ._jsonscan import scan as _native
+except ImportError:  # installed without a C compiler (the extension is optional): scan_bytes, slower
+    _native = None
+_OVER_CONTAINERS, _OVER_STRINGS = 2, 3
+"""What ``_jsonscan.scan`` answers for the cap it stopped at (1: elements)."""
+
 
 @dataclass(frozen=True, slots=True)
 class Caps:
@@ -98,9 +107,30 @@ def charge_for(size: int) -> int:
 def scan(body: bytes, caps: Caps) -> int | None:
     """Refuse a body with more JSON elements, containers or strings than ``caps`` allow, without
     parsing it (raises :class:`Invalid` ``body-too-complex``). Returns what it counted of the body's
-    objects and arrays (an upper bound: exact outside strings when it took the exact pass), for the
-    estimate's nesting check (:func:`~ext_proc.estimate.nesting_exceeds`, skipped when no deeper
-    nesting is possible); None for a body too small to be counted.
+    objects and arrays (never fewer than it holds), for the estimate's nesting check
+    (:func:`~ext_proc.estimate.nesting_exceeds`, skipped when no deeper nesting is possible); None for
+    a body too small to be counted.
+
+    One pass in C (``_jsonscan.c``: strings told apart exactly, escapes included; it stops at the first
+    cap passed) where the extension was built — under a millisecond for 4 MB; else :func:`scan_bytes`."""
+    if len(body) <= caps.small:
+        return None
+    if _native is None:
+        return scan_bytes(body, caps)
+    containers, _, _, over = _native(body, caps.elements, caps.containers, caps.strings)
+    if over == _OVER_STRINGS:
+        raise _too_complex(f"more than {caps.strings} strings", caps.strings)
+    if over == _OVER_CONTAINERS:
+        raise _too_complex(f"more than {caps.containers} objects and arrays", caps.containers)
+    if over:
+        raise _too_complex(f"more than {caps.elements} elements", caps.elements)
+    return containers
+
+
+def scan_bytes(body: bytes, caps: Caps) -> int | None:
+    """:func:`scan` in pure Python, for an install without the C extension: the same answers, the
+    returned count an upper bound (exact outside strings when it took the exact pass); about 9 ms for
+    4 MB of JSON-in-JSON text against the extension's 0.7.
 
     Counting structural characters at C speed (``bytes.translate`` drops all others, ``bytes.count``
     counts the rest) gives upper bounds: commas, brackets and quotes inside strings count too. When the

@@ -63,26 +63,30 @@ HOSTILE = {
     "a token-id prompt of 2M ids": (COMPLETIONS, fill(b'{"model":"m","prompt":[', b"1", b"]}"), "elements"),
     "content-part messages": (CHAT, fill(b'{"model":"m","messages":[',
                                          b'{"role":"user","content":[{"type":"text","text":"a"}]}', b"]}"),
-                              "strings"),
+                              ("strings", "objects and arrays")),  # (the C pass stops at the first cap)
     "numbers": (COMPLETIONS, fill(b'{"model":"m","prompt":[', b"123456789", b"]}"), "elements"),
     "strings": (COMPLETIONS, fill(b'{"model":"m","prompt":[', b'"a"', b"]}"), "strings"),
     # escaped quotes in every string: the scan's exact pass would take them out first (18 ms at 4 MB);
     # more quotes than backslashes already says how many strings there are at least
     "objects of strings with escaped quotes": (CHAT, fill(b'{"model":"m","messages":[],"tools":[',
-                                                          b'{"a":"\\""}', b"]}"), "at least"),
+                                                          b'{"a":"\\""}', b"]}"),
+                                               ("at least", "objects and arrays")),
 }
 
 
+@pytest.mark.parametrize("native", [True, False], ids=["c", "python"])
 @pytest.mark.parametrize("name", list(HOSTILE))
-def test_hostile_shapes_are_400_body_too_complex_naming_the_problem(name: str) -> None:
+def test_hostile_shapes_are_400_body_too_complex_naming_the_problem(name: str, native: bool) -> None:
     path, body, what = HOSTILE[name]
     assert len(body) <= MAX
     core = make()
     core.intake._estimator = None  # type: ignore[assignment]  # never parsed: the scan refuses first
-    a = decide(core, body, path)
+    with patch.object(intake, "_native", intake._native if native else None):
+        a = decide(core, body, path)
     assert reason(a) == "body-too-complex"
     assert a.reply is not None and a.reply.status == 400
-    assert what in a.decision.rejection.message  # type: ignore[union-attr]
+    message = a.decision.rejection.message  # type: ignore[union-attr]
+    assert any(w in message for w in ((what,) if isinstance(what, str) else what)), message
 
 
 def test_a_4mb_prompt_full_of_commas_brackets_and_escaped_quotes_is_admitted() -> None:
@@ -241,8 +245,10 @@ def test_scan_refuses_exactly_the_bodies_over_a_cap(doc: Any, elements: int, con
     caps = Caps(elements, containers, strings)
     e, c, s = real_counts(doc)
     over = e > elements or c > containers or s > strings
-    for few in (intake._FEW_QUOTES, 0):  # strings set apart in place, and by split
-        with patch.object(intake, "_FEW_QUOTES", few):
+    # the C pass, then the pure-Python one with its strings set apart in place, and by split
+    for native, few in ((True, intake._FEW_QUOTES), (False, intake._FEW_QUOTES), (False, 0)):
+        with patch.object(intake, "_FEW_QUOTES", few), patch.object(intake, "_native", intake._native if native
+                                                                     else None):
             try:
                 counted = scan(body, caps)
             except Invalid as exc:
@@ -252,6 +258,24 @@ def test_scan_refuses_exactly_the_bodies_over_a_cap(doc: Any, elements: int, con
                 assert not over, (body, caps, (e, c, s))
                 # what the estimate's nesting check trusts: never fewer containers than there are
                 assert counted is None or counted >= c, (body, counted, c)
+                assert not native or counted is None or counted == c  # the C pass counts exactly
+
+
+def test_the_c_scan_is_built_and_counts_outside_strings_only() -> None:
+    """``make`` builds the extension (optional only for an install without a C compiler, which falls back
+    to the slower pure-Python scan): here it must be there, or its speed is silently lost."""
+    assert intake._native is not None
+    body = b'{"a":[1,2,{}],"b":"x,\\\"{[","c":"\\"}'  # an escaped backslash, then a quote
+    assert intake._native(body, 100, 100, 100) == (3, 7, 5, 0)
+    # it stops at the first cap passed and says which
+    assert intake._native(b"[" + b"{}," * 10 + b"{}]", 100, 5, 100)[3] == 2
+    assert intake._native(b"[" + b"1," * 10 + b"1]", 5, 100, 100)[3] == 1
+    assert intake._native(b'["a","b","c"]', 100, 100, 2)[3] == 3
+    # an unterminated string or a lone backslash at the end: counted as far as it goes, no overrun
+    assert intake._native(b'["a\\', 100, 100, 100) == (1, 1, 1, 0)
+    assert intake._native(b'["\\"', 100, 100, 100) == (1, 1, 1, 0)
+    with pytest.raises(Invalid, match="more than 4 objects and arrays"):
+        scan(b"[" + b"{}," * 40 + b"{}]", Caps(1000, 4, 1000))
 
 
 MESSAGE = st.fixed_dictionaries({"role": st.sampled_from(["user", "system", "assistant"]),
@@ -421,3 +445,30 @@ def test_a_batch_of_embedding_inputs_is_read_whatever_the_models_context() -> No
     assert r is not None and r.reason == "context-too-long"  # one input longer than the context
     batch = orjson.dumps({"model": "m", "prompt": [[1] * 3000] * 3, "max_tokens": 100})  # 9,000 in all
     assert decide(core, batch, path="/v1/completions", rid="c").decision.admitted
+
+
+
+@pytest.mark.parametrize("odd", [None, True, 1.5, "1", [1], {}, -7, 10**30],
+                         ids=["ints", "bool", "float", "str", "list", "object", "negative", "bigint"])
+def test_the_long_token_id_check_is_exact_in_c_and_without_it(odd: Any) -> None:
+    """A long prompt list is checked for integers only in C (``_jsonscan.all_ints``) or, without the
+    extension, by orjson writing it back: the estimate is the same either way."""
+    from ext_proc import estimate
+
+    value = [12345] * 1000 + ([] if odd is None else [odd]) + [67890] * 1000
+    exact = all(type(x) is int for x in value)
+    assert estimate._all_ints is not None and estimate._all_ints(value) is exact
+    # (an integer beyond 64 bits, which orjson cannot write back, answers False: the exact check decides)
+    assert estimate._only_ints_bytes(value) is (exact and odd != 10**30)
+    body = b'{"model":"m","max_tokens":1,"prompt":' + (orjson.dumps(value) if odd != 10**30 else
+                                                         str(value).replace(" ", "").encode()) + b"}"
+    answers = []
+    for native in (True, False):
+        with patch.object(estimate, "_all_ints", estimate._all_ints if native else None):
+            try:
+                answers.append(Estimator(parse_config({}).estimation).estimate(
+                    body, path="/v1/completions", default_max_tokens=16).prompt_tokens)
+            except Invalid as e:
+                answers.append(e.name)
+    assert answers[0] == answers[1]
+    assert (answers[0] == len(value)) is exact or odd == 10**30
