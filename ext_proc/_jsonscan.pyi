@@ -1,8 +1,19 @@
-"""Types of the C extension ``_jsonscan.c`` (intake's structural scan)."""
+"""Types of the C extension ``_jsonscan.c`` (intake's scan and the estimate's per-element loops)."""
 
-def scan(body: bytes, max_elements: int, max_containers: int, max_strings: int, /) -> tuple[int, int, int, int]:
-    """(containers, elements, strings, over): counts outside strings; ``over`` 0, or the cap passed
-    (1 elements, 2 containers, 3 strings), where the pass stopped."""
+from typing import Any
 
-def all_ints(value: list[object], /) -> bool:
+def scan(body: bytes, max_elements: int, max_containers: int, max_strings: int, max_depth: int, max_outside: int,
+         max_fractions: int, /) -> tuple[int, int, int, int, int]:
+    """(containers, elements, strings, depth, over): counts outside strings; ``over`` 0, or the cap passed
+    (1 elements, 2 containers, 3 strings, 4 depth, 5 bytes outside strings, 6 non-integer numbers),
+    where the pass stopped."""
+
+def all_ints(value: list[Any], /) -> bool:
     """Whether every item is exactly an int (not a bool, float, str, container or None)."""
+
+def walk_tokens(value: Any, ratio: float, opaque: frozenset[str], skipped: frozenset[str], media_tokens: int,
+                /) -> int | None:
+    """``Estimator._walk`` with a characters-per-token ratio; None for a type orjson does not make."""
+
+def bad_message(messages: list[Any], chat: bool, /) -> int:
+    """The index of the first message the estimate refuses, or -1."""

@@ -25,6 +25,13 @@ import orjson
 from .config import Estimation, Limits
 from .reasons import Invalid
 
+try:  # intake's C extension (``_jsonscan.c``): the per-element loops below at C speed
+    from ._jsonscan import all_ints as _all_ints
+    from ._jsonscan import bad_message as _bad_message
+    from ._jsonscan import walk_tokens as _walk_tokens
+except ImportError:  # installed without a C compiler: the Python loops, the same answers, slower
+    _all_ints = _bad_message = _walk_tokens = None  # type: ignore[assignment]
+
 IMAGE_PART_TOKENS = 768
 """Reservation for one image/audio/file content part; their payloads (base64, URLs) say nothing of tokens."""
 
@@ -105,7 +112,7 @@ class Estimator:
         return math.ceil(chars / self._ratio)
 
     def estimate(self, body: bytes, *, path: str, default_max_tokens: int,
-                 containers: int | None = None) -> Estimate:
+                 depth_bound: int | None = None) -> Estimate:
         """Estimate a request from its raw body and its path (query string allowed).
 
         Chat/completions/responses reserve output tokens; embeddings reserve none. A JSON body that is
@@ -113,9 +120,10 @@ class Estimator:
         read or refused: an empty one is ``missing-body``, one that is not JSON ``invalid-json`` naming
         why (:func:`not_json`). Only other paths (the generated Envoy config sends none here) keep the
         old size-only estimate (``parsed=False``). ``intake.scan``, which the core runs first, bounds
-        what the parse and the walks below can cost; the count of objects and arrays it returns, when
-        given as ``containers`` (an upper bound), spares the nesting check a pass over the body when
-        it is no more than :data:`MAX_JSON_DEPTH`.
+        what the parse and the walks below can cost; what it returns, given as ``depth_bound`` (an upper
+        bound on the nesting: the C pass's exact depth, or the pure-Python pass's count of objects and
+        arrays), spares the nesting check a pass over the body when it is no more than
+        :data:`MAX_JSON_DEPTH`.
         """
         route = route_of(path)
         bare = path.split("?", 1)[0].rstrip("/")
@@ -135,17 +143,17 @@ class Estimator:
                     # vLLM) reads some bodies orjson refuses, and such a body would bypass every check
                     raise not_json(body, e) from None
                 if "depth" in str(e) or "recursion" in str(e):
-                    raise _too_deep() from None
+                    raise too_deep() from None
         elif route is not None:
             raise Invalid("missing-body", "This endpoint needs a JSON request body.")
         if not isinstance(doc, dict):
             if route is not None and is_json:
                 raise Invalid("invalid-body", f"The request body must be a JSON object, not {_kind(doc)}.")
             return Estimate(self.text_tokens(len(body)), default_out if generates else 0, parsed=False, route=route)
-        if containers is None:  # (a body with at most MAX_JSON_DEPTH opening brackets cannot be deeper)
-            containers = body.count(b"{") + body.count(b"[")
-        if containers > MAX_JSON_DEPTH and nesting_exceeds(body, MAX_JSON_DEPTH):
-            raise _too_deep()
+        if depth_bound is None:  # (a body with at most MAX_JSON_DEPTH opening brackets cannot be deeper)
+            depth_bound = body.count(b"{") + body.count(b"[")
+        if depth_bound > MAX_JSON_DEPTH and nesting_exceeds(body, MAX_JSON_DEPTH):
+            raise too_deep()
         model = doc.get("model")
         if isinstance(model, str) and len(model) > limits.max_model_name_chars:
             # before anything keys a cache, a log line or a message on it (a pattern pool matches any length)
@@ -292,9 +300,16 @@ class Estimator:
         if not isinstance(value, list):
             want = "a list of messages" if chat else "a string or a list of input items"
             raise Invalid("invalid-body", f"'{param}' must be {want}, not {_kind(value)}.", param)
-        total = 0
         per_message = self._per_message
         ratio = self._ratio if self._encode is None else None
+        if ratio is not None and _bad_message is not None and _bad_message(value, chat) < 0:
+            # every message passes the checks below (in C): the walk of them all is their tokens — what
+            # the loop below counts, message by message (16k messages of an unusual shape, each walked on
+            # its own, cost 27-38 ms; in C, about 2)
+            walked = _walk_tokens(value, ratio, _OPAQUE_PARTS, _SKIPPED_KEYS, IMAGE_PART_TOKENS)
+            if walked is not None:
+                return per_message * len(value) + walked
+        total = 0
         for i, m in enumerate(value):
             if ratio is not None and type(m) is dict and len(m) == 2:
                 # the usual message, {"role": "...", "content": "..."}: what the general path below
@@ -345,11 +360,15 @@ class Estimator:
         # in a fraction of a Python loop's time. orjson makes exact str/int/list (a bool is not an int)
         kinds = set(map(type, value))
         if kinds <= _STR:
-            return sum(self.text_tokens(len(x), x) for x in value)
+            walked = None
+            if self._encode is None and _walk_tokens is not None:
+                walked = _walk_tokens(value, self._ratio, _OPAQUE_PARTS, _SKIPPED_KEYS, IMAGE_PART_TOKENS)
+            return walked if walked is not None else sum(self.text_tokens(len(x), x) for x in value)
         if kinds == _INT:
             return len(value)
-        if kinds == _LIST and all(set(map(type, x)) <= _INT for x in value):
-            return sum(len(x) for x in value)
+        if kinds == _LIST and (all(map(_all_ints, value)) if _all_ints is not None
+                               else all(set(map(type, x)) <= _INT for x in value)):
+            return sum(map(len, value))
         raise bad
 
     def _walk(self, value: Any) -> int:
@@ -357,9 +376,15 @@ class Estimator:
         flat. Iterative: the client's nesting never becomes Python recursion (and was checked before,
         :func:`nesting_exceeds`). orjson makes exact dicts, lists and strs, so ``type(x) is`` suffices.
 
-        Why it is written so: it is most of what a body the scan lets through costs (16k containers or
-        65k strings). The strings are gathered and counted at the end by length (``Counter``), and an
-        object without a media or ``type``/``role`` key is read through ``values()`` without a copy."""
+        In C (``_jsonscan.walk_tokens``, the same rules) where the extension was built and no tokenizer is
+        loaded: at 1-2 µs a container in Python, 16k messages of an unusual shape cost 27-38 ms. The
+        loop below is the fallback and the reference the tests hold the C walk to. Why it is written
+        so: the strings are gathered and counted at the end by length (``Counter``), and an object
+        without a media or ``type``/``role`` key is read through ``values()`` without a copy."""
+        if self._encode is None and _walk_tokens is not None:
+            walked = _walk_tokens(value, self._ratio, _OPAQUE_PARTS, _SKIPPED_KEYS, IMAGE_PART_TOKENS)
+            if walked is not None:  # (None: a type orjson does not make — the loop below decides)
+                return walked
         if isinstance(value, str):
             return self.text_tokens(len(value), value)
         total = 0
@@ -409,12 +434,6 @@ class Estimator:
         ratio = self._ratio
         return total + sum(n * math.ceil(length / ratio) for length, n in Counter(map(len, strings)).items())
 
-
-_all_ints: Callable[[list[Any]], bool] | None
-try:
-    from ._jsonscan import all_ints as _all_ints
-except ImportError:  # installed without a C compiler: _only_ints_bytes
-    _all_ints = None
 
 _LONG = 1024
 """A list at least this long is first checked for integers only by :func:`_only_ints`."""
@@ -525,7 +544,7 @@ def not_json(body: bytes, err: orjson.JSONDecodeError) -> Invalid:
         return _invalid_json("The request body starts with a UTF-8 byte order mark (BOM); send JSON "
                              "without one.")
     if "depth" in text or "recursion" in text:
-        return _too_deep()
+        return too_deep()
     if "UTF-8" in text:
         return _invalid_json("The request body is not valid UTF-8 (it has invalid bytes or an encoded "
                              "lone surrogate).")
@@ -548,7 +567,7 @@ def _invalid_json(message: str) -> Invalid:
     return Invalid("invalid-json", message)
 
 
-def _too_deep() -> Invalid:
+def too_deep() -> Invalid:
     return Invalid("invalid-body", f"The request body is nested deeper than {MAX_JSON_DEPTH} levels.")
 
 

@@ -12,10 +12,12 @@ far as its answer needs:
    certainly refuse for the same reason, and take nothing: a tenant already over its quota is
    answered its 429 without its body being parsed (before, a 3 MB hostile body cost 0.86 s of CPU
    even then);
-3. **bounded parse** — :func:`scan`, a pass at C speed over the raw bytes, refuses a body with more
-   JSON elements than any request can need (400 ``body-too-complex``) before orjson builds a Python
-   object per element; only then is it parsed and estimated (``estimate.py``). What the Python walks
-   of the estimate visit (containers, strings) is bounded by the same caps. A body orjson refuses is
+3. **bounded parse** — :func:`scan`, one pass in C over the raw bytes (``_jsonscan.c``), refuses a
+   body with more JSON elements, containers, strings, nesting, bytes outside strings or non-integer
+   numbers than any request can need (400 ``body-too-complex``) before orjson builds a Python object
+   per element; only then is it parsed and estimated (``estimate.py``, whose per-element loops run in
+   C too). What the estimate visits is bounded by the same caps: any body within 4 MiB costs at most
+   about 5 ms (``kvgate bench intake``). A body orjson refuses is
    400 ``invalid-json`` naming why — never "not JSON, pass it on". Any 400 from this step is charged
    to the sender's request bucket by the bytes read (:func:`charge_for`).
 
@@ -31,7 +33,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from .config import Config, Limits, Tenant
-from .estimate import Estimate, Estimator
+from .estimate import MAX_JSON_DEPTH, Estimate, Estimator, too_deep
 from .identity import Identifier
 from .reasons import UNKNOWN_KEY, Invalid, Rejection
 
@@ -48,6 +50,13 @@ element per token: with ``limits.model_context_tokens`` set the cap is that cont
 (a longer prompt could never run), else :data:`DEFAULT_ELEMENTS`."""
 DEFAULT_ELEMENTS = 262_144
 """The element cap without ``limits.model_context_tokens``: a 256k-token token-id prompt."""
+OUTSIDE_BYTES_PER_ELEMENT = 9
+"""Bytes outside strings (numbers, literals, whitespace, structure) a body may hold, per element of its
+cap: a token id of up to 7 digits and ``", "`` (Python's ``json.dumps`` separator). Past it, 400: 4 MiB
+of 20-digit numbers (190k of them, under the element cap) cost orjson 7 ms. Counted by the C pass only."""
+MAX_FRACTIONS = 16_384
+"""Most non-integer numbers (a ``.`` or an exponent) a body may hold: sampling parameters and a
+``logit_bias`` hold a few hundred; 166k floats cost orjson 8 ms. Counted by the C pass only."""
 CHARGE_BYTES = 65_536
 """A refused body costs its sender one request per this many bytes (:func:`charge_for`): about what
 an ordinary decision costs, read at the scan's speed."""
@@ -64,13 +73,16 @@ _ESCAPABLE = b'",[{\\/bfnrtu'
 stay pairs once everything else is dropped, so an escaped quote is never taken for a delimiter."""
 _DROP_BUT_ESCAPABLE = bytes(c for c in range(256) if c not in _ESCAPABLE)
 
-_native: Callable[[bytes, int, int, int], tuple[int, int, int, int]] | None
+_native: Callable[[bytes, int, int, int, int, int, int], tuple[int, int, int, int, int]] | None
 try:
     from ._jsonscan import scan as _native
 except ImportError:  # installed without a C compiler (the extension is optional): scan_bytes, slower
     _native = None
-_OVER_CONTAINERS, _OVER_STRINGS = 2, 3
-"""What ``_jsonscan.scan`` answers for the cap it stopped at (1: elements)."""
+SCAN_KIND = "c" if _native is not None else "python"
+"""Which scan this install runs (the server logs it at start; ``python`` where the extension was not
+built)."""
+_OVER_ELEMENTS, _OVER_CONTAINERS, _OVER_STRINGS, _OVER_DEPTH, _OVER_OUTSIDE, _OVER_FRACTIONS = range(1, 7)
+"""What ``_jsonscan.scan`` answers for the cap it stopped at."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,12 +92,20 @@ class Caps:
     elements: int
     containers: int = MAX_CONTAINERS
     strings: int = MAX_STRINGS
+    outside: int | None = None
+    """Bytes outside strings (None: :data:`OUTSIDE_BYTES_PER_ELEMENT` x ``elements``)."""
+    fractions: int = MAX_FRACTIONS
+
+    @property
+    def outside_bytes(self) -> int:
+        return self.outside if self.outside is not None else OUTSIDE_BYTES_PER_ELEMENT * self.elements
 
     @property
     def small(self) -> int:
-        """Bodies up to this many bytes cannot exceed any cap (a container or a string takes at least
-        two bytes, a comma one and the container around it two): they are not scanned."""
-        return min(self.elements, 2 * self.containers, 2 * self.strings)
+        """Bodies up to this many bytes cannot exceed any cap but the nesting (a container or a string
+        takes at least two bytes, a comma one and the container around it two, a non-integer number
+        two): they are not scanned, and the estimate checks their nesting itself."""
+        return min(self.elements, 2 * self.containers, 2 * self.strings, self.outside_bytes, 2 * self.fractions)
 
 
 def caps_for(limits: Limits) -> Caps:
@@ -106,25 +126,36 @@ def charge_for(size: int) -> int:
 
 def scan(body: bytes, caps: Caps) -> int | None:
     """Refuse a body with more JSON elements, containers or strings than ``caps`` allow, without
-    parsing it (raises :class:`Invalid` ``body-too-complex``). Returns what it counted of the body's
-    objects and arrays (never fewer than it holds), for the estimate's nesting check
-    (:func:`~ext_proc.estimate.nesting_exceeds`, skipped when no deeper nesting is possible); None for
-    a body too small to be counted.
+    parsing it (raises :class:`Invalid` ``body-too-complex``). Returns an upper bound on its nesting, for
+    the estimate's nesting check (:func:`~ext_proc.estimate.nesting_exceeds`, skipped when no deeper
+    nesting is possible); None for a body too small to be counted.
 
-    One pass in C (``_jsonscan.c``: strings told apart exactly, escapes included; it stops at the first
-    cap passed) where the extension was built — under a millisecond for 4 MB; else :func:`scan_bytes`."""
+    One pass in C (``_jsonscan.c``) where the extension was built: it tells strings apart exactly,
+    escapes included, stops at the first cap passed, and also refuses what is nested deeper than
+    :data:`~ext_proc.estimate.MAX_JSON_DEPTH` (the estimate's own 400) and the number-heavy bodies that
+    cost orjson most (``caps.outside_bytes``, ``caps.fractions``) — about 1 ms for 4 MiB; it returns
+    the exact depth. Else :func:`scan_bytes`, which counts the first three caps only and returns the
+    count of objects and arrays."""
     if len(body) <= caps.small:
         return None
     if _native is None:
         return scan_bytes(body, caps)
-    containers, _, _, over = _native(body, caps.elements, caps.containers, caps.strings)
+    _, _, _, depth, over = _native(body, caps.elements, caps.containers, caps.strings, MAX_JSON_DEPTH,
+                                   caps.outside_bytes, caps.fractions)
     if over == _OVER_STRINGS:
         raise _too_complex(f"more than {caps.strings} strings", caps.strings)
     if over == _OVER_CONTAINERS:
         raise _too_complex(f"more than {caps.containers} objects and arrays", caps.containers)
-    if over:
+    if over == _OVER_ELEMENTS:
         raise _too_complex(f"more than {caps.elements} elements", caps.elements)
-    return containers
+    if over == _OVER_DEPTH:
+        raise too_deep()
+    if over == _OVER_OUTSIDE:
+        raise _too_complex(f"more than {caps.outside_bytes} bytes outside its strings (numbers, whitespace)",
+                           caps.outside_bytes)
+    if over:
+        raise _too_complex(f"more than {caps.fractions} non-integer numbers", caps.fractions)
+    return depth
 
 
 def scan_bytes(body: bytes, caps: Caps) -> int | None:
@@ -244,11 +275,11 @@ class Intake:
                 if refused is not None:
                     return Taken(tenant, None, refused, gated=True)
             read = True
-            containers = scan(body, self.caps)  # (any path: a hand-written route may lead here too)
+            depth = scan(body, self.caps)  # (any path: a hand-written route may lead here too)
             default_max = (tenant.default_max_tokens if tenant else None) or \
                 self._config.estimation.default_max_tokens
             return Taken(tenant, self._estimator.estimate(body, path=path, default_max_tokens=default_max,
-                                                          containers=containers))
+                                                          depth_bound=depth))
         except Invalid as e:
             if read and tenant is not None:
                 self._precheck(tenant, size, charge=charge_for(size))  # the reading is charged to the sender

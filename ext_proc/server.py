@@ -42,7 +42,7 @@ from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from prometheus_client import Counter, Gauge, start_http_server
 
-from . import cpuparts, logs
+from . import cpuparts, intake, logs
 from .addresses import join_hostport, peer_host, split_hostport
 from .admission import Usage
 from .config import Config, ConfigError, load_config
@@ -711,7 +711,10 @@ async def serve(config: Config, config_path: Path | None, ready: asyncio.Event |
 
     await set_health(True)
     log.info("serving", grpc=config.server.grpc_address, metrics=config.server.metrics_address,
-             tenants=len(config.tenants), mode=config.mode, pid=os.getpid())
+             tenants=len(config.tenants), mode=config.mode, pid=os.getpid(), body_scan=intake.SCAN_KIND)
+    if intake.SCAN_KIND != "c":  # (an install without a C compiler: every large body costs more to read)
+        log.warning("body_scan_pure_python", reason="ext_proc._jsonscan was not built",
+                    effect="intake and the estimate run their Python loops: 2-10x the CPU on large bodies")
 
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()

@@ -288,7 +288,7 @@ def _bench_prefix(a: argparse.Namespace) -> int:
 def _bench_intake(a: argparse.Namespace) -> int:
     from .bench.intake import intake_bench
 
-    return _emit(a, intake_bench(a.reps, a.seconds, quiet=a.json))
+    return _emit(a, intake_bench(a.reps, a.seconds, quiet=a.json, pure_python=a.pure_python))
 
 
 def _bench_queue(a: argparse.Namespace) -> int:
@@ -635,6 +635,8 @@ def parser(benchmarks: bool = True) -> argparse.ArgumentParser:
                         "victim tenant's decision latency beside a hostile tenant at its limits")
     b.add_argument("--reps", type=int, default=5, help="decisions per body kind")
     b.add_argument("--seconds", type=float, default=30.0, help="virtual seconds of the victim run")
+    b.add_argument("--pure-python", action="store_true",
+                   help="as an install without the C extension (ext_proc/_jsonscan.c) runs: its Python loops")
     b.add_argument("--json", action="store_true")
     b.set_defaults(fn=_bench_intake)
     b = bsub.add_parser("queue", help="cost of queue operations with 0, 1k and 10k requests queued")

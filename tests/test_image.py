@@ -68,9 +68,17 @@ def test_the_dockerfile_copies_what_the_install_needs() -> None:
     packages = tool["setuptools"]["packages"]
     tops = {p.split(".")[0] for p in packages}
     assert sorted(tops - copied) == [], "packages pip install . needs that the image does not copy"
-    assert "pyproject.toml" in copied
+    assert "pyproject.toml" in copied and "setup.py" in copied  # (setup.py builds the C extension)
     readme = _pyproject()["project"]["readme"]  # type: ignore[index]
     assert readme in copied, "pyproject's readme must be in the image, or the build fails"
+
+
+def test_the_image_requires_the_c_extension() -> None:
+    """The build stage makes a failed compile an error and the final stage imports the extension: an
+    image never ships the slower pure-Python scan by accident (setup.py's build is optional elsewhere)."""
+    runs = [a for i, a in _instructions() if i == "RUN"]
+    assert any("KVGATE_REQUIRE_C=1" in a and "pip wheel" in a for a in runs)
+    assert any("import ext_proc._jsonscan" in a for a in runs)
 
 
 def test_the_entrypoint_is_the_packages_command_and_its_default_command_parses() -> None:

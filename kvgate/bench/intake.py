@@ -20,13 +20,17 @@ Figures depend on the machine (CPU time of this process; other load on the cores
 
 from __future__ import annotations
 
+import contextlib
 import heapq
 import random
 import statistics
 import time
 from collections import Counter
 from typing import Any
+from unittest.mock import patch
 
+from ext_proc import estimate as estimate_mod
+from ext_proc import intake as intake_mod
 from ext_proc.config import Config, parse_config
 from ext_proc.core import Answer, Core, Ended, Request, null_logger
 from ext_proc.identity import hash_key
@@ -34,6 +38,7 @@ from ext_proc.intake import caps_for
 
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
+EMBEDDINGS = "/v1/embeddings"
 
 
 def _fill(head: bytes, item: bytes, tail: bytes, size: int) -> bytes:
@@ -56,11 +61,21 @@ def kinds(max_bytes: int) -> list[tuple[str, str, bytes]]:
         # exact pass (removing the escapes) before it is refused — the costliest refusal
         ("tools: escaped quotes", CHAT, _fill(b'{"model":"m","messages":[],"tools":[', b'{"a":"\\""}', b"]}",
                                               max_bytes)),
+        # number-heavy bodies under the element cap: what orjson's number parsing costs (the C pass's
+        # caps on bytes outside strings and on non-integer numbers)
+        ("floats", COMPLETIONS, _fill(b'{"model":"m","prompt":[', b"1.2345678901234567e-300", b"]}", max_bytes)),
+        ("20-digit integers", COMPLETIONS, _fill(b'{"model":"m","prompt":[', b"18446744073709551615", b"]}",
+                                                 max_bytes)),
+        ("whitespace", CHAT, b'{"model":"m","messages":[' + b" " * (max_bytes - 40) + b"]}"),
         ("BOM + n=16, stream", CHAT, b'\xef\xbb\xbf{"model":"m","messages":[{"role":"user","content":"hi"}],'
                                      b'"max_tokens":100000,"n":16,"stream":true}'),
         ("NaN", CHAT, b'{"model":"m","messages":[{"role":"user","content":"hi"}],"temperature":NaN}'),
         ("legit: 4 MB text, commas", CHAT, b'{"model":"m","messages":[{"role":"user","content":"'
          + text * ((max_bytes - 100) // len(text)) + b'"}],"max_tokens":8}'),
+        # one string of escaped quotes (a quote every two bytes), beside 70 messages (past the 64 objects and
+        # arrays under which the nesting check is skipped without the C pass)
+        ("legit: 4 MB of escaped quotes, 70 messages", CHAT, b'{"model":"m","messages":[{"role":"user","content":"'
+         + b'\\"' * ((max_bytes - 3000) // 2) + b'"}' + b',{"role":"user","content":"x"}' * 70 + b"]}"),
         ("legit: 2,000 messages", CHAT, b'{"model":"m","messages":['
          + b",".join([b'{"role":"user","content":"Tell me, in a few words, what you think."}'] * 2000)
          + b'],"max_tokens":8}'),
@@ -82,6 +97,14 @@ def at_caps(cfg: Config) -> list[tuple[str, str, bytes]]:
          b'{"model":"m","messages":[],"tools":[' + b",".join([b'"a"'] * (caps.strings - 8)) + b"]}"),
         ("at the caps: token ids", COMPLETIONS,
          b'{"model":"m","prompt":[' + b",".join([b"123456"] * (caps.elements - 10)) + b"]}"),
+        # messages the estimate cannot count on its fast path (each walked): null content, a third key
+        ("at the caps: messages of null content", CHAT,
+         b'{"model":"m","messages":[' + b",".join([b'{"role":"u","content":null}'] * (caps.containers - 4)) + b"]}"),
+        ("at the caps: embedding strings", EMBEDDINGS,
+         b'{"model":"m","input":[' + b",".join([b'"a"'] * (caps.strings - 4)) + b"]}"),
+        ("at the caps: embedding token-id lists", EMBEDDINGS,
+         b'{"model":"m","input":[' + b",".join([b"[" + b",".join([b"1"] * 15) + b"]"] * (caps.containers - 4))
+         + b"]}"),
     ]
 
 
@@ -201,11 +224,19 @@ def _serial(arrivals: list[float], hostile: bool, clients: int, body: bytes, sec
     return latencies, answers
 
 
-def intake_bench(reps: int = 5, seconds: float = 30.0, quiet: bool = False) -> dict[str, Any]:
-    rows = per_kind(reps)
-    v = victim(seconds)
+def intake_bench(reps: int = 5, seconds: float = 30.0, quiet: bool = False, pure_python: bool = False,
+                 ) -> dict[str, Any]:
+    """Both measurements; ``pure_python``: as an install without the C extension runs (its Python loops)."""
+    with contextlib.ExitStack() as stack:
+        if pure_python:
+            stack.enter_context(patch.object(intake_mod, "_native", None))
+            for name in ("_walk_tokens", "_bad_message", "_all_ints"):
+                stack.enter_context(patch.object(estimate_mod, name, None))
+        rows = per_kind(reps)
+        v = victim(seconds)
     if not quiet:
-        print(f"kvgate bench intake: CPU per decision through the production Core ({reps} decisions per row)")
+        print(f"kvgate bench intake: CPU per decision through the production Core ({reps} decisions per row; "
+              f"scan: {'pure Python' if pure_python else intake_mod.SCAN_KIND})")
         print(f"{'body':<44} {'bytes':>9} {'min ms':>8} {'median ms':>10}  answer")
         for r in rows:
             print(f"{r['kind']:<44} {r['bytes']:>9} {r['cpu_ms_min']:>8.2f} {r['cpu_ms_median']:>10.2f}  {r['answer']}")
@@ -218,4 +249,4 @@ def intake_bench(reps: int = 5, seconds: float = 30.0, quiet: bool = False) -> d
                   f"max {x['victim_max_ms']:.3f} ms  ({x['victim_decisions']} decisions, "
                   f"{x['victim_over_1ms']} over 1 ms)"
                   + (f"  hostile answers: {x['hostile_answers']}" if x["hostile_answers"] else ""))
-    return {"kinds": rows, "victim": v}
+    return {"kinds": rows, "victim": v, "scan": "python" if pure_python else intake_mod.SCAN_KIND}
