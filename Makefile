@@ -78,4 +78,4 @@ bench-docs: $(STAMP)
 	$(BIN)/kvgate bench scenarios --out docs/benchmarks/results
 
 clean:
-	rm -rf $(VENV) .kvgate-run .pytest_cache .mypy_cache .ruff_cache *.egg-info site
+	rm -rf $(VENV) .kvgate-run .pytest_cache .mypy_cache .ruff_cache *.egg-info site build ext_proc/*.so

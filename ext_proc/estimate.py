@@ -224,7 +224,12 @@ class Estimator:
         """Tokens of the longest item of a batch (a list of strings or of token-id lists; anything else
         is one item): each is its own sequence, and only it must fit the context."""
         if _batch(value) > 1:
-            return max(self._token_input(x, "input") if isinstance(x, str) else len(x) for x in value)
+            if type(value[0]) is not str:
+                return max(map(len, value))  # (token-id lists: the prompt's own check made them so)
+            if self._encode is None:
+                # the longest string's tokens, not each string's (65k inputs cost 11 ms one call each)
+                return self.text_tokens(max(map(len, value)))
+            return max(self._token_input(x, "input") for x in value)
         return self._token_input(value, "input")
 
     def _count(self, doc: dict[str, Any], name: str) -> int:
@@ -302,13 +307,20 @@ class Estimator:
             raise Invalid("invalid-body", f"'{param}' must be {want}, not {_kind(value)}.", param)
         per_message = self._per_message
         ratio = self._ratio if self._encode is None else None
-        if ratio is not None and _bad_message is not None and _bad_message(value, chat) < 0:
-            # every message passes the checks below (in C): the walk of them all is their tokens — what
-            # the loop below counts, message by message (16k messages of an unusual shape, each walked on
-            # its own, cost 27-38 ms; in C, about 2)
-            walked = _walk_tokens(value, ratio, _OPAQUE_PARTS, _SKIPPED_KEYS, IMAGE_PART_TOKENS)
-            if walked is not None:
-                return per_message * len(value) + walked
+        if ratio is not None and _bad_message is not None:
+            bad = _bad_message(value, chat)
+            if bad < 0:
+                # every message passes the checks below (in C): the walk of them all is their tokens — what
+                # the loop below counts, message by message (16k messages of an unusual shape, each walked
+                # on its own, cost 27-38 ms; in C, about 2)
+                walked = _walk_tokens(value, ratio, _OPAQUE_PARTS, _SKIPPED_KEYS, IMAGE_PART_TOKENS)
+                if walked is not None:
+                    return per_message * len(value) + walked
+            else:
+                # the one it found, named as the loop below would (the loop then walked every message
+                # before it: 11 ms for 16k and a bad last one); one C leaves to Python (a dict subclass,
+                # a key not a str: orjson makes neither) passes here and the loop decides
+                _check_message(value[bad], f"{param}[{bad}]", chat)
         total = 0
         for i, m in enumerate(value):
             if ratio is not None and type(m) is dict and len(m) == 2:
@@ -333,14 +345,7 @@ class Estimator:
                         else:
                             total += per_message + parts
                             continue
-            where = f"{param}[{i}]"
-            if not isinstance(m, dict):
-                raise Invalid("invalid-body", f"'{where}' must be an object, not {_kind(m)}.", where)
-            role = m.get("role")
-            if (chat or role is not None) and not isinstance(role, str):
-                raise Invalid("invalid-body", f"'{where}.role' must be a string.", f"{where}.role")
-            if "content" in m:
-                _check_content(m["content"], f"{where}.content")
+            _check_message(m, f"{param}[{i}]", chat)
             total += self._per_message + self._walk(m)
         return total
 
@@ -461,6 +466,18 @@ def _only_ints_bytes(value: list[Any]) -> bool:
         return orjson.dumps(value).translate(None, _INT_CHARS) == b"[]"
     except orjson.JSONEncodeError:
         return False
+
+
+def _check_message(m: Any, where: str, chat: bool) -> None:
+    """A chat message (``chat``) or a Responses input item: an object; a string role (optional for an
+    input item); its content, if any, :func:`_check_content`. (``_jsonscan.bad_message`` is its C twin.)"""
+    if not isinstance(m, dict):
+        raise Invalid("invalid-body", f"'{where}' must be an object, not {_kind(m)}.", where)
+    role = m.get("role")
+    if (chat or role is not None) and not isinstance(role, str):
+        raise Invalid("invalid-body", f"'{where}.role' must be a string.", f"{where}.role")
+    if "content" in m:
+        _check_content(m["content"], f"{where}.content")
 
 
 def _check_content(content: Any, param: str) -> None:

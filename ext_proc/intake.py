@@ -16,8 +16,9 @@ far as its answer needs:
    body with more JSON elements, containers, strings, nesting, bytes outside strings or non-integer
    numbers than any request can need (400 ``body-too-complex``) before orjson builds a Python object
    per element; only then is it parsed and estimated (``estimate.py``, whose per-element loops run in
-   C too). What the estimate visits is bounded by the same caps: any body within 4 MiB costs at most
-   about 5 ms (``kvgate bench intake``). A body orjson refuses is
+   C too). What the estimate visits is bounded by the same caps: each shape at its cap costs about
+   5 ms at most, bodies just under two caps at once more (``kvgate bench intake``;
+   docs/design/performance.md). A body orjson refuses is
    400 ``invalid-json`` naming why — never "not JSON, pass it on". Any 400 from this step is charged
    to the sender's request bucket by the bytes read (:func:`charge_for`).
 
@@ -33,7 +34,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from .config import Config, Limits, Tenant
-from .estimate import MAX_JSON_DEPTH, Estimate, Estimator, too_deep
+from .estimate import MAX_JSON_DEPTH, Estimate, Estimator, route_of, too_deep
 from .identity import Identifier
 from .reasons import UNKNOWN_KEY, Invalid, Rejection
 
@@ -51,12 +52,19 @@ element per token: with ``limits.model_context_tokens`` set the cap is that cont
 DEFAULT_ELEMENTS = 262_144
 """The element cap without ``limits.model_context_tokens``: a 256k-token token-id prompt."""
 OUTSIDE_BYTES_PER_ELEMENT = 9
-"""Bytes outside strings (numbers, literals, whitespace, structure) a body may hold, per element of its
-cap: a token id of up to 7 digits and ``", "`` (Python's ``json.dumps`` separator). Past it, 400: 4 MiB
-of 20-digit numbers (190k of them, under the element cap) cost orjson 7 ms. Counted by the C pass only."""
-MAX_FRACTIONS = 16_384
-"""Most non-integer numbers (a ``.`` or an exponent) a body may hold: sampling parameters and a
-``logit_bias`` hold a few hundred; 166k floats cost orjson 8 ms. Counted by the C pass only."""
+"""Bytes outside strings other than whitespace (numbers, literals, structure) a body may hold, per element
+of its cap: a token id of up to 8 digits and its comma. Past it, 400: 4 MiB of 20-digit numbers (190k
+of them, under the element cap) cost orjson 7 ms. Whitespace is not counted: a pretty-printed body
+(``json.dumps(indent=2)`` of a 262k-token prompt) is read. Counted by the C pass only, on inference
+routes."""
+MAX_FRACTIONS = 65_536
+"""Most non-integer numbers (a ``.`` or an exponent) a body may hold: sampling parameters hold a few, a
+``logit_bias`` of floats or tool schemas with float bounds tens of thousands; 166k floats cost orjson
+8 ms. Counted by the C pass only, on inference routes."""
+MAX_KEYS = 32_768
+"""Most object keys a body may hold (a chat of 4,000 messages in content-part form has 16k): orjson
+builds and hashes each distinct one (64k distinct 60-byte keys cost 9 ms). Counted by the C pass only,
+on inference routes."""
 CHARGE_BYTES = 65_536
 """A refused body costs its sender one request per this many bytes (:func:`charge_for`): about what
 an ordinary decision costs, read at the scan's speed."""
@@ -73,7 +81,7 @@ _ESCAPABLE = b'",[{\\/bfnrtu'
 stay pairs once everything else is dropped, so an escaped quote is never taken for a delimiter."""
 _DROP_BUT_ESCAPABLE = bytes(c for c in range(256) if c not in _ESCAPABLE)
 
-_native: Callable[[bytes, int, int, int, int, int, int], tuple[int, int, int, int, int]] | None
+_native: Callable[[bytes, int, int, int, int, int, int, int], tuple[int, int, int, int, int]] | None
 try:
     from ._jsonscan import scan as _native
 except ImportError:  # installed without a C compiler (the extension is optional): scan_bytes, slower
@@ -81,7 +89,7 @@ except ImportError:  # installed without a C compiler (the extension is optional
 SCAN_KIND = "c" if _native is not None else "python"
 """Which scan this install runs (the server logs it at start; ``python`` where the extension was not
 built)."""
-_OVER_ELEMENTS, _OVER_CONTAINERS, _OVER_STRINGS, _OVER_DEPTH, _OVER_OUTSIDE, _OVER_FRACTIONS = range(1, 7)
+_OVER_ELEMENTS, _OVER_CONTAINERS, _OVER_STRINGS, _OVER_DEPTH, _OVER_OUTSIDE, _OVER_FRACTIONS, _OVER_KEYS = range(1, 8)
 """What ``_jsonscan.scan`` answers for the cap it stopped at."""
 
 
@@ -93,8 +101,9 @@ class Caps:
     containers: int = MAX_CONTAINERS
     strings: int = MAX_STRINGS
     outside: int | None = None
-    """Bytes outside strings (None: :data:`OUTSIDE_BYTES_PER_ELEMENT` x ``elements``)."""
+    """Bytes outside strings but whitespace (None: :data:`OUTSIDE_BYTES_PER_ELEMENT` x ``elements``)."""
     fractions: int = MAX_FRACTIONS
+    keys: int = MAX_KEYS
 
     @property
     def outside_bytes(self) -> int:
@@ -105,7 +114,8 @@ class Caps:
         """Bodies up to this many bytes cannot exceed any cap but the nesting (a container or a string
         takes at least two bytes, a comma one and the container around it two, a non-integer number
         two): they are not scanned, and the estimate checks their nesting itself."""
-        return min(self.elements, 2 * self.containers, 2 * self.strings, self.outside_bytes, 2 * self.fractions)
+        return min(self.elements, 2 * self.containers, 2 * self.strings, self.outside_bytes, 2 * self.fractions,
+                   3 * self.keys)
 
 
 def caps_for(limits: Limits) -> Caps:
@@ -124,7 +134,10 @@ def charge_for(size: int) -> int:
     return max(1, -(-size // CHARGE_BYTES))
 
 
-def scan(body: bytes, caps: Caps) -> int | None:
+_UNBOUNDED = 1 << 62
+
+
+def scan(body: bytes, caps: Caps, inference: bool = True) -> int | None:
     """Refuse a body with more JSON elements, containers or strings than ``caps`` allow, without
     parsing it (raises :class:`Invalid` ``body-too-complex``). Returns an upper bound on its nesting, for
     the estimate's nesting check (:func:`~ext_proc.estimate.nesting_exceeds`, skipped when no deeper
@@ -133,15 +146,21 @@ def scan(body: bytes, caps: Caps) -> int | None:
     One pass in C (``_jsonscan.c``) where the extension was built: it tells strings apart exactly,
     escapes included, stops at the first cap passed, and also refuses what is nested deeper than
     :data:`~ext_proc.estimate.MAX_JSON_DEPTH` (the estimate's own 400) and the number-heavy bodies that
-    cost orjson most (``caps.outside_bytes``, ``caps.fractions``) — about 1 ms for 4 MiB; it returns
-    the exact depth. Else :func:`scan_bytes`, which counts the first three caps only and returns the
-    count of objects and arrays."""
+    cost orjson most (``caps.outside_bytes``, ``caps.fractions``, ``caps.keys``) — about 1 ms for 4 MiB;
+    it returns the exact depth. Those four apply to the inference routes only (``inference``: a body on
+    a hand-written route may not be JSON at all; the estimate still checks its nesting). Else
+    :func:`scan_bytes`, which counts the first three caps only and returns the count of objects and
+    arrays."""
     if len(body) <= caps.small:
         return None
     if _native is None:
         return scan_bytes(body, caps)
-    _, _, _, depth, over = _native(body, caps.elements, caps.containers, caps.strings, MAX_JSON_DEPTH,
-                                   caps.outside_bytes, caps.fractions)
+    if inference:
+        _, _, _, depth, over = _native(body, caps.elements, caps.containers, caps.strings, caps.keys,
+                                       MAX_JSON_DEPTH, caps.outside_bytes, caps.fractions)
+    else:
+        _, _, _, depth, over = _native(body, caps.elements, caps.containers, caps.strings, _UNBOUNDED, _UNBOUNDED,
+                                       _UNBOUNDED, _UNBOUNDED)
     if over == _OVER_STRINGS:
         raise _too_complex(f"more than {caps.strings} strings", caps.strings)
     if over == _OVER_CONTAINERS:
@@ -153,8 +172,12 @@ def scan(body: bytes, caps: Caps) -> int | None:
     if over == _OVER_OUTSIDE:
         raise _too_complex(f"more than {caps.outside_bytes} bytes outside its strings (numbers, whitespace)",
                            caps.outside_bytes)
-    if over:
+    if over == _OVER_FRACTIONS:
         raise _too_complex(f"more than {caps.fractions} non-integer numbers", caps.fractions)
+    if over == _OVER_KEYS:
+        raise _too_complex(f"more than {caps.keys} object keys", caps.keys)
+    if over:
+        raise ValueError(f"_jsonscan.scan: unknown cap {over}")
     return depth
 
 
@@ -275,7 +298,8 @@ class Intake:
                 if refused is not None:
                     return Taken(tenant, None, refused, gated=True)
             read = True
-            depth = scan(body, self.caps)  # (any path: a hand-written route may lead here too)
+            # (any path: a hand-written route may lead here too, with a body that may not be JSON)
+            depth = scan(body, self.caps, inference=route_of(path) is not None)
             default_max = (tenant.default_max_tokens if tenant else None) or \
                 self._config.estimation.default_max_tokens
             return Taken(tenant, self._estimator.estimate(body, path=path, default_max_tokens=default_max,

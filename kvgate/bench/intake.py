@@ -26,8 +26,8 @@ import random
 import statistics
 import time
 from collections import Counter
+from collections.abc import Iterator
 from typing import Any
-from unittest.mock import patch
 
 from ext_proc import estimate as estimate_mod
 from ext_proc import intake as intake_mod
@@ -224,14 +224,24 @@ def _serial(arrivals: list[float], hostile: bool, clients: int, body: bytes, sec
     return latencies, answers
 
 
+@contextlib.contextmanager
+def without_c() -> Iterator[None]:
+    """Intake and the estimate as an install without the C extension runs them: their Python loops."""
+    saved = [(m, name, getattr(m, name)) for m, name in ((intake_mod, "_native"), (estimate_mod, "_walk_tokens"),
+                                                          (estimate_mod, "_bad_message"), (estimate_mod, "_all_ints"))]
+    try:
+        for m, name, _ in saved:
+            setattr(m, name, None)
+        yield
+    finally:
+        for m, name, value in saved:
+            setattr(m, name, value)
+
+
 def intake_bench(reps: int = 5, seconds: float = 30.0, quiet: bool = False, pure_python: bool = False,
                  ) -> dict[str, Any]:
     """Both measurements; ``pure_python``: as an install without the C extension runs (its Python loops)."""
-    with contextlib.ExitStack() as stack:
-        if pure_python:
-            stack.enter_context(patch.object(intake_mod, "_native", None))
-            for name in ("_walk_tokens", "_bad_message", "_all_ints"):
-                stack.enter_context(patch.object(estimate_mod, name, None))
+    with without_c() if pure_python else contextlib.nullcontext():
         rows = per_kind(reps)
         v = victim(seconds)
     if not quiet:
