@@ -10,6 +10,7 @@ $(STAMP): pyproject.toml setup.py ext_proc/_jsonscan.c
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q -e '.[dev]'
+	@$(BIN)/python -c "import ext_proc._jsonscan" 2>/dev/null || echo "note: ext_proc/_jsonscan.c did not build (a C compiler and the Python headers are needed): intake runs its slower pure-Python passes, and the tests that need the extension fail"
 	@if ! command -v wrk >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1 && [ "$$(id -u)" = 0 ]; then \
 		(apt-get update -qq && apt-get install -y -qq wrk) >/dev/null 2>&1 || echo "note: wrk not installed; benchmarks use the built-in load generator"; fi
 	@if ! command -v promtool >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1 && [ "$$(id -u)" = 0 ]; then \

@@ -29,7 +29,9 @@ Pure: no I/O, no clock of its own.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+import sys
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -137,11 +139,29 @@ def charge_for(size: int) -> int:
 _UNBOUNDED = 1 << 62
 
 
+@contextlib.contextmanager
+def pure_python() -> Iterator[None]:
+    """Intake and the estimate as an install without the C extension runs them, their Python loops, for
+    as long as this lasts (``kvgate bench intake --pure-python``, the tests that hold C to Python)."""
+    from . import estimate
+
+    saved = [(m, name, getattr(m, name)) for m, name in ((sys.modules[__name__], "_native"),
+                                                          (estimate, "_walk_tokens"), (estimate, "_bad_message"),
+                                                          (estimate, "_all_ints"))]
+    try:
+        for m, name, _ in saved:
+            setattr(m, name, None)
+        yield
+    finally:
+        for m, name, value in saved:
+            setattr(m, name, value)
+
+
 def scan(body: bytes, caps: Caps, inference: bool = True) -> int | None:
-    """Refuse a body with more JSON elements, containers or strings than ``caps`` allow, without
-    parsing it (raises :class:`Invalid` ``body-too-complex``). Returns an upper bound on its nesting, for
-    the estimate's nesting check (:func:`~ext_proc.estimate.nesting_exceeds`, skipped when no deeper
-    nesting is possible); None for a body too small to be counted.
+    """Refuse a body with more JSON elements, containers, strings, keys, nesting or number bytes than
+    ``caps`` allow, without parsing it (raises :class:`Invalid` ``body-too-complex``). Returns an upper
+    bound on its nesting, for the estimate's nesting check (:func:`~ext_proc.estimate.nesting_exceeds`,
+    skipped when no deeper nesting is possible); None for a body too small to be counted.
 
     One pass in C (``_jsonscan.c``) where the extension was built: it tells strings apart exactly,
     escapes included, stops at the first cap passed, and also refuses what is nested deeper than

@@ -26,10 +26,8 @@ import random
 import statistics
 import time
 from collections import Counter
-from collections.abc import Iterator
 from typing import Any
 
-from ext_proc import estimate as estimate_mod
 from ext_proc import intake as intake_mod
 from ext_proc.config import Config, parse_config
 from ext_proc.core import Answer, Core, Ended, Request, null_logger
@@ -224,24 +222,10 @@ def _serial(arrivals: list[float], hostile: bool, clients: int, body: bytes, sec
     return latencies, answers
 
 
-@contextlib.contextmanager
-def without_c() -> Iterator[None]:
-    """Intake and the estimate as an install without the C extension runs them: their Python loops."""
-    saved = [(m, name, getattr(m, name)) for m, name in ((intake_mod, "_native"), (estimate_mod, "_walk_tokens"),
-                                                          (estimate_mod, "_bad_message"), (estimate_mod, "_all_ints"))]
-    try:
-        for m, name, _ in saved:
-            setattr(m, name, None)
-        yield
-    finally:
-        for m, name, value in saved:
-            setattr(m, name, value)
-
-
 def intake_bench(reps: int = 5, seconds: float = 30.0, quiet: bool = False, pure_python: bool = False,
                  ) -> dict[str, Any]:
     """Both measurements; ``pure_python``: as an install without the C extension runs (its Python loops)."""
-    with without_c() if pure_python else contextlib.nullcontext():
+    with intake_mod.pure_python() if pure_python else contextlib.nullcontext():
         rows = per_kind(reps)
         v = victim(seconds)
     if not quiet:
