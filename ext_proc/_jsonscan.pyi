@@ -2,11 +2,11 @@
 
 from typing import Any
 
-def scan(body: bytes, max_elements: int, max_containers: int, max_strings: int, max_keys: int, max_depth: int,
-         max_outside: int, max_fractions: int, /) -> tuple[int, int, int, int, int]:
+def scan(body: bytes, max_elements: int, max_containers: int, max_strings: int, max_depth: int, max_outside: int,
+         max_fractions: int, /) -> tuple[int, int, int, int, int]:
     """(containers, elements, strings, depth, over): counts outside strings; ``over`` 0, or the cap passed
-    (1 elements, 2 containers, 3 strings, 4 depth, 5 bytes outside strings but whitespace, 6 non-integer
-    numbers, 7 keys), where the pass stopped."""
+    (1 elements, 2 containers, 3 strings, 4 depth, 5 bytes outside strings, whitespace an eighth each,
+    6 non-integer numbers), where the pass stopped."""
 
 def all_ints(value: list[Any], /) -> bool:
     """Whether every item is exactly an int (not a bool, float, str, container or None)."""

@@ -126,12 +126,9 @@ class Estimator:
         :data:`MAX_JSON_DEPTH`.
         """
         route = route_of(path)
-        bare = path.split("?", 1)[0].rstrip("/")
-        generates = route != "embeddings" if route is not None else bare.endswith(("/completions", "/responses"))
+        generates = _generates(path, route)
         limits = self._limits
-        default_out = default_max_tokens
-        if limits.max_output_tokens is not None:
-            default_out = min(default_out, limits.max_output_tokens)
+        default_out = self._default_out(default_max_tokens)
         is_json = False
         doc: Any = None
         if body:
@@ -149,7 +146,7 @@ class Estimator:
         if not isinstance(doc, dict):
             if route is not None and is_json:
                 raise Invalid("invalid-body", f"The request body must be a JSON object, not {_kind(doc)}.")
-            return Estimate(self.text_tokens(len(body)), default_out if generates else 0, parsed=False, route=route)
+            return self.unparsed(body, path=path, default_max_tokens=default_max_tokens)
         if depth_bound is None:  # (a body with at most MAX_JSON_DEPTH opening brackets cannot be deeper)
             depth_bound = body.count(b"{") + body.count(b"[")
         if depth_bound > MAX_JSON_DEPTH and nesting_exceeds(body, MAX_JSON_DEPTH):
@@ -217,6 +214,18 @@ class Estimator:
             include_usage = True  # the Responses API always ends a stream with response.completed + usage
         return Estimate(prompt, output, True, stream is True, include_usage, doc, continuous, route,
                         model=model if isinstance(model, str) else None)
+
+    def unparsed(self, body: bytes, *, path: str, default_max_tokens: int) -> Estimate:
+        """The size-only estimate (``parsed=False``) of a body on a path that is not one of the inference
+        routes and that is not read: not JSON, or (``intake.scan``) too costly to read."""
+        route = route_of(path)
+        return Estimate(self.text_tokens(len(body)),
+                        self._default_out(default_max_tokens) if _generates(path, route) else 0,
+                        parsed=False, route=route)
+
+    def _default_out(self, default_max_tokens: int) -> int:
+        hi = self._limits.max_output_tokens
+        return default_max_tokens if hi is None else min(default_max_tokens, hi)
 
     # -- parameters ------------------------------------------------------------------------------
 
@@ -466,6 +475,14 @@ def _only_ints_bytes(value: list[Any]) -> bool:
         return orjson.dumps(value).translate(None, _INT_CHARS) == b"[]"
     except orjson.JSONEncodeError:
         return False
+
+
+def _generates(path: str, route: Route | None) -> bool:
+    """Whether a request on this path generates tokens (reserves output): every inference route but
+    embeddings; on other paths, those ending like the completions and responses routes."""
+    if route is not None:
+        return route != "embeddings"
+    return path.split("?", 1)[0].rstrip("/").endswith(("/completions", "/responses"))
 
 
 def _check_message(m: Any, where: str, chat: bool) -> None:

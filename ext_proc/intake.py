@@ -54,19 +54,15 @@ element per token: with ``limits.model_context_tokens`` set the cap is that cont
 DEFAULT_ELEMENTS = 262_144
 """The element cap without ``limits.model_context_tokens``: a 256k-token token-id prompt."""
 OUTSIDE_BYTES_PER_ELEMENT = 9
-"""Bytes outside strings other than whitespace (numbers, literals, structure) a body may hold, per element
-of its cap: a token id of up to 8 digits and its comma. Past it, 400: 4 MiB of 20-digit numbers (190k
-of them, under the element cap) cost orjson 7 ms. Whitespace is not counted: a pretty-printed body
-(``json.dumps(indent=2)`` of a 262k-token prompt) is read. Counted by the C pass only, on inference
-routes."""
+"""Bytes outside strings (numbers, literals, structure; whitespace an eighth each) a body may hold, per
+element of its cap: a token id of up to 8 digits and its comma. Past it, 400: 4 MiB of 20-digit numbers
+(190k of them, under the element cap) cost orjson 7 ms. Whitespace counts an eighth: a pretty-printed
+body (``json.dumps(indent=2)`` of a 262k-token prompt) is read, padding is not free. Counted by the C
+pass only."""
 MAX_FRACTIONS = 65_536
 """Most non-integer numbers (a ``.`` or an exponent) a body may hold: sampling parameters hold a few, a
 ``logit_bias`` of floats or tool schemas with float bounds tens of thousands; 166k floats cost orjson
-8 ms. Counted by the C pass only, on inference routes."""
-MAX_KEYS = 32_768
-"""Most object keys a body may hold (a chat of 4,000 messages in content-part form has 16k): orjson
-builds and hashes each distinct one (64k distinct 60-byte keys cost 9 ms). Counted by the C pass only,
-on inference routes."""
+8 ms. Counted by the C pass only."""
 CHARGE_BYTES = 65_536
 """A refused body costs its sender one request per this many bytes (:func:`charge_for`): about what
 an ordinary decision costs, read at the scan's speed."""
@@ -83,7 +79,7 @@ _ESCAPABLE = b'",[{\\/bfnrtu'
 stay pairs once everything else is dropped, so an escaped quote is never taken for a delimiter."""
 _DROP_BUT_ESCAPABLE = bytes(c for c in range(256) if c not in _ESCAPABLE)
 
-_native: Callable[[bytes, int, int, int, int, int, int, int], tuple[int, int, int, int, int]] | None
+_native: Callable[[bytes, int, int, int, int, int, int], tuple[int, int, int, int, int]] | None
 try:
     from ._jsonscan import scan as _native
 except ImportError:  # installed without a C compiler (the extension is optional): scan_bytes, slower
@@ -91,7 +87,7 @@ except ImportError:  # installed without a C compiler (the extension is optional
 SCAN_KIND = "c" if _native is not None else "python"
 """Which scan this install runs (the server logs it at start; ``python`` where the extension was not
 built)."""
-_OVER_ELEMENTS, _OVER_CONTAINERS, _OVER_STRINGS, _OVER_DEPTH, _OVER_OUTSIDE, _OVER_FRACTIONS, _OVER_KEYS = range(1, 8)
+_OVER_ELEMENTS, _OVER_CONTAINERS, _OVER_STRINGS, _OVER_DEPTH, _OVER_OUTSIDE, _OVER_FRACTIONS = range(1, 7)
 """What ``_jsonscan.scan`` answers for the cap it stopped at."""
 
 
@@ -105,7 +101,6 @@ class Caps:
     outside: int | None = None
     """Bytes outside strings but whitespace (None: :data:`OUTSIDE_BYTES_PER_ELEMENT` x ``elements``)."""
     fractions: int = MAX_FRACTIONS
-    keys: int = MAX_KEYS
 
     @property
     def outside_bytes(self) -> int:
@@ -116,8 +111,7 @@ class Caps:
         """Bodies up to this many bytes cannot exceed any cap but the nesting (a container or a string
         takes at least two bytes, a comma one and the container around it two, a non-integer number
         two): they are not scanned, and the estimate checks their nesting itself."""
-        return min(self.elements, 2 * self.containers, 2 * self.strings, self.outside_bytes, 2 * self.fractions,
-                   3 * self.keys)
+        return min(self.elements, 2 * self.containers, 2 * self.strings, self.outside_bytes, 2 * self.fractions)
 
 
 def caps_for(limits: Limits) -> Caps:
@@ -136,7 +130,11 @@ def charge_for(size: int) -> int:
     return max(1, -(-size // CHARGE_BYTES))
 
 
-_UNBOUNDED = 1 << 62
+class Costly(Invalid):
+    """A cap only the C pass counts (the nesting, the bytes outside strings, the non-integer numbers) was
+    passed: a 400 on an inference route; on another path, whose body may not be JSON at all, the body
+    is not read (the size-only estimate) — neither refused for what a non-JSON body may hold, nor parsed
+    at the cost the cap exists to avoid (review43 F1: 7-8 ms on a ``--route`` path without it)."""
 
 
 @contextlib.contextmanager
@@ -157,30 +155,25 @@ def pure_python() -> Iterator[None]:
             setattr(m, name, value)
 
 
-def scan(body: bytes, caps: Caps, inference: bool = True) -> int | None:
-    """Refuse a body with more JSON elements, containers, strings, keys, nesting or number bytes than
-    ``caps`` allow, without parsing it (raises :class:`Invalid` ``body-too-complex``). Returns an upper
+def scan(body: bytes, caps: Caps) -> int | None:
+    """Refuse a body with more JSON elements, containers, strings, nesting or number bytes than ``caps``
+    allow, without parsing it (raises :class:`Invalid` ``body-too-complex``; :class:`Costly` for the
+    caps only the C pass counts). Returns an upper
     bound on its nesting, for the estimate's nesting check (:func:`~ext_proc.estimate.nesting_exceeds`,
     skipped when no deeper nesting is possible); None for a body too small to be counted.
 
     One pass in C (``_jsonscan.c``) where the extension was built: it tells strings apart exactly,
     escapes included, stops at the first cap passed, and also refuses what is nested deeper than
     :data:`~ext_proc.estimate.MAX_JSON_DEPTH` (the estimate's own 400) and the number-heavy bodies that
-    cost orjson most (``caps.outside_bytes``, ``caps.fractions``, ``caps.keys``) — about 1 ms for 4 MiB;
-    it returns the exact depth. Those four apply to the inference routes only (``inference``: a body on
-    a hand-written route may not be JSON at all; the estimate still checks its nesting). Else
+    cost orjson most (``caps.outside_bytes``, ``caps.fractions``); it returns the exact depth. Else
     :func:`scan_bytes`, which counts the first three caps only and returns the count of objects and
     arrays."""
     if len(body) <= caps.small:
         return None
     if _native is None:
         return scan_bytes(body, caps)
-    if inference:
-        _, _, _, depth, over = _native(body, caps.elements, caps.containers, caps.strings, caps.keys,
-                                       MAX_JSON_DEPTH, caps.outside_bytes, caps.fractions)
-    else:
-        _, _, _, depth, over = _native(body, caps.elements, caps.containers, caps.strings, _UNBOUNDED, _UNBOUNDED,
-                                       _UNBOUNDED, _UNBOUNDED)
+    _, _, _, depth, over = _native(body, caps.elements, caps.containers, caps.strings, MAX_JSON_DEPTH,
+                                   caps.outside_bytes, caps.fractions)
     if over == _OVER_STRINGS:
         raise _too_complex(f"more than {caps.strings} strings", caps.strings)
     if over == _OVER_CONTAINERS:
@@ -188,14 +181,15 @@ def scan(body: bytes, caps: Caps, inference: bool = True) -> int | None:
     if over == _OVER_ELEMENTS:
         raise _too_complex(f"more than {caps.elements} elements", caps.elements)
     if over == _OVER_DEPTH:
-        raise too_deep()
+        deep = too_deep()
+        raise Costly(deep.name, deep.message)
     if over == _OVER_OUTSIDE:
-        raise _too_complex(f"more than {caps.outside_bytes} bytes outside its strings (numbers, whitespace)",
-                           caps.outside_bytes)
+        raise Costly("body-too-complex", f"The request body has more than {caps.outside_bytes} bytes outside its "
+                     f"strings (numbers, literals, whitespace an eighth each); this gateway reads at most "
+                     f"{caps.outside_bytes}.")
     if over == _OVER_FRACTIONS:
-        raise _too_complex(f"more than {caps.fractions} non-integer numbers", caps.fractions)
-    if over == _OVER_KEYS:
-        raise _too_complex(f"more than {caps.keys} object keys", caps.keys)
+        raise Costly("body-too-complex", f"The request body has more than {caps.fractions} non-integer numbers; "
+                     f"this gateway reads at most {caps.fractions}.")
     if over:
         raise ValueError(f"_jsonscan.scan: unknown cap {over}")
     return depth
@@ -318,10 +312,14 @@ class Intake:
                 if refused is not None:
                     return Taken(tenant, None, refused, gated=True)
             read = True
-            # (any path: a hand-written route may lead here too, with a body that may not be JSON)
-            depth = scan(body, self.caps, inference=route_of(path) is not None)
             default_max = (tenant.default_max_tokens if tenant else None) or \
                 self._config.estimation.default_max_tokens
+            try:
+                depth = scan(body, self.caps)  # (any path: a hand-written route may lead here too)
+            except Costly:
+                if route_of(path) is not None:
+                    raise
+                return Taken(tenant, self._estimator.unparsed(body, path=path, default_max_tokens=default_max))
             return Taken(tenant, self._estimator.estimate(body, path=path, default_max_tokens=default_max,
                                                           depth_bound=depth))
         except Invalid as e:
