@@ -12,11 +12,11 @@
  * scan(body, max_elements, max_containers, max_strings, max_depth, max_outside, max_fractions)
  *   -> (containers, elements, strings, depth, over)
  *     One pass over the raw bytes. Outside strings it counts objects and arrays, elements (commas and
- *     containers: about one per value), the nesting depth, non-integer
- *     numbers (a '.' or an exponent) and the bytes outside strings other than whitespace (numbers,
- *     literals, structure); strings are stepped over (a backslash takes the next byte with it). It stops
- *     at the first cap passed; `over` says which (OVER_* below), else 0. Not a validator: a body that is
- *     not JSON is counted as far as it goes and left to orjson to refuse.
+ *     containers: about one per value), the nesting depth, non-integer numbers (a '.' or an exponent)
+ *     and the bytes outside strings (numbers, literals, structure; whitespace an eighth each); strings
+ *     are stepped over (a backslash takes the next byte with it). It stops at the first cap passed;
+ *     `over` says which (OVER_* below), else 0. Not a validator: a body that is not JSON is counted as
+ *     far as it goes and left to orjson to refuse.
  * all_ints(list) -> bool: every item exactly an int (not a bool, float, str, container or None).
  * walk_tokens(value, ratio, opaque, skipped, media_tokens) -> int | None
  *     estimate.Estimator._walk with a characters-per-token ratio, or None where it must be left to
@@ -105,8 +105,8 @@ static PyObject *scan(PyObject *self, PyObject *args) {
     Py_ssize_t inside = 0, blank = 0;
     int over = 0;
     while (at < size) {
-        /* numbers, literals and whitespace run to the next stop; the bytes outside strings but whitespace
-           are checked at each stop (a number ends at one: a comma, a bracket) and at the end */
+        /* numbers, literals and whitespace run to the next stop; the bytes outside strings (whitespace an
+           eighth each) are checked at each stop (a number ends at one: a comma, a bracket) and at the end */
         while (at < size) {
             while (at < size && CLASS[(unsigned char)start[at]] == SKIP) { /* digits, letters: tight */
                 at++;
