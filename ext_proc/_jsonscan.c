@@ -18,9 +18,10 @@
  *     `over` says which (OVER_* below), else 0. Not a validator: a body that is not JSON is counted as
  *     far as it goes and left to orjson to refuse.
  * all_ints(list) -> bool: every item exactly an int (not a bool, float, str, container or None).
- * walk_tokens(value, ratio, opaque, skipped, media_tokens) -> int | None
+ * walk_tokens(value, ratio, opaque, skipped, media_tokens[, into]) -> int | None
  *     estimate.Estimator._walk with a characters-per-token ratio, or None where it must be left to
- *     Python (a type orjson does not make).
+ *     Python (a type orjson does not make). With `into` (a list), the strings are appended to it for a
+ *     tokenizer and only the media parts' tokens are returned.
  * bad_message(list, chat) -> int
  *     The index of the first chat message / Responses input item the estimate would refuse, or -1.
  */
@@ -257,8 +258,11 @@ static int push(Stack *s, PyObject *o) {
 
 /* One value met by the walk: a str counted, an exact dict or list pushed, anything else ignored; 1 for
  * what Python must decide (a subclass: orjson makes none; a count past TOKENS_MAX). */
-static int visit(PyObject *x, double ratio, double *total, Stack *stack) {
+static int visit(PyObject *x, double ratio, double *total, Stack *stack, PyObject *into) {
     if (PyUnicode_CheckExact(x)) {
+        if (into != NULL) { /* gathered for a tokenizer */
+            return PyList_Append(into, x);
+        }
         *total += ceil((double)PyUnicode_GET_LENGTH(x) / ratio);
         return *total > TOKENS_MAX ? 1 : 0;
     }
@@ -275,12 +279,12 @@ static int visit(PyObject *x, double ratio, double *total, Stack *stack) {
 }
 
 static PyObject *walk_tokens(PyObject *self, PyObject *args) {
-    PyObject *value, *opaque, *skipped;
+    PyObject *value, *opaque, *skipped, *into = NULL;
     double ratio;
     long long media;
     (void)self;
-    if (!PyArg_ParseTuple(args, "OdO!O!L:walk_tokens", &value, &ratio, &PyFrozenSet_Type, &opaque,
-                          &PyFrozenSet_Type, &skipped, &media)) {
+    if (!PyArg_ParseTuple(args, "OdO!O!L|O!:walk_tokens", &value, &ratio, &PyFrozenSet_Type, &opaque,
+                          &PyFrozenSet_Type, &skipped, &media, &PyList_Type, &into)) {
         return NULL;
     }
     if (!(ratio > 0.0) || media < 0) {
@@ -290,13 +294,13 @@ static PyObject *walk_tokens(PyObject *self, PyObject *args) {
     /* every count a whole number below TOKENS_MAX: exact in a double */
     double total = 0.0;
     Stack stack = {NULL, 0, 0};
-    int r = visit(value, ratio, &total, &stack);
+    int r = visit(value, ratio, &total, &stack, into);
     while (r == 0 && stack.size > 0) {
         PyObject *v = stack.items[--stack.size];
         if (PyList_CheckExact(v)) {
             Py_ssize_t n = PyList_GET_SIZE(v);
             for (Py_ssize_t i = 0; i < n && r == 0; i++) {
-                r = visit(PyList_GET_ITEM(v, i), ratio, &total, &stack);
+                r = visit(PyList_GET_ITEM(v, i), ratio, &total, &stack, into);
             }
             continue;
         }
@@ -342,7 +346,7 @@ static PyObject *walk_tokens(PyObject *self, PyObject *args) {
                 break;
             }
             if (!in) {
-                r = visit(x, ratio, &total, &stack);
+                r = visit(x, ratio, &total, &stack, into);
             }
         }
         if (total > TOKENS_MAX && r == 0) {
@@ -428,7 +432,7 @@ static PyMethodDef METHODS[] = {
      " -> (containers, elements, strings, depth, over)"},
     {"all_ints", all_ints, METH_O, "all_ints(list) -> bool: every item exactly an int"},
     {"walk_tokens", walk_tokens, METH_VARARGS,
-     "walk_tokens(value, ratio, opaque, skipped, media_tokens) -> int | None"},
+     "walk_tokens(value, ratio, opaque, skipped, media_tokens[, into]) -> int | None"},
     {"bad_message", bad_message, METH_VARARGS, "bad_message(messages, chat) -> int: the first refused, or -1"},
     {NULL, NULL, 0, NULL},
 };

@@ -12,8 +12,9 @@ def all_ints(value: list[Any], /) -> bool:
     """Whether every item is exactly an int (not a bool, float, str, container or None)."""
 
 def walk_tokens(value: Any, ratio: float, opaque: frozenset[str], skipped: frozenset[str], media_tokens: int,
-                /) -> int | None:
-    """``Estimator._walk`` with a characters-per-token ratio; None for a type orjson does not make."""
+                into: list[str] = ..., /) -> int | None:
+    """``Estimator._walk`` with a characters-per-token ratio; None for a type orjson does not make. With
+    ``into``, the strings are appended to it (for a tokenizer) and only the media parts' tokens returned."""
 
 def bad_message(messages: list[Any], chat: bool, /) -> int:
     """The index of the first message the estimate refuses, or -1."""

@@ -8,6 +8,9 @@ body being parsed; ordinary bodies — including a 4 MB prompt full of commas �
 from __future__ import annotations
 
 import contextlib
+import functools
+import tempfile
+from pathlib import Path
 from typing import Any
 from unittest.mock import patch
 
@@ -570,20 +573,33 @@ ODD_REQUEST = st.fixed_dictionaries({}, optional={
 })
 
 
+@functools.cache
+def _word_tokenizer() -> str:
+    """A small real tokenizer.json (words of the test alphabet, whitespace-split), made once."""
+    tokenizers = pytest.importorskip("tokenizers")
+    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel({"a": 0, "b": 1, "ab": 2, "[UNK]": 3}, unk_token="[UNK]"))
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    path = Path(tempfile.mkdtemp()) / "tokenizer.json"
+    tok.save(str(path))
+    return str(path)
+
+
 @settings(max_examples=500, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(doc=ODD_REQUEST, path=st.sampled_from(["/v1/chat/completions", "/v1/completions", "/v1/embeddings",
-                                              "/v1/responses"]))
-def test_the_estimate_is_the_same_with_its_c_loops_and_without(doc: dict[str, Any], path: str) -> None:
+                                              "/v1/responses"]), tokenizer=st.booleans())
+def test_the_estimate_is_the_same_with_its_c_loops_and_without(doc: dict[str, Any], path: str,
+                                                               tokenizer: bool) -> None:
     """The estimate's per-element loops in C (``walk_tokens``, ``bad_message``, ``all_ints``) answer what
     its Python loops answer — the same tokens, or the same 400 naming the same field — on well-formed
-    and odd messages, content parts, media parts, input lists and token-id lists alike."""
-
+    and odd messages, content parts, media parts, input lists and token-id lists alike; with a tokenizer
+    too (the C walk then gathers the strings: these bodies are within its exact budget)."""
     body = orjson.dumps(doc)
+    cfg = parse_config({"estimation": {"tokenizer_json": _word_tokenizer()}} if tokenizer else {})
     answers = []
     for native in (True, False):
         with contextlib.nullcontext() if native else intake.pure_python():
             try:
-                e = Estimator(parse_config({}).estimation).estimate(body, path=path, default_max_tokens=16)
+                e = Estimator(cfg.estimation).estimate(body, path=path, default_max_tokens=16)
                 answers.append((e.prompt_tokens, e.output_tokens))
             except Invalid as exc:
                 answers.append((exc.name, str(exc)))
