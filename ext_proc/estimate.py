@@ -94,74 +94,17 @@ class Estimate:
         return self.prompt_tokens + self.output_tokens
 
 
-TOKENIZE_CHARS = 8_192
-"""Characters of a request's text a configured tokenizer (``estimation.tokenizer_json``) encodes; the rest
-is counted at the characters per token it found in them. A tokenizer reads ~3 MB/s: a 4 MB prompt
-encoded whole cost 1.24 s of the event loop (attack42 F5), 65k short strings one call each about as
-much; 8k characters cost ~3 ms. Text is homogeneous enough that its first 8k characters say its ratio
-far better than the configured ``chars_per_token``."""
-
-
-class _Sampled:
-    """A tokenizer's count for one request: exact for its first :data:`TOKENIZE_CHARS` characters, then
-    at the ratio those showed (or ``chars_per_token`` before any), the rounding carried over from string to
-    string (20k short strings each rounded up counted 59k tokens for 40k). One per estimate, so a
-    request's budget is its own."""
-
-    __slots__ = ("_chars", "_counted", "_encode", "_left", "_over", "_ratio", "_tokens")
-
-    def __init__(self, encode: Callable[[str], int], ratio: float) -> None:
-        self._encode, self._left, self._chars, self._tokens, self._ratio = encode, TOKENIZE_CHARS, 0, 0, ratio
-        self._over = 0  # characters counted at the ratio
-        self._counted = 0  # tokens answered for them
-
-    def __call__(self, text: str) -> int:
-        n = len(text)
-        if n == 0:
-            return 0
-        if n <= self._left:
-            t = self._encode(text)
-            self._left -= n
-            self._chars += n
-            self._tokens += t
-            return t
-        if self._left > 0:  # (the part that fits: encoded, and the whole counted at what it showed)
-            self._tokens += self._encode(text[:self._left])
-            self._chars += self._left
-            self._left = 0
-        return self._at_ratio(n)
-
-    def many(self, strings: list[str]) -> int:
-        """The tokens of many strings: a call each within the budget (at most :data:`TOKENIZE_CHARS` of
-        them), the rest in one sum of their lengths."""
-        strings = list(filter(None, strings))  # (an empty string is no token, and no tokenizer call)
-        total, i, end = 0, 0, len(strings)
-        while i < end and self._left > 0:
-            total += self(strings[i])
-            i += 1
-        return total + (self._at_ratio(sum(map(len, strings[i:]))) if i < end else 0)
-
-    def _at_ratio(self, n: int) -> int:
-        self._over += n
-        total = math.ceil(self._over * self._tokens / self._chars) if self._tokens else \
-            math.ceil(self._over / self._ratio)
-        t, self._counted = total - self._counted, total
-        return t
-
-
 class Estimator:
     def __init__(self, cfg: Estimation, limits: Limits | None = None) -> None:
         self._ratio = cfg.chars_per_token
         self._per_message = cfg.per_message_tokens
         self._limits = limits if limits is not None else Limits()
-        self._tokenize: Callable[[str], int] | None = None
+        self._encode: Callable[[str], int] | None = None
         if cfg.tokenizer_json is not None:
             from tokenizers import Tokenizer
 
             tok = Tokenizer.from_file(str(cfg.tokenizer_json))
-            self._tokenize = lambda s: len(tok.encode(s, add_special_tokens=False).ids)
-        self._encode: _Sampled | None = None
-        """The count of the request being estimated (None without a tokenizer)."""
+            self._encode = lambda s: len(tok.encode(s, add_special_tokens=False).ids)
 
     def text_tokens(self, chars: int, text: str | None = None) -> int:
         if self._encode is not None and text is not None:
@@ -182,8 +125,6 @@ class Estimator:
         arrays), spares the nesting check a pass over the body when it is no more than
         :data:`MAX_JSON_DEPTH`.
         """
-        if self._tokenize is not None:  # (the estimator runs on the one event loop: a request at a time)
-            self._encode = _Sampled(self._tokenize, self._ratio)
         route = route_of(path)
         generates = _generates(path, route)
         limits = self._limits
@@ -294,9 +235,10 @@ class Estimator:
         if _batch(value) > 1:
             if type(value[0]) is not str:
                 return max(map(len, value))  # (token-id lists: the prompt's own check made them so)
-            # the longest string's tokens, not each string's (65k inputs cost 11 ms one call each)
-            longest = max(value, key=len)
-            return self.text_tokens(len(longest), longest)
+            if self._encode is None:
+                # the longest string's tokens, not each string's (65k inputs cost 11 ms one call each)
+                return self.text_tokens(max(map(len, value)))
+            return max(map(self._encode, value))
         return self._token_input(value, "input")
 
     def _count(self, doc: dict[str, Any], name: str) -> int:
@@ -365,14 +307,15 @@ class Estimator:
 
     def _walk_c(self, value: Any) -> int | None:
         """:meth:`_walk` in C (None: without the extension, or for a type orjson does not make); with a
-        tokenizer the C walk gathers the strings and :meth:`_Sampled.many` counts them."""
+        tokenizer the C walk gathers the strings and the tokenizer counts each (exactly: spend budgets
+        rely on a prompt estimate not below the real prompt)."""
         if _walk_tokens is None:
             return None
         if self._encode is None:
             return _walk_tokens(value, self._ratio, _OPAQUE_PARTS, _SKIPPED_KEYS, IMAGE_PART_TOKENS)
         strings: list[str] = []
         media = _walk_tokens(value, 1.0, _OPAQUE_PARTS, _SKIPPED_KEYS, IMAGE_PART_TOKENS, strings)
-        return None if media is None else media + self._encode.many(strings)
+        return None if media is None else media + sum(map(self._encode, filter(None, strings)))
 
     def _tools(self, doc: dict[str, Any]) -> int:
         return self._walk(doc.get("tools"))
@@ -444,7 +387,7 @@ class Estimator:
         kinds = set(map(type, value))
         if kinds <= _STR:
             if self._encode is not None:
-                return self._encode.many(value)
+                return sum(map(self._encode, filter(None, value)))
             walked = self._walk_c(value)
             return walked if walked is not None else sum(self.text_tokens(len(x), x) for x in value)
         if kinds == _INT:
@@ -459,8 +402,9 @@ class Estimator:
         flat. Iterative: the client's nesting never becomes Python recursion (and was checked before,
         :func:`nesting_exceeds`). orjson makes exact dicts, lists and strs, so ``type(x) is`` suffices.
 
-        In C (``_jsonscan.walk_tokens``, the same rules) where the extension was built and no tokenizer is
-        loaded: at 1-2 µs a container in Python, 16k messages of an unusual shape cost 27-38 ms. The
+        In C (``_jsonscan.walk_tokens``, the same rules) where the extension was built (:meth:`_walk_c`;
+        with a tokenizer it gathers the strings): at 1-2 µs a container in Python, 16k messages of an
+        unusual shape cost 27-38 ms. The
         loop below is the fallback and the reference the tests hold the C walk to. Why it is written
         so: the strings are gathered and counted at the end by length (``Counter``), and an object
         without a media or ``type``/``role`` key is read through ``values()`` without a copy."""
@@ -510,7 +454,7 @@ class Estimator:
                 elif t is dict or t is list:
                     push(x)
         if self._encode is not None:
-            return total + self._encode.many(strings)
+            return total + sum(map(self._encode, filter(None, strings)))
         # the same ceil(len / ratio) per string, once per distinct length (strings of distinct lengths
         # need their squares' bytes: a 4 MiB body has fewer than 3,000 of them)
         ratio = self._ratio
