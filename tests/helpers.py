@@ -125,3 +125,12 @@ def read_pair(core: Any, at: float, **reading: Any) -> None:
 
     for a in PAIR:
         core.snapshot(a, Snapshot(node="n", at=at, ok=True, **reading))
+
+
+def json_depth(value: Any) -> int:
+    """The nesting of a parsed document, the top-level container being level 1 (a reference, by recursion)."""
+    if isinstance(value, dict):
+        return 1 + max(map(json_depth, value.values()), default=0)
+    if isinstance(value, list):
+        return 1 + max(map(json_depth, value), default=0)
+    return 0

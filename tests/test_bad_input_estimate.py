@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 from ext_proc.config import Estimation, Limits
 from ext_proc.estimate import IMAGE_PART_TOKENS, MAX_JSON_DEPTH, Estimator, nesting_exceeds, route_of
 from ext_proc.reasons import Invalid
+from tests.helpers import json_depth
 
 E = Estimator(Estimation(chars_per_token=4.0, per_message_tokens=4))
 CHAT = "/v1/chat/completions"
@@ -58,13 +59,6 @@ def test_nesting_up_to_the_limit_is_fine() -> None:
         est({"messages": [USER], "tools": [[[[value]]]]})
 
 
-def _depth(value: Any) -> int:
-    """The nesting of a parsed document, the top-level container being level 1 (a reference, by recursion)."""
-    if isinstance(value, dict):
-        return 1 + max(map(_depth, value.values()), default=0)
-    if isinstance(value, list):
-        return 1 + max(map(_depth, value), default=0)
-    return 0
 
 
 # strings made of what could fool a count from the bytes: brackets, quotes, backslashes and escape letters
@@ -84,10 +78,10 @@ def test_nesting_from_the_bytes_is_the_documents_own(doc: Any, limit: int, pad: 
     if pad:  # indentation and brackets inside a string before the rest
         body = b'[ "]]]]{{\\\\", \n ' + orjson.dumps(doc, option=orjson.OPT_INDENT_2) + b"]"
         doc = ["]]]]{{\\", doc]
-    assert nesting_exceeds(body, limit) == (_depth(doc) > limit)
+    assert nesting_exceeds(body, limit) == (json_depth(doc) > limit)
 
 
-def test_brackets_inside_strings_neither_hide_nor_fake_depth() -> None:
+def test_brackets_inside_strings_neither_hide_nor_fakejson_depth() -> None:
     deep = b"[" * (MAX_JSON_DEPTH - 2) + b"]" * (MAX_JSON_DEPTH - 2)  # with the object and the tools list: 64
     closers = b'"' + b"]}" * 300 + b'\\"\\\\"'  # a string of closing brackets and escapes before the nest
     body = b'{"tools": [' + closers + b", [" + deep + b"]]}"  # 65 levels

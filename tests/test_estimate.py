@@ -94,13 +94,18 @@ def test_bad_max_tokens_are_a_400_naming_the_parameter(name: str, value: object)
     assert e.value.rejection().status == 400
 
 
-def test_local_tokenizer_json_counts_real_tokens(tmp_path: Path) -> None:
+def _hello_world(tmp_path: Path) -> Estimator:
+    """An estimator with a real (tiny) tokenizer.json: the words "hello" and "world", whitespace-split."""
     tokenizers = pytest.importorskip("tokenizers")
     tok = tokenizers.Tokenizer(tokenizers.models.WordLevel({"hello": 0, "world": 1, "[UNK]": 2}, unk_token="[UNK]"))
     tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
     path = tmp_path / "tokenizer.json"
     tok.save(str(path))
-    e = Estimator(Estimation(tokenizer_json=path, per_message_tokens=0))
+    return Estimator(Estimation(tokenizer_json=path, per_message_tokens=0))
+
+
+def test_local_tokenizer_json_counts_real_tokens(tmp_path: Path) -> None:
+    e = _hello_world(tmp_path)
     r = e.estimate(json.dumps({"input": "hello world hello world hello"}).encode(), path="/v1/embeddings",
                    default_max_tokens=1)
     assert r.prompt_tokens == 5  # five words, where the char ratio would say 8
@@ -152,12 +157,7 @@ def test_a_tokenizer_counts_exactly_through_the_c_walk(tmp_path: Path) -> None:
     prompt): the C walk gathers the strings of messages and inputs, the tokenizer counts each. A prefix
     sample counted at its ratio was tried and dropped: one long word in front of 200k real tokens made
     the estimate 148 (review44)."""
-    tokenizers = pytest.importorskip("tokenizers")
-    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel({"hello": 0, "world": 1, "[UNK]": 2}, unk_token="[UNK]"))
-    tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
-    path = tmp_path / "tokenizer.json"
-    tok.save(str(path))
-    e = Estimator(Estimation(tokenizer_json=path, per_message_tokens=0))
+    e = _hello_world(tmp_path)
     word = "x" * 8192
     for body, route, want in (
             ({"input": word + " " + "hello world " * 20_000}, "/v1/embeddings", 40_001),

@@ -26,7 +26,7 @@ from ext_proc.estimate import Estimator
 from ext_proc.identity import hash_key
 from ext_proc.intake import DEFAULT_ELEMENTS, Caps, caps_for, scan
 from ext_proc.reasons import Invalid
-from tests.helpers import FakeClock
+from tests.helpers import FakeClock, json_depth
 
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
@@ -247,14 +247,6 @@ JSON = st.recursive(
 )
 
 
-def real_depth(doc: Any) -> int:
-    if isinstance(doc, dict):
-        return 1 + max(map(real_depth, doc.values()), default=0)
-    if isinstance(doc, list):
-        return 1 + max(map(real_depth, doc), default=0)
-    return 0
-
-
 @settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(doc=JSON, elements=st.integers(1, 60), containers=st.integers(1, 20), strings=st.integers(1, 30))
 def test_scan_refuses_exactly_the_bodies_over_a_cap(doc: Any, elements: int, containers: int, strings: int) -> None:
@@ -275,7 +267,7 @@ def test_scan_refuses_exactly_the_bodies_over_a_cap(doc: Any, elements: int, con
                 assert not over, (body, caps, (e, c, s))
                 # what the estimate's nesting check trusts: never less than the nesting — the C pass's
                 # exact depth, the Python pass's count of objects and arrays
-                assert counted is None or counted == (real_depth(doc) if native else counted) >= real_depth(doc)
+                assert counted is None or counted == (json_depth(doc) if native else counted) >= json_depth(doc)
                 assert native or counted is None or counted >= c
 
 
