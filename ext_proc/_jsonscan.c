@@ -38,6 +38,11 @@ enum { OVER_ELEMENTS = 1, OVER_CONTAINERS, OVER_STRINGS, OVER_DEPTH, OVER_OUTSID
  * (262k ids padded with spaces to 4 MiB cost orjson 8 ms when it did not count at all). */
 #define WHITESPACE_SHARE 8
 
+/* The bytes outside strings at index `at`, as max_outside counts them. */
+static inline Py_ssize_t outside(Py_ssize_t at, Py_ssize_t inside, Py_ssize_t blank) {
+    return at - inside - blank + blank / WHITESPACE_SHARE;
+}
+
 /* What the pass outside strings does with a byte: SKIP it, count it as WHITESPACE, or STOP there */
 enum { SKIP = 0, WHITESPACE = 1, STOP = 2 };
 static unsigned char CLASS[256];
@@ -126,7 +131,7 @@ static PyObject *scan(PyObject *self, PyObject *args) {
                 blank++;
             }
         }
-        if (at - inside - blank + blank / WHITESPACE_SHARE > max_outside) {
+        if (outside(at, inside, blank) > max_outside) {
             over = OVER_OUTSIDE;
             break;
         }
@@ -196,7 +201,7 @@ static PyObject *scan(PyObject *self, PyObject *args) {
         }
         }
     }
-    if (!over && size - inside - blank + blank / WHITESPACE_SHARE > max_outside) { /* (after the last stop) */
+    if (!over && outside(size, inside, blank) > max_outside) { /* (the bytes after the last stop) */
         over = OVER_OUTSIDE;
     }
 done:

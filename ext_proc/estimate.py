@@ -386,8 +386,6 @@ class Estimator:
         # in a fraction of a Python loop's time. orjson makes exact str/int/list (a bool is not an int)
         kinds = set(map(type, value))
         if kinds <= _STR:
-            if self._encode is not None:
-                return sum(map(self._encode, filter(None, value)))
             walked = self._walk_c(value)
             return walked if walked is not None else sum(self.text_tokens(len(x), x) for x in value)
         if kinds == _INT:
@@ -404,10 +402,10 @@ class Estimator:
 
         In C (``_jsonscan.walk_tokens``, the same rules) where the extension was built (:meth:`_walk_c`;
         with a tokenizer it gathers the strings): at 1-2 µs a container in Python, 16k messages of an
-        unusual shape cost 27-38 ms. The
-        loop below is the fallback and the reference the tests hold the C walk to. Why it is written
-        so: the strings are gathered and counted at the end by length (``Counter``), and an object
-        without a media or ``type``/``role`` key is read through ``values()`` without a copy."""
+        unusual shape cost 27-38 ms. The loop below is the fallback and the reference the tests hold the
+        C walk to. Why it is written so: the strings are gathered and counted at the end by length
+        (``Counter``), and an object without a media or ``type``/``role`` key is read through
+        ``values()`` without a copy."""
         walked = self._walk_c(value)
         if walked is not None:  # (None: a type orjson does not make — the loop below decides)
             return walked

@@ -35,6 +35,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Protocol
 
+from . import estimate as _estimate
 from .config import Config, Limits, Tenant
 from .estimate import MAX_JSON_DEPTH, Estimate, Estimator, route_of, too_deep
 from .identity import Identifier
@@ -99,7 +100,8 @@ class Caps:
     containers: int = MAX_CONTAINERS
     strings: int = MAX_STRINGS
     outside: int | None = None
-    """Bytes outside strings but whitespace (None: :data:`OUTSIDE_BYTES_PER_ELEMENT` x ``elements``)."""
+    """Bytes outside strings, whitespace an eighth each (None: :data:`OUTSIDE_BYTES_PER_ELEMENT` x
+    ``elements``)."""
     fractions: int = MAX_FRACTIONS
 
     @property
@@ -141,11 +143,9 @@ class Costly(Invalid):
 def pure_python() -> Iterator[None]:
     """Intake and the estimate as an install without the C extension runs them, their Python loops, for
     as long as this lasts (``kvgate bench intake --pure-python``, the tests that hold C to Python)."""
-    from . import estimate
-
     saved = [(m, name, getattr(m, name)) for m, name in ((sys.modules[__name__], "_native"),
-                                                          (estimate, "_walk_tokens"), (estimate, "_bad_message"),
-                                                          (estimate, "_all_ints"))]
+                                                          (_estimate, "_walk_tokens"), (_estimate, "_bad_message"),
+                                                          (_estimate, "_all_ints"))]
     try:
         for m, name, _ in saved:
             setattr(m, name, None)
