@@ -3,10 +3,16 @@
 from typing import Any
 
 def scan(body: bytes, max_elements: int, max_containers: int, max_strings: int, max_depth: int, max_outside: int,
-         max_fractions: int, /) -> tuple[int, int, int, int, int]:
-    """(containers, elements, strings, depth, over): counts outside strings; ``over`` 0, or the cap passed
-    (1 elements, 2 containers, 3 strings, 4 depth, 5 bytes outside strings, whitespace an eighth each,
-    6 non-integer numbers), where the pass stopped."""
+         max_fractions: int, /) -> tuple[int, int, int, int, int, int, int]:
+    """(containers, elements, strings, depth, over, keys, escapes): counts outside strings; ``over`` 0, or
+    the cap passed (1 elements, 2 containers, 3 strings, 4 depth, 5 bytes outside strings, whitespace an
+    eighth each, 6 non-integer numbers), where the pass stopped; ``keys`` the strings followed by a colon,
+    ``escapes`` the backslashes inside strings."""
+
+def token_ids(body: bytes, key: bytes, /) -> tuple[int, int, int, int, int] | None:
+    """(start, end, lists, total, longest): the top-level member ``key`` when it is a list of integers
+    (lists -1) or a list of lists of integers; None otherwise, or when the key is written with escapes or
+    given twice."""
 
 def all_ints(value: list[Any], /) -> bool:
     """Whether every item is exactly an int (not a bool, float, str, container or None)."""

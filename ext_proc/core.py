@@ -31,8 +31,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-import orjson
-
 from gpu_probe.snapshot import Snapshot
 
 from . import logs
@@ -41,6 +39,7 @@ from .bounds import Expiring, shown
 from .breaker import State, open_cause
 from .budgets import Account
 from .config import Config, Tenant
+from .document import dumps
 from .estimate import Estimate, Estimator
 from .identity import Identifier
 from .intake import Intake, charge_for
@@ -458,7 +457,7 @@ class Core:
             # gateway's limits.max_output_tokens (red team: 4,700 tokens past a cap of 4,096)
             doc[_OUTPUT_CAPS[est.route][0]] = cap
             mutated = True
-        return (orjson.dumps(doc) if mutated else None), strip
+        return (dumps(doc) if mutated else None), strip
 
     def headers(self, authorization: str | None, trusted: str | None = None, path: str = "") -> Answer:
         """Bodyless routes (GET /v1/models, /health): identity only, no quota; a live node when kvgate

@@ -23,6 +23,7 @@ from typing import Any, Literal
 import orjson
 
 from .config import Estimation, Limits
+from .document import LOOK, Found, TokenIds, loads
 from .reasons import Invalid
 
 try:  # intake's C extension (``_jsonscan.c``): the per-element loops below at C speed
@@ -112,7 +113,7 @@ class Estimator:
         return math.ceil(chars / self._ratio)
 
     def estimate(self, body: bytes, *, path: str, default_max_tokens: int,
-                 depth_bound: int | None = None) -> Estimate:
+                 depth_bound: int | None = None, ids: Found | None = LOOK) -> Estimate:
         """Estimate a request from its raw body and its path (query string allowed).
 
         Chat/completions/responses reserve output tokens; embeddings reserve none. A JSON body that is
@@ -123,7 +124,8 @@ class Estimator:
         what the parse and the walks below can cost; what it returns, given as ``depth_bound`` (an upper
         bound on the nesting: the C pass's exact depth, or the pure-Python pass's count of objects and
         arrays), spares the nesting check a pass over the body when it is no more than
-        :data:`MAX_JSON_DEPTH`.
+        :data:`MAX_JSON_DEPTH`. ``ids`` is ``document.find_ids``'s answer where intake has it (a large
+        token-id prompt is kept raw, ``document.py``).
         """
         route = route_of(path)
         generates = _generates(path, route)
@@ -133,7 +135,7 @@ class Estimator:
         doc: Any = None
         if body:
             try:
-                doc, is_json = orjson.loads(body), True
+                doc, is_json = loads(body, route, ids), True
             except orjson.JSONDecodeError as e:
                 if route is not None:
                     # never "not JSON, pass it on" on an inference route: Python's json (FastAPI inside
@@ -232,6 +234,8 @@ class Estimator:
     def _longest(self, value: Any) -> int:
         """Tokens of the longest item of a batch (a list of strings or of token-id lists; anything else
         is one item): each is its own sequence, and only it must fit the context."""
+        if type(value) is TokenIds:
+            return value.longest
         if _batch(value) > 1:
             if type(value[0]) is not str:
                 return max(map(len, value))  # (token-id lists: the prompt's own check made them so)
@@ -376,6 +380,8 @@ class Estimator:
             return 0
         if isinstance(value, str):
             return self.text_tokens(len(value), value)
+        if type(value) is TokenIds:  # (read in C, every item an id: ``document.py``)
+            return value.total
         bad = Invalid("invalid-body", f"'{param}' must be a string, a list of strings, a list of token ids or a "
                       f"list of token-id lists.", param)
         if not isinstance(value, list):
@@ -627,6 +633,8 @@ def _context(prompt: int, output: int, ctx: int, param: str) -> Invalid:
 def _batch(prompt: Any) -> int:
     """How many prompts a completions ``prompt`` holds: a list of strings or of token-id lists is a
     batch (one sequence each); a string or a list of token ids is one."""
+    if type(prompt) is TokenIds:
+        return prompt.prompts
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
         return len(prompt)
     return 1

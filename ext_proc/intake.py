@@ -35,8 +35,10 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Protocol
 
+from . import document as _document
 from . import estimate as _estimate
 from .config import Config, Limits, Tenant
+from .document import Found, find_ids
 from .estimate import MAX_JSON_DEPTH, Estimate, Estimator, route_of, too_deep
 from .identity import Identifier
 from .reasons import UNKNOWN_KEY, Invalid, Rejection
@@ -64,6 +66,40 @@ MAX_FRACTIONS = 65_536
 """Most non-integer numbers (a ``.`` or an exponent) a body may hold: sampling parameters hold a few, a
 ``logit_bias`` of floats or tool schemas with float bounds tens of thousands; 166k floats cost orjson
 8 ms. Counted by the C pass only."""
+COST_MS = 4.8
+"""What reading one body may cost, in milliseconds of CPU on the machine the weights were measured on
+(:data:`WEIGHTS`), per 4 MiB of ``limits.max_body_bytes`` (never less). Each cap above bounds one kind of
+element; this bounds their sum — a body just under two caps at once cost 7.5-12.7 ms before it. Counted
+by the C pass only."""
+MIB4 = 4 * 1024 * 1024
+
+
+@dataclass(frozen=True, slots=True)
+class Weights:
+    """Nanoseconds of kvgate CPU (scan, parse, estimate, freeing) one of each costs, measured through the
+    production ``Core`` on a 2-core CI-class machine over ~50 body shapes at three sizes each; each
+    weight the most its shapes needed (distinct keys, lists of numbers), so that a mix of them is not
+    under-counted by more than ~15%. ``kvgate bench intake`` prints what bodies at the budget cost."""
+
+    byte: float = 0.62
+    element: float = 5.7
+    number: float = 14.0
+    """An integer or float outside a token-id prompt: a Python object each."""
+    array: float = 120.0
+    """A list: the dearest container (a list of numbers, built item by item)."""
+    object: float = 45.0
+    string: float = 30.0
+    """A string value (a key is counted as a key)."""
+    key: float = 70.0
+    """A key: its string, its hash, its slot (a distinct key is dearer than a repeated one: the dearer is
+    counted)."""
+    escape: float = 1.5
+    unicode_escape: float = 2.6
+    token_id: float = 1.8
+    """An id of a token-id prompt, read in place (``document.py``)."""
+
+
+WEIGHTS = Weights()
 CHARGE_BYTES = 65_536
 """A refused body costs its sender one request per this many bytes (:func:`charge_for`): about what
 an ordinary decision costs, read at the scan's speed."""
@@ -80,7 +116,7 @@ _ESCAPABLE = b'",[{\\/bfnrtu'
 stay pairs once everything else is dropped, so an escaped quote is never taken for a delimiter."""
 _DROP_BUT_ESCAPABLE = bytes(c for c in range(256) if c not in _ESCAPABLE)
 
-_native: Callable[[bytes, int, int, int, int, int, int], tuple[int, int, int, int, int]] | None
+_native: Callable[[bytes, int, int, int, int, int, int], tuple[int, ...]] | None
 try:
     from ._jsonscan import scan as _native
 except ImportError:  # installed without a C compiler (the extension is optional): scan_bytes, slower
@@ -103,6 +139,8 @@ class Caps:
     """Bytes outside strings, whitespace an eighth each (None: :data:`OUTSIDE_BYTES_PER_ELEMENT` x
     ``elements``)."""
     fractions: int = MAX_FRACTIONS
+    cost_ns: float = COST_MS * 1e6
+    """What reading a body may cost (:data:`COST_MS`, :class:`Weights`)."""
 
     @property
     def outside_bytes(self) -> int:
@@ -121,7 +159,8 @@ def caps_for(limits: Limits) -> Caps:
     than the default's 256k (never lower: a batch of embedding inputs, 2,048 of 64 token ids, holds
     131k elements whatever the context — review: refused with an 8k context)."""
     ctx = limits.model_context_tokens
-    return Caps(elements=max(DEFAULT_ELEMENTS, ctx + MIN_ELEMENTS) if ctx is not None else DEFAULT_ELEMENTS)
+    return Caps(elements=max(DEFAULT_ELEMENTS, ctx + MIN_ELEMENTS) if ctx is not None else DEFAULT_ELEMENTS,
+                cost_ns=COST_MS * 1e6 * max(1.0, limits.max_body_bytes / MIB4))
 
 
 def charge_for(size: int) -> int:
@@ -145,7 +184,7 @@ def pure_python() -> Iterator[None]:
     as long as this lasts (``kvgate bench intake --pure-python``, the tests that hold C to Python)."""
     saved = [(m, name, getattr(m, name)) for m, name in ((sys.modules[__name__], "_native"),
                                                           (_estimate, "_walk_tokens"), (_estimate, "_bad_message"),
-                                                          (_estimate, "_all_ints"))]
+                                                          (_estimate, "_all_ints"), (_document, "_token_ids"))]
     try:
         for m, name, _ in saved:
             setattr(m, name, None)
@@ -155,25 +194,33 @@ def pure_python() -> Iterator[None]:
             setattr(m, name, value)
 
 
-def scan(body: bytes, caps: Caps) -> int | None:
+def scan(body: bytes, caps: Caps, route: str | None = None) -> int | None:
     """Refuse a body with more JSON elements, containers, strings, nesting or number bytes than ``caps``
-    allow, without parsing it (raises :class:`Invalid` ``body-too-complex``; :class:`Costly` for the
-    caps only the C pass counts). Returns an upper
-    bound on its nesting, for the estimate's nesting check (:func:`~ext_proc.estimate.nesting_exceeds`,
-    skipped when no deeper nesting is possible); None for a body too small to be counted.
+    allow, or that would cost more to read than ``caps.cost_ns``, without parsing it (raises
+    :class:`Invalid` ``body-too-complex``; :class:`Costly` for what only the C pass counts). Returns an
+    upper bound on its nesting, for the estimate's nesting check (:func:`~ext_proc.estimate.nesting_exceeds`,
+    skipped when no deeper nesting is possible); None for a body too small to be counted. (``route``: as
+    :func:`scan_and_find`.)
 
     One pass in C (``_jsonscan.c``) where the extension was built: it tells strings apart exactly,
     escapes included, stops at the first cap passed, and also refuses what is nested deeper than
-    :data:`~ext_proc.estimate.MAX_JSON_DEPTH` (the estimate's own 400) and the number-heavy bodies that
-    cost orjson most (``caps.outside_bytes``, ``caps.fractions``); it returns the exact depth. Else
-    :func:`scan_bytes`, which counts the first three caps only and returns the count of objects and
-    arrays."""
+    :data:`~ext_proc.estimate.MAX_JSON_DEPTH` (the estimate's own 400), the number-heavy bodies that
+    cost orjson most (``caps.outside_bytes``, ``caps.fractions``), and a body whose counts together cost
+    more than the budget (:func:`cost`); it returns the exact depth. Else :func:`scan_bytes`, which
+    counts the first three caps only and returns the count of objects and arrays."""
+    return scan_and_find(body, caps, route)[0]
+
+
+def scan_and_find(body: bytes, caps: Caps, route: str | None) -> tuple[int | None, Found | None]:
+    """:func:`scan`, and the token-id member of a body of ``route`` (``document.find_ids``, looked for only
+    in a body within the caps): its ids are read in place, and the cost budget counts them so."""
     if len(body) <= caps.small:
-        return None
+        return None, None
     if _native is None:
-        return scan_bytes(body, caps)
-    _, _, _, depth, over = _native(body, caps.elements, caps.containers, caps.strings, MAX_JSON_DEPTH,
-                                   caps.outside_bytes, caps.fractions)
+        return scan_bytes(body, caps), None
+    counts = _native(body, caps.elements, caps.containers, caps.strings, MAX_JSON_DEPTH, caps.outside_bytes,
+                     caps.fractions)
+    depth, over = counts[3], counts[4]
     if over == _OVER_STRINGS:
         raise _too_complex(f"more than {caps.strings} strings", caps.strings)
     if over == _OVER_CONTAINERS:
@@ -192,7 +239,26 @@ def scan(body: bytes, caps: Caps) -> int | None:
                      f"this gateway reads at most {caps.fractions}.")
     if over:
         raise ValueError(f"_jsonscan.scan: unknown cap {over}")
-    return depth
+    ids = find_ids(body, route)
+    ns = cost(counts, len(body), ids)
+    if ns > caps.cost_ns:
+        containers, _, strings, _, _, keys, escapes, _, _, numbers, _ = counts
+        raise Costly("body-too-complex", f"The request body holds too much to read at once ({containers} objects and "
+                     f"arrays, {strings} strings of which {keys} keys, {numbers} numbers, {escapes} escapes in "
+                     f"{len(body)} bytes: about {ns / 1e6:.1f} ms of work); this gateway reads about "
+                     f"{caps.cost_ns / 1e6:.1f} ms per request (it follows limits.max_body_bytes). Send fewer "
+                     "elements, or the prompt as text.")
+    return depth, ids
+
+
+def cost(counts: tuple[int, ...], size: int, ids: Found | None = None, w: Weights = WEIGHTS) -> float:
+    """What reading a body of ``size`` bytes costs, in nanoseconds (:class:`Weights`), from the C pass's
+    counts and the token-id member ``document.find_ids`` found (its ids read in place, not parsed)."""
+    containers, elements, strings, _, _, keys, escapes, unicode, _, numbers, arrays = counts
+    id_count, id_lists = (ids[3], max(ids[2], 0)) if ids is not None else (0, 0)
+    return (w.byte * size + w.element * (elements - id_count - id_lists) + w.number * (numbers - id_count)
+            + w.array * (arrays - id_lists) + w.object * (containers - arrays) + w.string * (strings - keys)
+            + w.key * keys + w.escape * (escapes - unicode) + w.unicode_escape * unicode + w.token_id * id_count)
 
 
 def scan_bytes(body: bytes, caps: Caps) -> int | None:
@@ -314,14 +380,15 @@ class Intake:
             read = True
             default_max = (tenant.default_max_tokens if tenant else None) or \
                 self._config.estimation.default_max_tokens
-            try:
-                depth = scan(body, self.caps)  # (any path: a hand-written route may lead here too)
+            route = route_of(path)
+            try:  # (any path: a hand-written route may lead here too)
+                depth, ids = scan_and_find(body, self.caps, route)
             except Costly:
-                if route_of(path) is not None:
+                if route is not None:
                     raise
                 return Taken(tenant, self._estimator.unparsed(body, path=path, default_max_tokens=default_max))
             return Taken(tenant, self._estimator.estimate(body, path=path, default_max_tokens=default_max,
-                                                          depth_bound=depth))
+                                                          depth_bound=depth, ids=ids))
         except Invalid as e:
             if read and tenant is not None:
                 self._precheck(tenant, size, charge=charge_for(size))  # the reading is charged to the sender

@@ -33,6 +33,8 @@ from collections import OrderedDict
 from collections.abc import Collection, Sequence
 from typing import Any
 
+from .document import TokenIds
+
 SEGMENT_BLOCK_TOKENS = 128
 """Tokens per index block in virtual time (segments), by default: ``block_chars`` / 4."""
 SWEEP_EXTRA = 16
@@ -70,6 +72,8 @@ def text_of(doc: dict[str, Any] | None, limit: int = 1 << 62) -> str:
         p = doc.get(key)
         if isinstance(p, str):
             return p
+        if type(p) is TokenIds:  # (kept raw: ``document.py``)
+            return ",".join(map(str, p.head(limit // 2 + 1)))
         if isinstance(p, list) and p:
             # a token-id prompt: its first ``limit // 2 + 1`` ids give at least ``limit`` characters (an
             # id and its comma), all the chain reads (joining a 200k-id prompt whole cost more than

@@ -152,9 +152,9 @@ def test_an_empty_body_on_an_inference_route_is_missing_body() -> None:
 class Counting(Estimator):
     calls = 0
 
-    def estimate(self, body: bytes, *, path: str, default_max_tokens: int, depth_bound: int | None = None) -> Any:
+    def estimate(self, body: bytes, *, path: str, default_max_tokens: int, **kw: Any) -> Any:
         Counting.calls += 1
-        return super().estimate(body, path=path, default_max_tokens=default_max_tokens, depth_bound=depth_bound)
+        return super().estimate(body, path=path, default_max_tokens=default_max_tokens, **kw)
 
 
 def counted(core: Core) -> Core:
@@ -293,7 +293,7 @@ def test_the_c_pass_counts_bytes_outside_strings_and_non_integer_numbers_exactly
     real_outside = compact + blank // 8
     real_fractions = sum(1 for x in _numbers_of(doc) if isinstance(x, float))
     big = 1 << 30
-    *_, over = intake._native(body, big, big, big, big, outside, fractions)
+    over = intake._native(body, big, big, big, big, outside, fractions)[4]
     # it stops at the first cap passed, in the order it reads the body: either may be named
     passed = {5} if real_outside > outside else set()
     passed |= {6} if real_fractions > fractions else set()
@@ -327,25 +327,30 @@ def test_the_c_scan_is_built_and_counts_outside_strings_only() -> None:
     big = 1 << 20
 
     def run(body: bytes, elements: int = big, containers: int = big, strings: int = big, depth: int = big,
-            outside: int = big, fractions: int = big) -> tuple[int, int, int, int, int]:
+            outside: int = big, fractions: int = big) -> tuple[int, ...]:
         assert intake._native is not None
         return intake._native(body, elements, containers, strings, depth, outside, fractions)
 
+    # what the cost budget reads: keys (a string before a colon), escapes (\u ones apart), non-integer
+    # numbers, numbers (a digit or '-' starting a token: a float's exponent is one more), arrays
+    counts = run(b'{"k" : [1, -2, 3.5e-3, true, null, "1\\n\\u00e9"], "o": {"p": {}}}')
+    assert counts[5:] == (3, 2, 1, 1, 5, 1)  # (keys, escapes, unicode escapes, fractions, numbers, arrays)
+
     body = b'{"a":[1,2,{}],"b":"x,\\\"{[","c":"\\"}'  # an escaped backslash, then a quote
-    assert run(body) == (3, 7, 5, 3, 0)  # (containers, elements, strings, depth, over)
+    assert run(body)[:5] == (3, 7, 5, 3, 0)  # (containers, elements, strings, depth, over)
     # it stops at the first cap passed and says which
     assert run(b"[" + b"{}," * 10 + b"{}]", containers=5)[4] == 2
     assert run(b"[" + b"1," * 10 + b"1]", elements=5)[4] == 1
     assert run(b'["a","b","c"]', strings=2)[4] == 3
-    assert run(b"[[[[]]]]", depth=3)[4] == 4 and run(b"[[[]],[[]]]", depth=3) == (5, 6, 0, 3, 0)
+    assert run(b"[[[[]]]]", depth=3)[4] == 4 and run(b"[[[]],[[]]]", depth=3)[:5] == (5, 6, 0, 3, 0)
     assert run(b"[1,2.5]", outside=6)[4] == 5 and run(b'["      "]', outside=4)[4] == 0
     assert run(b"[\n      1,\n      2\n]", outside=6)[4] == 0  # (whitespace: an eighth of a byte each, 16 -> 2)
     assert run(b"[\n      1,\n      2\n ]", outside=6)[4] == 5
     assert run(b"[1.5,2e3,3.5e-3,true,false,1E9]", fractions=4)[4] == 0
     assert run(b"[1.5,2e3,3.5e-3,true,false,1E9,7.0]", fractions=4)[4] == 6
     # an unterminated string or a lone backslash at the end: counted as far as it goes, no overrun
-    assert run(b'["a\\') == (1, 1, 1, 1, 0)
-    assert run(b'["\\"') == (1, 1, 1, 1, 0)
+    assert run(b'["a\\')[:5] == (1, 1, 1, 1, 0)
+    assert run(b'["\\"')[:5] == (1, 1, 1, 1, 0)
     with pytest.raises(TypeError):
         run(bytearray(b"[]"))  # type: ignore[arg-type]  # (bytes only: immutable while it is read)
     with pytest.raises(Invalid, match="more than 4 objects and arrays"):

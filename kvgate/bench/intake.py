@@ -72,7 +72,8 @@ def kinds(max_bytes: int) -> list[tuple[str, str, bytes]]:
          + text * ((max_bytes - 100) // len(text)) + b'"}],"max_tokens":8}'),
         # one string of escaped quotes (a quote every two bytes), beside 70 messages (past the 64 objects and
         # arrays under which the nesting check is skipped without the C pass)
-        ("legit: 4 MB of escaped quotes, 70 messages", CHAT, b'{"model":"m","messages":[{"role":"user","content":"'
+        # (a string of 2M escapes costs orjson ~2.5 ms beside the rest: past the cost budget since it was set)
+        ("4 MB of escaped quotes, 70 messages", CHAT, b'{"model":"m","messages":[{"role":"user","content":"'
          + b'\\"' * ((max_bytes - 3000) // 2) + b'"}' + b',{"role":"user","content":"x"}' * 70 + b"]}"),
         ("legit: 2,000 messages", CHAT, b'{"model":"m","messages":['
          + b",".join([b'{"role":"user","content":"Tell me, in a few words, what you think."}'] * 2000)
@@ -106,6 +107,49 @@ def at_caps(cfg: Config) -> list[tuple[str, str, bytes]]:
     ]
 
 
+_PARTS: dict[str, Any] = {
+    # what a body may hold a lot of, n at a time: the dearest mixes the budget lets through
+    "numbers": lambda n: b",".join([b"123456"] * n),
+    "lists of 15 numbers": lambda n: b",".join([b"[" + b",".join([b"123456"] * 15) + b"]"] * max(1, n // 16)),
+    "distinct keys": lambda n: b"{" + b",".join(b'"%016d":1' % i for i in range(max(1, n // 2))) + b"}",
+    "\\n escapes": lambda n: b'"' + b"\\n" * (4 * n) + b'"',
+    "\\u escapes": lambda n: b'"' + b"\\u6f22" * (2 * n) + b'"',
+    "messages": lambda n: b",".join([b'{"role":"user","content":"hello there"}'] * max(1, n // 3)),
+}
+_MIXES = (("numbers", "lists of 15 numbers"), ("lists of 15 numbers", "distinct keys"), ("\\n escapes", "\\u escapes"),
+          ("distinct keys", "\\u escapes"), ("messages", "\\u escapes"))
+
+
+def _mix(a: str, na: int, b: str, nb: int) -> bytes:
+    return (b'{"model":"m","messages":[{"role":"user","content":"x"}],"a":[' + _PARTS[a](na) + b'],"b":['
+            + _PARTS[b](nb) + b"]}")
+
+
+def at_budget(cfg: Config) -> list[tuple[str, str, bytes]]:
+    """The costliest bodies the cost budget lets through: two kinds of element mixed, as many of each as
+    fits just under ``intake.cost`` (the production function), and two bodies under two caps at once
+    that cost 7.5-12.7 ms before the budget (now refused)."""
+    caps = caps_for(cfg.limits)
+    rows = []
+    for a, b in _MIXES:
+        lo, hi = 1, 4_000_000
+        while hi - lo > max(8, lo // 200):
+            mid = (lo + hi) // 2
+            body = _mix(a, mid, b, mid)
+            try:
+                fits = len(body) <= cfg.limits.max_body_bytes and intake_mod.scan(body, caps, "chat") is not None
+            except intake_mod.Invalid:
+                fits = False
+            lo, hi = (mid, hi) if fits else (lo, mid)
+        rows.append((f"at the budget: {a} + {b}", CHAT, _mix(a, lo, b, lo)))
+    keys64 = b",".join(b'"%064d":1' % i for i in range(32_000))
+    rows.append(("two caps: 16k lists of ids, 32k distinct keys", EMBEDDINGS, b'{"model":"m","input":['
+                 + b",".join([b"[" + b",".join([b"123456"] * 15) + b"]"] * 16_000) + b'],"x":{' + keys64 + b"}}"))
+    rows.append(("two caps: 200k ids, 1.8 MB of escaped quotes", COMPLETIONS, b'{"model":"m","prompt":['
+                 + b",".join([b"12345678"] * 200_000) + b'],"user":"' + b'\\"' * 900_000 + b'"}'))
+    return rows
+
+
 def _config(hostile_limits: bool = True) -> Config:
     h: dict[str, Any] = {"name": "hostile", "api_key_sha256": [hash_key("k-hostile")]}
     if hostile_limits:
@@ -117,7 +161,8 @@ def per_kind(reps: int = 5, max_bytes: int | None = None) -> list[dict[str, Any]
     """CPU per decision for each body kind (ms), and what kvgate answered."""
     rows = []
     clock = [0.0]
-    for name, path, body in kinds(max_bytes or _config().limits.max_body_bytes) + at_caps(_config()):
+    for name, path, body in kinds(max_bytes or _config().limits.max_body_bytes) + at_caps(_config()) + \
+            (at_budget(_config()) if intake_mod.SCAN_KIND == "c" and intake_mod._native is not None else []):
         rows.append(_measure(name, path, body, reps, clock, over_quota=False))
     name, path, body = kinds(max_bytes or _config().limits.max_body_bytes)[0]
     rows.append(_measure(name + ", tenant over quota", path, body, reps, clock, over_quota=True))
@@ -231,9 +276,9 @@ def intake_bench(reps: int = 5, seconds: float = 30.0, quiet: bool = False, pure
     if not quiet:
         print(f"kvgate bench intake: CPU per decision through the production Core ({reps} decisions per row; "
               f"scan: {'pure Python' if pure_python else intake_mod.SCAN_KIND})")
-        print(f"{'body':<44} {'bytes':>9} {'min ms':>8} {'median ms':>10}  answer")
+        print(f"{'body':<52} {'bytes':>9} {'min ms':>8} {'median ms':>10}  answer")
         for r in rows:
-            print(f"{r['kind']:<44} {r['bytes']:>9} {r['cpu_ms_min']:>8.2f} {r['cpu_ms_median']:>10.2f}  {r['answer']}")
+            print(f"{r['kind']:<52} {r['bytes']:>9} {r['cpu_ms_min']:>8.2f} {r['cpu_ms_median']:>10.2f}  {r['answer']}")
         print(f"\nvictim tenant ({v['victim_rate']:g} req/s, {v['seconds']:g} s) beside a hostile tenant at its limits "
               f"(max_concurrent 4, 600/min; {v['hostile_clients']} requests of {v['hostile_body_bytes']} bytes "
               f"in flight), one serial event loop:")
