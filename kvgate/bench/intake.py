@@ -26,6 +26,7 @@ import random
 import statistics
 import time
 from collections import Counter
+from collections.abc import Callable
 from typing import Any
 
 from ext_proc import intake as intake_mod
@@ -33,6 +34,7 @@ from ext_proc.config import Config, parse_config
 from ext_proc.core import Answer, Core, Ended, Request, null_logger
 from ext_proc.identity import hash_key
 from ext_proc.intake import caps_for
+from ext_proc.reasons import Invalid
 
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
@@ -107,7 +109,7 @@ def at_caps(cfg: Config) -> list[tuple[str, str, bytes]]:
     ]
 
 
-_PARTS: dict[str, Any] = {
+_PARTS: dict[str, Callable[[int], bytes]] = {
     # what a body may hold a lot of, n at a time: the dearest mixes the budget lets through
     "numbers": lambda n: b",".join([b"123456"] * n),
     "lists of 15 numbers": lambda n: b",".join([b"[" + b",".join([b"123456"] * 15) + b"]"] * max(1, n // 16)),
@@ -138,7 +140,7 @@ def at_budget(cfg: Config) -> list[tuple[str, str, bytes]]:
             body = _mix(a, mid, b, mid)
             try:
                 fits = len(body) <= cfg.limits.max_body_bytes and intake_mod.scan(body, caps, "chat") is not None
-            except intake_mod.Invalid:
+            except Invalid:
                 fits = False
             lo, hi = (mid, hi) if fits else (lo, mid)
         rows.append((f"at the budget: {a} + {b}", CHAT, _mix(a, lo, b, lo)))
