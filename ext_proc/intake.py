@@ -240,7 +240,7 @@ def scan_and_find(body: bytes, caps: Caps, route: str | None) -> tuple[int | Non
     if over:
         raise ValueError(f"_jsonscan.scan: unknown cap {over}")
     ids = find_ids(body, route)
-    ns = cost(counts, len(body), ids)
+    ns = cost(counts, len(body), ids, free_ids=caps.elements - DEFAULT_ELEMENTS)
     if ns > caps.cost_ns:
         containers, _, strings, _, _, keys, escapes, _, _, numbers, _ = counts
         raise Costly("body-too-complex", f"The request body holds too much to read at once ({containers} objects and "
@@ -251,14 +251,18 @@ def scan_and_find(body: bytes, caps: Caps, route: str | None) -> tuple[int | Non
     return depth, ids
 
 
-def cost(counts: tuple[int, ...], size: int, ids: Found | None = None, w: Weights = WEIGHTS) -> float:
+def cost(counts: tuple[int, ...], size: int, ids: Found | None = None, w: Weights = WEIGHTS,
+         free_ids: int = 0) -> float:
     """What reading a body of ``size`` bytes costs, in nanoseconds (:class:`Weights`), from the C pass's
-    counts and the token-id member ``document.find_ids`` found (its ids read in place, not parsed)."""
+    counts and the token-id member ``document.find_ids`` found (its ids read in place, not parsed).
+    ``free_ids``: ids of that member not charged (past the default element cap, when
+    ``limits.model_context_tokens`` raised it: the context admits them; their bytes are charged)."""
     containers, elements, strings, _, _, keys, escapes, unicode, _, numbers, arrays = counts
     id_count, id_lists = (ids[3], max(ids[2], 0)) if ids is not None else (0, 0)
+    charged = max(0, id_count - max(0, free_ids))
     return (w.byte * size + w.element * (elements - id_count - id_lists) + w.number * (numbers - id_count)
             + w.array * (arrays - id_lists) + w.object * (containers - arrays) + w.string * (strings - keys)
-            + w.key * keys + w.escape * (escapes - unicode) + w.unicode_escape * unicode + w.token_id * id_count)
+            + w.key * keys + w.escape * (escapes - unicode) + w.unicode_escape * unicode + w.token_id * charged)
 
 
 def scan_bytes(body: bytes, caps: Caps) -> int | None:

@@ -168,6 +168,12 @@ def test_the_budget_follows_max_body_bytes_and_counts_ids_read_in_place_cheaply(
     counts = intake._native(body, 1 << 40, 1 << 40, 1 << 40, 64, 1 << 40, 1 << 40)  # type: ignore[misc]
     # the same ids parsed into Python ints would be past the budget; read in place they are not
     assert intake.cost(counts, len(body)) > caps.cost_ns > intake.cost(counts, len(body), found)
+    # a longer context raises the element cap: the prompt's ids past the default cap are not charged
+    long = b'{"model":"m","prompt":[' + b",".join([b"7"] * 1_500_000) + b"]}"
+    assert scan_and_find(long, caps_for(Limits(model_context_tokens=2_000_000)), "completions")[1] is not None
+    with pytest.raises(intake.Costly):
+        scan_and_find(long.replace(b"[7,", b"[[7],", 1), caps_for(Limits(model_context_tokens=2_000_000)),
+                      "completions")  # (a list and ids mixed: no token-id prompt, every number parsed)
     # on the chat route the same list is no prompt: parsed, and refused
     tools = body.replace(b'"prompt"', b'"messages":[],"tools"')
     with pytest.raises(intake.Costly):
