@@ -72,7 +72,7 @@ def text_of(doc: dict[str, Any] | None, limit: int = 1 << 62) -> str:
         p = doc.get(key)
         if isinstance(p, str):
             return p
-        if type(p) is TokenIds and p.total:  # (kept raw: ``document.py``; an empty one is no prompt)
+        if type(p) is TokenIds and p.lists < 0 and p.total:  # (kept raw: ``document.py``; as a list of ints)
             return ",".join(map(str, p.head(limit // 2 + 1)))
         if isinstance(p, list) and p:
             # a token-id prompt: its first ``limit // 2 + 1`` ids give at least ``limit`` characters (an
