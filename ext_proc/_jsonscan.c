@@ -52,8 +52,16 @@ static inline Py_ssize_t outside(Py_ssize_t at, Py_ssize_t inside, Py_ssize_t bl
 /* What the pass outside strings does with a byte: SKIP it, count it as WHITESPACE, or STOP there */
 enum { SKIP = 0, WHITESPACE = 1, STOP = 2 };
 static unsigned char CLASS[256];
+/* Bytes token_ids steps over outside strings without a look: all but quotes, brackets and commas */
+static unsigned char PLAIN[256];
 
 static void init_table(void) {
+    for (int i = 0; i < 256; i++) {
+        PLAIN[i] = 1;
+    }
+    for (const char *s = "\"[]{},"; *s; s++) {
+        PLAIN[(unsigned char)*s] = 0;
+    }
     const char *stops = "\",[]{}.eE";
     for (const char *s = stops; *s; s++) {
         CLASS[(unsigned char)*s] = STOP;
@@ -70,7 +78,9 @@ static void init_table(void) {
 #define HIGHS 0x8080808080808080ULL
 #define HAS_BYTE(v, b) ((((v) ^ (ONES * (b))) - ONES) & ~((v) ^ (ONES * (b))) & HIGHS)
 
-static const char *skip_string(const char *p, const char *end, Py_ssize_t *escapes, Py_ssize_t *unicode) {
+static const char *skip_string(const char *p, const char *end, Py_ssize_t *escapes, Py_ssize_t *unicode,
+                               uint64_t *seen) {
+    uint64_t acc = 0; /* every byte OR-ed in: its high bit says whether the string has non-ASCII bytes */
     for (;;) {
         while (end - p >= 8) {
             uint64_t v;
@@ -78,18 +88,22 @@ static const char *skip_string(const char *p, const char *end, Py_ssize_t *escap
             if (HAS_BYTE(v, (uint64_t)'"') | HAS_BYTE(v, (uint64_t)'\\')) {
                 break;
             }
+            acc |= v;
             p += 8;
         }
         /* a quote or a backslash within the next eight bytes (or fewer than eight left) */
         const char *stop = end - p > 8 ? p + 8 : end;
         while (p < stop) {
             char c = *p;
+            acc |= (unsigned char)c;
             if (c == '"') {
+                *seen |= acc;
                 return p;
             }
             if (c == '\\') {
                 ++*escapes;
                 if (end - p < 2) {
+                    *seen |= acc;
                     return end;
                 }
                 *unicode += p[1] == 'u';
@@ -99,6 +113,7 @@ static const char *skip_string(const char *p, const char *end, Py_ssize_t *escap
             }
         }
         if (p >= end) {
+            *seen |= acc;
             return end;
         }
     }
@@ -117,13 +132,16 @@ static PyObject *scan(PyObject *self, PyObject *args) {
     Py_ssize_t at = 0; /* (indexes, not pointers: nothing is formed outside the buffer) */
     Py_ssize_t containers = 0, elements = 0, strings = 0, depth = 0, deepest = 0, fractions = 0;
     Py_ssize_t inside = 0, blank = 0, keys = 0, escapes = 0, unicode = 0, numbers = 0, arrays = 0;
+    Py_ssize_t high_escapes = 0, high_key_bytes = 0;
     int over = 0;
     while (at < size) {
         /* numbers, literals and whitespace run to the next stop; the bytes outside strings (whitespace an
            eighth each) are checked at each stop (a number ends at one: a comma, a bracket) and at the end */
         while (at < size) {
-            /* a number starts here (a digit or '-' after a stop or whitespace): each costs orjson an int */
-            numbers += (unsigned)(start[at] - '0') <= 9u || start[at] == '-';
+            /* a number starts here (a digit or '-' after a stop or whitespace, not the fraction or the
+               exponent of one: after a '.' or an 'e'): each costs orjson an object */
+            numbers += ((unsigned)(start[at] - '0') <= 9u || start[at] == '-') &&
+                       !(at > 0 && (start[at - 1] == '.' || start[at - 1] == 'e' || start[at - 1] == 'E'));
             while (at < size && CLASS[(unsigned char)start[at]] == SKIP) { /* digits, letters: tight */
                 at++;
             }
@@ -155,8 +173,12 @@ static PyObject *scan(PyObject *self, PyObject *args) {
                 over = OVER_STRINGS;
                 goto done;
             }
-            const char *q = skip_string(start + at, start + size, &escapes, &unicode);
+            uint64_t seen = 0;
+            Py_ssize_t escapes_before = escapes, opened = at;
+            const char *q = skip_string(start + at, start + size, &escapes, &unicode, &seen);
             Py_ssize_t close = q - start; /* the closing quote, or size: unterminated */
+            int high = (seen & HIGHS) != 0; /* non-ASCII bytes in it: orjson unescapes such text ~3x slower */
+            high_escapes += high ? escapes - escapes_before : 0;
             inside += close - at;
             at = close < size ? close + 1 : size;
             /* a key: a colon after it (whitespace between is left for the loop above to count) */
@@ -166,6 +188,7 @@ static PyObject *scan(PyObject *self, PyObject *args) {
             }
             if (k < size && start[k] == ':') {
                 keys++;
+                high_key_bytes += high ? close - opened : 0; /* (a non-ASCII key is dearer to make and hash) */
             }
             break;
         }
@@ -224,8 +247,8 @@ static PyObject *scan(PyObject *self, PyObject *args) {
         over = OVER_OUTSIDE;
     }
 done:
-    return Py_BuildValue("nnnninnnnnn", containers, elements, strings, deepest, over, keys, escapes, unicode, fractions,
-                         numbers, arrays);
+    return Py_BuildValue("nnnninnnnnnnn", containers, elements, strings, deepest, over, keys, escapes, unicode,
+                         fractions, numbers, arrays, high_escapes, high_key_bytes);
 }
 
 static PyObject *all_ints(PyObject *self, PyObject *arg) {
@@ -519,14 +542,29 @@ static Py_ssize_t int_array(const char *b, Py_ssize_t at, Py_ssize_t size, Py_ss
 /* Past one JSON value at `at` (not validated: orjson reads it later), or -1 where the body ends first. */
 static Py_ssize_t skip_value(const char *b, Py_ssize_t at, Py_ssize_t size) {
     Py_ssize_t escapes = 0, unicode = 0, depth = 0;
+    uint64_t seen = 0;
     while (at < size) {
+        /* numbers, literals, whitespace, colons: tight (spaces eight at a time, as the scan does) */
+        uint64_t v;
+        while (size - at >= 8 && (memcpy(&v, b + at, 8), v == ONES * (uint64_t)' ')) {
+            at += 8;
+        }
+        while (at < size && PLAIN[(unsigned char)b[at]]) {
+            at++;
+        }
+        if (at >= size) {
+            break;
+        }
         char c = b[at];
         if (c == '"') {
-            Py_ssize_t close = skip_string(b + at + 1, b + size, &escapes, &unicode) - b;
+            Py_ssize_t close = skip_string(b + at + 1, b + size, &escapes, &unicode, &seen) - b;
             if (close >= size) {
                 return -1;
             }
             at = close + 1;
+            if (depth == 0) {
+                return at;
+            }
         } else if (c == '[' || c == '{') {
             depth++;
             at++;
@@ -534,20 +572,19 @@ static Py_ssize_t skip_value(const char *b, Py_ssize_t at, Py_ssize_t size) {
             if (depth == 0) {
                 return at; /* the end of the enclosing object: a scalar ended here */
             }
-            depth--;
             at++;
-        } else if (c == ',' && depth == 0) {
-            return at;
-        } else {
+            if (--depth == 0) {
+                return at;
+            }
+        } else { /* ',' */
+            if (depth == 0) {
+                return at;
+            }
             at++;
-        }
-        if (depth == 0 && (c == '"' || c == ']' || c == '}')) {
-            return at;
         }
     }
     return depth == 0 ? at : -1;
 }
-
 
 /* A list of integers, or a list of lists of integers, at `at`: the index after it, or -1. */
 static Py_ssize_t ids_value(const char *b, Py_ssize_t at, Py_ssize_t size, Py_ssize_t *lists, Py_ssize_t *total,
@@ -609,7 +646,8 @@ static PyObject *token_ids(PyObject *self, PyObject *args) {
             Py_RETURN_NONE;
         }
         Py_ssize_t escapes = 0, unicode = 0;
-        Py_ssize_t close = skip_string(b + at + 1, b + size, &escapes, &unicode) - b;
+        uint64_t seen = 0;
+        Py_ssize_t close = skip_string(b + at + 1, b + size, &escapes, &unicode, &seen) - b;
         if (close >= size || escapes) { /* (a key written with escapes: left to orjson) */
             Py_RETURN_NONE;
         }
@@ -653,7 +691,8 @@ static PyObject *token_ids(PyObject *self, PyObject *args) {
 static PyMethodDef METHODS[] = {
     {"scan", scan, METH_VARARGS,
      "scan(body, max_elements, max_containers, max_strings, max_depth, max_outside, max_fractions)"
-     " -> (containers, elements, strings, depth, over, keys, escapes, unicode_escapes, fractions, numbers, arrays)"},
+     " -> (containers, elements, strings, depth, over, keys, escapes, unicode_escapes, fractions, numbers, arrays,"
+     " high_escapes, high_key_bytes)"},
     {"all_ints", all_ints, METH_O, "all_ints(list) -> bool: every item exactly an int"},
     {"walk_tokens", walk_tokens, METH_VARARGS,
      "walk_tokens(value, ratio, opaque, skipped, media_tokens[, into]) -> int | None"},

@@ -3,11 +3,11 @@
 from typing import Any
 
 def scan(body: bytes, max_elements: int, max_containers: int, max_strings: int, max_depth: int, max_outside: int,
-         max_fractions: int, /) -> tuple[int, int, int, int, int, int, int]:
-    """(containers, elements, strings, depth, over, keys, escapes): counts outside strings; ``over`` 0, or
-    the cap passed (1 elements, 2 containers, 3 strings, 4 depth, 5 bytes outside strings, whitespace an
-    eighth each, 6 non-integer numbers), where the pass stopped; ``keys`` the strings followed by a colon,
-    ``escapes`` the backslashes inside strings."""
+         max_fractions: int, /) -> tuple[int, int, int, int, int, int, int, int, int, int, int, int, int]:
+    """(containers, elements, strings, depth, over, keys, escapes, unicode escapes, fractions, numbers, arrays,
+    escapes in non-ASCII strings, bytes of non-ASCII keys) — ``bodycost.Counts``: counts outside strings;
+    ``over`` 0, or the cap passed (1 elements, 2 containers, 3 strings, 4 depth, 5 bytes outside strings,
+    whitespace an eighth each, 6 non-integer numbers), where the pass stopped."""
 
 def token_ids(body: bytes, key: bytes, /) -> tuple[int, int, int, int, int] | None:
     """(start, end, lists, total, longest): the top-level member ``key`` when it is a list of integers

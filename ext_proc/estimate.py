@@ -23,7 +23,7 @@ from typing import Any, Literal
 import orjson
 
 from .config import Estimation, Limits
-from .document import LOOK, Found, TokenIds, loads
+from .document import LOOK, Found, Look, TokenIds, loads
 from .reasons import Invalid
 
 try:  # intake's C extension (``_jsonscan.c``): the per-element loops below at C speed
@@ -113,7 +113,7 @@ class Estimator:
         return math.ceil(chars / self._ratio)
 
     def estimate(self, body: bytes, *, path: str, default_max_tokens: int,
-                 depth_bound: int | None = None, ids: Found | None = LOOK) -> Estimate:
+                 depth_bound: int | None = None, ids: Found | Look | None = LOOK) -> Estimate:
         """Estimate a request from its raw body and its path (query string allowed).
 
         Chat/completions/responses reserve output tokens; embeddings reserve none. A JSON body that is

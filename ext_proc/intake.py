@@ -37,8 +37,9 @@ from typing import Protocol
 
 from . import document as _document
 from . import estimate as _estimate
+from .bodycost import COST_MS, Counts, budget_ns, cost, refusal
 from .config import Config, Limits, Tenant
-from .document import Found, find_ids
+from .document import IDS_KEYS, IDS_MIN, Found, find_ids
 from .estimate import MAX_JSON_DEPTH, Estimate, Estimator, route_of, too_deep
 from .identity import Identifier
 from .reasons import UNKNOWN_KEY, Invalid, Rejection
@@ -66,40 +67,6 @@ MAX_FRACTIONS = 65_536
 """Most non-integer numbers (a ``.`` or an exponent) a body may hold: sampling parameters hold a few, a
 ``logit_bias`` of floats or tool schemas with float bounds tens of thousands; 166k floats cost orjson
 8 ms. Counted by the C pass only."""
-COST_MS = 4.8
-"""What reading one body may cost, in milliseconds of CPU on the machine the weights were measured on
-(:data:`WEIGHTS`), per 4 MiB of ``limits.max_body_bytes`` (never less). Each cap above bounds one kind of
-element; this bounds their sum — a body just under two caps at once cost 7.5-12.7 ms before it. Counted
-by the C pass only."""
-MIB4 = 4 * 1024 * 1024
-
-
-@dataclass(frozen=True, slots=True)
-class Weights:
-    """Nanoseconds of kvgate CPU (scan, parse, estimate, freeing) one of each costs, measured through the
-    production ``Core`` on a 2-core CI-class machine over ~50 body shapes at three sizes each; each
-    weight the most its shapes needed (distinct keys, lists of numbers), so that a mix of them is not
-    under-counted by more than ~15%. ``kvgate bench intake`` prints what bodies at the budget cost."""
-
-    byte: float = 0.62
-    element: float = 5.7
-    number: float = 14.0
-    """An integer or float outside a token-id prompt: a Python object each."""
-    array: float = 120.0
-    """A list: the dearest container (a list of numbers, built item by item)."""
-    object: float = 45.0
-    string: float = 30.0
-    """A string value (a key is counted as a key)."""
-    key: float = 70.0
-    """A key: its string, its hash, its slot (a distinct key is dearer than a repeated one: the dearer is
-    counted)."""
-    escape: float = 1.5
-    unicode_escape: float = 2.6
-    token_id: float = 1.8
-    """An id of a token-id prompt, read in place (``document.py``)."""
-
-
-WEIGHTS = Weights()
 CHARGE_BYTES = 65_536
 """A refused body costs its sender one request per this many bytes (:func:`charge_for`): about what
 an ordinary decision costs, read at the scan's speed."""
@@ -140,7 +107,7 @@ class Caps:
     ``elements``)."""
     fractions: int = MAX_FRACTIONS
     cost_ns: float = COST_MS * 1e6
-    """What reading a body may cost (:data:`COST_MS`, :class:`Weights`)."""
+    """What reading a body may cost, as ``bodycost.cost`` reckons it (:func:`~ext_proc.bodycost.budget_ns`)."""
 
     @property
     def outside_bytes(self) -> int:
@@ -150,7 +117,8 @@ class Caps:
     def small(self) -> int:
         """Bodies up to this many bytes cannot exceed any cap but the nesting (a container or a string
         takes at least two bytes, a comma one and the container around it two, a non-integer number
-        two): they are not scanned, and the estimate checks their nesting itself."""
+        two): the pure-Python pass skips them, and the estimate checks their nesting itself; the C pass reads
+        them for their depth only."""
         return min(self.elements, 2 * self.containers, 2 * self.strings, self.outside_bytes, 2 * self.fractions)
 
 
@@ -160,7 +128,7 @@ def caps_for(limits: Limits) -> Caps:
     131k elements whatever the context — review: refused with an 8k context)."""
     ctx = limits.model_context_tokens
     return Caps(elements=max(DEFAULT_ELEMENTS, ctx + MIN_ELEMENTS) if ctx is not None else DEFAULT_ELEMENTS,
-                cost_ns=COST_MS * 1e6 * max(1.0, limits.max_body_bytes / MIB4))
+                cost_ns=budget_ns(limits.max_body_bytes))
 
 
 def charge_for(size: int) -> int:
@@ -199,8 +167,8 @@ def scan(body: bytes, caps: Caps, route: str | None = None) -> int | None:
     allow, or that would cost more to read than ``caps.cost_ns``, without parsing it (raises
     :class:`Invalid` ``body-too-complex``; :class:`Costly` for what only the C pass counts). Returns an
     upper bound on its nesting, for the estimate's nesting check (:func:`~ext_proc.estimate.nesting_exceeds`,
-    skipped when no deeper nesting is possible); None for a body too small to be counted. (``route``: as
-    :func:`scan_and_find`.)
+    skipped when no deeper nesting is possible); None for a body too small for the pure-Python pass to
+    count. (``route``: as :func:`scan_and_find`.)
 
     One pass in C (``_jsonscan.c``) where the extension was built: it tells strings apart exactly,
     escapes included, stops at the first cap passed, and also refuses what is nested deeper than
@@ -214,13 +182,11 @@ def scan(body: bytes, caps: Caps, route: str | None = None) -> int | None:
 def scan_and_find(body: bytes, caps: Caps, route: str | None) -> tuple[int | None, Found | None]:
     """:func:`scan`, and the token-id member of a body of ``route`` (``document.find_ids``, looked for only
     in a body within the caps): its ids are read in place, and the cost budget counts them so."""
-    if len(body) <= caps.small:
-        return None, None
     if _native is None:
-        return scan_bytes(body, caps), None
+        return (scan_bytes(body, caps) if len(body) > caps.small else None), None
     counts = _native(body, caps.elements, caps.containers, caps.strings, MAX_JSON_DEPTH, caps.outside_bytes,
                      caps.fractions)
-    depth, over = counts[3], counts[4]
+    over = counts[4]
     if over == _OVER_STRINGS:
         raise _too_complex(f"more than {caps.strings} strings", caps.strings)
     if over == _OVER_CONTAINERS:
@@ -239,30 +205,17 @@ def scan_and_find(body: bytes, caps: Caps, route: str | None) -> tuple[int | Non
                      f"this gateway reads at most {caps.fractions}.")
     if over:
         raise ValueError(f"_jsonscan.scan: unknown cap {over}")
-    ids = find_ids(body, route)
-    ns = cost(counts, len(body), ids, free_ids=caps.elements - DEFAULT_ELEMENTS)
+    if len(body) <= caps.small:
+        # (scanned all the same, for its depth: the estimate's own nesting pass took 64 passes over 32 KB
+        # of brackets, 7.6 ms — attack43; a body this small cannot pass a cap or the budget)
+        return counts[3], None
+    c = Counts._make(counts)
+    searched = c.numbers >= IDS_MIN and route in IDS_KEYS  # (only where ids could be most of the body)
+    ids = find_ids(body, route) if searched else None
+    ns = cost(c, len(body), ids, searched, free_ids=caps.elements - DEFAULT_ELEMENTS)
     if ns > caps.cost_ns:
-        containers, _, strings, _, _, keys, escapes, _, _, numbers, _ = counts
-        raise Costly("body-too-complex", f"The request body holds too much to read at once ({containers} objects and "
-                     f"arrays, {strings} strings of which {keys} keys, {numbers} numbers, {escapes} escapes in "
-                     f"{len(body)} bytes: about {ns / 1e6:.1f} ms of work); this gateway reads about "
-                     f"{caps.cost_ns / 1e6:.1f} ms per request (it follows limits.max_body_bytes). Send fewer "
-                     "elements, or the prompt as text.")
-    return depth, ids
-
-
-def cost(counts: tuple[int, ...], size: int, ids: Found | None = None, w: Weights = WEIGHTS,
-         free_ids: int = 0) -> float:
-    """What reading a body of ``size`` bytes costs, in nanoseconds (:class:`Weights`), from the C pass's
-    counts and the token-id member ``document.find_ids`` found (its ids read in place, not parsed).
-    ``free_ids``: ids of that member not charged (past the default element cap, when
-    ``limits.model_context_tokens`` raised it: the context admits them; their bytes are charged)."""
-    containers, elements, strings, _, _, keys, escapes, unicode, _, numbers, arrays = counts
-    id_count, id_lists = (ids[3], max(ids[2], 0)) if ids is not None else (0, 0)
-    charged = max(0, id_count - max(0, free_ids))
-    return (w.byte * size + w.element * (elements - id_count - id_lists) + w.number * (numbers - id_count)
-            + w.array * (arrays - id_lists) + w.object * (containers - arrays) + w.string * (strings - keys)
-            + w.key * keys + w.escape * (escapes - unicode) + w.unicode_escape * unicode + w.token_id * charged)
+        raise Costly("body-too-complex", refusal(c, len(body), ns, caps.cost_ns))
+    return c.depth, ids
 
 
 def scan_bytes(body: bytes, caps: Caps) -> int | None:

@@ -12,9 +12,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from ext_proc import document, intake
+from ext_proc.bodycost import COST_MS, WEIGHTS, Counts, cost
 from ext_proc.config import Estimation, Limits, parse_config
 from ext_proc.core import Answer, Core, Request, null_logger
-from ext_proc.document import PAUSE_BYTES, TokenIds, dumps, find_ids, loads
+from ext_proc.document import IDS_MIN, PAUSE_BYTES, TokenIds, dumps, find_ids, loads
 from ext_proc.estimate import Estimator, not_json
 from ext_proc.identity import hash_key
 from ext_proc.intake import Caps, caps_for, scan_and_find
@@ -62,6 +63,9 @@ def test_a_token_id_prompt_read_in_place_estimates_as_the_whole_parse(
         prompt: list[Any], n: int | None, max_tokens: int | None, space: str, first: bool,
         route: tuple[str, str]) -> None:
     path, key = route
+    # as many copies as make it long enough to be read in place (fewer ids are parsed whole: IDS_MIN)
+    per = sum(len(x) for x in prompt) if prompt and isinstance(prompt[0], list) else len(prompt)
+    prompt = prompt * (-(-IDS_MIN // per) if per else 1)
     value = orjson.dumps(prompt).decode().replace(",", "," + space)
     doc: dict[str, Any] = {"model": "m", "pad": "x" * PAUSE_BYTES}  # (large enough to be read in place)
     if n is not None:
@@ -71,7 +75,7 @@ def test_a_token_id_prompt_read_in_place_estimates_as_the_whole_parse(
     rest = orjson.dumps(doc).decode()[1:-1]
     body = ("{" + f'"{key}":{space}{value},{rest}' + "}" if first else "{" + f'{rest},"{key}":{value}{space}' + "}")
     raw = body.encode()
-    assert find_ids(raw, "completions" if path == COMPLETIONS else "embeddings") is not None
+    assert (find_ids(raw, "completions" if path == COMPLETIONS else "embeddings") is not None) == (per > 0)
     _same(raw, path)
     _same(raw, path, Limits(model_context_tokens=30, max_n=4))
 
@@ -104,9 +108,10 @@ def test_odd_bodies_are_left_to_the_whole_parse(body: bytes) -> None:
 
 
 @needs_c
+@pytest.mark.parametrize("head", [b"", "é漢😀".encode() * 3000])  # (orjson's position counts characters)
 @pytest.mark.parametrize("tail", [b'"max_tokens":01}', b'"max_tokens":1} x', b'"max_tokens":NaN}', b'"m":"\\ud800"}'])
-def test_an_error_after_the_ids_is_named_where_it_is_in_the_body_sent(tail: bytes) -> None:
-    body = b'{"model":"m","prompt":[' + b",".join([b"123"] * 30_000) + b"]," + tail
+def test_an_error_after_the_ids_is_named_where_it_is_in_the_body_sent(head: bytes, tail: bytes) -> None:
+    body = b'{"model":"m","user":"' + head + b'","prompt":[' + b",".join([b"123"] * 30_000) + b"]," + tail
     assert find_ids(body, "completions") is not None
     with pytest.raises(orjson.JSONDecodeError) as whole:
         orjson.loads(body)
@@ -134,6 +139,17 @@ def test_token_ids_head_gives_the_first_ids_whatever_the_spacing() -> None:
     t = TokenIds(b"[ 5,\n -6 , 7,8]", -1, 4, 4)
     assert t.head(2) == [5, -6] and t.head(4) == [5, -6, 7, 8] and t.head(9) == [5, -6, 7, 8]
     assert TokenIds(b"[[1],[2]]", 2, 2, 1).head(5) == [] and t.prompts == 1
+    wide = list(range(5000))
+    raw = ("[" + ",".join(" " * 40 + str(i) for i in wide) + "]").encode()  # (more than 20 bytes an id)
+    assert TokenIds(raw, -1, len(wide), len(wide)).head(1000) == wide[:1000]
+
+
+@needs_c
+def test_a_short_id_prompt_in_a_large_body_is_parsed_whole() -> None:
+    """Kept raw, a few ids would save less than the body's copies cost (review45)."""
+    body = b'{"model":"m","pad":"' + b"x" * PAUSE_BYTES + b'","prompt":[1,2,3]}'
+    assert find_ids(body, "completions") is None
+    _same(body, COMPLETIONS)
 
 
 # -- the cost budget ---------------------------------------------------------------------------------------
@@ -165,9 +181,10 @@ def test_the_budget_follows_max_body_bytes_and_counts_ids_read_in_place_cheaply(
     caps = caps_for(Limits())
     _, found = scan_and_find(body, caps, "completions")
     assert found is not None and found[3] == 262_000
-    counts = intake._native(body, 1 << 40, 1 << 40, 1 << 40, 64, 1 << 40, 1 << 40)  # type: ignore[misc]
+    assert intake._native is not None
+    counts = Counts._make(intake._native(body, 1 << 40, 1 << 40, 1 << 40, 64, 1 << 40, 1 << 40))
     # the same ids parsed into Python ints would be past the budget; read in place they are not
-    assert intake.cost(counts, len(body)) > caps.cost_ns > intake.cost(counts, len(body), found)
+    assert cost(counts, len(body)) > caps.cost_ns > cost(counts, len(body), found, searched=True)
     # a longer context raises the element cap: the prompt's ids past the default cap are not charged
     long = b'{"model":"m","prompt":[' + b",".join([b"7"] * 1_500_000) + b"]}"
     assert scan_and_find(long, caps_for(Limits(model_context_tokens=2_000_000)), "completions")[1] is not None
@@ -190,6 +207,6 @@ def test_off_the_inference_routes_a_dear_body_is_not_read() -> None:
 
 
 def test_the_weights_are_positive_and_caps_carry_the_budget() -> None:
-    w = intake.WEIGHTS
+    w = WEIGHTS
     assert all(getattr(w, f) > 0 for f in w.__slots__)  # type: ignore[attr-defined]
-    assert Caps(elements=10).cost_ns == intake.COST_MS * 1e6
+    assert Caps(elements=10).cost_ns == COST_MS * 1e6
