@@ -184,6 +184,8 @@ def scan_and_find(body: bytes, caps: Caps, route: str | None) -> tuple[int | Non
     in a body within the caps): its ids are read in place, and the cost budget counts them so."""
     if _native is None:
         return (scan_bytes(body, caps) if len(body) > caps.small else None), None
+    if len(body) <= caps.small and (brackets := body.count(b"{") + body.count(b"[")) <= MAX_JSON_DEPTH:
+        return brackets, None  # (no deeper nesting possible: an ordinary request costs no C call)
     counts = _native(body, caps.elements, caps.containers, caps.strings, MAX_JSON_DEPTH, caps.outside_bytes,
                      caps.fractions)
     over = counts[4]
