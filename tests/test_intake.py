@@ -266,8 +266,10 @@ def test_scan_refuses_exactly_the_bodies_over_a_cap(doc: Any, elements: int, con
             else:
                 assert not over, (body, caps, (e, c, s))
                 # what the estimate's nesting check trusts: never less than the nesting — the C pass's
-                # exact depth, the Python pass's count of objects and arrays
-                assert counted is None or counted == (json_depth(doc) if native else counted) >= json_depth(doc)
+                # exact depth (or, for a small body with few brackets, their count, no C call), the Python
+                # pass's count of objects and arrays
+                assert counted is None or counted >= json_depth(doc)
+                assert not native or counted is not None
                 assert native or counted is None or counted >= c
 
 
