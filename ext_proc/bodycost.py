@@ -74,18 +74,23 @@ class Weights:
     key: float = 70.0
     """A key: its string, hash and slot, counted as a distinct key."""
     escape: float = 1.7
-    unicode_escape: float = 3.3
+    unicode_escape: float = 3.8
     """More for a ``\\u`` escape than another: its decoding (Python's ``json.dumps`` writes every non-ASCII
-    character so)."""
-    high_escape: float = 2.2
+    character so; a 2,000-message chat so written, 3.6 MB, cost 5.2 ms at 3.3 — attack44)."""
+    high_escape: float = 3.0
     """More for an escape in a string with non-ASCII bytes: orjson's slow path (``"é\\n"`` repeated over
-    4 MiB cost 6.1 ms when such an escape was priced as any other — attack43)."""
+    4 MiB cost 6.1 ms when such an escape was priced as any other — attack43; ``"😀\\n"`` 5.1-5.4 ms at 2.2
+    — attack44)."""
     high_key_byte: float = 0.5
     """More for a byte of a key with non-ASCII bytes (distinct emoji keys, 3.5 MB: 5.6-6.0 ms — attack43)."""
     token_id: float = 1.8
     """An id of a token-id prompt read in place (``document.py``): its two C passes."""
-    searched_byte: float = 0.25
-    """A byte the search for a token-id prompt stepped over (``document.find_ids``): one more pass."""
+    searched_byte: float = 0.55
+    """A byte the search for a token-id prompt stepped over (``document.find_ids``): one more pass, a byte
+    at a time through escape-dense text (0.25 let 4,096 ids beside a 3.1 MB string of ``"😀\\n"`` cost
+    7.6-7.9 ms at a model of 4.8 — attack44)."""
+    copied_byte: float = 0.3
+    """A byte outside the ids, when they are kept raw: the body is copied around them, once."""
 
 
 WEIGHTS = Weights()
@@ -97,12 +102,12 @@ def budget_ns(max_body_bytes: int) -> float:
 
 
 def cost(c: Counts, size: int, ids: tuple[int, int, int, int, int] | None = None, searched: bool = False,
-         free_ids: int = 0, w: Weights = WEIGHTS) -> float:
+         id_cap: int | None = None, w: Weights = WEIGHTS) -> float:
     """What reading a body of ``size`` bytes costs, in nanoseconds: its counts, and the token-id member
     ``document.find_ids`` found (``(start, end, lists, total, longest)``: its ids read in place, not
-    parsed) after a search of the body (``searched``). ``free_ids``: ids of that member not charged — past
-    the default element cap, when ``limits.model_context_tokens`` raised it: the context admits them
-    (their bytes are charged)."""
+    parsed) after a search of the body (``searched``). ``id_cap``: the most of that member's ids charged —
+    the default element cap, when ``limits.model_context_tokens`` raised the cap: the context admits the
+    ids past it (their bytes are charged)."""
     id_count, id_lists, id_bytes = (ids[3], max(ids[2], 0), ids[1] - ids[0]) if ids is not None else (0, 0, 0)
     return (w.byte * size + w.element * (c.elements - id_count - id_lists)
             + w.number * (c.numbers - id_count) + w.fraction * c.fractions
@@ -110,8 +115,9 @@ def cost(c: Counts, size: int, ids: tuple[int, int, int, int, int] | None = None
             + w.string * (c.strings - c.keys) + w.key * c.keys
             + w.escape * (c.escapes - c.unicode_escapes) + w.unicode_escape * c.unicode_escapes
             + w.high_escape * c.high_escapes + w.high_key_byte * c.high_key_bytes
-            + w.token_id * max(0, id_count - max(0, free_ids))
-            + (w.searched_byte * (size - id_bytes) if searched else 0.0))
+            + w.token_id * (id_count if id_cap is None else min(id_count, id_cap))
+            + (w.searched_byte * (size - id_bytes) if searched else 0.0)
+            + (w.copied_byte * (size - id_bytes) if ids is not None else 0.0))
 
 
 def refusal(c: Counts, size: int, ns: float, budget: float) -> str:

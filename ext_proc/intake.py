@@ -39,7 +39,7 @@ from . import document as _document
 from . import estimate as _estimate
 from .bodycost import COST_MS, Counts, budget_ns, cost, refusal
 from .config import Config, Limits, Tenant
-from .document import IDS_KEYS, IDS_MIN, Found, find_ids
+from .document import IDS_KEYS, IDS_MIN, PAUSE_BYTES, Found, find_ids
 from .estimate import MAX_JSON_DEPTH, Estimate, Estimator, route_of, too_deep
 from .identity import Identifier
 from .reasons import UNKNOWN_KEY, Invalid, Rejection
@@ -212,9 +212,10 @@ def scan_and_find(body: bytes, caps: Caps, route: str | None) -> tuple[int | Non
         # of brackets, 7.6 ms — attack43; a body this small cannot pass a cap or the budget)
         return counts[3], None
     c = Counts._make(counts)
-    searched = c.numbers >= IDS_MIN and route in IDS_KEYS  # (only where ids could be most of the body)
+    # (looked for only where ids could be most of the body)
+    searched = c.numbers >= IDS_MIN and route in IDS_KEYS and len(body) >= PAUSE_BYTES
     ids = find_ids(body, route) if searched else None
-    ns = cost(c, len(body), ids, searched, free_ids=caps.elements - DEFAULT_ELEMENTS)
+    ns = cost(c, len(body), ids, searched, id_cap=DEFAULT_ELEMENTS if caps.elements > DEFAULT_ELEMENTS else None)
     if ns > caps.cost_ns:
         raise Costly("body-too-complex", refusal(c, len(body), ns, caps.cost_ns))
     return c.depth, ids

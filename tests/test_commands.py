@@ -74,6 +74,9 @@ def test_bench_intake_refuses_every_hostile_kind_and_reports_the_victim_beside_i
     assert all(v == "admitted" for k, v in answers.items() if k.startswith(("legit", "at the caps", "at the budget")))
     assert sum(k.startswith("at the budget") for k in answers) == 5
     assert answers["two caps: 16k lists of ids, 32k distinct keys"] == "400 body-too-complex"
+    # past the cost budget, not any single cap
+    assert answers["4 MB of escaped quotes, 70 messages"] == "400 body-too-complex"
+    assert answers["4,096 ids beside a 3 MB string of escapes"] == "400 body-too-complex"
     v = out["victim"]
     assert v["alone"]["victim_decisions"] == v["beside_hostile"]["victim_decisions"] > 0
     assert v["beside_hostile"]["hostile_answers"]["tenant-requests"] > 0  # most never reached the parser

@@ -77,6 +77,10 @@ def kinds(max_bytes: int) -> list[tuple[str, str, bytes]]:
         # (a string of 2M escapes costs orjson ~2.5 ms beside the rest: past the cost budget since it was set)
         ("4 MB of escaped quotes, 70 messages", CHAT, b'{"model":"m","messages":[{"role":"user","content":"'
          + b'\\"' * ((max_bytes - 3000) // 2) + b'"}' + b',{"role":"user","content":"x"}' * 70 + b"]}"),
+        # 4,096 numbers set off the search for a token-id prompt, a pass over every other member: a string of
+        # escapes is where it is slowest (attack44: 7.6-7.9 ms admitted when the search was under-priced)
+        ("4,096 ids beside a 3 MB string of escapes", COMPLETIONS, b'{"model":"m","prompt":['
+         + b",".join([b"1"] * 4096) + b'],"x":"' + "😀\\n".encode() * ((max_bytes * 3 // 4) // 6) + b'"}'),
         ("legit: 2,000 messages", CHAT, b'{"model":"m","messages":['
          + b",".join([b'{"role":"user","content":"Tell me, in a few words, what you think."}'] * 2000)
          + b'],"max_tokens":8}'),
@@ -129,7 +133,7 @@ def _mix(a: str, na: int, b: str, nb: int) -> bytes:
 
 def at_budget(cfg: Config) -> list[tuple[str, str, bytes]]:
     """The costliest bodies the cost budget lets through: two kinds of element mixed, as many of each as
-    fits just under ``intake.cost`` (the production function), and two bodies under two caps at once
+    fits just under ``bodycost.cost`` (the production function), and two bodies under two caps at once
     that cost 7.5-12.7 ms before the budget (now refused)."""
     caps = caps_for(cfg.limits)
     rows = []
