@@ -132,7 +132,7 @@ static PyObject *scan(PyObject *self, PyObject *args) {
     Py_ssize_t at = 0; /* (indexes, not pointers: nothing is formed outside the buffer) */
     Py_ssize_t containers = 0, elements = 0, strings = 0, depth = 0, deepest = 0, fractions = 0;
     Py_ssize_t inside = 0, blank = 0, keys = 0, escapes = 0, unicode = 0, numbers = 0, arrays = 0;
-    Py_ssize_t high_escapes = 0, high_key_bytes = 0;
+    Py_ssize_t high_escapes = 0, high_key_bytes = 0, high_strings = 0, high_escaped_bytes = 0;
     int over = 0;
     while (at < size) {
         /* numbers, literals and whitespace run to the next stop; the bytes outside strings (whitespace an
@@ -179,6 +179,8 @@ static PyObject *scan(PyObject *self, PyObject *args) {
             Py_ssize_t close = q - start; /* the closing quote, or size: unterminated */
             int high = (seen & HIGHS) != 0; /* non-ASCII bytes in it: orjson unescapes such text ~3x slower */
             high_escapes += high ? escapes - escapes_before : 0;
+            high_strings += high;
+            high_escaped_bytes += high && escapes > escapes_before ? close - opened : 0;
             inside += close - at;
             at = close < size ? close + 1 : size;
             /* a key: a colon after it (whitespace between is left for the loop above to count) */
@@ -247,8 +249,8 @@ static PyObject *scan(PyObject *self, PyObject *args) {
         over = OVER_OUTSIDE;
     }
 done:
-    return Py_BuildValue("nnnninnnnnnnn", containers, elements, strings, deepest, over, keys, escapes, unicode,
-                         fractions, numbers, arrays, high_escapes, high_key_bytes);
+    return Py_BuildValue("nnnninnnnnnnnnn", containers, elements, strings, deepest, over, keys, escapes, unicode,
+                         fractions, numbers, arrays, high_escapes, high_key_bytes, high_strings, high_escaped_bytes);
 }
 
 static PyObject *all_ints(PyObject *self, PyObject *arg) {
@@ -692,7 +694,7 @@ static PyMethodDef METHODS[] = {
     {"scan", scan, METH_VARARGS,
      "scan(body, max_elements, max_containers, max_strings, max_depth, max_outside, max_fractions)"
      " -> (containers, elements, strings, depth, over, keys, escapes, unicode_escapes, fractions, numbers, arrays,"
-     " high_escapes, high_key_bytes)"},
+     " high_escapes, high_key_bytes, high_strings, high_escaped_bytes)"},
     {"all_ints", all_ints, METH_O, "all_ints(list) -> bool: every item exactly an int"},
     {"walk_tokens", walk_tokens, METH_VARARGS,
      "walk_tokens(value, ratio, opaque, skipped, media_tokens[, into]) -> int | None"},

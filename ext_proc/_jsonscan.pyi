@@ -3,9 +3,10 @@
 from typing import Any
 
 def scan(body: bytes, max_elements: int, max_containers: int, max_strings: int, max_depth: int, max_outside: int,
-         max_fractions: int, /) -> tuple[int, int, int, int, int, int, int, int, int, int, int, int, int]:
+         max_fractions: int, /) -> tuple[int, int, int, int, int, int, int, int, int, int, int, int, int, int, int]:
     """(containers, elements, strings, depth, over, keys, escapes, unicode escapes, fractions, numbers, arrays,
-    escapes in non-ASCII strings, bytes of non-ASCII keys) — ``bodycost.Counts``: counts outside strings;
+    escapes in non-ASCII strings, bytes of non-ASCII keys, non-ASCII strings, bytes of non-ASCII strings with escapes) —
+    ``bodycost.Counts``: counts outside strings;
     ``over`` 0, or the cap passed (1 elements, 2 containers, 3 strings, 4 depth, 5 bytes outside strings,
     whitespace an eighth each, 6 non-integer numbers), where the pass stopped."""
 

@@ -48,6 +48,10 @@ class Counts(NamedTuple):
     """Escapes in strings that also hold non-ASCII bytes (orjson decodes such a string ~3x slower)."""
     high_key_bytes: int
     """Bytes of keys that hold non-ASCII bytes."""
+    high_strings: int
+    """Strings (keys and values) that hold non-ASCII bytes."""
+    high_escaped_bytes: int
+    """Bytes of strings that hold both non-ASCII bytes and escapes."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,10 +81,17 @@ class Weights:
     unicode_escape: float = 3.8
     """More for a ``\\u`` escape than another: its decoding (Python's ``json.dumps`` writes every non-ASCII
     character so; a 2,000-message chat so written, 3.6 MB, cost 5.2 ms at 3.3 — attack44)."""
-    high_escape: float = 3.0
+    high_escape: float = 3.5
     """More for an escape in a string with non-ASCII bytes: orjson's slow path (``"é\\n"`` repeated over
     4 MiB cost 6.1 ms when such an escape was priced as any other — attack43; ``"😀\\n"`` 5.1-5.4 ms at 2.2
-    — attack44)."""
+    — attack44; mixed 2-, 3- and 4-byte characters with escapes 1.15-1.19x the model at 3.0 — attack45)."""
+    high_escaped_byte: float = 0.25
+    """More for a byte of a string with both non-ASCII bytes and escapes: orjson copies it piece by piece
+    into a wider str (``"é漢😀\\n"`` over 4 MiB: 1.26 ns a byte, 5.3 ms at a model of 4.8 without it —
+    attack45)."""
+    high_string: float = 15.0
+    """More for a string with non-ASCII bytes: decoded to a wider Python str (65k short ``"😀"`` strings
+    cost 1.33x the model without it — attack45)."""
     high_key_byte: float = 0.5
     """More for a byte of a key with non-ASCII bytes (distinct emoji keys, 3.5 MB: 5.6-6.0 ms — attack43)."""
     token_id: float = 1.8
@@ -115,6 +126,7 @@ def cost(c: Counts, size: int, ids: tuple[int, int, int, int, int] | None = None
             + w.string * (c.strings - c.keys) + w.key * c.keys
             + w.escape * (c.escapes - c.unicode_escapes) + w.unicode_escape * c.unicode_escapes
             + w.high_escape * c.high_escapes + w.high_key_byte * c.high_key_bytes
+            + w.high_string * c.high_strings + w.high_escaped_byte * c.high_escaped_bytes
             + w.token_id * (id_count if id_cap is None else min(id_count, id_cap))
             + (w.searched_byte * (size - id_bytes) if searched else 0.0)
             + (w.copied_byte * (size - id_bytes) if ids is not None else 0.0))

@@ -72,7 +72,7 @@ def test_bench_intake_refuses_every_hostile_kind_and_reports_the_victim_beside_i
     assert answers["BOM + n=16, stream"] == "400 invalid-json"
     assert answers["tools: [{}] * n, tenant over quota"] == "429 tenant-concurrency"
     assert all(v == "admitted" for k, v in answers.items() if k.startswith(("legit", "at the caps", "at the budget")))
-    assert sum(k.startswith("at the budget") for k in answers) == 5
+    assert sum(k.startswith("at the budget") for k in answers) == 6
     assert answers["two caps: 16k lists of ids, 32k distinct keys"] == "400 body-too-complex"
     # past the cost budget, not any single cap
     assert answers["4 MB of escaped quotes, 70 messages"] == "400 body-too-complex"

@@ -121,9 +121,12 @@ _PARTS: dict[str, Callable[[int], bytes]] = {
     "\\n escapes": lambda n: b'"' + b"\\n" * (4 * n) + b'"',
     "\\u escapes": lambda n: b'"' + b"\\u6f22" * (2 * n) + b'"',
     "messages": lambda n: b",".join([b'{"role":"user","content":"hello there"}'] * max(1, n // 3)),
+    "non-ASCII strings": lambda n: b",".join(['"😀"'.encode()] * max(1, min(n, 60_000))),
+    "non-ASCII text, escapes": lambda n: b'"' + "é漢😀\\n".encode() * n + b'"',
 }
 _MIXES = (("numbers", "lists of 15 numbers"), ("lists of 15 numbers", "distinct keys"), ("\\n escapes", "\\u escapes"),
-          ("distinct keys", "\\u escapes"), ("messages", "\\u escapes"))
+          ("distinct keys", "\\u escapes"), ("messages", "\\u escapes"),
+          ("non-ASCII strings", "non-ASCII text, escapes"))
 
 
 def _mix(a: str, na: int, b: str, nb: int) -> bytes:
