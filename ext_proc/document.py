@@ -80,13 +80,18 @@ Found = tuple[int, int, int, int, int]
 """Where a token-id member is and what it holds: (start, end, lists, total, longest) (``_jsonscan.token_ids``)."""
 
 
+def searches(body: bytes, route: str | None) -> bool:
+    """Whether :func:`find_ids` makes its pass over this body (a large one, of a route whose prompt may be
+    token ids, with the extension built): intake's cost budget charges the pass."""
+    return route in IDS_KEYS and _token_ids is not None and len(body) >= PAUSE_BYTES
+
+
 def find_ids(body: bytes, route: str | None) -> Found | None:
     """The large token-id ``prompt`` / ``input`` of a body of ``route``, if it has one (a pass in C over
     the top-level object, stopping at the member); None for anything else."""
-    key = IDS_KEYS.get(route) if route is not None else None
-    if key is None or _token_ids is None or len(body) < PAUSE_BYTES:
+    if route is None or _token_ids is None or not searches(body, route):
         return None
-    found = _token_ids(body, _KEY_BYTES[key])
+    found = _token_ids(body, _KEY_BYTES[IDS_KEYS[route]])
     return found if found is not None and found[3] >= IDS_MIN else None
 
 

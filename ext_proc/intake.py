@@ -39,7 +39,7 @@ from . import document as _document
 from . import estimate as _estimate
 from .bodycost import COST_MS, Counts, budget_ns, cost, refusal
 from .config import Config, Limits, Tenant
-from .document import IDS_KEYS, IDS_MIN, PAUSE_BYTES, Found, find_ids
+from .document import IDS_MIN, Found, find_ids, searches
 from .estimate import MAX_JSON_DEPTH, Estimate, Estimator, route_of, too_deep
 from .identity import Identifier
 from .reasons import UNKNOWN_KEY, Invalid, Rejection
@@ -140,10 +140,11 @@ def charge_for(size: int) -> int:
 
 
 class Costly(Invalid):
-    """A cap only the C pass counts (the nesting, the bytes outside strings, the non-integer numbers) was
-    passed: a 400 on an inference route; on another path, whose body may not be JSON at all, the body
-    is not read (the size-only estimate) — neither refused for what a non-JSON body may hold, nor parsed
-    at the cost the cap exists to avoid (review43 F1: 7-8 ms on a ``--route`` path without it)."""
+    """A cap only the C pass counts (the nesting, the bytes outside strings, the non-integer numbers) or the
+    cost budget (``bodycost.py``) was passed: a 400 on an inference route; on another path, whose body may
+    not be JSON at all, the body is not read (the size-only estimate) — neither refused for what a
+    non-JSON body may hold, nor parsed at the cost the cap exists to avoid (review43 F1: 7-8 ms on a
+    ``--route`` path without it)."""
 
 
 @contextlib.contextmanager
@@ -213,7 +214,7 @@ def scan_and_find(body: bytes, caps: Caps, route: str | None) -> tuple[int | Non
         return counts[3], None
     c = Counts._make(counts)
     # (looked for only where ids could be most of the body)
-    searched = c.numbers >= IDS_MIN and route in IDS_KEYS and len(body) >= PAUSE_BYTES
+    searched = c.numbers >= IDS_MIN and searches(body, route)
     ids = find_ids(body, route) if searched else None
     ns = cost(c, len(body), ids, searched, id_cap=DEFAULT_ELEMENTS if caps.elements > DEFAULT_ELEMENTS else None)
     if ns > caps.cost_ns:

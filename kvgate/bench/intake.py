@@ -171,7 +171,7 @@ def per_kind(reps: int = 5, max_bytes: int | None = None) -> list[dict[str, Any]
     rows = []
     clock = [0.0]
     for name, path, body in kinds(max_bytes or _config().limits.max_body_bytes) + at_caps(_config()) + \
-            (at_budget(_config()) if intake_mod.SCAN_KIND == "c" and intake_mod._native is not None else []):
+            (at_budget(_config()) if intake_mod._native is not None else []):
         rows.append(_measure(name, path, body, reps, clock, over_quota=False))
     name, path, body = kinds(max_bytes or _config().limits.max_body_bytes)[0]
     rows.append(_measure(name + ", tenant over quota", path, body, reps, clock, over_quota=True))
