@@ -22,10 +22,8 @@ Shaped like the Gateway API Inference Extension's scheduler. Per request:
    than from a fixed split of nodes. That rule reads vLLM priority levels; with one level (kvgate writes
    no priorities: vLLM is first come, first served) a less urgent request instead goes only where a
    top-tier request would still be quick — of those, preferably not beside a top-tier request its share
-   of the step would make late (``Picker._late_beside``); a long one, with three candidates or more, to
-   the fullest that still meets its target (best fit again) —, and never takes the last such node of two
-   or more (``Picker._keep_one_ready``) — else it is held in the gateway queue (``fleet-queue``, no
-   prediction).
+   of the step would make late (``Picker._late_beside``) —, and never takes the last such node of two or more
+   (``Picker._keep_one_ready``) — else it is held in the gateway queue (``fleet-queue``, no prediction).
 
 A new request no node can give a first token within its tier's max wait (``limit``) → ``fleet-queue``
 with the predicted wait until one could meet its target: waiting would not help (the backlog ahead
@@ -65,14 +63,6 @@ top tier like any other (``Picker._keep_one_ready``), but only while one was rea
 a top tier that keeps every node busy longer would otherwise hold the tiers below to their deadlines
 (review11 F3), and one that leaves a node ready now and then keeps its nodes (a release that skipped the
 hold every time was a steady channel past it: interactive's predicted misses 14% -> 39%, attack14)."""
-GATHER_NODES = 3
-"""With one vLLM level, a long less urgent prefill goes to the fullest ready node that meets its target
-(``Picker._best_fit``) only among this many candidates or more; with two it goes where its first token
-comes soonest. On the families (15 seeds) gathering raised kvgate's interactive SLO on every seed of 3-4
-nodes or kept it (bursty-mmpp seed 1 +5.1 points, bursty-onoff seed 2 +2.8), all-tier SLO and goodput
-with it; on the shared-prefix seeds' two nodes it put every long prompt on one node, whose queue of them
-was then the whole less urgent tier's (all-tier SLO -1.2 to -1.7 points, Jain's worst minute 0.94 and 0.79
-against 0.98 and 0.89)."""
 READY_SHARE = 0.5
 """A node is ready for the top tier (``Picker._keep_one_ready``) while a request of it arriving now would wait
 at most this share of its TTFT target before its own prefill (the rest is for that prefill)."""
@@ -312,7 +302,10 @@ class Picker(NodeBook):
             candidates = sample
         scored = [(self.predict(n, prompt_tokens - hits.get(n.address, 0), priority, now), n) for n in candidates]
         if adapter is not None and self.cfg.lora.enabled:
-            scored = [(t + self.lora_cost(n, adapter), n) for t, n in scored]
+            loads = {n.address: self.lora_cost(n, adapter) for _, n in scored}
+            scored = [(t + loads[n.address], n) for t, n in scored]
+        else:
+            loads = {}
         soonest, first = self._soonest(scored, tokens)
         self._best = first
         lim = limit if limit is not None else target
@@ -367,14 +360,23 @@ class Picker(NodeBook):
         meets = [(t, n) for t, n in scored if t <= target] or [(t, n) for t, n in scored if t <= lim] or scored
         kind = [(t, n) for t, n in meets
                 if self._keeps_targets(n, prompt_tokens - hits.get(n.address, 0), priority, now)] or meets
-        t, n = self._best_fit(kind, hits, tokens)
+        t, n = self._best_fit(kind, hits, tokens, loads)
         return Choice(n, ttft=t, hit=hits.get(n.address, 0))
 
-    def _best_fit(self, fit: list[tuple[float, Node]], hits: dict[str, int], tokens: int) -> tuple[float, Node]:
-        """Where a long prefill goes among the nodes that meet its target: the fullest — the latest
-        predicted first token — so long prefills gather and the other nodes stay quick for the top tier;
-        a node holding its prefix first (it computes less there, whatever fits best), ties to headroom."""
-        return max(fit, key=lambda x: (hits.get(x[1].address, 0), x[0], self._score(x[1], tokens)))
+    def _best_fit(self, fit: list[tuple[float, Node]], hits: dict[str, int], tokens: int,
+                  loads: dict[str, float]) -> tuple[float, Node]:
+        """Where a long prefill goes of the nodes it may take: the fullest — the latest predicted first
+        token. A node holding its prefix first (it computes less there, whatever fits best), then one
+        holding its LoRA adapter (``loads``: seconds of adapter load or slot wait per node, none for a
+        holder); fullness without that cost — a load it would add is no sign of a full node (review47 F1:
+        a long adapter prompt went past the idle holder to load its adapter on another node, 0.26 s ->
+        0.41 s) —, ties to headroom."""
+
+        def key(x: tuple[float, Node]) -> tuple[int, float, float, float]:
+            load = loads.get(x[1].address, 0.0)
+            return hits.get(x[1].address, 0), -load, x[0] - load, self._score(x[1], tokens)
+
+        return max(fit, key=key)
 
     def _keep_one_ready(self, scored: list[tuple[float, Node]], prompt_tokens: int, hits: dict[str, int], top: Level,
                         lim: float | None, tokens: int, now: float,
@@ -387,9 +389,7 @@ class Picker(NodeBook):
         (a top-tier request arriving now would wait at most ``READY_SHARE`` of its target there), and
         not to the last such node if it would leave none (with two nodes or more to choose from: a lone
         candidate is not held); of those it prefers the nodes where it makes no top-tier request waiting
-        for its first token late (``_late_beside``), and a long prefill (``_long``) among
-        ``GATHER_NODES`` candidates or more takes the fullest of those that still meets its target
-        (``_best_fit``), not the soonest. None: no node now — it waits in the gateway
+        for its first token late (``_late_beside``). None: no node now — it waits in the gateway
         queue, where a top-tier arrival passes it. Without it, with every tier at one level, nothing
         kept a node ready: on the bursty-mmpp family's seed 1 a burst of long standard and batch
         prompts put 2-3 s of prefill on all four nodes at 15-40 % KV, and the interactive tenant got
@@ -429,13 +429,6 @@ class Picker(NodeBook):
                 return None
             kept = [(t, n) for _, t, n in short]
         s, f = self._soonest(kept, tokens)
-        if (target is not None and len(scored) >= GATHER_NODES and len(kept) > 1
-                and self._long(f, prompt_tokens - hits.get(f.address, 0), top)):
-            # a long prefill: of the nodes it may take, the fullest that still meets its target, as on
-            # the levels' path — long prefills gather, the rest stay quick for the top tier
-            fit = [(t, n) for t, n in kept if t <= target]
-            if fit:
-                s, f = self._best_fit(fit, hits, tokens)
         return kept, s, f
 
     def _late_beside(self, n: Node, prompt_tokens: int, now: float, arrived: float) -> bool:
