@@ -365,16 +365,17 @@ class Picker(NodeBook):
 
     def _best_fit(self, fit: list[tuple[float, Node]], hits: dict[str, int], tokens: int,
                   loads: dict[str, float]) -> tuple[float, Node]:
-        """Where a long prefill goes of the nodes it may take: the fullest — the latest predicted first
-        token. A node holding its prefix first (it computes less there, whatever fits best), then one
-        holding its LoRA adapter (``loads``: seconds of adapter load or slot wait per node, none for a
-        holder); fullness without that cost — a load it would add is no sign of a full node (review47 F1:
-        a long adapter prompt went past the idle holder to load its adapter on another node, 0.26 s ->
-        0.41 s) —, ties to headroom."""
+        """Where a long prefill goes of the nodes it may take, in this order: the node holding the most of
+        its prefix (it computes less there, whatever fits best); a node holding its LoRA adapter (``loads``:
+        seconds of adapter load or slot wait per node, 0 for a holder); the fullest — the latest predicted
+        first token, without that load or wait; the most headroom. A load it would add is no sign of a full
+        node: ranked by it, a long adapter prompt went past the idle holder to load its adapter on another
+        node (review47 F1: first token 0.26 s -> 0.41 s), and ranked by its size (a slot wait grows with a
+        node's decoding requests) the emptiest node won (review48 F1)."""
 
-        def key(x: tuple[float, Node]) -> tuple[int, float, float, float]:
+        def key(x: tuple[float, Node]) -> tuple[int, bool, float, float]:
             load = loads.get(x[1].address, 0.0)
-            return hits.get(x[1].address, 0), -load, x[0] - load, self._score(x[1], tokens)
+            return hits.get(x[1].address, 0), load == 0.0, x[0] - load, self._score(x[1], tokens)
 
         return max(fit, key=key)
 

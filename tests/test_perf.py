@@ -1128,20 +1128,45 @@ def test_a_long_adapter_prompt_gathers_on_a_node_holding_its_adapter_not_on_one_
     """review47 F1: with vLLM priority levels a long less urgent prefill goes to the fullest node that still
     meets its target (best fit) — the latest predicted first token, and an adapter request's prediction
     counts a load where the node does not hold the adapter: a long one went past the idle holder (first token
-    0.26 s) to load its adapter on another node (0.41 s). A holder goes first, and fullness is judged without
-    the load."""
+    0.26 s) to load its adapter on another node (0.41 s). A holder goes first, even beside a fuller node; with
+    no holder, the fullest without the load (review48 F1: ranked by the load's size, a slot wait that grows
+    with a node's decoding requests, the emptiest node won)."""
     from ext_proc.nodes import Level
     from tests.test_fleets import fleet, lora_reading
 
+    def choose(adapter: str) -> tuple[str, float | None]:
+        f = fleet(3, lora={"load_seconds": 0.15})
+        f.adapters = frozenset({"x", "y"})
+        f.set_levels([Level(0, 0.2), Level(1, 2.0)])
+        for i in range(3):
+            f.on_snapshot(f"10.0.0.{i}:8000", lora_reading(["x"] if i == 0 else []), 0.0)
+        f.dispatched("10.0.0.1:8000", "booked", 4016, 4000, 0.0, priority=0)  # node 1 the fullest
+        f.choose(300, 0.0, prompt_tokens=200, priority=0, target=0.2)  # the top tier has traffic
+        full = f.nodes["10.0.0.1:8000"]
+        assert f._long(full, 12_000, f.levels[0])
+        assert f.predict(full, 12_000, 1, 0.0) > max(f.predict(n, 12_000, 1, 0.0) for n in f.nodes.values()
+                                                     if n is not full)
+        c = f.choose(12_016, 0.0, prompt_tokens=12_000, priority=1, target=2.0, limit=5.0, adapter=adapter)
+        assert c.node is not None
+        return c.node.address, c.ttft
+
+    holder, ttft = choose("x")
+    assert holder == "10.0.0.0:8000"  # the holder, not the fuller node 1 that would load it
+    assert ttft is not None and ttft < 0.3  # no load counted
+    fullest, _ = choose("y")  # nobody holds it: the fullest
+    assert fullest == "10.0.0.1:8000"
+
+    # nobody holds it and every slot runs another adapter: a slot wait grows with a node's decoding requests,
+    # and ranked by its size the emptiest node won (review48 F1) — the fullest without it goes
     f = fleet(3, lora={"load_seconds": 0.15})
-    f.adapters = frozenset({"x", "y"})
+    f.adapters = frozenset({"a", "z"})
     f.set_levels([Level(0, 0.2), Level(1, 2.0)])
-    for i in range(3):
-        f.on_snapshot(f"10.0.0.{i}:8000", lora_reading(["x"] if i == 0 else []), 0.0)
-    f.choose(300, 0.0, prompt_tokens=200, priority=0, target=0.2)  # the top tier has traffic
-    holder = f.nodes["10.0.0.0:8000"]
-    assert f._long(holder, 12_000, f.levels[0])
-    assert f.predict(holder, 12_000, 1, 0.0) >= max(f.predict(n, 12_000, 1, 0.0) for n in f.nodes.values())
-    c = f.choose(12_016, 0.0, prompt_tokens=12_000, priority=1, target=2.0, limit=5.0, adapter="x")
-    assert c.node is holder
-    assert c.ttft is not None and c.ttft < 0.3  # no load counted
+    for i, running in enumerate((12, 1, 6)):
+        f.on_snapshot(f"10.0.0.{i}:8000", lora_reading(["a"] * running, max_lora=1), 0.0)
+    f.choose(300, 0.0, prompt_tokens=200, priority=0, target=0.2)
+    loads = {n.address: f.lora_cost(n, "z") for n in f.nodes.values()}
+    assert len(set(loads.values())) == 3 and min(loads.values()) > 0.15  # three different slot waits
+    fullest = max(f.nodes.values(), key=lambda n: f.predict(n, 12_000, 1, 0.0))
+    assert loads[fullest.address] != min(loads.values())
+    c = f.choose(12_016, 0.0, prompt_tokens=12_000, priority=1, target=2.0, limit=5.0, adapter="z")
+    assert c.node is fullest
