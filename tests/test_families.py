@@ -26,10 +26,13 @@ from kvgate.bench.scenarios.families import (
     FAMILY_PROFILES,
     METRICS,
     POLICIES,
+    TIER_METRICS,
     SharedPrefixFamily,
     arrivals,
+    columns,
     family,
     node_capacity_rps,
+    run_family,
 )
 from kvgate.bench.scenarios.trace import TraceRequest
 from kvgate.bench.scenarios.workloads import (
@@ -234,7 +237,8 @@ def test_the_families_command_prints_the_documented_json(capsys: pytest.CaptureF
     assert [p["policy"] for p in fam["policies"]] == list(POLICIES)
     for p in fam["policies"]:
         for m in ("interactive_slo", "slo", "goodput_per_gpu", "gpu_hours", "jain", "jain_60s_mean",
-                  "jain_60s_min", "ttft_p50", "ttft_p99", "prefill_tokens_computed"):
+                  "jain_60s_min", "ttft_p50", "ttft_p99", "prefill_tokens_computed", "standard_slo", "batch_slo",
+                  "interactive_ttft_p99"):
             assert set(p[m]) == {"median", "worst", "per_seed"} and len(p[m]["per_seed"]) == 1
             assert p[m]["median"] == p[m]["worst"] == p[m]["per_seed"][0]
         assert p["gpu_hours"]["median"] > 0 and 0 <= p["slo"]["median"] <= 1
@@ -297,3 +301,21 @@ def test_without_matplotlib_the_report_says_so(how: str, tmp_path: Path, monkeyp
     assert "matplotlib is not installed" in err and "pip install 'kvgate[bench]'" in err
     assert (out / "report.md").is_file() and (out / "results.json").is_file()
     assert not list(out.glob("*.png"))
+
+
+def test_the_families_rows_carry_each_tiers_own_figures() -> None:
+    """attack47: a placement change raised the interactive and all-tier SLO of a seed while its standard tier
+    lost 3 points (the batch tier's gain hid it), and nothing in the families' output showed it. Each
+    policy's row carries the standard and batch tiers' SLO and the interactive tier's TTFT p99 (JSON only:
+    the tables keep their columns), each the run's own tier figure."""
+    r = run_family("mixed", [1], scale=0.05, policies=("kvgate",))
+    s = r.runs[0].summary("kvgate")
+    assert s is not None
+    row = r.rows()["kvgate"]
+    for tier in ("standard", "batch"):
+        g = s.tiers.get(tier)
+        assert row[f"{tier}_slo"]["per_seed"] == [g.slo if g is not None else None]
+    assert any(t in s.tiers for t in ("standard", "batch"))
+    assert row["interactive_ttft_p99"]["per_seed"] == [s.tiers["interactive"].ttft[2]]
+    assert row["interactive_ttft_p99"]["per_seed"][0] is not None
+    assert not set(TIER_METRICS) & set(columns("mixed")) and not set(TIER_METRICS) & set(columns("shared-prefix"))
