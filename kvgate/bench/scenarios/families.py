@@ -718,11 +718,10 @@ def _cell(name: str, agg: dict[str, Any]) -> str:
     return f"{one(agg['median'])} / {one(agg['worst'])}"
 
 
-def table(rows: dict[str, dict[str, dict[str, Any]]], metrics: Sequence[str] | None = None) -> str:
-    ms_ = list(metrics) if metrics is not None else [m for m in METRICS
-                                                     if m not in EXTRA_METRICS and m not in TIER_METRICS]
-    return report.table(["policy", *(METRICS[m][0] for m in ms_)],
-                        [[p, *(_cell(m, ms[m]) for m in ms_)] for p, ms in rows.items()])
+def table(rows: dict[str, dict[str, dict[str, Any]]], metrics: Sequence[str]) -> str:
+    """The policies' rows over ``metrics`` (a family's :func:`columns`)."""
+    return report.table(["policy", *(METRICS[m][0] for m in metrics)],
+                        [[p, *(_cell(m, ms[m]) for m in metrics)] for p, ms in rows.items()])
 
 
 def run_family(name: str, seeds: Sequence[int], scale: float = 1.0, policies: Sequence[PolicyName] = POLICIES,
