@@ -192,6 +192,26 @@ def test_the_targets_apply_the_issues_tolerances_and_give_margins() -> None:
     assert "kvgate vs kv-shed: goodput/GPU" in text and "| met " in text and "4/8" in text
 
 
+def _with_batch(row: Summary, batch: float) -> Summary:
+    row.tiers["batch"] = SimpleNamespace(slo=batch, ttft=(None, None, None))
+    return row
+
+
+def test_the_batch_target_applies_only_where_the_interactive_tier_is_not_behind() -> None:
+    # issue 30 §3: batch within 2 points of kv-shed's wherever kvgate's interactive SLO is at or above kv-shed's
+    shed = _with_batch(_row(0.90, 0.90, 1.0, 0.9, 0.1), 0.95)
+    ahead = {"kv-shed": shed, "kvgate": _with_batch(_row(0.90, 0.90, 1.0, 0.9, 0.1), 0.92)}
+    [c] = [c for c in targets.checks(ahead) if c.column == "batch_slo"]
+    assert not c.met and c.bound == pytest.approx(0.93) and c.margin == pytest.approx(-1.0)
+    assert c.cell() == "MISS -1.0 pt" and "batch SLO" in c.label
+    ahead["kvgate"].tiers["batch"].slo = 0.935
+    assert next(c for c in targets.checks(ahead) if c.column == "batch_slo").met
+    behind = {"kv-shed": shed, "kvgate": _with_batch(_row(0.89, 0.90, 1.0, 0.9, 0.1), 0.50)}
+    assert "batch_slo" not in {c.column for c in targets.checks(behind)}  # the interactive check fails instead
+    no_batch = {"kv-shed": shed, "kvgate": _row(0.95, 0.90, 1.0, 0.9, 0.1)}
+    assert "batch_slo" not in {c.column for c in targets.checks(no_batch)}
+
+
 def test_the_scaler_targets_need_the_autoscaling_rows() -> None:
     rows = {"kvgate": _row(0.9, 0.9, 1.0, 0.9, 0.1), "kvgate+scaler": _row(0.9, 0.9, 1.0, 0.9, 0.1, gpu_h=2.0),
             "autoscale-only": _row(0.5, 0.5, 0.5, 0.5, 1.0, gpu_h=1.5)}

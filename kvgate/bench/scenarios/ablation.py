@@ -150,5 +150,6 @@ def to_json(results: Sequence[AblationFamily], seeds: Sequence[int], scale: floa
             "rows": [*BASE_POLICIES, *(p.name for p in variants(kv, switches))],
             "columns": list(targets.COLUMNS), "window_s": report.JAIN_WINDOW_S,
             "tolerances": {"slo_points": 100 * targets.SLO_TOLERANCE, "goodput": targets.GOODPUT_TOLERANCE,
-                           "ttft_factor": targets.TTFT_FACTOR, "jain": targets.JAIN_TOLERANCE},
+                           "ttft_factor": targets.TTFT_FACTOR, "jain": targets.JAIN_TOLERANCE,
+                           "batch_points": 100 * targets.BATCH_TOLERANCE},
             "wall_s": round(seconds, 3), "families": [r.to_json() for r in results]}

@@ -31,8 +31,9 @@ What every seed of the first four draws (``family``):
   so one seed gives each family a different one): three seeds cover the three;
 * a static fleet of 2-4 nodes, a run of 300-600 s (whole 30 s), and an offered load of 60-110% of the
   fleet's estimated capacity (``node_capacity_rps``), averaged over the run (bursts go above it);
-* kvgate's config: the tenants with their tiers; every batch tenant ``max_concurrent`` 8, 16 or 32 (a
-  round number, not fitted to the fleet); half the standard tenants ``tokens_per_minute`` of 1.5-3x
+* kvgate's config: the tenants with their tiers; every batch tenant a ``max_concurrent`` sized as
+  ``docs/concepts/tenants.md``'s "Sizing ``max_concurrent``" says (its peak request rate x its requests'
+  duration on a healthy node x 1.5-2.5, at least 4); half the standard tenants ``tokens_per_minute`` of 1.5-3x
   their mean demand (two significant figures); no vLLM priority in the bodies (``queue.inject_priority``
   at its default, false: ``docs/guides/vllm-settings.md`` says why); every protective
   limit best effort (``best_effort: {default: best-effort}``, the same for every seed: a quota protects,
