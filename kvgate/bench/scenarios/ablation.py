@@ -11,9 +11,10 @@ same seeds, same ``--scale``), beside ``none``, ``kv-shed`` and full ``kvgate``:
   predictions, prefix), everything else as the family configured it;
 * ``kvgate all-off``: every switch at once.
 
-Per family and seed it prints the families table's columns (``targets.COLUMNS``) for every row, with how
-many of issue 30's kvgate targets (``targets.py``: against kv-shed and none) the row would meet in
-kvgate's place; ``--json`` gives the same with stable field names.
+Per family and seed it prints the families table's columns (``targets.COLUMNS``) and the batch tier's SLO
+(``targets.ABLATION_COLUMNS``) for every row, with how many of issue 30's kvgate targets (``targets.py``:
+against kv-shed and none) the row would meet in kvgate's place — a row's total is one higher where the
+batch check applies to it; ``--json`` gives the same with stable field names.
 """
 
 from __future__ import annotations
@@ -81,9 +82,10 @@ class AblationSeed:
         for name, s in self.rows().items():
             f = targets.figures(s)
             cs = checks.get(name)
-            out.append([name, *(_cell(c, f[c]) for c in targets.COLUMNS), f"{s.gpu_hours:.2f}",
+            out.append([name, *(_cell(c, f[c]) for c in targets.ABLATION_COLUMNS), f"{s.gpu_hours:.2f}",
                         f"{sum(c.met for c in cs)}/{len(cs)}" if cs is not None else ""])
-        return report.table(["row", *(targets.HEADERS[c] for c in targets.COLUMNS), "GPU-h", "targets met"], out)
+        return report.table(["row", *(targets.HEADERS[c] for c in targets.ABLATION_COLUMNS), "GPU-h", "targets met"],
+                            out)
 
     def to_json(self) -> dict[str, Any]:
         checks = self.row_checks()
@@ -99,7 +101,7 @@ class AblationSeed:
 def _cell(column: str, x: float | None) -> str:
     if x is None:
         return "-"
-    if column in ("interactive_slo", "slo"):
+    if column in ("interactive_slo", "slo", "batch_slo"):
         return f"{100 * x:.1f}%"
     return f"{x:.3f}" if column == "interactive_ttft_p99" else f"{x:.2f}"
 

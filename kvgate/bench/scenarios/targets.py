@@ -8,8 +8,9 @@ Per seed, from the rows of that seed's run (a check whose rows or figures are mi
   ``GOODPUT_TOLERANCE`` (1%);
 * ``kvgate`` against ``kv-shed`` only: interactive TTFT p99 at most ``TTFT_FACTOR`` (1.05) x kv-shed's,
   Jain's index over the worst 60 s window at least kv-shed's less ``JAIN_TOLERANCE`` (0.02), and — on a
-  seed whose interactive SLO under kvgate is at or above kv-shed's (issue 30 §3: no tier starved to win
-  another) — the batch tier's SLO at least kv-shed's less ``BATCH_TOLERANCE`` (2 points);
+  seed whose interactive SLO under kvgate meets its own check against kv-shed's (at or above it, less
+  ``SLO_TOLERANCE``: issue 30 §3, no tier starved to win another) — the batch tier's SLO at least
+  kv-shed's less ``BATCH_TOLERANCE`` (2 points);
 * ``kvgate+scaler`` against ``kvgate``: every one of those five columns by the same rule, and its
   GPU-hours at most ``autoscale-only``'s.
 
@@ -38,9 +39,12 @@ BATCH_TOLERANCE = 0.02
 
 COLUMNS = ("interactive_slo", "slo", "goodput_per_gpu", "jain_60s_min", "interactive_ttft_p99")
 """The families table's columns the targets read (and the ablation prints), by their JSON names."""
+ABLATION_COLUMNS = (*COLUMNS, "batch_slo")
+"""What the ablation prints per row: ``COLUMNS`` and the batch tier's SLO (its check counts in a row's targets
+met wherever it applies, so the figure it reads is shown beside the others)."""
 HEADERS = {"interactive_slo": "interactive SLO", "slo": "SLO (all)", "goodput_per_gpu": "goodput/GPU",
            "jain_60s_min": "Jain 60 s worst", "interactive_ttft_p99": "interactive TTFT p99 (s)",
-           "batch_slo": "batch SLO (interactive at or above)"}
+           "batch_slo": "batch SLO"}
 
 
 def figures(s: report.Summary) -> dict[str, float | None]:
@@ -139,10 +143,13 @@ def checks(rows: dict[str, report.Summary]) -> list[Check]:
 
 def _batch_applies(mine: dict[str, float | None], theirs: dict[str, float | None]) -> bool:
     """Whether the batch check applies: both rows have a batch tier and the interactive tier is at or above
-    the other's (issue 30 §3 asks the batch tier to stay within ~2 points only there; where the interactive
-    tier is behind, its own check fails)."""
+    the other's, within the interactive check's own tolerance (issue 30 §3 asks the batch tier to stay
+    within ~2 points wherever the interactive one is not behind; applied only where the interactive check
+    passes, a run half a point behind there would pass every check whatever its batch tier did, and where
+    that check fails it already says so — attack50 A1)."""
     a, b = mine.get("interactive_slo"), theirs.get("interactive_slo")
-    return a is not None and b is not None and a >= b and None not in (mine.get("batch_slo"), theirs.get("batch_slo"))
+    return a is not None and b is not None and a >= b - SLO_TOLERANCE and \
+        None not in (mine.get("batch_slo"), theirs.get("batch_slo"))
 
 
 def table(per_seed: Sequence[tuple[int, Sequence[Check]]]) -> str:
