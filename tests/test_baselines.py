@@ -214,6 +214,9 @@ def test_the_batch_target_applies_only_where_the_interactive_tier_is_not_behind(
     assert "batch_slo" not in {c.column for c in targets.checks(behind)}  # the interactive check fails instead
     no_batch = {"kv-shed": shed, "kvgate": _row(0.95, 0.90, 1.0, 0.9, 0.1)}
     assert "batch_slo" not in {c.column for c in targets.checks(no_batch)}
+    shed_no_batch = {"kv-shed": _row(0.90, 0.90, 1.0, 0.9, 0.1),
+                     "kvgate": _with_batch(_row(0.95, 0.9, 1.0, 0.9, 0.1), 0.1)}
+    assert "batch_slo" not in {c.column for c in targets.checks(shed_no_batch)}
 
 
 def test_the_scaler_targets_need_the_autoscaling_rows() -> None:
@@ -250,6 +253,8 @@ def test_the_ablation_command_writes_stable_json(capsys: pytest.CaptureFixture[s
             "families"} <= set(doc)
     assert doc["kind"] == "kvgate-bench-ablation" and doc["rows"] == ["none", "kv-shed", "kvgate", "kvgate -priority"]
     assert doc["switches"] == {"priority": "queue.inject_priority: false"}
+    assert doc["tolerances"]["batch_points"] == pytest.approx(2.0)
     [fam] = doc["families"]
     assert fam["family"] == "mixed" and [r["variant"] for r in fam["seeds"][0]["rows"]] == doc["rows"]
+    assert all("batch_slo" in r for r in fam["seeds"][0]["rows"])
     assert main(["bench", "ablation", "--seeds", "0"]) == 2

@@ -11,8 +11,8 @@ Per seed, from the rows of that seed's run (a check whose rows or figures are mi
   seed whose interactive SLO under kvgate meets its own check against kv-shed's (at or above it, less
   ``SLO_TOLERANCE``: issue 30 §3, no tier starved to win another) — the batch tier's SLO at least
   kv-shed's less ``BATCH_TOLERANCE`` (2 points);
-* ``kvgate+scaler`` against ``kvgate``: every one of those five columns by the same rule, and its
-  GPU-hours at most ``autoscale-only``'s.
+* ``kvgate+scaler`` against ``kvgate``: every one of the five ``COLUMNS`` by the same rule (not the batch
+  check), and its GPU-hours at most ``autoscale-only``'s.
 
 Each check has a *margin* in the column's own unit (SLO: points; goodput: percent of the bound;
 TTFT: the ratio's distance below the factor; Jain: index; GPU-hours: percent of autoscale-only's),
@@ -48,7 +48,8 @@ HEADERS = {"interactive_slo": "interactive SLO", "slo": "SLO (all)", "goodput_pe
 
 
 def figures(s: report.Summary) -> dict[str, float | None]:
-    """The ``COLUMNS`` of one row, its ``gpu_hours`` and its ``batch_slo`` (None: no batch request offered)."""
+    """The ``COLUMNS`` of one row, its ``gpu_hours`` and its ``batch_slo`` (None: no batch request offered, or
+    a batch tier without a TTFT target)."""
     inter = s.tiers.get("interactive")
     batch = s.tiers.get("batch")
     return {"interactive_slo": inter.slo if inter is not None else None, "slo": s.all.slo,
