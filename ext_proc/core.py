@@ -198,6 +198,11 @@ class Core:
         """The gateway queue is being pumped: a no-node answer's Retry-After goes nowhere (``_pump``)."""
         self._later: Callable[[Callable[[], None]], None] | None = None
         """Set by :meth:`pump_once_per_turn`: how a pump is put off to the end of the loop turn."""
+        self.prefill_seconds: dict[str, float] = {}
+        """Pool → prefill seconds sent to its nodes so far (``kvgate_prefill_seconds_total``; the
+        virtual-time benchmarks' scaler reads it here)."""
+        self._prefill_counters: dict[str, Any] = {}
+        """Pool → its ``kvgate_prefill_seconds_total`` child (made once per pool, not per request)."""
         self._pump_due = False
         """A put-off pump is scheduled and has not run yet."""
         self.breaker_opens: dict[str, int] = {}
@@ -724,7 +729,18 @@ class Core:
                         prefix=prefix, retry=not self._pumping, adapter=adapter,
                         urgent=tier_name == cfg.top_tier if cfg.queue.enabled else None, owed=guarded,
                         since=now - waited)
+        if c.node is not None:
+            self._prefill_sent(est.pool, c.node.model.b * max(0, est.prompt_tokens - c.hit) * c.node.speed.factor)
         return Placed(c.node.address if c.node else None, c.reason, c.retry_after, c.ttft)
+
+    def _prefill_sent(self, pool: str, seconds: float) -> None:
+        """Prefill compute sent to one of ``pool``'s nodes, by that node's model and speed: what the scaler
+        bounds a scale-down by (a fleet of long prompts on a large model runs out of compute before KV)."""
+        self.prefill_seconds[pool] = self.prefill_seconds.get(pool, 0.0) + seconds
+        child = self._prefill_counters.get(pool)
+        if child is None:
+            child = self._prefill_counters[pool] = self.stats.prefill_seconds.labels(pool)
+        child.inc(seconds)
 
     def _chain(self, ticket: str, document: dict[str, Any], fleet: Fleet) -> tuple[int, ...]:
         """The prompt's prefix chain, computed at placement: only for requests the quota gates let by

@@ -120,6 +120,11 @@ class Stats:
             "kvgate_queue_wait_seconds", "Time queued requests waited, per tier and outcome (admitted | rejected)",
             ["tier", "outcome", "pool"], buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60),
             registry=r)
+        self.prefill_seconds = Counter(
+            "kvgate_prefill_seconds_total",
+            "Prefill compute kvgate sent to each pool's nodes, in seconds by each node's performance model and "
+            "learned speed (the prompt tokens it does not expect in the node's prefix cache): the scaler's "
+            "scale-down bound on prefill reads its rate", ["pool"], registry=r)
         self.queue_waited_for_room = Counter(
             "kvgate_queue_waited_for_room_total",
             "Queued requests admitted after waiting for room: a node choice refused them, or a pass of the queue "

@@ -49,6 +49,10 @@ class Pool(_Strict):
     warm_pool_kv_usage: Annotated[float, Field(gt=0, le=1)] = Field(
         default=0.55, description="the replicas beyond the warm pool above this mean KV-cache usage: one more "
         "replica, to keep the pool spare")
+    scale_down_prefill_usage: Annotated[float, Field(gt=0, le=1)] = Field(
+        default=0.3, description="scale down only if the replicas left beyond the warm pool would spend at most "
+        "this share of their time prefilling what kvgate sent the pool (kvgate_prefill_seconds_total, its peak "
+        "over the cooldown)")
 
     @model_validator(mode="after")
     def _order(self) -> Pool:
@@ -69,7 +73,8 @@ class Pool(_Strict):
             stale_after_s=stale_after_s, cold_start_s=self.cold_start_seconds,
             trend_window_s=self.trend_window_seconds, spread_share=self.spread_share,
             spread_tenants=self.spread_tenants, scale_down_kv_usage=self.scale_down_kv_usage,
-            warm_pool_kv_usage=self.warm_pool_kv_usage, window_s=window_s)
+            warm_pool_kv_usage=self.warm_pool_kv_usage, scale_down_prefill_usage=self.scale_down_prefill_usage,
+            window_s=window_s)
 
 
 class Source(_Strict):

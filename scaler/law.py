@@ -42,7 +42,13 @@ Per evaluation, over the signal window:
   ``diurnal`` seed 1 went 4 → 3 at 44% by the mean, 70% by the reading, and back 15 s later) — at
   most at ``scale_down_kv_usage`` mean usage (when kvgate reports it), and fewer than
   ``scale_down_threshold`` of the window's admissions waited in kvgate's queue for room (what waits
-  there holds no KV: kvgate keeps vLLM's queues short while the top tier has traffic);
+  there holds no KV: kvgate keeps vLLM's queues short while the top tier has traffic), and the replicas
+  left beyond the warm pool would have carried the prefill kvgate sent the pool — at its peak over that
+  cooldown, in prefill seconds per second — at most at ``scale_down_prefill_usage`` of their time each
+  (a fleet of long prompts on a large model runs out of compute long before KV: on the families' seeds
+  1-12, scale-downs by KV alone saved a few percent of GPU-hours and cost service — ``diurnal`` seed 4
+  0.223 -> 0.216 GPU-h for 2.7 points of interactive SLO; with this bound kvgate+scaler missed 56 of its
+  targets against static kvgate's rows instead of 69);
   then wait another cooldown. The gap between the two KV bounds is the hysteresis: a scale-down
   never makes the next scale-up. Without KV readings nothing tells a fleet with room from one just
   big enough: a scale-down undone within a cooldown (a flap) doubles the cooldown the next one to
@@ -102,6 +108,9 @@ class LawSettings:
     scale_down_kv_usage: float = 0.45
     """Scale down only if the replicas left beyond the warm pool would carry the fleet's KV-cache usage at
     most at this mean (when kvgate reports it)."""
+    scale_down_prefill_usage: float = 0.3
+    """Scale down only if the replicas left beyond the warm pool would spend at most this share of their time
+    prefilling what kvgate sent the pool (its peak over the cooldown; when kvgate reports it)."""
     warm_pool_kv_usage: float = 0.55
     """With a warm pool: the replicas beyond it carrying the fleet's KV-cache usage above this mean (the
     warm replicas carry demand) → one more replica, to keep the pool spare."""
@@ -136,6 +145,9 @@ class Signals:
     """Of ``admitted``: requests admitted although predicted to miss their tier's TTFT target. Absent: none."""
     kv_usage: float | None = None
     """The mean KV-cache usage of the replicas up now (0-1, ``kvgate_node_kv_usage_ratio``); None: unknown."""
+    prefill_seconds: float = 0.0
+    """Prefill compute kvgate sent the pool's nodes over the window, in seconds by each node's performance
+    model (``kvgate_prefill_seconds_total``); 0 from a kvgate without the counter (no prefill bound then)."""
     waited: float = 0.0
     """Of ``admitted``: requests admitted after waiting in kvgate's gateway queue for room
     (``kvgate_queue_waited_for_room_total``: a node choice refused them, or a pass of the queue found their
@@ -262,6 +274,9 @@ class ControlLaw:
         self._kv_low: deque[tuple[float, float]] = deque()
         """Its window-means since the unmet rate went low, over the last cooldown: a scale-down must fit
         their peak."""
+        self._prefill_low: deque[tuple[float, float]] = deque()
+        """(time, the window's prefill in replicas' worth: prefill seconds per second) since the unmet rate
+        went low, over the last cooldown: a scale-down must fit their peak too."""
         self._last_down: tuple[float, int] | None = None
         """When the law last scaled down, and to which demand level (None once a scale-up followed)."""
         self.flap_level: int | None = None
@@ -352,10 +367,13 @@ class ControlLaw:
         if self._low_since is None:
             self._low_since = now
             self._kv_low.clear()
+            self._prefill_low.clear()
         if kv_load is not None:
             self._kv_low.append((now, kv_load))
-        while self._kv_low and self._kv_low[0][0] < now - s.cooldown_s:
-            self._kv_low.popleft()
+        self._prefill_low.append((now, max(0.0, sig.prefill_seconds) / s.window_s))
+        for low in (self._kv_low, self._prefill_low):
+            while low and low[0][0] < now - s.cooldown_s:
+                low.popleft()
         peak = max((k for _, k in self._kv_low), default=None)
         if peak is not None and sig.kv_usage is not None and observed:
             peak = max(peak, sig.kv_usage * observed)  # the reading now, too: the window's mean lags a rise
@@ -377,6 +395,12 @@ class ControlLaw:
             return self._out(current, "hold", f"{what}: low for {low_for:.0f}s, but at its peak over the cooldown "
                              f"the {rest} replica(s) left beyond the warm pool would run at {after_kv:.0%} KV usage "
                              f"> {s.scale_down_kv_usage:.0%}", v)
+        prefill = max((p for _, p in self._prefill_low), default=0.0)
+        after_prefill = None if rest <= 0 else prefill / rest
+        if after_prefill is not None and after_prefill > s.scale_down_prefill_usage:
+            return self._out(current, "hold", f"{what}: low for {low_for:.0f}s, but at its peak over the cooldown "
+                             f"the {rest} replica(s) left beyond the warm pool would spend {after_prefill:.0%} of "
+                             f"their time prefilling > {s.scale_down_prefill_usage:.0%}", v)
         self._low_since = now
         load = "" if after_kv is None else f"; the {rest} left beyond the warm pool would run at {after_kv:.0%} KV"
         return self._out(current - 1, "down", f"{what} < {s.scale_down_threshold:.0%} for {low_for:.0f}s{load}", v)

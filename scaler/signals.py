@@ -42,9 +42,9 @@ Totals = dict[tuple[str, str], float]
 """(kind, tenant) → count; kind: admitted | capacity | policy | budget (of policy: a tenant's own request
 or token budget) | fleet (of policy: caused by the fleet) | slo_miss (of admitted: predicted to miss) |
 waited (of admitted: waited in kvgate's gateway queue for room, :data:`WAITED_FOR_ROOM`; no tenant label,
-tenant "")."""
+tenant "") | prefill (seconds of prefill kvgate sent the pool's nodes, :data:`PREFILL_SECONDS`; tenant "")."""
 
-KINDS = ("admitted", "capacity", "policy", "budget", "fleet", "slo_miss", "waited")
+KINDS = ("admitted", "capacity", "policy", "budget", "fleet", "slo_miss", "waited", "prefill")
 BUDGET_REASONS = ("tenant-requests", "tenant-tokens")
 """The 429 reasons of a tenant over its own budget: never a scaling signal."""
 FLEET_CAUSED = "kvgate_fleet_caused_rejections_total"
@@ -58,6 +58,9 @@ in a live kvgate includes an event-loop turn (review14). A kvgate older than the
 release from its queue (:data:`QUEUE_WAITS`, what the gate read before), so that a scaler upgraded first
 keeps the gate (review15)."""
 QUEUE_WAITS = "kvgate_queue_wait_seconds_count"
+PREFILL_SECONDS = "kvgate_prefill_seconds_total"
+"""Prefill compute kvgate sent each pool's nodes (seconds, by each node's performance model): its rate over
+the window is the prefill load the scale-down bound reads. Absent from an older kvgate: 0, no bound."""
 
 DEFAULT_POOL = "default"
 """The one pool of a kvgate without ``pools``, and of series without a pool label (ext_proc.pools.DEFAULT_POOL;
@@ -67,6 +70,7 @@ NO_POOL = "none"
 POOL_NAME = re.compile(r"^[a-z0-9][a-z0-9_.-]{0,62}$")
 """A pool's name, as kvgate's and the scaler's configs spell it (also what makes it safe inside PromQL)."""
 POOLED = frozenset({"kvgate_requests_total", FLEET_CAUSED, PREDICTED_MISSES, WAITED_FOR_ROOM, QUEUE_WAITS,
+                    PREFILL_SECONDS,
                     "kvgate_queue_depth_requests",
                     "kvgate_nodes_total", "kvgate_node_kv_usage_ratio", "kvgate_fleet_inflight_requests",
                     "kvgate_node_kv_capacity_tokens"})
@@ -154,6 +158,8 @@ def parse_kvgate(text: str) -> Reading:
                 room = True
                 if s.value:  # (kvgate writes each tier's and pool's at 0 from the start)
                     a.add(("waited", ""), s.value)
+            elif s.name == PREFILL_SECONDS:
+                a.add(("prefill", ""), s.value)
             elif s.name == QUEUE_WAITS:
                 if s.labels.get("outcome") == "admitted":
                     a.released += s.value
@@ -193,7 +199,8 @@ def _signals(at: float, delta: Totals, held: float, nodes: int | None, complete:
         by[kind][tenant] = by[kind].get(tenant, 0.0) + v
     return Signals(at, by["admitted"], by["capacity"], by["policy"], held, nodes, complete,
                    fleet_caused=by["fleet"], budget_rejected=by["budget"], slo_missed=by["slo_miss"],
-                   kv_usage=kv_usage, waited=sum(by["waited"].values()))
+                   kv_usage=kv_usage, waited=sum(by["waited"].values()),
+                   prefill_seconds=sum(by["prefill"].values()))
 
 
 def _summed(dicts: Iterable[dict[str, float]]) -> dict[str, float]:
@@ -255,7 +262,7 @@ class PoolSignals(Mapping[str, Signals]):
                        fleet_caused=_summed(s.fleet_caused for s in sigs),
                        budget_rejected=_summed(s.budget_rejected for s in sigs),
                        slo_missed=_summed(s.slo_missed for s in sigs), kv_usage=kv_usage,
-                       waited=sum(s.waited for s in sigs))
+                       waited=sum(s.waited for s in sigs), prefill_seconds=sum(s.prefill_seconds for s in sigs))
 
     @classmethod
     def single(cls, sig: Signals) -> PoolSignals:
@@ -356,6 +363,7 @@ QUERIES = {
     # every older one's releases: review16)
     "waited": f"sum by (pool) (sum by (instance, pool) (increase({WAITED_FOR_ROOM}[%s])) or "
               f'sum by (instance, pool) (increase({QUEUE_WAITS}{{outcome="admitted"}}[%s])))',
+    "prefill": f"sum by (pool) (increase({PREFILL_SECONDS}[%s]))",
     "held": "sum by (pool) (kvgate_queue_depth_requests)",
     # per kvgate replica (instance): the largest view of each pool is taken after pool-less series join "default"
     "nodes": "sum by (instance, pool) (kvgate_nodes_total)",

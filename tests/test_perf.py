@@ -683,6 +683,28 @@ def test_fleet_caused_429s_and_predicted_misses_are_counted_for_the_scaler() -> 
     assert 'kvgate_predicted_slo_misses_total{pool="default",tenant="t",tier="interactive"} 1.0' in text
 
 
+def test_the_prefill_sent_to_the_nodes_is_counted_for_the_scaler() -> None:
+    """kvgate_prefill_seconds_total: each request placed adds its prompt's prefill on its node, by the node's
+    model (``b`` per token) and learned speed — what the scaler's scale-down bound on prefill reads."""
+    clock = FakeClock()
+    cfg = parse_config({
+        "nodes": {"static": [{"address": "10.0.0.1:8000", "probe": "http://p"}],
+                  "performance": {"profile": "34b-a100"}},
+        "tenants": [{"name": "t", "tier": "standard", "api_key_sha256": [hash_key("k")]}]})
+    core = Core(cfg, clock, random.Random(1), log=null_logger())
+    core.snapshot("10.0.0.1:8000", Snapshot(node="n", at=0, ok=True, kv_usage=0.0, blocks_total=2537,
+                                            block_size=16, running=0, waiting=0))
+    b = get_profile("34b-a100").b_ms_per_prefill_token / 1000.0
+    for rid, prompt in (("a", 1000), ("b", 3000)):
+        a = core.decide(Request("/v1/chat/completions", rid, "Bearer k", estimate=E(prompt, 10), body_bytes=10))
+        assert not isinstance(a, Held) and a.decision.lease is not None
+    assert core.prefill_seconds == {"default": pytest.approx(4000 * b)}
+    from scaler.signals import parse_kvgate  # (the scaler's scrape path reads the same)
+
+    page = parse_kvgate(generate_latest(core.stats.registry).decode())
+    assert page.pools["default"].totals[("prefill", "")] == pytest.approx(4000 * b)
+
+
 def test_counter_of_fleet_caused_rejections_moves() -> None:
     clock = FakeClock()
     cfg = parse_config({"tenants": [{"name": "t", "api_key_sha256": [hash_key("k")], "max_concurrent": 1}],

@@ -228,6 +228,48 @@ def test_the_waited_query_counts_what_the_scrape_path_counts(tmp_path: Path) -> 
     assert r.returncode == 0, r.stdout + r.stderr
 
 
+def test_the_prefill_query_counts_what_the_scrape_path_counts(tmp_path: Path) -> None:
+    """The scale-down bound on prefill reads ``kvgate_prefill_seconds_total`` two ways — ``parse_kvgate``
+    (DirectSource, differenced per replica) and ``QUERIES["prefill"]`` (PrometheusSource, evaluated here by
+    promtool over two replicas' real series) — and both count the window's increase per pool."""
+    from prometheus_client import generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from ext_proc.stats import Stats
+    from scaler.signals import QUERIES, parse_kvgate
+
+    replicas = [Stats(), Stats()]
+    for k, st in enumerate(replicas):
+        st.requests.inc(("t", "batch", "admit", "ok", "none", "p"))  # (a kvgate page for parse_kvgate)
+        st.prefill_seconds.labels("p").inc(1.5 + k)
+    before = [generate_latest(st.registry).decode() for st in replicas]
+    for k, st in enumerate(replicas):
+        st.prefill_seconds.labels("p").inc(4.0 * (k + 1))
+    after = [generate_latest(st.registry).decode() for st in replicas]
+    def read(text: str) -> float:
+        return parse_kvgate(text).pools["p"].totals[("prefill", "")]
+
+    expected = sum(read(a) - read(b) for a, b in zip(after, before, strict=True))
+    assert expected == pytest.approx(12.0)
+
+    def value(text: str) -> float:
+        return next(s.value for fam in text_string_to_metric_families(text) for s in fam.samples
+                    if s.name == "kvgate_prefill_seconds_total")
+
+    inputs = [{"series": f'kvgate_prefill_seconds_total{{instance="r{k}",pool="p"}}',
+               "values": f"{value(b):g} {value(a):g} {value(a):g} {value(a):g} {value(a):g}"}
+              for k, (b, a) in enumerate(zip(before, after, strict=True))]
+    (tmp_path / "rules.yaml").write_text(yaml.safe_dump({"groups": [{"name": "g", "rules": [
+        {"record": "kvgate:prefill", "expr": QUERIES["prefill"].replace("%s", "1m")}]}]}))
+    (tmp_path / "test.yaml").write_text(yaml.safe_dump({
+        "rule_files": ["rules.yaml"], "evaluation_interval": "15s",
+        "tests": [{"interval": "15s", "input_series": inputs, "promql_expr_test": [
+            {"expr": "kvgate:prefill", "eval_time": "1m",
+             "exp_samples": [{"labels": 'kvgate:prefill{pool="p"}', "value": expected}]}]}]}))
+    r = subprocess.run(["promtool", "test", "rules", "test.yaml"], capture_output=True, text=True, cwd=tmp_path)
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
 def test_an_older_kvgate_without_the_waited_counter_is_read_as_before(tmp_path: Path) -> None:
     """review15: a scaler upgraded before kvgate finds no ``kvgate_queue_waited_for_room_total``; it reads
     every admitted release from the queue (``kvgate_queue_wait_seconds_count{outcome="admitted"}``, what

@@ -211,9 +211,10 @@ def test_a_hold_on_missing_data_says_why_and_names_the_floor() -> None:
 def window(admitted: dict[str, float], capacity: dict[str, float] | None = None,
            policy: dict[str, float] | None = None, fleet: dict[str, float] | None = None,
            budget: dict[str, float] | None = None, slo: dict[str, float] | None = None, at: float = 0.0,
-           replicas: int | None = 2, kv: float | None = None, waited: float = 0.0) -> Signals:
+           replicas: int | None = 2, kv: float | None = None, waited: float = 0.0, prefill: float = 0.0) -> Signals:
     return Signals(at, admitted, capacity or {}, policy or {}, 0.0, replicas, True, fleet_caused=fleet or {},
-                   budget_rejected=budget or {}, slo_missed=slo or {}, kv_usage=kv, waited=waited)
+                   budget_rejected=budget or {}, slo_missed=slo or {}, kv_usage=kv, waited=waited,
+                   prefill_seconds=prefill)
 
 
 AB = {"a": 50.0, "b": 50.0}
@@ -338,6 +339,13 @@ DOWN = LawSettings(min_replicas=1, max_replicas=8, step=2, cooldown_s=600)
                  id="10% of admissions waited in kvgate's queue for room: never, whatever the KV usage"),
     pytest.param(lambda t, n: window(AB, replicas=n, kv=0.1, waited=4), [600.0, 1200.0, 1800.0],
                  id="4% waited: below the scale-down threshold, as without"),
+    # prefill seconds kvgate sent in the 60 s window: 30 = half a replica's time, 90 = one and a half
+    pytest.param(lambda t, n: window(AB, replicas=n, kv=0.1, prefill=90.0), [],
+                 id="prefill 1.5 replicas' worth: 3 left would prefill 50% of their time > 30%: never, at 10% KV"),
+    pytest.param(lambda t, n: window(AB, replicas=n, kv=0.1, prefill=30.0), [600.0, 1200.0],
+                 id="prefill half a replica's worth: down to 2 (25% each), not to 1 (50%)"),
+    pytest.param(lambda t, n: window(AB, replicas=n, kv=0.1, prefill=90.0 if t < 900 else 18.0), [1500.0, 2100.0],
+                 id="the prefill falls: down once its peak over the cooldown fits the rest"),
     pytest.param(lambda t, n: window(AB, replicas=n, kv=(1.2 if t < 600 else 2.0) / n), [],
                  id="the load rises as the cooldown ends: 47% on 3 by the window's mean, 67% by the reading: held"),
 ])

@@ -380,6 +380,10 @@ class SimPool:
     """(time, kind, tenant) for this pool's scaler window: admitted | capacity | policy, and besides those
     budget (a policy 429 for the tenant's own budget), fleet (a 429 the fleet caused), slo_miss (admitted,
     predicted to miss its TTFT target) — only of the requests routed to this pool."""
+    prefill_marks: deque[tuple[float, float]] = field(default_factory=deque)
+    """(time, kvgate's cumulative prefill seconds sent to this pool: ``Core.prefill_seconds``) at each scaler
+    evaluation over the window: the window's difference is ``Signals.prefill_seconds``, as the scaler reads
+    ``kvgate_prefill_seconds_total``'s increase."""
     hpa: Hpa | None = None
     """The ``autoscale-only`` policy's HPA (``hpa.py``); None for the other policies."""
     next_poll: float = 0.0
@@ -746,10 +750,14 @@ class Run:
                 by[kind][tenant] = by[kind].get(tenant, 0.0) + 1
             kv = [n.engine.scheduler.kv_usage for n in ready]  # what kvgate_node_kv_usage_ratio reports
             held = float(len(self.core.admission.queue_of(pool.name)))  # kvgate_queue_depth_requests{pool}
+            marks = pool.prefill_marks  # (kvgate_prefill_seconds_total's increase over the window)
+            marks.append((self.now, self.core.prefill_seconds.get(pool.name, 0.0)))
+            while len(marks) > 1 and marks[1][0] <= horizon:
+                marks.popleft()
             sig = Signals(self.now, by["admitted"], by["capacity"], by["policy"], held,
                           len(ready), True, fleet_caused=by["fleet"], budget_rejected=by["budget"],
                           slo_missed=by["slo_miss"], kv_usage=sum(kv) / len(kv) if kv else None,
-                          waited=sum(by["waited"].values()))
+                          waited=sum(by["waited"].values()), prefill_seconds=marks[-1][1] - marks[0][1])
             target = pool.law.decide(sig, self.now).desired
         if target > provisioned:
             for _ in range(target - provisioned):

@@ -70,6 +70,7 @@ class ScalerSettings(BaseModel):
     spread_tenants: Annotated[float, Field(gt=0, le=1)] = 0.5
     scale_down_kv_usage: Annotated[float, Field(gt=0, le=1)] = 0.45
     warm_pool_kv_usage: Annotated[float, Field(gt=0, le=1)] = 0.55
+    scale_down_prefill_usage: Annotated[float, Field(gt=0, le=1)] = 0.3
 
     @model_validator(mode="after")
     def _kv_bounds(self) -> ScalerSettings:
@@ -156,7 +157,8 @@ class BenchConfig(BaseModel):
                           scale_down_threshold=s.scale_down_threshold, cooldown_s=s.cooldown_s, warm_pool=s.warm_pool,
                           concentration=s.concentration, trend_window_s=s.trend_window_s, spread_share=s.spread_share,
                           spread_tenants=s.spread_tenants, scale_down_kv_usage=s.scale_down_kv_usage,
-                          warm_pool_kv_usage=s.warm_pool_kv_usage, window_s=s.window_s)
+                          warm_pool_kv_usage=s.warm_pool_kv_usage,
+                          scale_down_prefill_usage=s.scale_down_prefill_usage, window_s=s.window_s)
         return Autoscaling(interval_s=s.interval_s, waiting_per_node=s.waiting_per_node, window_s=s.window_s, law=law,
                            kv_usage_per_node=s.kv_usage_per_node, scale_down_window_s=s.scale_down_window_s)
 
