@@ -370,7 +370,8 @@ class ControlLaw:
             self._prefill_low.clear()
         if kv_load is not None:
             self._kv_low.append((now, kv_load))
-        self._prefill_low.append((now, max(0.0, sig.prefill_seconds) / s.window_s))
+        pf = sig.prefill_seconds  # (a reading that is not a finite count of seconds says nothing: none)
+        self._prefill_low.append((now, pf / s.window_s if math.isfinite(pf) and pf > 0 else 0.0))
         for low in (self._kv_low, self._prefill_low):
             while low and low[0][0] < now - s.cooldown_s:
                 low.popleft()

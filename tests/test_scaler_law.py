@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import math
 from collections.abc import Callable
 from dataclasses import replace
 
@@ -346,6 +347,8 @@ DOWN = LawSettings(min_replicas=1, max_replicas=8, step=2, cooldown_s=600)
                  id="prefill half a replica's worth: down to 2 (25% each), not to 1 (50%)"),
     pytest.param(lambda t, n: window(AB, replicas=n, kv=0.1, prefill=90.0 if t < 900 else 18.0), [1500.0, 2100.0],
                  id="the prefill falls: down once its peak over the cooldown fits the rest"),
+    pytest.param(lambda t, n: window(AB, replicas=n, kv=0.1, prefill=math.inf if t == 300 else math.nan),
+                 [600.0, 1200.0, 1800.0], id="a prefill reading that is not a finite count says nothing (attack51 A4)"),
     pytest.param(lambda t, n: window(AB, replicas=n, kv=(1.2 if t < 600 else 2.0) / n), [],
                  id="the load rises as the cooldown ends: 47% on 3 by the window's mean, 67% by the reading: held"),
 ])
