@@ -254,6 +254,8 @@ class Core:
             for pool in self.router.pools:
                 for tier in config.tiers:
                     self.stats.queue_waited_for_room.labels(tier, pool.name)
+        for name in fleets:  # (the same for the prefill the scaler's scale-down bound reads: review51 F3)
+            self._prefill_counter(name)
         self._pump()
 
     def _addresses(self) -> set[tuple[str, str]]:
@@ -737,10 +739,15 @@ class Core:
         """Prefill compute sent to one of ``pool``'s nodes, by that node's model and speed: what the scaler
         bounds a scale-down by (a fleet of long prompts on a large model runs out of compute before KV)."""
         self.prefill_seconds[pool] = self.prefill_seconds.get(pool, 0.0) + seconds
+        self._prefill_counter(pool).inc(seconds)
+
+    def _prefill_counter(self, pool: str) -> Any:
+        """``pool``'s ``kvgate_prefill_seconds_total`` child, made once (each pool's series exists from the
+        start at 0: PromQL's increase() misses a series' first increment)."""
         child = self._prefill_counters.get(pool)
         if child is None:
             child = self._prefill_counters[pool] = self.stats.prefill_seconds.labels(pool)
-        child.inc(seconds)
+        return child
 
     def _chain(self, ticket: str, document: dict[str, Any], fleet: Fleet) -> tuple[int, ...]:
         """The prompt's prefix chain, computed at placement: only for requests the quota gates let by

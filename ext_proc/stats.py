@@ -122,9 +122,10 @@ class Stats:
             registry=r)
         self.prefill_seconds = Counter(
             "kvgate_prefill_seconds_total",
-            "Prefill compute kvgate sent to each pool's nodes, in seconds by each node's performance model and "
-            "learned speed (the prompt tokens it does not expect in the node's prefix cache): the scaler's "
-            "scale-down bound on prefill reads its rate", ["pool"], registry=r)
+            "Prefill compute kvgate sent to each pool's nodes, in seconds: the prompt tokens it does not expect in "
+            "the node's prefix cache x the node's modelled per-token prefill cost x its learned speed (a step's "
+            "fixed cost not included): the scaler's scale-down bound on prefill reads its rate", ["pool"],
+            registry=r)
         self.queue_waited_for_room = Counter(
             "kvgate_queue_waited_for_room_total",
             "Queued requests admitted after waiting for room: a node choice refused them, or a pass of the queue "

@@ -404,6 +404,8 @@ class ControlLaw:
                              f"their time prefilling > {s.scale_down_prefill_usage:.0%}", v)
         self._low_since = now
         load = "" if after_kv is None else f"; the {rest} left beyond the warm pool would run at {after_kv:.0%} KV"
+        if after_prefill is not None and prefill > 0:
+            load += f"; they would spend {after_prefill:.0%} of their time prefilling"
         return self._out(current - 1, "down", f"{what} < {s.scale_down_threshold:.0%} for {low_for:.0f}s{load}", v)
 
     def _up(self, current: int, observed: int | None, mean_up: float | None, share: float, why: str,

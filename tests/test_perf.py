@@ -695,6 +695,8 @@ def test_the_prefill_sent_to_the_nodes_is_counted_for_the_scaler() -> None:
     core.snapshot("10.0.0.1:8000", Snapshot(node="n", at=0, ok=True, kv_usage=0.0, blocks_total=2537,
                                             block_size=16, running=0, waiting=0))
     b = get_profile("34b-a100").b_ms_per_prefill_token / 1000.0
+    # the pool's series is there from the start, at 0 (PromQL's increase() misses a first increment)
+    assert 'kvgate_prefill_seconds_total{pool="default"} 0.0' in generate_latest(core.stats.registry).decode()
     for rid, prompt in (("a", 1000), ("b", 3000)):
         a = core.decide(Request("/v1/chat/completions", rid, "Bearer k", estimate=E(prompt, 10), body_bytes=10))
         assert not isinstance(a, Held) and a.decision.lease is not None
