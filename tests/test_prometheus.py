@@ -171,6 +171,23 @@ def test_every_dashboard_query_runs_and_the_kvgate_ones_return_data(scraped: tup
     assert "Replicas: config version each runs" not in empty
 
 
+def _promtool_reads(tmp_path: Path, kind: str, inputs: list[dict[str, str]], expected: float) -> None:
+    """promtool evaluates the scaler's ``QUERIES[kind]`` over a 1-minute window of ``inputs`` (series sampled
+    every 15 s, five values each), recorded as ``kvgate:<kind>``, and must read ``expected`` for pool p."""
+    from scaler.signals import QUERIES
+
+    record = f"kvgate:{kind}"
+    (tmp_path / "rules.yaml").write_text(yaml.safe_dump({"groups": [{"name": "g", "rules": [
+        {"record": record, "expr": QUERIES[kind].replace("%s", "1m")}]}]}))
+    (tmp_path / "test.yaml").write_text(yaml.safe_dump({
+        "rule_files": ["rules.yaml"], "evaluation_interval": "15s",
+        "tests": [{"interval": "15s", "input_series": inputs, "promql_expr_test": [
+            {"expr": record, "eval_time": "1m",
+             "exp_samples": [{"labels": f'{record}{{pool="p"}}', "value": expected}]}]}]}))
+    r = subprocess.run(["promtool", "test", "rules", "test.yaml"], capture_output=True, text=True, cwd=tmp_path)
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
 def test_the_waited_query_counts_what_the_scrape_path_counts(tmp_path: Path) -> None:
     """review14: the scaler's waited gate reads ``kvgate_queue_waited_for_room_total`` two ways —
     ``parse_kvgate`` (DirectSource) and ``QUERIES["waited"]`` (PrometheusSource) — and both must count the
@@ -180,7 +197,7 @@ def test_the_waited_query_counts_what_the_scrape_path_counts(tmp_path: Path) -> 
     from prometheus_client.parser import text_string_to_metric_families
 
     from ext_proc.stats import Stats
-    from scaler.signals import QUERIES, parse_kvgate
+    from scaler.signals import parse_kvgate
 
     replicas = [Stats(), Stats()]
 
@@ -217,15 +234,7 @@ def test_the_waited_query_counts_what_the_scrape_path_counts(tmp_path: Path) -> 
         assert set(old) == set(new)
         inputs += [{"series": name, "values": f"{old[name]:g} {new[name]:g} {new[name]:g} {new[name]:g} {new[name]:g}"}
                    for name in old]
-    (tmp_path / "rules.yaml").write_text(yaml.safe_dump({"groups": [{"name": "g", "rules": [
-        {"record": "kvgate:waited", "expr": QUERIES["waited"].replace("%s", "1m")}]}]}))
-    (tmp_path / "test.yaml").write_text(yaml.safe_dump({
-        "rule_files": ["rules.yaml"], "evaluation_interval": "15s",
-        "tests": [{"interval": "15s", "input_series": inputs, "promql_expr_test": [
-            {"expr": "kvgate:waited", "eval_time": "1m",
-             "exp_samples": [{"labels": 'kvgate:waited{pool="p"}', "value": expected}]}]}]}))
-    r = subprocess.run(["promtool", "test", "rules", "test.yaml"], capture_output=True, text=True, cwd=tmp_path)
-    assert r.returncode == 0, r.stdout + r.stderr
+    _promtool_reads(tmp_path, "waited", inputs, expected)
 
 
 def test_the_prefill_query_counts_what_the_scrape_path_counts(tmp_path: Path) -> None:
@@ -236,7 +245,7 @@ def test_the_prefill_query_counts_what_the_scrape_path_counts(tmp_path: Path) ->
     from prometheus_client.parser import text_string_to_metric_families
 
     from ext_proc.stats import Stats
-    from scaler.signals import QUERIES, parse_kvgate
+    from scaler.signals import parse_kvgate
 
     replicas = [Stats(), Stats()]
     for k, st in enumerate(replicas):
@@ -259,15 +268,7 @@ def test_the_prefill_query_counts_what_the_scrape_path_counts(tmp_path: Path) ->
     inputs = [{"series": f'kvgate_prefill_seconds_total{{instance="r{k}",pool="p"}}',
                "values": f"{value(b):g} {value(a):g} {value(a):g} {value(a):g} {value(a):g}"}
               for k, (b, a) in enumerate(zip(before, after, strict=True))]
-    (tmp_path / "rules.yaml").write_text(yaml.safe_dump({"groups": [{"name": "g", "rules": [
-        {"record": "kvgate:prefill", "expr": QUERIES["prefill"].replace("%s", "1m")}]}]}))
-    (tmp_path / "test.yaml").write_text(yaml.safe_dump({
-        "rule_files": ["rules.yaml"], "evaluation_interval": "15s",
-        "tests": [{"interval": "15s", "input_series": inputs, "promql_expr_test": [
-            {"expr": "kvgate:prefill", "eval_time": "1m",
-             "exp_samples": [{"labels": 'kvgate:prefill{pool="p"}', "value": expected}]}]}]}))
-    r = subprocess.run(["promtool", "test", "rules", "test.yaml"], capture_output=True, text=True, cwd=tmp_path)
-    assert r.returncode == 0, r.stdout + r.stderr
+    _promtool_reads(tmp_path, "prefill", inputs, expected)
 
 
 def test_an_older_kvgate_without_the_waited_counter_is_read_as_before(tmp_path: Path) -> None:
@@ -278,7 +279,7 @@ def test_an_older_kvgate_without_the_waited_counter_is_read_as_before(tmp_path: 
     from prometheus_client import generate_latest
 
     from ext_proc.stats import Stats
-    from scaler.signals import QUERIES, parse_kvgate
+    from scaler.signals import parse_kvgate
 
     st = Stats()
     st.requests.inc(("t", "batch", "admit", "ok", "none", "p"))
@@ -292,15 +293,7 @@ def test_an_older_kvgate_without_the_waited_counter_is_read_as_before(tmp_path: 
     assert parse_kvgate(generate_latest(st.registry).decode()).pools["p"].totals[("waited", "")] == 1
 
     name = 'kvgate_queue_wait_seconds_count{instance="r0",outcome="admitted",pool="p",tier="batch"}'
-    (tmp_path / "rules.yaml").write_text(yaml.safe_dump({"groups": [{"name": "g", "rules": [
-        {"record": "kvgate:waited", "expr": QUERIES["waited"].replace("%s", "1m")}]}]}))
-    (tmp_path / "test.yaml").write_text(yaml.safe_dump({
-        "rule_files": ["rules.yaml"], "evaluation_interval": "15s",
-        "tests": [{"interval": "15s", "input_series": [{"series": name, "values": "0 3 6 9 12"}],
-                   "promql_expr_test": [{"expr": "kvgate:waited", "eval_time": "1m",
-                                         "exp_samples": [{"labels": 'kvgate:waited{pool="p"}', "value": 12}]}]}]}))
-    r = subprocess.run(["promtool", "test", "rules", "test.yaml"], capture_output=True, text=True, cwd=tmp_path)
-    assert r.returncode == 0, r.stdout + r.stderr
+    _promtool_reads(tmp_path, "waited", [{"series": name, "values": "0 3 6 9 12"}], 12)
 
 
 def test_the_waited_query_reads_each_replica_by_its_own_version(tmp_path: Path) -> None:
@@ -309,20 +302,10 @@ def test_the_waited_query_reads_each_replica_by_its_own_version(tmp_path: Path) 
     pool label matches): two replicas, the new one 4 waits, the old one 12 releases, read as 4 — the
     scale-down gate opened on every old replica's queue for the whole rollout. The fallback is per replica
     (instance), as parse_kvgate's is per page: 16. A replica with both reads its counter only."""
-    from scaler.signals import QUERIES
 
     old = 'kvgate_queue_wait_seconds_count{instance="r0",outcome="admitted",pool="p",tier="batch"}'
     new_waits = 'kvgate_queue_wait_seconds_count{instance="r1",outcome="admitted",pool="p",tier="batch"}'
     new_room = 'kvgate_queue_waited_for_room_total{instance="r1",pool="p",tier="batch"}'
-    (tmp_path / "rules.yaml").write_text(yaml.safe_dump({"groups": [{"name": "g", "rules": [
-        {"record": "kvgate:waited", "expr": QUERIES["waited"].replace("%s", "1m")}]}]}))
-    (tmp_path / "test.yaml").write_text(yaml.safe_dump({
-        "rule_files": ["rules.yaml"], "evaluation_interval": "15s",
-        "tests": [{"interval": "15s", "input_series": [
-            {"series": old, "values": "0 3 6 9 12"},
-            {"series": new_waits, "values": "0 10 20 30 40"},
-            {"series": new_room, "values": "0 1 2 3 4"}],
-            "promql_expr_test": [{"expr": "kvgate:waited", "eval_time": "1m",
-                                  "exp_samples": [{"labels": 'kvgate:waited{pool="p"}', "value": 16}]}]}]}))
-    r = subprocess.run(["promtool", "test", "rules", "test.yaml"], capture_output=True, text=True, cwd=tmp_path)
-    assert r.returncode == 0, r.stdout + r.stderr
+    _promtool_reads(tmp_path, "waited", [{"series": old, "values": "0 3 6 9 12"},
+                                         {"series": new_waits, "values": "0 10 20 30 40"},
+                                         {"series": new_room, "values": "0 1 2 3 4"}], 16)

@@ -97,11 +97,8 @@ def _check(policy: str, against: str, column: str, mine: dict[str, float | None]
     v, r = mine.get(column), theirs.get(column)
     if v is None or r is None:
         return None
-    if column == "batch_slo":
-        bound = r - BATCH_TOLERANCE
-        return Check(policy, against, column, v, r, bound, 100.0 * (v - bound))
-    if column in ("interactive_slo", "slo"):
-        bound = r - SLO_TOLERANCE
+    if column in ("interactive_slo", "slo", "batch_slo"):
+        bound = r - (BATCH_TOLERANCE if column == "batch_slo" else SLO_TOLERANCE)
         return Check(policy, against, column, v, r, bound, 100.0 * (v - bound))
     if column == "goodput_per_gpu":
         bound = r * (1 - GOODPUT_TOLERANCE)
