@@ -729,8 +729,7 @@ class Core:
         c = fleet.place(est.total, est.prompt_tokens, ticket, now, force=shadow, reserve=reserve,
                         queue_caps=caps, priority=self._level(tier_name), target=target, limit=limit,
                         prefix=prefix, retry=not self._pumping, adapter=adapter,
-                        urgent=tier_name == cfg.top_tier if cfg.queue.enabled else None, owed=guarded,
-                        since=now - waited)
+                        urgent=tier_name == cfg.top_tier if cfg.queue.enabled else None, owed=guarded)
         if c.node is not None:
             self._prefill_sent(est.pool, c.node.model.b * max(0, est.prompt_tokens - c.hit) * c.node.speed.factor)
         return Placed(c.node.address if c.node else None, c.reason, c.retry_after, c.ttft)

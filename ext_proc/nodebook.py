@@ -137,8 +137,8 @@ class Node:
     sent first): running there soon, though the reading does not say so yet. One entry an adapter, not one a
     request: with the probe silent every adapter request's node choice went over all of them."""
     _last_completion: float | None = None
-    top_due: deque[tuple[float, float, float]] = field(default_factory=lambda: deque(maxlen=TOP_DUE_MAX))
-    """(sent, predicted first token, latest first token within its target) of the top tier's requests sent
+    top_due: deque[tuple[float, float]] = field(default_factory=lambda: deque(maxlen=TOP_DUE_MAX))
+    """(predicted first token, latest first token within its target) of the top tier's requests sent
     here, until the predicted time passes: a less urgent prompt booked beside one shares its engine step (vLLM
     packs every waiting prompt into a step's token budget) and makes that step, so that first token,
     later (``Picker._keep_one_ready``)."""

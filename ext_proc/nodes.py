@@ -29,19 +29,19 @@ class Fleet(Picker):
         self, tokens: int, prompt_tokens: int, ticket: str, now: float, force: bool = False, reserve: float = 0.0,
         queue_caps: bool = True, priority: int = 0, target: float | None = None, limit: float | None = None,
         prefix: tuple[int, ...] = (), retry: bool = True, adapter: str | None = None, urgent: bool | None = None,
-        owed: bool = False, since: float | None = None,
+        owed: bool = False,
     ) -> Choice:
         """Choose a node and book the request there (what ``Admission`` calls). ``prefix``: the chain of
         the prompt's leading blocks (``prefix.py``), for prefix-cache affinity. ``adapter``: the LoRA adapter
         it runs with (one of the pool's ``adapters``), for adapter affinity."""
         c = self.choose(tokens, now, force, prompt_tokens, reserve, queue_caps, priority, target, limit, prefix,
-                        retry, adapter, urgent, owed, since)
+                        retry, adapter, urgent, owed)
         if c.node is not None:
             # its KV counts whole (vLLM takes cached blocks nobody uses back out of the free pool: usage
             # rises by the whole prompt), its prefill only what is not cached
             self.dispatched(c.node.address, ticket, tokens, prompt_tokens - c.hit, now, priority, c.ttft, adapter)
             if urgent and target is not None and c.ttft is not None:
-                c.node.top_due.append((now, now + c.ttft, now + target))
+                c.node.top_due.append((now + c.ttft, now + target))
             elif urgent is False and c.node.top_due:
                 self._packed_beside(c.node, prompt_tokens - c.hit, now)
             if prefix and self.cfg.prefix.enabled:

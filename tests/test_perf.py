@@ -24,6 +24,7 @@ from ext_proc.estimate import Estimate
 from ext_proc.identity import hash_key
 from ext_proc.nodes import Fleet
 from ext_proc.perf import MAX_FACTOR, MIN_FACTOR, Speed, StepModel, from_config, step_ratio
+from ext_proc.picker import READY_SHARE
 from ext_proc.profiles import get_profile
 from gpu_probe.parse import parse
 from gpu_probe.snapshot import Deriver, Snapshot
@@ -33,7 +34,7 @@ from sim.engine import Engine, EngineOptions
 from sim.metrics import NodeMetrics
 from sim.scheduler import Request as SimRequest
 from tests.helpers import FakeClock
-from tests.perf_harness import Bench, capacity
+from tests.perf_harness import Bench, Sent, capacity
 from tests.perf_harness import poisson as arrivals
 
 REFERENCE = Path(__file__).resolve().parent / "fixtures" / "vllm-metrics-sample.txt"
@@ -177,7 +178,10 @@ def test_with_one_vllm_level_a_node_not_ready_yet_that_meets_the_limit_keeps_a_r
     node with top-tier prefill booked (not ready): a standard request held in the queue with 0.42 s of
     its target left was refused (``fleet-queue`` with a prediction: dropped, 503 ``queue-deadline``)
     although the fast node gives it its first token in 0.28 s — and with 0.3 s left it went to a slow
-    node predicted at 0.45 s. Either way the request should wait for that node to become ready."""
+    node predicted at 0.45 s. It should not be refused while that node can make its target: it once
+    waited for that node to become ready; now that a prompt no ready node can take without cost goes to a
+    node not ready that makes its target and has no top-tier request waiting, it goes there at once (the
+    ready nodes stay ready for the top tier)."""
     from ext_proc.nodes import Level
 
     b = Bench("8b-h100", nodes=3)
@@ -196,7 +200,7 @@ def test_with_one_vllm_level_a_node_not_ready_yet_that_meets_the_limit_keeps_a_r
     for lim in (0.3, 0.42):
         assert b.fleet.predict(ns[0], 3000, 0, b.now) > lim
         c = b.fleet.choose(3016, b.now, prompt_tokens=3000, target=lim, limit=lim, urgent=False)
-        assert (c.node, c.reason, c.ttft) == (None, "fleet-queue", None), (lim, c)
+        assert c.node is ns[2] and c.ttft == pytest.approx(fast), (lim, c)
 
 
 def test_with_one_vllm_level_a_request_no_node_can_serve_in_time_is_still_refused_at_once() -> None:
@@ -947,15 +951,14 @@ def test_with_one_vllm_level_a_less_urgent_prompt_is_not_packed_into_a_waiting_t
     node — checked against the simulator: beside it, the interactive request misses its target (56 ms
     against 32), elsewhere it does not (16 ms) — unless the other node would miss its own target."""
 
-    def run(std_node: int | None, limit: float = 1.0, since: float | None = None) -> tuple[int, int, float, float]:
+    def run(std_node: int | None, limit: float = 1.0) -> tuple[int, int, float, float]:
         b = decoding(2)
         n0 = b.fleet.nodes[b.address(0)]
         target = b.fleet.predict(n0, 100, 0, b.now) + 0.5 * n0.model.b * 2000 * n0.speed.factor
         top = b.send(100, 16, urgent=True, target=target, limit=1.0)
         assert top is not None and top.node == 0
         b.send(1000, 16, node=1)  # node 1 later for the standard prompt (77 ms against 59), still ready
-        c = b.fleet.choose(2016, b.now, prompt_tokens=2000, target=limit, limit=limit, urgent=False,
-                           since=None if since is None else b.now + since)
+        c = b.fleet.choose(2016, b.now, prompt_tokens=2000, target=limit, limit=limit, urgent=False)
         assert c.node is not None
         chosen = int(c.node.address.split("-")[1].split(":")[0])
         start = b.now
@@ -970,8 +973,54 @@ def test_with_one_vllm_level_a_less_urgent_prompt_is_not_packed_into_a_waiting_t
     assert late > target  # beside it, the interactive request would have missed its target
     _, tight, _, _ = run(None, limit=0.065)
     assert tight == top_node  # one the other node would make miss its target takes the soonest node
-    _, later, _, _ = run(None, since=-1.0)
-    assert later == top_node  # one that arrived before that top-tier request is not steered for it
+
+
+def test_one_level_a_prompt_goes_to_a_busier_node_when_each_ready_node_has_a_top_tier_request_waiting() -> None:
+    """With one vLLM level a less urgent prompt goes to a node ready for the top tier, preferably one where
+    it makes no waiting top-tier request late (``Picker._late_beside``). Where every ready node has such a
+    request, it goes to a node that is not ready but has none, if it still makes its own target there (and
+    two nodes or more are ready): the ready nodes stay as they were, and its prefill runs where no top-tier
+    request waits on it. Before, it
+    went beside one of them (mixed-gpus seed 1: an interactive request 215 ms against 200, a 3,663-token
+    standard prompt booked beside it while an H100 with nothing of the top tier waiting would have taken
+    it first). Checked against the simulator: both top-tier requests make their targets and the prompt
+    its own; beside the first, that one would have missed its target."""
+
+    def run(std_node: int | None, limit: float = 1.0) -> tuple[list[Sent], int, float, list[float]]:
+        b = decoding(3)
+        b.send(8000, 16, node=2)  # node 2 not ready for the top tier (160 ms of prefill ahead)
+        n2 = b.fleet.nodes[b.address(2)]
+        assert b.fleet.predict(n2, 0, 0, b.now) > READY_SHARE * 0.2
+        tops, targets = [], []
+        for _ in range(2):
+            n = b.fleet.nodes[b.address(len(tops))]
+            target = b.fleet.predict(n, 100, 0, b.now) + 0.5 * n.model.b * 2000 * n.speed.factor
+            top = b.send(100, 16, urgent=True, target=target, limit=1.0)
+            assert top is not None
+            tops.append(top)
+            targets.append(target)
+        assert sorted(t.node for t in tops) == [0, 1]  # each ready node has one waiting
+        c = b.fleet.choose(2016, b.now, prompt_tokens=2000, target=limit, limit=limit, urgent=False)
+        assert c.node is not None
+        chosen = int(c.node.address.split("-")[1].split(":")[0])
+        start = b.now
+        std = b.send(2000, 16, node=chosen if std_node is None else std_node)
+        assert std is not None
+        b.advance(start + 1.0)
+        assert all(t.req.first_token is not None for t in tops) and std.req.first_token is not None
+        return [*tops, std], chosen, start, targets
+
+    sent, chosen, start, targets = run(None)
+    assert chosen == 2
+    *tops, std = sent
+    assert all(t.req.first_token is not None and t.req.first_token - start <= target  # type: ignore[operator]
+               for t, target in zip(tops, targets, strict=True))
+    assert std.realised is not None and std.realised <= 1.0  # and the prompt makes its own target
+    sent, _, start, targets = run(tops[0].node)
+    first = sent[0]
+    assert first.req.first_token is not None and first.req.first_token - start > targets[0]  # beside it: late
+    _, tight, _, _ = run(None, limit=0.1)
+    assert tight != 2  # one the busier node would make miss its own target goes beside them, as before
 
 
 def test_a_top_tier_request_already_predicted_past_its_target_does_not_keep_a_short_prompt_off_its_node() -> None:
@@ -989,7 +1038,7 @@ def test_a_top_tier_request_already_predicted_past_its_target_does_not_keep_a_sh
     top = b.send(100, 16, urgent=True, target=0.005, limit=1.0)  # a new arrival sent past its target
     assert top is not None and top.node == 0
     n0 = b.fleet.nodes[b.address(0)]
-    (_, p, d), = n0.top_due
+    (p, d), = n0.top_due
     assert p > d  # predicted past its target already
     c = b.fleet.choose(32, b.now, prompt_tokens=16, target=1.0, limit=5.0, urgent=False)
     assert c.node is n0
@@ -1119,14 +1168,16 @@ def test_a_prompt_with_no_other_ready_node_goes_beside_a_waiting_top_tier_reques
     round's first versions), a less urgent prompt waited for each top-tier request in turn (review17 F0:
     a stream of small ones kept every long prompt out) or was later refused, and the families lost more
     than the rule won (199 of 210 against 200). With no other node ready for the top tier it goes beside
-    the waiting request."""
+    the waiting request — not to the busier node either, though it would make its target there: with one
+    node ready, the top tier needs the busy one back soon (``Picker._keep_one_ready``)."""
 
     b = decoding(2)
     b.send(8000, 16, node=1)  # node 1 not ready for the top tier
-    n0 = b.fleet.nodes[b.address(0)]
+    n0, n1 = (b.fleet.nodes[b.address(i)] for i in range(2))
     top = b.send(100, 16, urgent=True, target=b.fleet.predict(n0, 100, 0, b.now) + 0.010, limit=1.0)
     assert top is not None and top.node == 0
-    assert b.fleet._late_beside(n0, 1000, b.now, b.now)  # it would make that request late
+    assert b.fleet._late_beside(n0, 1000, b.now)  # it would make that request late
+    assert b.fleet.predict(n1, 1000, 0, b.now) < 1.0  # node 1 would make the prompt's target
     c = b.fleet.choose(1016, b.now, prompt_tokens=1000, target=1.0, limit=5.0, urgent=False)
     assert c.node is n0
 
