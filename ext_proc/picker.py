@@ -22,10 +22,11 @@ Shaped like the Gateway API Inference Extension's scheduler. Per request:
    than from a fixed split of nodes. That rule reads vLLM priority levels; with one level (kvgate writes
    no priorities: vLLM is first come, first served) a less urgent request instead goes only where a
    top-tier request would still be quick — of those, preferably not beside a top-tier request its share
-   of the step would make late (``Picker._late_beside``); where every such node has one and two or more
-   are ready, a node not ready that has none and still gives it its first token within its target —,
-   and never takes the last such node of two or more (``Picker._keep_one_ready``) — else it is held in
-   the gateway queue (``fleet-queue``, no prediction).
+   of the step would make late (``Picker._late_beside``); where no ready node spares them or makes its
+   target and two or more are ready, a node not ready where it makes none late and still makes its own
+   target with the queue ahead counted twice —, and never takes the last such node of two or more
+   (``Picker._keep_one_ready``) — else it is held in the gateway queue (``fleet-queue``, no
+   prediction).
 
 A new request no node can give a first token within its tier's max wait (``limit``) → ``fleet-queue``
 with the predicted wait until one could meet its target: waiting would not help (the backlog ahead
@@ -390,12 +391,13 @@ class Picker(NodeBook):
         (a top-tier request arriving now would wait at most ``READY_SHARE`` of its target there), and
         not to the last such node if it would leave none (with two nodes or more to choose from: a lone
         candidate is not held); of those it prefers the nodes where it makes no top-tier request waiting
-        for its first token late (``_late_beside``). Where every ready node has such a request and two
-        or more are ready, it goes to a node not ready that has none, if one still gives it its first
-        token within its target: the ready nodes stay as they were, and its prefill runs where nobody of
-        the top tier waits on it (on the mixed-gpus scenario over seeds 1-20, with ``_late_beside``
-        counting every waiting top-tier request: late interactive requests 164 -> 79, kv-shed's 171; the
-        families' interactive SLO +79 points summed over seeds 1-12). None: no node ready now —
+        for its first token late (``_late_beside``). Where no ready node spares them or makes its target
+        and two or more are ready, it goes to a node not ready where it makes none late, if one still
+        gives it its first token within its target with the queue ahead counted twice: the ready nodes
+        stay as they were (on the mixed-gpus scenario over seeds 1-20, with ``_late_beside`` counting
+        every waiting top-tier request: late interactive requests 164 -> 56, kv-shed's 171; the
+        families' interactive SLO +74 points summed over seeds 1-12).
+        None: no node ready now —
         it waits in the gateway queue, where a top-tier arrival passes it. Without it, with every tier at
         one level, nothing kept a node ready: on the bursty-mmpp family's seed 1 a burst of long standard and batch
         prompts put 2-3 s of prefill on all four nodes at 15-40 % KV, and the interactive tenant got
@@ -416,19 +418,20 @@ class Picker(NodeBook):
             # first token within its target (a held request is placed again only while it can make that:
             # ``Core._pick``; review18/19) — never held for them: with none, it goes as without the rule
             afford = target if target is not None else lim
-
-            def spares(w: float, t: float, n: Node) -> bool:
-                return (afford is None or t <= afford) and not self._late_beside(
-                    n, prompt_tokens - hits.get(n.address, 0), now)
-
-            spared = [x for x in short if spares(*x)]
-            if not spared and ready >= 2:
-                # every ready node has such a request (or misses its target): a node not ready that spares
-                # them and makes its target takes it, and the ready nodes stay as they are. Only with two
-                # ready nodes or more: with one, the top tier needs the busy nodes back soon, and a prompt
-                # put on one keeps it busy longer (attack14's two nodes under a flood of batch: the
-                # interactive tier's predicted misses 18% -> 26% without this bound, 17% with it)
-                spared = [x for x in waits if x[0] > ready_s and spares(*x)]
+            spared = [(w, t, n) for w, t, n in short if (afford is None or t <= afford)
+                      and not self._late_beside(n, prompt_tokens - hits.get(n.address, 0), now)]
+            if not spared and ready >= 2 and afford is not None:
+                # No ready node spares them (or makes its target): a node not ready where it makes none
+                # late and still makes its own target with the queue ahead of it counted twice takes it,
+                # and the ready nodes stay as they are. Not with one node ready: the top tier then needs
+                # the busy nodes back soon, and a prompt put on one keeps it busy longer (attack14's two
+                # nodes under a flood of batch: interactive's predicted misses 18% -> 26% without this
+                # bound, 17% with it). The queue counted twice: a prediction behind a queue runs late by
+                # a share of it, and sent on its bare prediction a prompt missed its own target (attack52
+                # A1: 8 nodes, a batch flood, 11 -> 73 past their 5 s target; 1 with the margin). Not
+                # without a target to make (review52 F2). (The ready nodes failed above: not again.)
+                spared = [(w, t, n) for w, t, n in waits if w > ready_s and t + w <= afford
+                          and not self._late_beside(n, prompt_tokens - hits.get(n.address, 0), now)]
             if spared:
                 short = spared
         if not short:
@@ -440,8 +443,10 @@ class Picker(NodeBook):
         kept = [(t, n) for _, t, n in short if lim is None or t <= lim]
         if not kept:
             if lim is not None and any(t <= lim for t, _ in scored):
-                # a node not ready now would make its limit: wait for it rather than be refused (or sent
-                # past its limit) for what the ready nodes alone predict (review11)
+                # a node not ready now would make its limit (one it may not take yet: a single node ready,
+                # too far behind, or a top-tier request there it would make late): wait for it
+                # rather than be refused (or sent past its limit) for what the ready nodes alone predict
+                # (review11)
                 return None
             kept = [(t, n) for _, t, n in short]
         s, f = self._soonest(kept, tokens)
@@ -449,10 +454,10 @@ class Picker(NodeBook):
 
     def _late_beside(self, n: Node, prompt_tokens: int, now: float) -> bool:
         """Whether this less urgent prompt, booked on ``n`` now, would make a top-tier request there miss its
-        target. vLLM packs every waiting prompt into each engine
-        step's token budget: a prompt booked beside a top-tier request still waiting for its first token
-        makes that step longer by its share (its tokens that fit the budget, at the node's per-token
-        cost), and the top-tier request's first token comes at the end of that step. On the mixed-gpus
+        target. vLLM packs every waiting prompt into each engine step's token budget: a prompt booked
+        beside a top-tier request still waiting for its first token makes that step longer by its share
+        (its tokens that fit the budget, at the node's per-token cost), and the top-tier request's first
+        token comes at the end of that step. On the mixed-gpus
         scenario each of the 7 late interactive requests (201-232 ms against 200) had a standard prompt
         booked onto its node just after it. ``_keep_one_ready`` steers away from such a node, never holds
         for it: held in the gateway queue, a prompt waited for each new top-tier request in turn (review17
@@ -464,12 +469,13 @@ class Picker(NodeBook):
         due = n.top_due
         while due and due[0][0] <= now:
             due.popleft()
-        if not due:
-            return False
-        extra = self._extra(n, prompt_tokens)
         # only one it would make late: one already predicted past its target misses it whatever runs beside
         # it (steered off for it, even a prompt of a few tokens was held until that first token)
-        return any(now < p <= d < p + extra for p, d in due)
+        live = [(p, d) for p, d in due if now < p <= d]
+        if not live:
+            return False
+        extra = self._extra(n, prompt_tokens)
+        return any(d < p + extra for p, d in live)
 
     def _extra(self, n: Node, prompt_tokens: int) -> float:
         """Seconds a prompt booked on ``n`` adds to the engine step it is packed into: its tokens that fit
