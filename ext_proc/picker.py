@@ -22,11 +22,11 @@ Shaped like the Gateway API Inference Extension's scheduler. Per request:
    than from a fixed split of nodes. That rule reads vLLM priority levels; with one level (kvgate writes
    no priorities: vLLM is first come, first served) a less urgent request instead goes only where a
    top-tier request would still be quick — of those, preferably not beside a top-tier request its share
-   of the step would make late (``Picker._late_beside``); where no ready node spares them or makes its
-   target and two or more are ready, a node not ready where it makes none late and still makes its own
-   target with the queue ahead counted twice —, and never takes the last such node of two or more
-   (``Picker._keep_one_ready``) — else it is held in the gateway queue (``fleet-queue``, no
-   prediction).
+   of the step would make late (``Picker._late_beside``); where no ready node spares the top-tier
+   requests waiting there or makes its target and two or more are ready, a node not ready where it makes
+   none late and still makes its own TTFT target with the queue ahead counted twice —, and never takes
+   the last such node of two or more (``Picker._keep_one_ready``) — else it is held in the gateway queue
+   (``fleet-queue``, no prediction).
 
 A new request no node can give a first token within its tier's max wait (``limit``) → ``fleet-queue``
 with the predicted wait until one could meet its target: waiting would not help (the backlog ahead
@@ -391,9 +391,10 @@ class Picker(NodeBook):
         (a top-tier request arriving now would wait at most ``READY_SHARE`` of its target there), and
         not to the last such node if it would leave none (with two nodes or more to choose from: a lone
         candidate is not held); of those it prefers the nodes where it makes no top-tier request waiting
-        for its first token late (``_late_beside``). Where no ready node spares them or makes its target
-        and two or more are ready, it goes to a node not ready where it makes none late, if one still
-        gives it its first token within its target with the queue ahead counted twice: the ready nodes
+        for its first token late (``_late_beside``). Where no ready node spares the top-tier requests
+        waiting there or makes its target and two or more are ready, it goes to a node not ready where it
+        makes none late, if one still gives it its first token within its TTFT target (a tier without one:
+        never) with the queue ahead counted twice: the ready nodes
         stay as they were (on the mixed-gpus scenario over seeds 1-20, with ``_late_beside`` counting
         every waiting top-tier request: late interactive requests 164 -> 56, kv-shed's 171; the
         families' interactive SLO +74 points summed over seeds 1-12).
@@ -420,7 +421,7 @@ class Picker(NodeBook):
             afford = target if target is not None else lim
             spared = [(w, t, n) for w, t, n in short if (afford is None or t <= afford)
                       and not self._late_beside(n, prompt_tokens - hits.get(n.address, 0), now)]
-            if not spared and ready >= 2 and afford is not None:
+            if not spared and ready >= 2 and target is not None:
                 # No ready node spares them (or makes its target): a node not ready where it makes none
                 # late and still makes its own target with the queue ahead of it counted twice takes it,
                 # and the ready nodes stay as they are. Not with one node ready: the top tier then needs
@@ -430,7 +431,7 @@ class Picker(NodeBook):
                 # a share of it, and sent on its bare prediction a prompt missed its own target (attack52
                 # A1: 8 nodes, a batch flood, 11 -> 73 past their 5 s target; 1 with the margin). Not
                 # without a target to make (review52 F2). (The ready nodes failed above: not again.)
-                spared = [(w, t, n) for w, t, n in waits if w > ready_s and t + w <= afford
+                spared = [(w, t, n) for w, t, n in waits if w > ready_s and t + w <= target
                           and not self._late_beside(n, prompt_tokens - hits.get(n.address, 0), now)]
             if spared:
                 short = spared
@@ -471,11 +472,10 @@ class Picker(NodeBook):
             due.popleft()
         # only one it would make late: one already predicted past its target misses it whatever runs beside
         # it (steered off for it, even a prompt of a few tokens was held until that first token)
-        live = [(p, d) for p, d in due if now < p <= d]
-        if not live:
+        if not any(now < p <= d for p, d in due):
             return False
         extra = self._extra(n, prompt_tokens)
-        return any(d < p + extra for p, d in live)
+        return any(now < p <= d < p + extra for p, d in due)
 
     def _extra(self, n: Node, prompt_tokens: int) -> float:
         """Seconds a prompt booked on ``n`` adds to the engine step it is packed into: its tokens that fit

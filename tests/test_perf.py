@@ -229,8 +229,24 @@ def test_with_one_vllm_level_a_busier_node_that_meets_the_target_with_margin_tak
     assert b.fleet._late_beside(ns[2], 3000, b.now)
     c = b.fleet.choose(3016, b.now, prompt_tokens=3000, target=0.4, limit=0.4, urgent=False)
     assert (c.node, c.reason, c.ttft) == (None, "fleet-queue", None)
+
+
+def test_with_one_vllm_level_a_prompt_without_a_target_is_not_sent_to_a_busier_node() -> None:
+    """review52 F2: the route to a node not ready is bounded by the prompt's own TTFT target (its queue
+    counted twice); a tier without one has no bound (a prompt went to a node 2 s behind to spare a top-tier
+    request 20 ms of slack), so it goes beside the ready nodes' top-tier requests instead (review53 F1)."""
+    b, ns, _ = slow_pair_and_busy_fast_node(6)
+    for n in ns[:2]:
+        p = b.now + b.fleet.predict(n, 100, 0, b.now)
+        n.top_due.append((p, p + 0.001))  # a top-tier request waiting on each ready node
+        assert b.fleet._late_beside(n, 3000, b.now)
+    assert not b.fleet._late_beside(ns[2], 3000, b.now)
+    c = b.fleet.choose(3016, b.now, prompt_tokens=3000, target=0.4, limit=0.4, urgent=False)
+    assert c.node is ns[2]  # with a target it makes there with the margin: the busier node
     c = b.fleet.choose(3016, b.now, prompt_tokens=3000, target=None, limit=None, urgent=False)
-    assert c.node is not ns[2]  # without a target to make, not there either (review52 F2)
+    assert c.node in ns[:2]  # without one: beside them
+    c = b.fleet.choose(3016, b.now, prompt_tokens=3000, target=None, limit=5.0, urgent=False)
+    assert c.node in ns[:2]  # a limit alone is no target (review53 F2)
 
 
 def test_with_one_vllm_level_a_request_no_node_can_serve_in_time_is_still_refused_at_once() -> None:
@@ -1029,6 +1045,8 @@ def test_one_level_a_prompt_goes_to_a_busier_node_when_each_ready_node_has_a_top
             tops.append(top)
             targets.append(target)
         assert sorted(t.node for t in tops) == [0, 1]  # each ready node has one waiting
+        margin = b.fleet.predict(n2, 2000, 0, b.now) + b.fleet.predict(n2, 0, 0, b.now)
+        assert (margin <= limit) == (limit == 1.0)  # node 2 makes the target with the margin, 0.1 s not
         c = b.fleet.choose(2016, b.now, prompt_tokens=2000, target=limit, limit=limit, urgent=False)
         assert c.node is not None
         chosen = int(c.node.address.split("-")[1].split(":")[0])
@@ -1207,7 +1225,7 @@ def test_a_prompt_with_no_other_ready_node_goes_beside_a_waiting_top_tier_reques
     top = b.send(100, 16, urgent=True, target=b.fleet.predict(n0, 100, 0, b.now) + 0.010, limit=1.0)
     assert top is not None and top.node == 0
     assert b.fleet._late_beside(n0, 1000, b.now)  # it would make that request late
-    assert b.fleet.predict(n1, 1000, 0, b.now) < 1.0  # node 1 would make the prompt's target
+    assert b.fleet.predict(n1, 1000, 0, b.now) + b.fleet.predict(n1, 0, 0, b.now) <= 1.0  # with the margin
     c = b.fleet.choose(1016, b.now, prompt_tokens=1000, target=1.0, limit=5.0, urgent=False)
     assert c.node is n0
 
