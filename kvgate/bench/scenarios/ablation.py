@@ -101,7 +101,7 @@ class AblationSeed:
 def _cell(column: str, x: float | None) -> str:
     if x is None:
         return "-"
-    if column in ("interactive_slo", "slo", "batch_slo"):
+    if column in targets.SLO_COLUMNS:
         return f"{100 * x:.1f}%"
     return f"{x:.3f}" if column == "interactive_ttft_p99" else f"{x:.2f}"
 

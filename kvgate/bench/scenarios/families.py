@@ -711,7 +711,7 @@ def _cell(name: str, agg: dict[str, Any]) -> str:
     def one(x: float | None) -> str:
         if x is None:
             return "-"
-        if name in ("interactive_slo", "slo", "standard_slo", "batch_slo"):
+        if name in targets.SLO_COLUMNS:
             return f"{100 * x:.1f}%"
         if name == "prefill_tokens_computed":
             return f"{x / 1e6:.1f}"

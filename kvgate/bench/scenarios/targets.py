@@ -39,6 +39,9 @@ BATCH_TOLERANCE = 0.02
 
 COLUMNS = ("interactive_slo", "slo", "goodput_per_gpu", "jain_60s_min", "interactive_ttft_p99")
 """The families table's columns the targets read (and the ablation prints), by their JSON names."""
+SLO_COLUMNS = frozenset({"interactive_slo", "slo", "standard_slo", "batch_slo"})
+"""The columns that are an SLO attainment (a share): checked in points, shown as a percentage (the families
+table, the ablation) — one set, so a new tier's column is added once."""
 ABLATION_COLUMNS = (*COLUMNS, "batch_slo")
 """What the ablation prints per row: ``COLUMNS`` and the batch tier's SLO (its check counts in a row's targets
 met wherever it applies, so the figure it reads is shown beside the others)."""
@@ -82,8 +85,8 @@ class Check:
 
     def cell(self) -> str:
         """``ok +1.2 pt`` / ``MISS -0.8 pt``: met or not, and by how much."""
-        unit = {"interactive_slo": " pt", "slo": " pt", "batch_slo": " pt", "goodput_per_gpu": "%",
-                "interactive_ttft_p99": "x", "jain_60s_min": "", "gpu_hours": "%"}[self.column]
+        unit = " pt" if self.column in SLO_COLUMNS else {
+            "goodput_per_gpu": "%", "interactive_ttft_p99": "x", "jain_60s_min": "", "gpu_hours": "%"}[self.column]
         digits = {"jain_60s_min": 3, "interactive_ttft_p99": 3, "gpu_hours": 2}.get(self.column, 1)
         return f"{'ok' if self.met else 'MISS'} {self.margin:+.{digits}f}{unit}"
 
@@ -97,7 +100,7 @@ def _check(policy: str, against: str, column: str, mine: dict[str, float | None]
     v, r = mine.get(column), theirs.get(column)
     if v is None or r is None:
         return None
-    if column in ("interactive_slo", "slo", "batch_slo"):
+    if column in SLO_COLUMNS:
         bound = r - (BATCH_TOLERANCE if column == "batch_slo" else SLO_TOLERANCE)
         return Check(policy, against, column, v, r, bound, 100.0 * (v - bound))
     if column == "goodput_per_gpu":
