@@ -36,7 +36,7 @@ from gpu_probe.snapshot import Snapshot
 
 from .breaker import Breaker, BreakerSettings, State
 from .config import Nodes, Performance
-from .perf import Speed, StepModel, from_config, prefill_heavy, step_ratio
+from .perf import Speed, StepModel, from_config, prefill_heavy, step_floor, step_ratio
 from .prefix import PrefixIndex
 from .profiles import detect
 
@@ -543,10 +543,15 @@ class NodeBook:
         if snap.step_fresh is not False and not repeat:
             context = self._context(n)
             ratio = step_ratio(n.model, snap.itl_s, snap.step_tokens, snap.step_decode, snap.running, context)
-            if ratio is not None and prefill_heavy(n.model, snap.step_tokens, snap.step_decode, snap.running,
-                                                   context):
-                # a mostly-prefill interval reads low on a healthy node: trusted only to say "slow"
-                ratio = ratio if ratio >= n.breaker.s.latency_multiplier * (n.breaker.baseline or 1.0) else None
+            # a mostly-prefill interval reads low on a healthy node: trusted only to say "slow" ...
+            if ratio is not None and ratio < n.breaker.s.latency_multiplier * (n.breaker.baseline or 1.0) \
+                    and prefill_heavy(n.model, snap.step_tokens, snap.step_decode, snap.running, context):
+                ratio = None
+                # ... yet it proves a floor (a preemption's recompute gap is in the latency, not a step)
+                floor = None if snap.preemptions_per_s else step_floor(
+                    n.model, snap.itl_s, snap.step_tokens, snap.step_decode, snap.running, context)
+                if floor is not None and floor > n.speed.factor:
+                    n.speed.observe(floor)  # (the speed only: the breaker judges whole readings)
         if ratio is not None:
             n.latency = ratio
             n.speed.observe(ratio)

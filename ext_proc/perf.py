@@ -110,9 +110,29 @@ def prefill_heavy(model: StepModel, step_tokens: float | None, step_decode: floa
     steps only, and the iteration histogram averages the batch over every step: when prefill dominates
     (one long prompt, then short decode steps), the modelled step is too long for the steps that were
     timed and the ratio reads low (0.2-0.5 on a healthy node). Such a reading is trusted only when it
-    reads *slow* — it can only understate a node's slowness."""
+    reads *slow* (past the breaker's bar); below it, what it proves is :func:`step_floor`."""
     decode, prefill = _batch(step_tokens, step_decode, running)
     return model.b * prefill > model.step(0.0, decode, context or 0.0)
+
+
+def step_floor(model: StepModel, step_s: float | None, step_tokens: float | None, step_decode: float | None,
+               running: float | None, context: float | None) -> float | None:
+    """The least speed factor a mostly-prefill interval proves: its mean inter-token latency over the
+    modelled time of a step that prefills a whole step budget beside the interval's decodes. No step that
+    decoded can have prefilled more (vLLM fills each step's ``max_num_batched_tokens`` with the running
+    decodes first), so however the interval's prefill fell among its steps, the node is at least this slow.
+
+    Why a bound rather than :func:`step_ratio`: vLLM times decoding steps only and the iteration histogram
+    averages over every step, so a mostly-prefill interval's ratio reads low on a healthy node when its
+    prefill ran in steps without decodes, and high when it ran beside them (1.3 on a healthy node whose
+    first interval had two steps). A node slowed 3x under a flood of long prompts read 2.99 every
+    interval, below the breaker's bar (3 x baseline), so it was never learned at all. The bound is tight
+    when the flood fills every step (2.99 there) and says nothing (well under 1) when it does not."""
+    if step_s is None or step_s <= 0:
+        return None
+    decode, _ = _batch(step_tokens, step_decode, running)
+    full = model.step(float(model.max_batched_tokens), decode, context or 0.0)
+    return step_s / full if full > 0 else None
 
 
 def _batch(step_tokens: float | None, step_decode: float | None, running: float | None) -> tuple[float, float]:

@@ -24,7 +24,7 @@ from ext_proc.estimate import Estimate
 from ext_proc.identity import hash_key
 from ext_proc.nodebook import Node
 from ext_proc.nodes import Fleet
-from ext_proc.perf import MAX_FACTOR, MIN_FACTOR, Speed, StepModel, from_config, step_ratio
+from ext_proc.perf import MAX_FACTOR, MIN_FACTOR, Speed, StepModel, from_config, step_floor, step_ratio
 from ext_proc.picker import READY_SHARE
 from ext_proc.profiles import get_profile
 from gpu_probe.parse import parse
@@ -382,6 +382,40 @@ def test_a_lone_long_prompt_leaves_a_healthy_nodes_factor_alone(profile: str) ->
     assert 0.8 <= b.fleet.nodes[b.address(0)].speed.factor <= 1.25
     assert after is not None and after.predicted is not None and after.realised is not None
     assert after.predicted == pytest.approx(after.realised, rel=0.25)
+
+
+@pytest.mark.parametrize("slow", [2.0, 2.5, 2.9])
+def test_a_node_slower_than_the_breakers_bar_under_a_flood_of_long_prompts_learns_its_slowness(slow: float) -> None:
+    """Every interval of a long-prompt flood is mostly prefill, whose step ratio counts only when it
+    reads past the breaker's bar (3 x): below it, a slowed node's speed was never learned (attack53), and
+    kvgate sent it work as if it were healthy. The floor such an interval proves is learned instead: here,
+    where the node cannot keep up and each of its steps is full (a slowed node that keeps up proves less,
+    and is read as before)."""
+    b = Bench("8b-h100", nodes=2, slow={1: slow})
+    t = 0.0
+    while t < 10.0:
+        for i in range(2):
+            b.send(4000, 16, node=i)
+        t += 0.15
+        b.advance(t)
+    slowed, healthy = b.fleet.nodes[b.address(1)], b.fleet.nodes[b.address(0)]
+    assert all(s.step_fresh is not True or s.step_tokens is None or s.step_decode is None
+               or s.step_tokens - s.step_decode > 1000 for s in b.snaps[1][2:])  # mostly prefill, every one
+    assert 0.85 * slow <= slowed.speed.factor <= 1.15 * slow
+    assert healthy.speed.factor <= 1.05  # ... and says nothing on the healthy node beside it
+    assert slowed.breaker.state is State.CLOSED and healthy.breaker.state is State.CLOSED
+
+
+def test_the_floor_of_a_mostly_prefill_interval_is_its_latency_over_a_full_steps() -> None:
+    m = StepModel(a=0.010, b=0.0001, c=0.001, d=0.0, max_batched_tokens=2048)
+    # a full step beside 4 decodes: 10 + 204.8 x 1 + 4 ms; the interval's own mean batch does not enter
+    assert step_floor(m, 0.2188, 1500.0, 4.0, 9.0, 0.0) == pytest.approx(1.0)
+    assert step_floor(m, 0.2188, 300.0, 4.0, 9.0, 0.0) == pytest.approx(1.0)
+    assert step_floor(m, 0.1094, 1500.0, 4.0, None, 0.0) == pytest.approx(0.5)
+    # at most step_ratio, whatever the batch: the interval could not have prefilled more in a step
+    for tokens, decode in ((60.0, 10.0), (1500.0, 4.0), (2048.0, 1.0)):
+        assert step_floor(m, 0.05, tokens, decode, None, 0.0) <= step_ratio(m, 0.05, tokens, decode, None, 0.0)
+    assert step_floor(m, None, 1500.0, 4.0, 9.0, 0.0) is None and step_floor(m, 0.0, 1500.0, 4.0, 9.0, 0.0) is None
 
 
 def test_the_speed_factor_follows_readings_and_is_bounded() -> None:
