@@ -128,7 +128,9 @@ def step_floor(model: StepModel, step_s: float | None, step_tokens: float | None
     first interval had two steps). A node slowed 3x under a flood of long prompts read 2.99 every
     interval, below the breaker's bar (3 x baseline), so it was never learned at all. The bound is tight
     when the flood fills every step (2.99 there) and says nothing (well under 1) when it does not."""
-    if step_s is None or step_s <= 0:
+    if step_s is None or step_s <= 0 or (step_tokens is not None and step_tokens > model.max_batched_tokens):
+        # (a mean step above the prior's budget: the node's budget is larger, and so could its steps be —
+        # a healthy node flooded with long prompts read 3.2 against a prior of 2,048 tokens for 8,192)
         return None
     decode, _ = _batch(step_tokens, step_decode, running)
     full = model.step(float(model.max_batched_tokens), decode, context or 0.0)

@@ -416,6 +416,19 @@ def test_the_floor_of_a_mostly_prefill_interval_is_its_latency_over_a_full_steps
     for tokens, decode in ((60.0, 10.0), (1500.0, 4.0), (2048.0, 1.0)):
         assert step_floor(m, 0.05, tokens, decode, None, 0.0) <= step_ratio(m, 0.05, tokens, decode, None, 0.0)
     assert step_floor(m, None, 1500.0, 4.0, 9.0, 0.0) is None and step_floor(m, 0.0, 1500.0, 4.0, 9.0, 0.0) is None
+    # a mean step larger than the prior's budget: the node's budget is not the prior's, no floor is proved
+    assert step_floor(m, 0.5, 4000.0, 4.0, 9.0, 0.0) is None
+
+
+def test_a_prior_with_a_smaller_step_budget_than_the_nodes_does_not_read_a_healthy_flooded_node_as_slow() -> None:
+    b = Bench("8b-h100", nodes=1, nodes_config={"performance": {"profile": "8b-h100", "max_num_batched_tokens": 2048}})
+    t = 0.0
+    while t < 10.0:  # more prefill than the node can take: every step is its full 8,192 tokens
+        b.send(4000, 16, node=0)
+        t += 0.05
+        b.advance(t)
+    assert b.snaps[0][-1].step_tokens == pytest.approx(8192, rel=0.01)
+    assert b.fleet.nodes[b.address(0)].speed.factor <= 1.05
 
 
 def test_the_speed_factor_follows_readings_and_is_bounded() -> None:
