@@ -550,8 +550,8 @@ class NodeBook:
                 # ... yet it proves a floor (a preemption's recompute gap is in the latency, not a step)
                 floor = None if snap.preemptions_per_s else step_floor(
                     n.model, snap.itl_s, snap.step_tokens, snap.step_decode, snap.running, context)
-                if floor is not None and floor > n.speed.factor:
-                    n.speed.observe(floor)  # (the speed only: the breaker judges whole readings)
+                if floor is not None:
+                    n.speed.bound(floor)  # (the speed only: the breaker judges whole readings)
         if ratio is not None:
             n.latency = ratio
             n.speed.observe(ratio)

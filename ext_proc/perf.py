@@ -78,17 +78,42 @@ class StepModel:
             + self.b * tokens
 
 
+FLOOR_READINGS = 3
+"""Floors (:func:`step_floor`) a node must have shown before their average may raise its speed factor..."""
+FLOOR_SLACK = 1.1
+"""... and by how much that average must exceed the factor. A healthy node flooded with long prompts
+proves a floor of exactly 1.0, so step-time noise alone puts half its floors above it: taken one by one
+and only upwards, they raised a healthy node's factor to 1.19 at 20% noise (attack54)."""
+FLOOR_ALPHA = 0.2
+"""How fast that average follows new floors: slower than the factor (floors of +-25% average within
+the slack), fast enough that a node 3x slow is read above 2.7 within 14 floors (7 s of probes)."""
+
+
 @dataclass(slots=True)
 class Speed:
     """A node's speed factor: observed step time over the model's, smoothed."""
 
     factor: float = 1.0
     readings: int = 0
+    floor: float = 0.0
+    """The floors of its mostly-prefill intervals, smoothed (up and down, from the factor)."""
+    floors: int = 0
 
     def observe(self, ratio: float) -> None:
         ratio = min(MAX_FACTOR, max(MIN_FACTOR, ratio))
         self.factor = ratio if self.readings == 0 else self.factor + FACTOR_ALPHA * (ratio - self.factor)
         self.readings += 1
+
+    def bound(self, floor: float) -> None:
+        """A floor the node's speed is proved to be at or above: averaged with the earlier ones, and once
+        there are :data:`FLOOR_READINGS`, an average more than :data:`FLOOR_SLACK` x the factor is
+        observed as a reading (a node 3x slow proves 2.99 every interval, and is read near it)."""
+        floor = min(MAX_FACTOR, max(MIN_FACTOR, floor))
+        start = self.factor if self.floors == 0 else self.floor  # (not the first floor raw: one noisy one)
+        self.floor = start + FLOOR_ALPHA * (floor - start)
+        self.floors += 1
+        if self.floors >= FLOOR_READINGS and self.floor > FLOOR_SLACK * self.factor:
+            self.observe(self.floor)
 
 
 def step_ratio(model: StepModel, step_s: float | None, step_tokens: float | None, step_decode: float | None,

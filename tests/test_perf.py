@@ -24,7 +24,7 @@ from ext_proc.estimate import Estimate
 from ext_proc.identity import hash_key
 from ext_proc.nodebook import Node
 from ext_proc.nodes import Fleet
-from ext_proc.perf import MAX_FACTOR, MIN_FACTOR, Speed, StepModel, from_config, step_floor, step_ratio
+from ext_proc.perf import FLOOR_SLACK, MAX_FACTOR, MIN_FACTOR, Speed, StepModel, from_config, step_floor, step_ratio
 from ext_proc.picker import READY_SHARE
 from ext_proc.profiles import get_profile
 from gpu_probe.parse import parse
@@ -406,6 +406,25 @@ def test_a_node_slower_than_the_breakers_bar_under_a_flood_of_long_prompts_learn
     assert slowed.breaker.state is State.CLOSED and healthy.breaker.state is State.CLOSED
 
 
+def test_floors_raise_the_speed_factor_only_on_average_and_past_a_slack() -> None:
+    noisy = Speed()
+    for f in [1.3, 0.8, 1.2, 0.9, 1.25, 0.85, 1.15, 0.95] * 5:  # a healthy node's floors under step noise
+        noisy.bound(f)
+    assert noisy.factor == 1.0 and noisy.readings == 0
+    slow = Speed()
+    slow.bound(2.99)
+    slow.bound(2.99)
+    assert slow.factor == 1.0  # not on one or two floors
+    for _ in range(20):
+        slow.bound(2.99)
+    assert 2.99 / FLOOR_SLACK - 0.05 <= slow.factor <= 2.99
+    learned = Speed()
+    learned.observe(3.2)
+    for _ in range(10):
+        learned.bound(2.99)  # below a factor already learned: nothing to raise
+    assert learned.factor == 3.2 and learned.readings == 1
+
+
 def test_the_floor_of_a_mostly_prefill_interval_is_its_latency_over_a_full_steps() -> None:
     m = StepModel(a=0.010, b=0.0001, c=0.001, d=0.0, max_batched_tokens=2048)
     # a full step beside 4 decodes: 10 + 204.8 x 1 + 4 ms; the interval's own mean batch does not enter
@@ -532,6 +551,23 @@ def test_a_reading_polled_twice_counts_once() -> None:
         f.on_snapshot(sick.address, snap, t + 0.25)
     assert sick.speed.readings == 8
     assert sick.breaker.state is State.CLOSED
+
+
+@pytest.mark.parametrize("preempting", [False, True])
+def test_a_mostly_prefill_interval_with_preemptions_proves_no_floor(preempting: bool) -> None:
+    """vLLM's inter-token latency spans a preempted request's wait to resume, not one step: an interval
+    that preempted says nothing of how slow the node's steps are."""
+    cfg = parse_config({"nodes": {"static": [{"address": "10.0.0.1:8000", "probe": "http://p1"}]}})
+    assert cfg.nodes is not None
+    f = Fleet(cfg.nodes, random.Random(1))
+    m, node = f.model, "10.0.0.1:8000"
+    for k in range(8):  # full steps beside 4 decodes, each 2x what the prior says: under the breaker's bar
+        f.on_snapshot(node, Snapshot(node="n", at=k, ok=True, kv_usage=0.1, blocks_total=1000, block_size=16,
+                                     running=4, itl_s=2.0 * m.step(m.max_batched_tokens, 4, 1600), step_fresh=True,
+                                     step_tokens=float(m.max_batched_tokens), step_decode=4.0,
+                                     preemptions_per_s=0.5 if preempting else 0.0), k)
+    speed = f.nodes[node].speed
+    assert (speed.floors, speed.factor > 1.5) == ((0, False) if preempting else (8, True))
 
 
 # -- d. the probe's step figures -------------------------------------------------------------------
