@@ -143,9 +143,10 @@ def prefill_heavy(model: StepModel, step_tokens: float | None, step_decode: floa
 def step_floor(model: StepModel, step_s: float | None, step_tokens: float | None, step_decode: float | None,
                running: float | None, context: float | None) -> float | None:
     """The least speed factor a mostly-prefill interval proves: its mean inter-token latency over the
-    modelled time of a step that prefills a whole step budget beside the interval's decodes. No step that
-    decoded can have prefilled more (vLLM fills each step's ``max_num_batched_tokens`` with the running
-    decodes first), so however the interval's prefill fell among its steps, the node is at least this slow.
+    modelled time of a step that prefills a whole step budget beside the interval's decodes. No step can
+    have prefilled more (a step's tokens, decodes included, never exceed ``max_num_batched_tokens``), so
+    however the interval's prefill fell among its steps, the node is at least this slow — as far as the
+    linear step model holds and the prior's budget is the node's (see docs/known-limits.md).
 
     Why a bound rather than :func:`step_ratio`: vLLM times decoding steps only and the iteration histogram
     averages over every step, so a mostly-prefill interval's ratio reads low on a healthy node when its
