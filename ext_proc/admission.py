@@ -356,6 +356,7 @@ class Admission:
             if q is None:
                 q = self.queues[p.name] = FairQueue([], p.queue_max_size, config.queue.starvation_guard)
             q.max_size, q.starvation_guard = p.queue_max_size, config.queue.starvation_guard
+            q.share_lower = config.queue.lower_tiers == "share"
             q.set_tiers(tiers)
             for st in tenants.values():
                 q.set_weight(st.name, st.config.weight)
@@ -674,7 +675,15 @@ class Admission:
         for e in q.doomed(now):
             self._drop(e, "queue-deadline", now, out, queue=q)
         blocked: set[str] = set()
-        while (head := q.peek(blocked)) is not None:
+        owed: set[str] = set()
+        while True:
+            for tier in [t for t in blocked if t not in owed and q.guarded(t)]:
+                # blocked earlier in this pass, it has since waited out the starvation guard: its owed
+                # release goes without its KV reserve, so it may fit now (once a pass)
+                blocked.discard(tier)
+                owed.add(tier)
+            if (head := q.peek(blocked)) is None:
+                break
             h = self._held[head.key]
             # a tier that waited out the starvation guard goes without its KV reserve: the tiers above keep
             # each node at their own, higher limit, so with it the release the guard owes would never fit

@@ -307,6 +307,11 @@ class Queue(_Strict):
     output_token_weight: Annotated[float, Field(ge=0)] = Field(
         default=1.0, description="weight of an output token against a prompt token in the fair-share counters"
     )
+    lower_tiers: Literal["share", "strict"] = Field(
+        default="share", description="below the most urgent tier: 'share' — the tiers take turns by their "
+        "tenants' weighted service over the last minute (the least served waiting tenant's tier goes next); "
+        "'strict' — in priority order (the starvation guard aside)"
+    )
     inject_priority: bool = Field(
         default=False, description="write the tier's vllm_priority into each request body (for vLLM servers "
         "run with --scheduling-policy priority); a client's own 'priority' is overwritten"

@@ -178,6 +178,51 @@ def test_a_higher_tier_goes_first_and_the_starvation_guard_lets_a_lower_one_thro
     assert order == ["i0", "i1", "i2", "b0", "i3", "i4", "i5", "i6"]
 
 
+def test_below_the_top_tier_the_tier_of_the_least_recently_served_tenant_goes_first() -> None:
+    """``queue.lower_tiers: share`` (the default): below the most urgent tier, a light batch tenant is not
+    held behind a standard tenant that has just been served far more (in strict order it would be, and
+    the benchmarks' worst-minute Jain index showed it: issue 30); the top tier still goes first."""
+    tiers = [TierSpec("interactive", 0, 60), TierSpec("standard", 1, 60), TierSpec("batch", 2, 60)]
+    for share in (True, False):
+        q = FairQueue(tiers, 1000, 100, share_lower=share)
+        q.push(Entry("warm", "heavy", "standard", 10, 0, 60), 0)
+        q.take(q.peek() or Entry("", "", "", 0, 0, 0), 0)
+        q.charge("heavy", 5000)  # the standard tenant was just served a lot
+        for i in range(3):
+            q.push(Entry(f"s{i}", "heavy", "standard", 10, 1, 60), 1)
+            q.push(Entry(f"b{i}", "light", "batch", 10, 1, 60), 1)
+        q.push(Entry("i0", "chat", "interactive", 10, 1, 60), 1)
+        order = []
+        while (e := q.peek()) is not None:
+            q.take(e, 1)
+            q.charge(e.tenant, 1000)
+            order.append(e.key)
+        if share:  # the light tenant's tier until it has been served as much (5 x 1000 against 5000 + 1000)
+            assert order == ["i0", "b0", "b1", "b2", "s0", "s1", "s2"]
+        else:
+            assert order == ["i0", "s0", "s1", "s2", "b0", "b1", "b2"]
+
+
+def test_recent_service_fades_within_minutes_so_a_tenant_served_long_ago_is_not_held_back() -> None:
+    tiers = [TierSpec("interactive", 0, 600), TierSpec("standard", 1, 600), TierSpec("batch", 2, 600)]
+    q = FairQueue(tiers, 1000, 100)
+    q.push(Entry("b0", "bulk", "batch", 10, 0, 600), 0)
+    q.take(q.peek() or Entry("", "", "", 0, 0, 0), 0)
+    q.charge("bulk", 100_000)  # a big batch job an hour ago...
+    assert q.recent("bulk") == 100_000
+    q.push(Entry("s0", "api", "standard", 10, 3600, 3600 + 600), 3600)
+    q.charge("api", 10)
+    q.push(Entry("b1", "bulk", "batch", 10, 3600, 3600 + 600), 3600)
+    assert q.recent("bulk") < 1  # ... is forgotten: its tier waits its turn as a light one would
+    assert q.recent("api") == pytest.approx(10)
+    e = q.peek()
+    assert e is not None and e.key == "b1"  # served less than the standard tenant in the last minute
+    q.take(e, 3600)
+    q.charge("bulk", 1000)
+    e = q.peek()
+    assert e is not None and e.key == "s0"
+
+
 def test_a_request_of_a_tier_above_sent_straight_to_a_node_counts_for_the_starvation_guard() -> None:
     """A top tier whose requests go straight to a node (nothing of its tier queued) must still let a
     waiting lower tier have its turn: each such dispatch counts as a release from above, a fraction of
@@ -388,6 +433,45 @@ def test_every_entry_leaves_exactly_once_and_the_size_is_exact(script: list[tupl
         assert e5.key in live
         live.pop(e5.key)
     assert not live and len(q) == 0
+
+
+@settings(max_examples=150, deadline=None)
+@given(ops, st.booleans())
+def test_each_release_is_the_top_tiers_an_owed_one_or_the_least_recently_served_tenants(
+        script: list[tuple[str, int, int]], share: bool) -> None:
+    """Three tiers: the most urgent waiting tier goes first when it is the top tier; below it, a tier the
+    starvation guard owes a release, else — sharing — the tier whose least served waiting tenant was
+    served least recently (strict: the most urgent waiting tier)."""
+    tiers = [TierSpec("t0", 0, 2.0), TierSpec("t1", 1, 5.0), TierSpec("t2", 2, 30.0)]
+    q = FairQueue(tiers, 40, 3, share_lower=share)
+    now, n = 0.0, 0
+    for op, who, size in script:
+        now += size / 1000
+        tenant, tier = f"u{who}", tiers[(who + size) % 3].name
+        if op == "push" and len(q) < q.max_size:
+            n += 1
+            q.push(Entry(f"e{n}", tenant, tier, size, now, now + q_spec(tiers, tier).max_wait), now)
+        elif op in ("take", "backfill") and (e := q.peek()) is not None:
+            live = [t for t in q._tiers.values() if t.live]
+            chosen = q._tiers[e.tier]
+            first = min(live, key=lambda t: t.spec.rank)
+            owed = [t for t in live if t is not first and t.skipped >= q.starvation_guard]
+            if first.spec.rank == 0 or not share:
+                assert chosen is first or chosen is owed[0]
+            elif owed:
+                assert chosen is owed[0]
+            else:
+                least = min(min(q.recent(u) for u in t.backlogged()) for t in live)
+                assert min(q.recent(u) for u in chosen.backlogged()) == least
+            q.take(e, now)
+            q.charge(e.tenant, e.cost)
+        elif op == "charge":
+            q.charge(tenant, size - 250)
+            assert q.recent(tenant) >= 0.0
+        elif op == "expire":
+            q.expired(now)
+        elif op == "doomed":
+            q.doomed(now)
 
 
 def q_spec(tiers: list[TierSpec], name: str) -> TierSpec:
