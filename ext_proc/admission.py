@@ -679,7 +679,8 @@ class Admission:
         while True:
             for tier in [t for t in blocked if t not in owed and q.guarded(t)]:
                 # blocked earlier in this pass, it has since waited out the starvation guard: its owed
-                # release goes without its KV reserve, so it may fit now (once a pass)
+                # release goes without its KV reserve, so it may fit now (once a pass; with
+                # ``lower_tiers: share`` the least served tier is tried first, before it is owed)
                 blocked.discard(tier)
                 owed.add(tier)
             if (head := q.peek(blocked)) is None:
@@ -706,6 +707,8 @@ class Admission:
                 found = self._backfill(q, head, h.estimate.total, now, guarded)
                 if found is None:
                     blocked.add(head.tier)
+                    if guarded:
+                        owed.add(head.tier)  # (it was tried as owed already: not again this pass)
                     q.short_pass(head.tier)
                     continue
                 nxt, h, placed = found
@@ -1043,7 +1046,7 @@ class Admission:
             self.inflight += 1
         lease.service = self._service(s, est)
         q = self.queue_of(lease.pool)
-        q.charge(s.name, lease.service)
+        q.charge(s.name, lease.service, now)
         if self.shared:
             key = _service_key(lease.pool, s.name)
             self.service_out[key] = self.service_out.get(key, 0.0) + lease.service
@@ -1102,7 +1105,7 @@ class Admission:
             served = lease.prompt_estimate + w_out * (lease.reserved_tokens - lease.prompt_estimate)
         else:
             served = 0.0
-        self.queue_of(lease.pool).charge(s.name, served - lease.service)
+        self.queue_of(lease.pool).charge(s.name, served - lease.service, now, given=lease.started)
         if self.shared:
             key = _service_key(lease.pool, s.name)
             self.service_out[key] = self.service_out.get(key, 0.0) + served - lease.service

@@ -267,7 +267,8 @@ class BestEffort(_Strict):
 
 
 class Tier(_Strict):
-    """An SLA tier. Tiers are served in strict ``priority`` order (0 first), with a starvation guard."""
+    """An SLA tier. The most urgent ``priority`` (0) is served first; the tiers below it share by their
+    tenants' recent service (``queue.lower_tiers``, or go in strict order), with a starvation guard."""
 
     priority: Annotated[int, Field(ge=0)] = Field(
         description="the tier's rank: 0 is served first; each tier needs its own")
@@ -309,7 +310,7 @@ class Queue(_Strict):
     )
     lower_tiers: Literal["share", "strict"] = Field(
         default="share", description="below the most urgent tier: 'share' — the tiers take turns by their "
-        "tenants' weighted service over the last minute (the least served waiting tenant's tier goes next); "
+        "tenants' weighted service over the last minute (the tier whose next tenant was served least goes next); "
         "'strict' — in priority order (the starvation guard aside)"
     )
     inject_priority: bool = Field(

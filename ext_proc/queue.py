@@ -9,7 +9,7 @@ where the order can be decided:
   gets one (:meth:`FairQueue.guarded`; the caller places it without the tier's KV reserve, else the tiers
   above, filling each node to their own limits, would leave it no room). Below it, with ``share_lower``
   (``queue.lower_tiers: share``, the default), the tiers take turns by their tenants' *recent* service
-  (weighted tokens over the last minute, :data:`SHARE_TAU_S`): the tier whose least served waiting tenant
+  (weighted tokens over the last minute, :data:`SHARE_TAU_S`): the tier whose next tenant (its VTC's choice)
   was served least goes next — max-min fairness across tenants over the window users feel starvation
   in, where strict order let a heavy standard tenant take a light batch tenant's minute (issue 30:
   Jain's worst minute was kvgate's most frequent miss against kv-shed). Without it (``strict``), every
@@ -27,7 +27,8 @@ where the order can be decided:
   of the lowest waiting tier, only ever below the arrival's tier).
 
 Every operation is O(log n) in queued requests (heaps with lazy deletion), O(tiers) or O(tenants of a
-tier) on top. Pure: no I/O; time is passed in.
+tier) on top; a predicted wait with ``share_lower``, O(tenants of the lower tiers). Pure: no I/O; time
+is passed in.
 """
 
 from __future__ import annotations
@@ -107,6 +108,8 @@ class FairQueue:
         self.starvation_guard = starvation_guard
         self.share_lower = share_lower
         """Below the most urgent tier, tiers take turns by recent service (else: strict priority)."""
+        self._top = 0
+        """The most urgent configured tier's rank: it alone goes in strict priority with ``share_lower``."""
         self._recent: dict[str, tuple[float, float]] = {}
         """Each tenant's weighted service, decayed with :data:`SHARE_TAU_S`, and when it was last decayed."""
         self._tiers: dict[str, _Tier] = {}
@@ -137,6 +140,8 @@ class FairQueue:
             else:
                 t.spec = spec
         self._order = sorted(self._tiers.values(), key=lambda t: t.spec.rank)
+        if tiers:  # (a tier a reload removed stays until it drains, but is no longer the top: review55)
+            self._top = min(spec.rank for spec in tiers)
 
     def set_weight(self, tenant: str, weight: float) -> None:
         self._weight[tenant] = weight
@@ -170,14 +175,16 @@ class FairQueue:
     def counter(self, tenant: str) -> float:
         return self._counter.get(tenant, 0.0)
 
-    def recent(self, tenant: str) -> float:
-        """The tenant's weighted service over about the last :data:`SHARE_TAU_S` (decayed)."""
+    def recent(self, tenant: str, now: float | None = None) -> float:
+        """The tenant's weighted service over about the last :data:`SHARE_TAU_S` (decayed to ``now``, by
+        default the queue's last operation)."""
         v = self._recent.get(tenant)
         if v is None:
             return 0.0
-        if self._t is None or self._t <= v[1]:
+        at = now if now is not None else self._t
+        if at is None or at <= v[1]:
             return v[0]
-        return v[0] * math.exp(-(self._t - v[1]) / SHARE_TAU_S)
+        return v[0] * math.exp(-(at - v[1]) / SHARE_TAU_S)
 
     def waiting_at_or_above(self, tier: str) -> int:
         """Requests queued in this tier or a more important one: a new arrival must not pass them."""
@@ -186,12 +193,18 @@ class FairQueue:
 
     # -- service accounting ----------------------------------------------------------------------
 
-    def charge(self, tenant: str, tokens: float) -> None:
-        """Service given to (or, negative, taken back from) a tenant: weighted tokens."""
+    def charge(self, tenant: str, tokens: float, now: float | None = None, given: float | None = None) -> None:
+        """Service given to (or, negative, taken back from) a tenant: weighted tokens. ``now``: when (the
+        queue's last operation if not given: a charge at a dispatch after a lull must not be read as
+        that old); ``given``: when the service it corrects was given — a correction at completion counts
+        in the recent service as that service has decayed since, so it cannot take back the tenant's
+        later service."""
         w = tokens / self._weight.get(tenant, 1.0)
         self._counter[tenant] = self._counter.get(tenant, 0.0) + w
-        now = self._t if self._t is not None else 0.0
-        self._recent[tenant] = (max(0.0, self.recent(tenant) + w), now)
+        at = now if now is not None else (self._t if self._t is not None else 0.0)
+        if given is not None and at > given:
+            w *= math.exp(-(at - given) / SHARE_TAU_S)
+        self._recent[tenant] = (max(0.0, self.recent(tenant, at) + w), at)
         for t in self._order:
             if t.n.get(tenant):
                 self._reheap(t, tenant)
@@ -249,14 +262,9 @@ class FairQueue:
         t = self._next_tier(skip)
         if t is None:
             return None
-        while t.heap:
-            _, _, version, tenant = t.heap[0]
-            if version == t.version.get(tenant) and t.n.get(tenant):
-                head = _head(t.queues[tenant])
-                assert head is not None
-                return head
-            heapq.heappop(t.heap)
-        raise AssertionError("a tier with live entries has a backlogged tenant")
+        head = _head(t.queues[self._next_tenant(t)])
+        assert head is not None
+        return head
 
     def behind(self, head: Entry, limit: int, per_tenant: int | None = None) -> list[Entry]:
         """Up to ``limit`` live entries of ``head``'s tier queued behind it, in the order they would go
@@ -412,16 +420,16 @@ class FairQueue:
         for u in t.backlogged():
             if u != tenant:
                 ahead += min(t.tok[u], max(0.0, (target - self._counter.get(u, 0.0)) * self._weight.get(u, 1.0)))
-        top = self._order[0].spec.rank
+        top = self._top
         if self.share_lower and t.spec.rank > top:
             # the other tiers below the top: what their tenants served less recently get before it
             mine = self.recent(tenant) + own / weight
             for o in self._order:
-                if o is t or not o.live or o.spec.rank == top:
+                if o is t or not o.live or o.spec.rank <= top:
                     continue
                 for u in o.backlogged():
                     ahead += min(o.tok[u], max(0.0, (mine - self.recent(u)) * self._weight.get(u, 1.0)))
-            higher = sum(o.tokens for o in self._order if o.spec.rank == top and o.live)
+            higher = sum(o.tokens for o in self._order if o.spec.rank <= top and o.live)
         else:
             higher = sum(o.tokens for o in self._order if o.spec.rank < t.spec.rank and o.live)
         total = ahead + min(higher, ahead * self.starvation_guard)
@@ -436,7 +444,7 @@ class FairQueue:
                 continue
             if top is None:
                 top = t
-                if self.share_lower and t.spec.rank > self._order[0].spec.rank:
+                if self.share_lower and t.spec.rank > self._top:
                     return self._least_served(skip)
             elif t.skipped >= self.starvation_guard:
                 return t
@@ -444,7 +452,8 @@ class FairQueue:
 
     def _least_served(self, skip: set[str] | frozenset[str]) -> _Tier:
         """Of the waiting tiers (none of them the top tier), one owed a release by the starvation guard,
-        else the one whose least recently served waiting tenant was served least (a tie: the more urgent)."""
+        else the one whose next tenant (the one its VTC would release) was served least recently (a tie:
+        the more urgent). O(tiers), amortised: each tier's next tenant is its heap's head."""
         best: tuple[float, int] | None = None
         pick = None
         for t in self._order:
@@ -452,11 +461,20 @@ class FairQueue:
                 continue
             if t.skipped >= self.starvation_guard:
                 return t
-            key = (min(self.recent(u) for u in t.backlogged()), t.spec.rank)
+            key = (self.recent(self._next_tenant(t)), t.spec.rank)
             if best is None or key < best:
                 best, pick = key, t
         assert pick is not None
         return pick
+
+    def _next_tenant(self, t: _Tier) -> str:
+        """The tenant ``t``'s VTC releases next (the heap's live head; stale entries dropped)."""
+        while t.heap:
+            _, _, version, tenant = t.heap[0]
+            if version == t.version.get(tenant) and t.n.get(tenant):
+                return tenant
+            heapq.heappop(t.heap)
+        raise AssertionError("a tier with live entries has a backlogged tenant")
 
     def _lift_floor(self, t: _Tier) -> float:
         """Where a tenant that starts waiting in ``t`` starts: the smallest counter of those waiting,
