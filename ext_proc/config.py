@@ -267,8 +267,8 @@ class BestEffort(_Strict):
 
 
 class Tier(_Strict):
-    """An SLA tier. The most urgent ``priority`` (0) is served first; the tiers below it share by their
-    tenants' recent service (``queue.lower_tiers``, or go in strict order), with a starvation guard."""
+    """An SLA tier. Tiers are served in strict ``priority`` order (0 first), with a starvation guard;
+    ``queue.lower_tiers: share`` lets the tiers below the first share by their tenants' recent service."""
 
     priority: Annotated[int, Field(ge=0)] = Field(
         description="the tier's rank: 0 is served first; each tier needs its own")
@@ -309,7 +309,7 @@ class Queue(_Strict):
         default=1.0, description="weight of an output token against a prompt token in the fair-share counters"
     )
     lower_tiers: Literal["share", "strict"] = Field(
-        default="share", description="below the most urgent tier: 'share' — the tiers take turns by their "
+        default="strict", description="below the most urgent tier: 'share' — the tiers take turns by their "
         "tenants' weighted service over the last minute (the tier whose next tenant was served least goes next); "
         "'strict' — in priority order (the starvation guard aside)"
     )

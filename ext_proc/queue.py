@@ -8,12 +8,12 @@ where the order can be decided:
   after ``starvation_guard`` releases from higher tiers in a row while a lower tier waits, that tier
   gets one (:meth:`FairQueue.guarded`; the caller places it without the tier's KV reserve, else the tiers
   above, filling each node to their own limits, would leave it no room). Below it, with ``share_lower``
-  (``queue.lower_tiers: share``, the default), the tiers take turns by their tenants' *recent* service
-  (weighted tokens over the last minute, :data:`SHARE_TAU_S`): the tier whose next tenant (its VTC's choice)
-  was served least goes next — max-min fairness across tenants over the window users feel starvation
-  in, where strict order let a heavy standard tenant take a light batch tenant's minute (issue 30:
-  Jain's worst minute was kvgate's most frequent miss against kv-shed). Without it (``strict``), every
-  tier in priority order;
+  (``queue.lower_tiers: share``; not the default, see docs/known-limits.md), the tiers take turns by
+  their tenants' *recent* service (weighted tokens over the last minute, :data:`SHARE_TAU_S`): the tier
+  whose next tenant (its VTC's choice) was served least goes next — max-min fairness across tenants
+  over the window users feel starvation in, where strict order lets a heavy standard tenant take a light
+  batch tenant's minute (issue 30: Jain's worst minute was kvgate's most frequent miss against
+  kv-shed). Without it (``strict``, the default), every tier in priority order;
 * within a tier, **virtual token counters** (VTC, Sheng et al., "Fairness in Serving Large Language
   Models", OSDI 2024): each tenant's counter grows by the service it received (prompt + weighted
   output tokens, divided by its weight); the backlogged tenant with the smallest counter goes next. A
@@ -50,8 +50,8 @@ SHARE_TAU_S = 60.0
 """Time constant of a tenant's recent service (``share_lower``): a minute, the window a starved tenant
 notices (and Jain's windows in the benchmarks). A cumulative counter instead let a tenant that had been
 idle bank credit across tiers: a heavy batch tenant back from a lull took the standard tenants' minute
-(mixed seed 10: worst-minute Jain 0.857 -> 0.707; with the decayed service it is unchanged). A
-shorter constant (30 s) did less: 23 misses of the families' checks on seeds 1-12 against 21."""
+(mixed seed 10: worst-minute Jain 0.857 -> 0.707; with the decayed service it is unchanged). On its first
+build a shorter constant (30 s) did less: 23 misses of the families' checks on seeds 1-12 against 21."""
 COMPACT_SLACK = 16
 """Removed entries a tenant's deque may hold beyond its live ones before it is rebuilt without them (then
 at least as many removals as it holds again before the next rebuild: amortised O(1) per removal)."""
@@ -103,7 +103,7 @@ class _Tier:
 
 
 class FairQueue:
-    def __init__(self, tiers: list[TierSpec], max_size: int, starvation_guard: int, share_lower: bool = True) -> None:
+    def __init__(self, tiers: list[TierSpec], max_size: int, starvation_guard: int, share_lower: bool = False) -> None:
         self.max_size = max_size
         self.starvation_guard = starvation_guard
         self.share_lower = share_lower

@@ -170,17 +170,22 @@ def test_a_higher_tier_goes_first_and_the_starvation_guard_lets_a_lower_one_thro
     q.push(Entry("b0", "bt", "batch", 10, 0, 60), 0)
     for i in range(10):
         q.push(Entry(f"i{i}", "it", "interactive", 10, 0, 60), 0)
+    assert released(q, 8, 1) == ["i0", "i1", "i2", "b0", "i3", "i4", "i5", "i6"]
+
+
+def released(q: FairQueue, n: int, now: float) -> list[str]:
+    """The keys of the next ``n`` entries the queue releases (each taken at ``now``)."""
     order = []
-    for _ in range(8):
+    for _ in range(n):
         e = q.peek()
         assert e is not None
-        q.take(e, 1)
+        q.take(e, now)
         order.append(e.key)
-    assert order == ["i0", "i1", "i2", "b0", "i3", "i4", "i5", "i6"]
+    return order
 
 
 def test_below_the_top_tier_the_tier_of_the_least_recently_served_tenant_goes_first() -> None:
-    """``queue.lower_tiers: share`` (the default): below the most urgent tier, a light batch tenant is not
+    """``queue.lower_tiers: share``: below the most urgent tier, a light batch tenant is not
     held behind a standard tenant that has just been served far more (in strict order it would be, and
     the benchmarks' worst-minute Jain index showed it: issue 30); the top tier still goes first."""
     tiers = [TierSpec("interactive", 0, 60), TierSpec("standard", 1, 60), TierSpec("batch", 2, 60)]
@@ -206,7 +211,7 @@ def test_below_the_top_tier_the_tier_of_the_least_recently_served_tenant_goes_fi
 
 def test_recent_service_fades_within_minutes_so_a_tenant_served_long_ago_is_not_held_back() -> None:
     tiers = [TierSpec("interactive", 0, 600), TierSpec("standard", 1, 600), TierSpec("batch", 2, 600)]
-    q = FairQueue(tiers, 1000, 100)
+    q = FairQueue(tiers, 1000, 100, share_lower=True)
     q.push(Entry("b0", "bulk", "batch", 10, 0, 600), 0)
     q.take(q.peek() or Entry("", "", "", 0, 0, 0), 0)
     q.charge("bulk", 100_000)  # a big batch job an hour ago...
@@ -226,18 +231,12 @@ def test_recent_service_fades_within_minutes_so_a_tenant_served_long_ago_is_not_
 
 def test_sharing_lower_tiers_still_owe_a_starved_tier_its_guarded_release() -> None:
     q = FairQueue([TierSpec("interactive", 0, 60), TierSpec("standard", 1, 60), TierSpec("batch", 2, 60)],
-                  1000, 3)
+                  1000, 3, share_lower=True)
     q.charge("bulk", 50_000, 0.0)  # served far more recently than the standard tenant: sharing alone
     for i in range(5):             # would serve every standard request first
         q.push(Entry(f"s{i}", "api", "standard", 10, 0, 60), 0)
     q.push(Entry("b0", "bulk", "batch", 10, 0, 60), 0)
-    order = []
-    for _ in range(5):
-        e = q.peek()
-        assert e is not None
-        q.take(e, 0)
-        order.append(e.key)
-    assert order == ["s0", "s1", "s2", "b0", "s3"]
+    assert released(q, 5, 0) == ["s0", "s1", "s2", "b0", "s3"]
 
 
 def test_a_lower_tier_requests_predicted_wait_counts_what_the_other_lower_tiers_get_before_it() -> None:
@@ -266,7 +265,7 @@ def test_after_a_reload_removes_the_top_tier_the_new_top_tier_goes_first() -> No
     """A tier a reload removed stays until it drains; the most urgent of the configured tiers is the one
     that goes in strict priority (review55: the emptied old top tier still held that place)."""
     q = FairQueue([TierSpec("interactive", 0, 60), TierSpec("standard", 1, 60), TierSpec("batch", 2, 60)],
-                  1000, 100)
+                  1000, 100, share_lower=True)
     q.set_tiers([TierSpec("standard", 1, 60), TierSpec("batch", 2, 60)])
     q.charge("api", 5000, 0.0)
     q.push(Entry("s0", "api", "standard", 10, 0, 60), 0)
@@ -279,7 +278,7 @@ def test_a_tier_goes_by_the_tenant_it_would_release_not_by_its_least_served_one(
     """A batch tier holding an idle light tenant's request behind a heavy tenant's (VTC releases the
     heavy one's first only when the light one waits no more) is ranked by the tenant it would release."""
     q = FairQueue([TierSpec("interactive", 0, 60), TierSpec("standard", 1, 60), TierSpec("batch", 2, 60)],
-                  1000, 100)
+                  1000, 100, share_lower=True)
     q.charge("bulk", 20_000, 0.0)  # served a lot in the last minute, in cumulative counters too
     q.charge("api", 5_000, 0.0)
     q.push(Entry("b0", "bulk", "batch", 10, 0, 60), 0)
