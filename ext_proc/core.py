@@ -834,13 +834,12 @@ class Core:
         (added to this replica's counters: fairness holds across replicas) and requests they sent to
         nodes (booked on this replica's view of each node until a reading shows them)."""
         adm = self.admission
-        at = self._clock()
+        now = self._clock()
         for key, delta in service.items():
             pool, _, tenant = key.rpartition("/")  # "pool/tenant"; a bare tenant: the first pool
             if adm.tenant_state(tenant) is not None and math.isfinite(delta):
-                adm.queue_of(pool).charge(tenant, delta, at)
+                adm.queue_of(pool).charge(tenant, delta, now)
         if self.fleets and dispatched:
-            now = self._clock()
             for node, tokens, prompt, tier in dispatched:
                 f = self._node_fleet(node)
                 if f is not None:

@@ -198,13 +198,15 @@ class FairQueue:
         queue's last operation if not given: a charge at a dispatch after a lull must not be read as
         that old); ``given``: when the service it corrects was given — a correction at completion counts
         in the recent service as that service has decayed since, so it cannot take back the tenant's
-        later service."""
+        later service. The recent service is kept only with ``share_lower`` (nothing else reads it): a
+        reload that turns sharing on starts every tenant's from none."""
         w = tokens / self._weight.get(tenant, 1.0)
         self._counter[tenant] = self._counter.get(tenant, 0.0) + w
-        at = now if now is not None else (self._t if self._t is not None else 0.0)
-        if given is not None and at > given:
-            w *= math.exp(-(at - given) / SHARE_TAU_S)
-        self._recent[tenant] = (max(0.0, self.recent(tenant, at) + w), at)
+        if self.share_lower:
+            at = now if now is not None else (self._t if self._t is not None else 0.0)
+            if given is not None and at > given:
+                w *= math.exp(-(at - given) / SHARE_TAU_S)
+            self._recent[tenant] = (max(0.0, self.recent(tenant, at) + w), at)
         for t in self._order:
             if t.n.get(tenant):
                 self._reheap(t, tenant)
@@ -479,12 +481,7 @@ class FairQueue:
     def _lift_floor(self, t: _Tier) -> float:
         """Where a tenant that starts waiting in ``t`` starts: the smallest counter of those waiting,
         else the counter of the tenant served last."""
-        while t.heap:
-            _, _, version, tenant = t.heap[0]
-            if version == t.version.get(tenant) and t.n.get(tenant):
-                return self._counter.get(tenant, 0.0)
-            heapq.heappop(t.heap)
-        return t.floor
+        return self._counter.get(self._next_tenant(t), 0.0) if t.live else t.floor
 
     def _reheap(self, t: _Tier, tenant: str) -> None:
         head = _head(t.queues[tenant])

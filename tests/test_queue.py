@@ -293,7 +293,7 @@ def test_a_tier_goes_by_the_tenant_it_would_release_not_by_its_least_served_one(
 
 
 def test_recent_service_is_charged_when_given_and_a_correction_counts_as_that_service_has_faded() -> None:
-    q = FairQueue([TierSpec("interactive", 0, 600), TierSpec("batch", 2, 600)], 1000, 100)
+    q = FairQueue([TierSpec("interactive", 0, 600), TierSpec("batch", 2, 600)], 1000, 100, share_lower=True)
     q.push(Entry("b0", "bulk", "batch", 10, 0, 600), 0)  # the queue's last operation: at 0
     q.charge("bulk", 1000, 300.0)  # a dispatch 5 minutes later is 1,000 now, not 1,000 faded by 5 minutes
     assert q.recent("bulk", 300.0) == pytest.approx(1000)
