@@ -683,7 +683,7 @@ class Admission:
                 # ``lower_tiers: share`` the least served tier is tried first, before it is owed)
                 blocked.discard(tier)
                 owed.add(tier)
-            if (head := q.peek(blocked)) is None:
+            if (head := q.peek(blocked, now)) is None:
                 break
             h = self._held[head.key]
             # a tier that waited out the starvation guard goes without its KV reserve: the tiers above keep

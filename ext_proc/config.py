@@ -267,8 +267,8 @@ class BestEffort(_Strict):
 
 
 class Tier(_Strict):
-    """An SLA tier. Tiers are served in strict ``priority`` order (0 first), with a starvation guard;
-    ``queue.lower_tiers: share`` lets the tiers below the first share by their tenants' recent service."""
+    """An SLA tier. The most urgent tier (lowest ``priority``) goes first, with a starvation guard;
+    below it ``queue.lower_tiers`` (share, the default, or strict) decides."""
 
     priority: Annotated[int, Field(ge=0)] = Field(
         description="the tier's rank: 0 is served first; each tier needs its own")
@@ -309,9 +309,10 @@ class Queue(_Strict):
         default=1.0, description="weight of an output token against a prompt token in the fair-share counters"
     )
     lower_tiers: Literal["share", "strict"] = Field(
-        default="strict", description="below the most urgent tier: 'share' — the tiers take turns by their "
-        "tenants' weighted service over the last minute (the tier whose next tenant was served least goes next); "
-        "'strict' — in priority order (the starvation guard aside)"
+        default="share", description="below the most urgent tier: 'share' — the tiers take turns by their "
+        "tenants' weighted service over the last minute (the tier whose next tenant was served least goes next; "
+        "the most urgent tier whose next request has used half its wait goes first); 'strict' — in priority "
+        "order (the starvation guard aside)"
     )
     inject_priority: bool = Field(
         default=False, description="write the tier's vllm_priority into each request body (for vLLM servers "

@@ -22,7 +22,7 @@ from ext_proc.admission import Admission, Decision, Usage
 from ext_proc.config import Config, parse_config
 from ext_proc.estimate import Estimate
 from ext_proc.identity import hash_key
-from ext_proc.queue import COMPACT_SLACK, Entry, FairQueue, TierSpec
+from ext_proc.queue import COMPACT_SLACK, URGENT_FRAC, Entry, FairQueue, TierSpec, _head
 from tests.helpers import FakeClock, pair_core, read_pair
 
 
@@ -259,6 +259,74 @@ def test_a_lower_tier_requests_predicted_wait_counts_what_the_other_lower_tiers_
     assert light is not None and bulk is not None
     assert light < 0.5 < bulk  # the light tenant goes before api's 1,200 queued tokens, bulk after them
     assert waits[False][0] == pytest.approx(bulk)  # strict: both wait for the whole standard backlog
+
+
+def test_sharing_a_standard_request_that_has_used_half_its_wait_goes_before_less_served_batch_tenants() -> None:
+    """attack55 F1: six batch tenants, each served less than one heavy standard tenant, took every turn
+    by recent service while standard requests ran out of their 1 s target; the most urgent lower tier's
+    head goes first once it has used URGENT_FRAC of its wait (its tenants' recent service aside)."""
+    q = FairQueue([TierSpec("interactive", 0, 1), TierSpec("standard", 1, 1), TierSpec("batch", 2, 30)],
+                  1000, 100, share_lower=True)
+    q.charge("api", 50_000, 0.0)
+    for i in range(6):
+        q.push(Entry(f"b{i}", f"bat{i}", "batch", 6000, 0, 30), 0)
+    q.push(Entry("s0", "api", "standard", 250, 0, 1), 0)
+    early = q.peek(now=URGENT_FRAC * 0.9)
+    assert early is not None and early.tier == "batch"  # by recent service, while the request has time
+    assert [q.peek(now=t) for t in (URGENT_FRAC, 0.9)] == [q._tiers["standard"].queues["api"][0]] * 2
+    assert q.peek() is early  # without a time: by recent service alone
+    q.push(Entry("s1", "api", "standard", 250, 0.6, 1.6), 0.6)
+    q.take(q._tiers["standard"].queues["api"][0], 0.6)
+    nxt = q.peek(now=0.7)  # s1 has used 0.1 of its 1 s: the batch tenants' turn again
+    assert nxt is not None and nxt.tier == "batch"
+
+
+def test_sharing_a_less_urgent_tier_counts_in_a_predicted_wait_at_most_as_much_as_goes_before_it_otherwise() \
+        -> None:
+    """attack55 F1: six batch tenants' queued 6,000-token prompts (which could not even be placed) read as
+    seconds ahead of every request of a standard tenant served more than each, and the standard tier was
+    refused early (503 queue-deadline) while its requests went in 0.1 s; the less urgent tiers' work now
+    counts at most as much as the request's own tier's work ahead of it (it goes first by URGENT_FRAC)."""
+    q = FairQueue([TierSpec("interactive", 0, 1), TierSpec("standard", 1, 1), TierSpec("batch", 2, 30)],
+                  1000, 100, share_lower=True)
+    q.charge("api", 50_000, 0.0)
+    for i in range(8):  # a second of draining, 1,000 tokens/s: a rate to predict from
+        q.push(Entry(f"w{i}", "api", "standard", 125, i / 8, 2), i / 8)
+        e = q.peek()
+        assert e is not None
+        q.take(e, (i + 1) / 8)
+    rate = q.drain_rate()
+    assert rate is not None
+    for i in range(6):
+        for k in range(3):
+            q.push(Entry(f"b{i}.{k}", f"bat{i}", "batch", 6000, 1, 31), 1)
+    wait = q.predicted_wait("api", "standard", 250)
+    assert wait == pytest.approx(2 * 250 / rate)  # its own 250, and as much of the batch tiers' 108,000
+    q.push(Entry("s0", "api", "standard", 250, 1, 2), 1)
+    assert q.predicted_wait("api", "standard", 250) == pytest.approx(2 * 500 / rate)
+
+
+def test_sharing_refuses_nothing_of_a_heavy_standard_tenant_that_strict_order_serves() -> None:
+    """attack55 F1 in small: a standard tenant sending 36 short requests/s beside six batch tenants (2 long
+    ones/s each) on a fleet of 40 requests/s. Strict order serves the standard tenant in full and times
+    out some batch requests; sharing must serve the standard tenant as fully (before URGENT_FRAC and the
+    cap on the less urgent tiers' work in its predicted wait, 61 timed out, resp. 186 were refused early)
+    and the batch tenants at least as fully."""
+    results = {}
+    for order in ("strict", "share"):
+        r = run({"queue": {"max_size": 100_000, "lower_tiers": order},
+                 "tenants": [{"name": "api", "tier": "standard"}]
+                 + [{"name": f"bat{i}", "tier": "batch"} for i in range(6)]}, slots=8, duration=0.2)
+        loads = {"api": Load(36, E(250, 40), Usage(250, 40))}
+        loads.update({f"bat{i}": Load(2, E(3000, 150), Usage(3000, 150)) for i in range(6)})
+        r.go(loads, 30)
+        r.drain()
+        results[order] = r
+    strict, share = results["strict"], results["share"]
+    assert strict.admitted["api"] == share.admitted["api"] == strict.sent["api"]
+    assert sum(strict.rejected.values()) > 0  # the fleet is short: strict order refuses some batch
+    batch = [f"bat{i}" for i in range(6)]
+    assert sum(share.admitted[b] for b in batch) >= sum(strict.admitted[b] for b in batch)
 
 
 def test_after_a_reload_removes_the_top_tier_the_new_top_tier_goes_first() -> None:
@@ -539,7 +607,7 @@ def test_each_release_is_the_top_tiers_an_owed_one_or_the_least_recently_served_
         if op == "push" and len(q) < q.max_size:
             n += 1
             q.push(Entry(f"e{n}", tenant, tier, size, now, now + q_spec(tiers, tier).max_wait), now)
-        elif op == "take" and (e := q.peek()) is not None:
+        elif op == "take" and (e := q.peek(now=now)) is not None:
             live = [t for t in q._tiers.values() if t.live]
             chosen = q._tiers[e.tier]
             assert e.tenant == q._next_tenant(chosen)
@@ -549,6 +617,8 @@ def test_each_release_is_the_top_tiers_an_owed_one_or_the_least_recently_served_
                 assert chosen is first or chosen is owed[0]
             elif owed:
                 assert chosen is owed[0]
+            elif urgent(q, first, now):
+                assert chosen is first  # its next request has used URGENT_FRAC of its wait
             else:
                 assert all(q.recent(e.tenant) <= q.recent(q._next_tenant(t)) for t in live)
             q.take(e, now)
@@ -560,6 +630,13 @@ def test_each_release_is_the_top_tiers_an_owed_one_or_the_least_recently_served_
             q.doomed(now)
         elif op == "wait" and q.predicted_wait(tenant, tier, size) is not None:
             assert q.predicted_wait(tenant, tier, size) >= 0.0
+
+
+def urgent(q: FairQueue, t: Any, now: float) -> bool:
+    """Whether tier ``t``'s next request has used URGENT_FRAC of its wait by ``now``."""
+    h = _head(t.queues[q._next_tenant(t)])
+    assert h is not None
+    return now - h.arrived >= URGENT_FRAC * (h.deadline - h.arrived)
 
 
 def q_spec(tiers: list[TierSpec], name: str) -> TierSpec:
