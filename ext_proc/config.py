@@ -311,8 +311,8 @@ class Queue(_Strict):
     lower_tiers: Literal["share", "strict"] = Field(
         default="share", description="below the most urgent tier: 'share' — the tiers take turns by their "
         "tenants' weighted service over the last minute (the tier whose next tenant was served least goes next), "
-        "except that the most urgent of them holding a request that has used a quarter of its wait (up to its TTFT "
-        "target) goes first; 'strict' — in priority order (the starvation guard aside)"
+        "except that one holding a request that has used half its wait (up to its TTFT target) goes before the "
+        "less urgent ones; 'strict' — in priority order (the starvation guard aside)"
     )
     inject_priority: bool = Field(
         default=False, description="write the tier's vllm_priority into each request body (for vLLM servers "
