@@ -303,7 +303,8 @@ class Queue(_Strict):
     max_size: PositiveInt = Field(default=1024, description="requests held at once, all tiers together")
     starvation_guard: PositiveInt = Field(
         default=8, description="after this many releases from higher tiers in a row (a direct dispatch of a smaller "
-        "request counts as a fraction of one), a waiting lower tier gets one"
+        "request counts as a fraction of one, and with lower_tiers: share so does a release of a tier below the "
+        "top), a waiting lower tier gets one"
     )
     output_token_weight: Annotated[float, Field(ge=0)] = Field(
         default=1.0, description="weight of an output token against a prompt token in the fair-share counters"

@@ -355,7 +355,60 @@ def test_a_request_the_queue_releases_next_is_not_refused_as_doomed_for_less_urg
     assert q.peek(now=1.7) is s0  # it has used 70% of its wait: it goes next
     rate = q.drain_rate()
     assert rate is not None and 1.7 + 250 / rate < 2.0  # and would make its deadline
+    # its own work alone (none of the batch tiers': it is past half its wait, and never less than none)
+    assert q._wait(q._tiers["standard"], "api", 0.0, rate, allowed=1.0, waited=0.7) == pytest.approx(250 / rate)
     assert s0 not in q.doomed(1.7) and s0.live
+
+
+def test_sharing_a_lower_tiers_release_counts_toward_the_guard_by_its_size_the_top_tiers_whole() -> None:
+    """attack57 N1: a standard tier held by sharing has a queue where in strict order its requests go
+    straight to a node, so its releases count toward batch's starvation guard as a direct dispatch does —
+    a fraction of one when smaller than batch's mean request; the top tier's releases count whole, as in
+    strict order (and in strict order every release does)."""
+    for share in (True, False):
+        q = FairQueue([TierSpec("interactive", 0, 60), TierSpec("standard", 1, 60), TierSpec("batch", 2, 60)],
+                      1000, 100, share_lower=share)
+        q.push(Entry("b0", "bulk", "batch", 4000, 0, 60), 0)
+        batch = q._tiers["batch"]
+        q.push(Entry("i0", "chat", "interactive", 100, 0, 60), 0)
+        q.take(q._tiers["interactive"].queues["chat"][0], 0)
+        assert batch.skipped == 1
+        q.push(Entry("s0", "api", "standard", 100, 0, 60), 0)
+        q.take(q._tiers["standard"].queues["api"][0], 0)
+        assert batch.skipped == (1 + 100 / 4000 if share else 2)
+
+
+def test_doomed_takes_its_snapshot_again_rather_than_check_every_near_miss_exactly() -> None:
+    """review58: retaken only after 1, 2, 4, ... removals, a pass whose third removal was large checked
+    every later near-miss tenant exactly (1,003 exact checks at 1,000 tenants); now at most RESNAP_CHECKS
+    exact checks go by between snapshots while removals make the last one stale."""
+    from ext_proc.queue import RESNAP_CHECKS
+
+    q = FairQueue([TierSpec("interactive", 0, 60), TierSpec("batch", 2, 100)], 100_000, 8)
+    for i in range(8):  # a rate: 800 tokens/s
+        q.push(Entry(f"w{i}", "warm", "batch", 100, i / 8, 100), i / 8)
+        e = q.peek()
+        assert e is not None
+        q.take(e, (i + 1) / 8)
+    rate = q.drain_rate()
+    assert rate is not None
+    n = 400
+    for i in range(3):  # three doomed giants first in the tier, each 10 tokens ahead of every other tenant ...
+        q.push(Entry(f"g{i}", f"giant{i}", "batch", 60_000, 1.0, 2.0), 1.0)
+    for i in range(n):  # ... then tenants that make their deadlines only once the giants are gone
+        q.push(Entry(f"e{i}", f"u{i:04d}", "batch", 10, 1.0, 1.5 + (n * 10 + 5) / rate), 1.0)
+    exact = [0]
+    wait = q._wait
+
+    def counted(*a: Any, **k: Any) -> float:
+        if len(a) < 5 and k.get("cut") is None:
+            exact[0] += 1
+        return wait(*a, **k)
+
+    q._wait = counted  # type: ignore[method-assign]
+    gone = q.doomed(1.5)
+    assert {e.key for e in gone} == {"g0", "g1", "g2"}
+    assert exact[0] <= 3 * (RESNAP_CHECKS + 2)
 
 
 def test_turning_sharing_back_on_forgets_the_recent_service_left_from_before() -> None:
