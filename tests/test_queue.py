@@ -177,6 +177,15 @@ def test_a_higher_tier_goes_first_and_the_starvation_guard_lets_a_lower_one_thro
     assert released(q, 8, 1) == ["i0", "i1", "i2", "b0", "i3", "i4", "i5", "i6"]
 
 
+def drain_for_a_second(q: FairQueue, tenant: str, tier: str, cost: int, deadline: float) -> None:
+    """Eight requests of ``cost`` pushed and released over the first second: a drain rate to predict from."""
+    for i in range(8):
+        q.push(Entry(f"w{i}", tenant, tier, cost, i / 8, deadline), i / 8)
+        e = q.peek()
+        assert e is not None
+        q.take(e, (i + 1) / 8)
+
+
 def released(q: FairQueue, n: int, now: float) -> list[str]:
     """The keys of the next ``n`` entries the queue releases (each taken at ``now``)."""
     order = []
@@ -343,11 +352,7 @@ def test_a_request_the_queue_releases_next_is_not_refused_as_doomed_for_less_urg
     q = FairQueue([TierSpec("interactive", 0, 1), TierSpec("standard", 1, 1), TierSpec("batch", 2, 30)],
                   1000, 100, share_lower=True)
     q.charge("api", 50_000, 0.0)
-    for i in range(8):  # a second of draining, 1,000 tokens/s
-        q.push(Entry(f"w{i}", "api", "standard", 125, i / 8, 2), i / 8)
-        e = q.peek()
-        assert e is not None
-        q.take(e, (i + 1) / 8)
+    drain_for_a_second(q, "api", "standard", 125, 2)  # a second of draining, 1,000 tokens/s
     for i in range(6):
         q.push(Entry(f"b{i}", f"bat{i}", "batch", 20_000, 1.0, 31.0), 1.0)
     s0 = Entry("s0", "api", "standard", 250, 1.0, 2.0)
@@ -385,11 +390,7 @@ def test_doomed_takes_its_snapshot_again_rather_than_check_every_near_miss_exact
     from ext_proc.queue import RESNAP_CHECKS
 
     q = FairQueue([TierSpec("interactive", 0, 60), TierSpec("batch", 2, 100)], 100_000, 8)
-    for i in range(8):  # a rate: 800 tokens/s
-        q.push(Entry(f"w{i}", "warm", "batch", 100, i / 8, 100), i / 8)
-        e = q.peek()
-        assert e is not None
-        q.take(e, (i + 1) / 8)
+    drain_for_a_second(q, "warm", "batch", 100, 100)  # a rate: 800 tokens/s
     rate = q.drain_rate()
     assert rate is not None
     n = 400
@@ -436,11 +437,7 @@ def test_sharing_a_less_urgent_tiers_work_counts_in_a_predicted_wait_only_until_
     q = FairQueue([TierSpec("interactive", 0, 1), TierSpec("standard", 1, 1), TierSpec("batch", 2, 30)],
                   1000, 100, share_lower=True)
     q.charge("api", 50_000, 0.0)
-    for i in range(8):  # a second of draining, 1,000 tokens/s: a rate to predict from
-        q.push(Entry(f"w{i}", "api", "standard", 125, i / 8, 2), i / 8)
-        e = q.peek()
-        assert e is not None
-        q.take(e, (i + 1) / 8)
+    drain_for_a_second(q, "api", "standard", 125, 2)  # a second of draining, 1,000 tokens/s: a rate to predict from
     rate = q.drain_rate()
     assert rate is not None
     q.push(Entry("o0", "other", "standard", 300, 1, 2), 1)  # lifted to api's counter: 250 of it goes first
@@ -836,11 +833,7 @@ def test_doomed_removes_exactly_what_checking_every_tenant_exactly_removes(
     import copy
     tiers = [TierSpec("t0", 0, 1.0), TierSpec("t1", 1, 5.0), TierSpec("t2", 2, 30.0)]
     q = FairQueue(tiers, 1000, 8, share_lower=share)
-    for i in range(8):  # a rate to predict from: 800 tokens/s
-        q.push(Entry(f"w{i}", "warm", "t1", 100, i / 8, 100), i / 8)
-        e = q.peek()
-        assert e is not None
-        q.take(e, (i + 1) / 8)
+    drain_for_a_second(q, "warm", "t1", 100, 100)  # a rate to predict from: 800 tokens/s
     for i, c in enumerate(charges):
         q.charge(f"u{i}", c, 1.0)
     for n, (who, tier, size, wait) in enumerate(pushes):
