@@ -434,24 +434,8 @@ class FairQueue:
         rate = self.drain_rate()
         if rate is None:
             return []
-        snap: dict[tuple[int, bool], _Cut] = {}
-        taken = [self._t]
+        bound = _Snapshot(self)
         removed = [0, 0, 0]  # since the snapshot was taken, and before; exact checks since
-
-        def bound(o: _Tier, x: float, recent: bool, exclude: str | None, start: float) -> float:
-            if taken[0] != self._t:
-                # the first removal moved the queue's clock to ``now``: recent service reads decayed further
-                snap.clear()
-                taken[0] = self._t
-            cut = snap.get((id(o), recent))
-            if cut is None:
-                key = self.recent if recent else self.counter
-                cut = snap[id(o), recent] = _Cut([(key(u), self._weight.get(u, 1.0), o.tok[u]) for u in o.backlogged()])
-            v = cut(x)
-            if exclude is not None and o.n.get(exclude):
-                v -= _share(o.tok[exclude], x, (self.recent if recent else self.counter)(exclude),
-                            self._weight.get(exclude, 1.0))
-            return start + max(0.0, v)
 
         def clears(t: _Tier, tenant: str, tail: Entry) -> bool:
             # (rounding in the snapshot's sums: within a microsecond of its deadline, checked exactly)
@@ -473,7 +457,7 @@ class FairQueue:
                         # ... removals (O(log removed) snapshots a pass) or RESNAP_CHECKS exact checks since
                         # (never, near misses after a few removals were all checked exactly — attack57 N3;
                         # only by the doubling, a large third removal left 1,003 exact checks — review58)
-                        snap.clear()
+                        bound.retake()
                         removed[1] += removed[0]
                         removed[0] = removed[2] = 0
                         if clears(t, tenant, tail):
@@ -669,6 +653,37 @@ class _Cut:
         i = bisect_left(self._keys, x)
         j = bisect_right(self._ends, x)
         return (x * self._w[i] - self._kw[i]) - (x * self._ew[j] - self._ekwt[j])
+
+
+class _Snapshot:
+    """``doomed``'s bound on the other tenants' work (a :class:`FairQueue._cut`): a :class:`_Cut` per tier
+    and key, taken when first asked for, and again when the queue's clock has moved (recent service reads
+    decay with it) or on :meth:`retake`. Removals only take work away, so until then it can only overstate
+    the work (but for rounding)."""
+
+    __slots__ = ("_at", "_cuts", "_q")
+
+    def __init__(self, q: FairQueue) -> None:
+        self._q = q
+        self._at = q._t
+        self._cuts: dict[tuple[int, bool], _Cut] = {}
+
+    def retake(self) -> None:
+        self._cuts.clear()
+
+    def __call__(self, o: _Tier, x: float, recent: bool, exclude: str | None, start: float) -> float:
+        q = self._q
+        if self._at != q._t:
+            self._cuts.clear()
+            self._at = q._t
+        key = q.recent if recent else q.counter
+        cut = self._cuts.get((id(o), recent))
+        if cut is None:
+            cut = self._cuts[id(o), recent] = _Cut([(key(u), q._weight.get(u, 1.0), o.tok[u]) for u in o.backlogged()])
+        v = cut(x)
+        if exclude is not None and o.n.get(exclude):
+            v -= _share(o.tok[exclude], x, key(exclude), q._weight.get(exclude, 1.0))
+        return start + max(0.0, v)
 
 
 def _head(q: deque[Entry]) -> Entry | None:

@@ -22,7 +22,7 @@ from ext_proc.admission import Admission, Decision, Usage
 from ext_proc.config import Config, parse_config
 from ext_proc.estimate import Estimate
 from ext_proc.identity import hash_key
-from ext_proc.queue import COMPACT_SLACK, URGENT_FRAC, Entry, FairQueue, TierSpec, _Cut, _share
+from ext_proc.queue import COMPACT_SLACK, URGENT_FRAC, Entry, FairQueue, TierSpec, _Cut, _share, _Snapshot
 from tests.helpers import FakeClock, pair_core, read_pair
 
 
@@ -841,6 +841,43 @@ def test_doomed_removes_exactly_what_checking_every_tenant_exactly_removes(
     ref = copy.deepcopy(q)
     assert [e.key for e in q.doomed(1.0 + at)] == exact_doomed(ref, 1.0 + at)
     assert len(q) == len(ref)
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 11), st.integers(0, 2), st.integers(50, 4000), st.floats(0.2, 8)),
+                min_size=2, max_size=60),
+       st.lists(st.floats(0, 200_000), min_size=12, max_size=12),
+       st.lists(st.tuples(st.integers(0, 59), st.floats(0, 30)), max_size=20), st.booleans())
+def test_doomeds_snapshot_never_reads_less_work_than_there_is(
+        pushes: list[tuple[int, int, int, float]], charges: list[float], steps: list[tuple[int, float]],
+        share: bool) -> None:
+    """The bound ``doomed`` skips exact checks by: for every backlogged tenant, the predicted wait read
+    through the snapshot is at least the exact one, after removals and as the queue's clock moves (recent
+    service decays with it: a snapshot not taken again then read less — review57)."""
+    tiers = [TierSpec("t0", 0, 1.0), TierSpec("t1", 1, 5.0), TierSpec("t2", 2, 30.0)]
+    q = FairQueue(tiers, 1000, 8, share_lower=share)
+    drain_for_a_second(q, "warm", "t1", 100, 100)
+    for i, c in enumerate(charges):
+        q.charge(f"u{i}", c, 1.0)
+    entries = []
+    for n, (who, tier, size, wait) in enumerate(pushes):
+        e = Entry(f"e{n}", f"u{who}", tiers[tier].name, size, 1.0, 1.0 + wait)
+        q.push(e, 1.0)
+        entries.append(e)
+    rate = q.drain_rate()
+    assert rate is not None
+    snap = _Snapshot(q)
+    now = 1.0
+    for k, dt in [(-1, 0.0), *steps]:
+        if k >= 0:
+            now += dt
+            q.remove(entries[k % len(entries)], now)  # (one removed already: nothing changes)
+        for t in q._order:
+            for u in t.backlogged():
+                tail = next(e for e in reversed(t.queues[u]) if e.live)
+                exact = q._wait(t, u, 0.0, rate, allowed=tail.allowed, waited=now - tail.arrived)
+                bound = q._wait(t, u, 0.0, rate, snap, tail.allowed, now - tail.arrived)
+                assert bound * (1 + 1e-9) + 1e-6 >= exact
 
 
 def q_spec(tiers: list[TierSpec], name: str) -> TierSpec:
