@@ -428,20 +428,22 @@ class FairQueue:
         sharing the lower tiers): each is first checked against a snapshot of the others' work taken at the
         start of the pass (:class:`_Cut`, O(log tenants)), which can only overstate it (but for rounding,
         which a margin covers) — removals only take work away — so a tenant that makes its deadline against
-        it does; only the others are checked exactly, against a snapshot taken again after 1, 2, 4, ...
-        removals first. O(tenants x log tenants + tenants x (removed + near misses)): a request's removal costs
-        O(tenants), as its predicted wait did when it arrived."""
+        it does; only the others are checked exactly, against a snapshot taken again first after 1, 2, 4,
+        ... removals or :data:`RESNAP_CHECKS` exact checks. O(tenants x log tenants + tenants x (removed +
+        near misses)): a request's removal costs O(tenants), as its predicted wait did when it arrived."""
         rate = self.drain_rate()
         if rate is None:
             return []
         bound = _Snapshot(self)
-        removed = [0, 0, 0]  # since the snapshot was taken, and before; exact checks since
 
-        def clears(t: _Tier, tenant: str, tail: Entry) -> bool:
+        def makes_it(t: _Tier, tenant: str, tail: Entry, cut: _CutFn | None = None) -> bool:
+            wait = self._wait(t, tenant, 0.0, rate, cut, tail.allowed, now - tail.arrived)
+            if cut is None:
+                return now + wait <= tail.deadline
             # (rounding in the snapshot's sums: within a microsecond of its deadline, checked exactly)
-            wait = self._wait(t, tenant, 0.0, rate, bound, tail.allowed, now - tail.arrived)
             return now + wait * (1 + 1e-9) + 1e-6 <= tail.deadline
 
+        removed = before = checks = 0  # removals since the snapshot was taken, and before; exact checks since
         out = []
         for t in self._order:
             if not t.live:
@@ -450,24 +452,23 @@ class FairQueue:
                 q = t.queues[tenant]
                 while t.n.get(tenant):
                     tail = _tail(q)
-                    if clears(t, tenant, tail):
+                    if makes_it(t, tenant, tail, bound):
                         break
-                    if removed[0] and (removed[0] >= removed[1] or removed[2] >= RESNAP_CHECKS):
+                    if removed and (removed >= before or checks >= RESNAP_CHECKS):
                         # removals since the snapshot may be what it overstates: taken again after 1, 2, 4,
                         # ... removals (O(log removed) snapshots a pass) or RESNAP_CHECKS exact checks since
                         # (never, near misses after a few removals were all checked exactly — attack57 N3;
                         # only by the doubling, a large third removal left 1,003 exact checks — review58)
                         bound.retake()
-                        removed[1] += removed[0]
-                        removed[0] = removed[2] = 0
-                        if clears(t, tenant, tail):
+                        before += removed
+                        removed = checks = 0
+                        if makes_it(t, tenant, tail, bound):
                             break
-                    removed[2] += 1
-                    if now + self._wait(t, tenant, 0.0, rate, allowed=tail.allowed, waited=now - tail.arrived) \
-                            <= tail.deadline:
+                    checks += 1
+                    if makes_it(t, tenant, tail):
                         break
                     self.remove(tail, now)
-                    removed[0] += 1
+                    removed += 1
                     out.append(tail)
         return out
 
