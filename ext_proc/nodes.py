@@ -41,7 +41,11 @@ class Fleet(Picker):
             # rises by the whole prompt), its prefill only what is not cached
             self.dispatched(c.node.address, ticket, tokens, prompt_tokens - c.hit, now, priority, c.ttft, adapter)
             if urgent and target is not None and c.ttft is not None:
-                c.node.top_due.append((now + c.ttft, now + target))
+                if c.ttft > target:
+                    # late anyway, it waits on no target: it only makes those waiting there later by its share
+                    self._packed_beside(c.node, prompt_tokens - c.hit, now)
+                else:
+                    c.node.top_due.append((now + c.ttft, now + target))
             elif urgent is False and c.node.top_due:
                 self._packed_beside(c.node, prompt_tokens - c.hit, now)
             if prefix and self.cfg.prefix.enabled:

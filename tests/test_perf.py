@@ -1169,8 +1169,10 @@ def test_a_top_tier_request_already_predicted_past_its_target_does_not_keep_a_sh
     top = b.send(100, 16, urgent=True, target=0.005, limit=1.0)  # a new arrival sent past its target
     assert top is not None and top.node == 0
     n0 = b.fleet.nodes[b.address(0)]
-    (p, d), = n0.top_due
-    assert p > d  # predicted past its target already
+    # predicted past its target already: not booked as waiting on one (``Fleet.place``), and one that a
+    # prompt booked beside it pushed past its target is passed over by ``_late_beside`` itself
+    assert not n0.top_due
+    n0.top_due.append((b.now + 0.02, b.now + 0.01))
     c = b.fleet.choose(32, b.now, prompt_tokens=16, target=1.0, limit=5.0, urgent=False)
     assert c.node is n0
 
@@ -1311,6 +1313,46 @@ def test_a_prompt_with_no_other_ready_node_goes_beside_a_waiting_top_tier_reques
     assert b.fleet.predict(n1, 1000, 0, b.now) + b.fleet.predict(n1, 0, 0, b.now) <= 1.0  # with the margin
     c = b.fleet.choose(1016, b.now, prompt_tokens=1000, target=1.0, limit=5.0, urgent=False)
     assert c.node is n0
+
+
+def test_a_top_tier_prompt_late_anyway_goes_where_it_makes_no_waiting_top_tier_request_late() -> None:
+    """A top-tier prompt whose own prefill alone is longer than its target misses it wherever it goes;
+    sent to the soonest node it was packed into the step of the top-tier request waiting there and made
+    it miss its target too (bursty-mmpp seed 3: three 300-token chat prompts at 0.71 s, predicted 0.15 s).
+    It goes to the soonest node where it makes none late, within its limit — checked against the
+    simulator: beside it the short request misses its target, elsewhere it does not. A short top-tier
+    prompt still goes to the soonest; with no other node within its limit the long one goes to the
+    soonest, and the request waiting there is booked later by its share of the step."""
+
+    def run(tight: bool) -> tuple[Sent, Sent, float, list[tuple[float, float]]]:
+        b = decoding(2)
+        b.send(1000, 16, node=1)  # node 1 a little later than node 0
+        n0, n1 = (b.fleet.nodes[b.address(i)] for i in range(2))
+        target = b.fleet.predict(n0, 100, 0, b.now) + 0.010
+        top = b.send(100, 16, urgent=True, target=target, limit=1.0)
+        assert top is not None and top.node == 0
+        assert b.fleet._own(n0, 12000) > 0.2  # its own prefill alone is past the top tier's target
+        assert b.fleet._late_beside(n0, 12000, b.now)  # and it would make the waiting request late
+        short = b.fleet.choose(116, b.now, prompt_tokens=100, target=0.2, limit=1.0, urgent=True)
+        assert short.node is n0  # (a short one is not late anyway: the soonest)
+        t0, t1 = b.fleet.predict(n0, 12000, 0, b.now), b.fleet.predict(n1, 12000, 0, b.now)
+        assert t0 < t1 <= 1.0
+        due = list(n0.top_due)
+        long = b.send(12000, 16, urgent=True, target=0.2, limit=(t0 + t1) / 2 if tight else 1.0)
+        assert long is not None
+        shifted = list(n0.top_due)
+        b.advance(b.now + 2.0)
+        assert due and len(shifted) == len(due)
+        return top, long, target, [(p1 - p0, d1 - d0) for (p0, d0), (p1, d1) in zip(due, shifted, strict=True)]
+
+    top, long, target, moved = run(tight=False)
+    assert long.node == 1
+    assert top.realised is not None and top.realised <= target
+    assert moved == [(0.0, 0.0)]
+    top, long, target, moved = run(tight=True)  # node 1 past its limit: the soonest, beside it
+    assert long.node == 0
+    assert top.realised is not None and top.realised > target  # (what the detour spares it)
+    assert moved[0][0] > 0.0 and moved[0][1] == 0.0  # its predicted first token later, its deadline as it was
 
 
 def test_another_replicas_booking_after_a_reading_does_not_shift_which_of_its_own_requests_are_waiting() -> None:
