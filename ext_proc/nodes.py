@@ -42,7 +42,9 @@ class Fleet(Picker):
             self.dispatched(c.node.address, ticket, tokens, prompt_tokens - c.hit, now, priority, c.ttft, adapter)
             if urgent and target is not None and c.ttft is not None:
                 if c.ttft > target:
-                    # late anyway, it waits on no target: it only makes those waiting there later by its share
+                    # predicted past its target (a prompt too long for it: ``Picker._late_anyway``; or the work
+                    # ahead), it waits on no target there: it only makes those waiting later by its share. (An
+                    # on-time one shares their step too, and is not counted: left as it was measured)
                     self._packed_beside(c.node, prompt_tokens - c.hit, now)
                 else:
                     c.node.top_due.append((now + c.ttft, now + target))

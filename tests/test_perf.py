@@ -1159,7 +1159,10 @@ def test_a_top_tier_request_already_predicted_past_its_target_does_not_keep_a_sh
     target. One already predicted past it (a new arrival goes if it can make its max wait) misses it
     whatever is booked beside it — with ``p + extra > d`` it kept every less urgent prompt off the node,
     however small (``extra`` near 0), until its predicted first token: here the only ready node, so a
-    16-token standard prompt was held in the gateway queue (with the rule then holding)."""
+    16-token standard prompt was held in the gateway queue (with the rule then holding). A top-tier request
+    sent past its target is now not booked as waiting on one at all (``Fleet.place``); what is left to pass
+    over is an entry that prompts booked beside it pushed past its target (``_packed_beside``), planted
+    here."""
     from ext_proc.nodes import Level
 
     b = Bench("8b-h100", nodes=2)
@@ -1169,10 +1172,8 @@ def test_a_top_tier_request_already_predicted_past_its_target_does_not_keep_a_sh
     top = b.send(100, 16, urgent=True, target=0.005, limit=1.0)  # a new arrival sent past its target
     assert top is not None and top.node == 0
     n0 = b.fleet.nodes[b.address(0)]
-    # predicted past its target already: not booked as waiting on one (``Fleet.place``), and one that a
-    # prompt booked beside it pushed past its target is passed over by ``_late_beside`` itself
-    assert not n0.top_due
-    n0.top_due.append((b.now + 0.02, b.now + 0.01))
+    assert not n0.top_due  # predicted past its target already: not booked as waiting on one
+    n0.top_due.append((b.now + 0.02, b.now + 0.01))  # one pushed past its target by prompts beside it
     c = b.fleet.choose(32, b.now, prompt_tokens=16, target=1.0, limit=5.0, urgent=False)
     assert c.node is n0
 
@@ -1320,9 +1321,12 @@ def test_a_top_tier_prompt_late_anyway_goes_where_it_makes_no_waiting_top_tier_r
     sent to the soonest node it was packed into the step of the top-tier request waiting there and made
     it miss its target too (bursty-mmpp seed 3: three 300-token chat prompts at 0.71 s, predicted 0.15 s).
     It goes to the soonest node where it makes none late, within its limit — checked against the
-    simulator: beside it the short request misses its target, elsewhere it does not. A short top-tier
-    prompt still goes to the soonest; with no other node within its limit the long one goes to the
-    soonest, and the request waiting there is booked later by its share of the step."""
+    simulator: beside it the short request misses its target, elsewhere it does not. A top-tier prompt
+    that can make its own target still goes to the soonest (even where it makes the waiting one late);
+    one held in the gateway queue, whose limit is what is left of its target, is within it by the work
+    ahead of it (as the refusal rule reads a prompt longer than its limit: review61 M1); with no other
+    node within its limit the long one goes to the soonest, and the request waiting there is booked later
+    by its share of the step."""
 
     def run(tight: bool) -> tuple[Sent, Sent, float, list[tuple[float, float]]]:
         b = decoding(2)
@@ -1333,8 +1337,13 @@ def test_a_top_tier_prompt_late_anyway_goes_where_it_makes_no_waiting_top_tier_r
         assert top is not None and top.node == 0
         assert b.fleet._own(n0, 12000) > 0.2  # its own prefill alone is past the top tier's target
         assert b.fleet._late_beside(n0, 12000, b.now)  # and it would make the waiting request late
-        short = b.fleet.choose(116, b.now, prompt_tokens=100, target=0.2, limit=1.0, urgent=True)
-        assert short.node is n0  # (a short one is not late anyway: the soonest)
+        assert b.fleet._own(n0, 2000) < 0.2 and b.fleet._late_beside(n0, 2000, b.now)
+        short = b.fleet.choose(2016, b.now, prompt_tokens=2000, target=0.2, limit=1.0, urgent=True)
+        assert short.node is n0  # (not late anyway, though it makes the waiting one late: the soonest)
+        loose = b.fleet.choose(12016, b.now, prompt_tokens=12000, target=0.5, limit=1.0, urgent=True)
+        assert loose.node is n0  # its own target, looser than the level's, it makes: the soonest (attack61 F1)
+        held = b.fleet.choose(12016, b.now, prompt_tokens=12000, target=0.15, limit=0.15, urgent=True)
+        assert held.node is n1  # held, its limit what is left of its target: within it by the work ahead
         t0, t1 = b.fleet.predict(n0, 12000, 0, b.now), b.fleet.predict(n1, 12000, 0, b.now)
         assert t0 < t1 <= 1.0
         due = list(n0.top_due)

@@ -1424,3 +1424,27 @@ def test_the_waited_for_room_counter_starts_at_zero_for_every_tier_and_pool() ->
     assert series(core) == {(t, p): 0.0 for t in tiers for p in ("x", "y")}
     core.reconfigure(cfg(["x", "z"]))
     assert {(t, "z") for t in tiers} <= set(series(core))
+
+
+def test_a_tenants_own_queue_counts_in_a_predicted_wait_as_at_most_that_many_requests_of_its_size() -> None:
+    """bursty-onoff seed 1: in a standard tenant's burst while the fleet's KV was full, its own queued long
+    prompts read 0.9 s ahead of each of its 300-token requests, and they were refused at once (503
+    queue-deadline) where kv-shed served them in 0.07-0.23 s. A smaller request passes a head no node has
+    room for (``Admission._backfill``): a tenant's own queue counts as at most that many requests of the
+    request's size; a larger request counts it as it is; ``doomed()`` reads a queued request the same way
+    (its own queue then ends with it)."""
+    q = FairQueue([TierSpec("standard", 1, 1)], 1000, 8)
+    drain_for_a_second(q, "api", "standard", 125, 2)  # 1,000 tokens/s
+    rate = q.drain_rate()
+    assert rate is not None
+    for k in range(3):
+        q.push(Entry(f"l{k}", "api", "standard", 4000, 1.0, 2.0), 1.0)
+    assert q.predicted_wait("api", "standard", 300) == pytest.approx(4 * 300 / rate)
+    assert q.predicted_wait("api", "standard", 5000) == pytest.approx((3 * 4000 + 5000) / rate)
+    q.push(Entry("s", "api", "standard", 300, 1.0, 2.5), 1.0)  # 4 x 300 at 1,000/s: 1.2 s, by 2.5
+    assert q.doomed(1.0) == []
+    head = q.peek()
+    assert head is not None and head.key == "l0"
+    q.remove(head, 1.0)  # (one long one gone: four queued with the next)
+    q.push(Entry("s2", "api", "standard", 300, 1.0, 1.5), 1.0)  # 4 x 300: 1.2 s, not by 1.5
+    assert [e.key for e in q.doomed(1.0)] == ["s2"]
