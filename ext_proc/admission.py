@@ -609,6 +609,7 @@ class Admission:
             return Decision(s.name, tier, None, self._queue_rejection(s, "queue-deadline", placed.wait))
         target_ms = self.config.tiers[tier].ttft_target_ms
         allowed = max_wait if target_ms is None else min(max_wait, target_ms / 1000.0)
+        q.backfill = self.pick is not None  # (node choice may come or go with a reload of the core)
         predicted = q.predicted_wait(s.name, tier, cost, allowed)
         if predicted is not None and predicted > max_wait:
             return Decision(s.name, tier, None, self._queue_rejection(s, "queue-deadline", predicted - max_wait))
@@ -676,6 +677,7 @@ class Admission:
             return
         for e in q.expired(now):
             self._drop(e, "queue-timeout", now, out, queue=q)
+        q.backfill = self.pick is not None
         for e in q.doomed(now):
             self._drop(e, "queue-deadline", now, out, queue=q)
         blocked: set[str] = set()

@@ -92,12 +92,12 @@ class Choice:
     """Prompt tokens the chosen node is expected to hold in its prefix cache (``prefix.py``)."""
 
 
-
 def _within(t: float, own: float, lim: float) -> bool:
     """Whether a first token predicted at ``t`` (its own prefill ``own`` of it) is within the limit ``lim``:
     ``t`` itself, or for a prompt whose own prefill alone is longer, the work ahead of it (such a prompt
     is not refused for its own length, only for what waits ahead of it)."""
     return t <= lim or (own > lim and t - own <= lim)
+
 
 class Picker(NodeBook):
     """Filters, predictions and the pick, as methods over the node book it extends: the records are the
@@ -495,15 +495,14 @@ class Picker(NodeBook):
         into each engine step's token budget: a prompt booked beside a top-tier request still waiting for
         its first token makes that step longer by its share (its tokens that fit the budget, at the node's
         per-token cost), and the top-tier request's first token comes at the end of that step. On the
-        mixed-gpus
-        scenario each of the 7 late interactive requests (201-232 ms against 200) had a standard prompt
-        booked onto its node just after it. ``_keep_one_ready`` steers away from such a node, never holds
-        for it: held in the gateway queue, a prompt waited for each new top-tier request in turn (review17
-        F0: every 8,000-token prompt under a stream of 100-token ones refused) or, bounded, was refused
-        later, and the families lost two checks. Every top-tier request waiting there counts, those sent
-        after the prompt arrived too: the node packs whatever waits, whoever came first to the gateway
-        (weighing only those sent before it — a bound from when the rule held — left a prompt held in
-        the gateway queue free to make later ones late)."""
+        mixed-gpus scenario each of the 7 late interactive requests (201-232 ms against 200) had a
+        standard prompt booked onto its node just after it. ``_keep_one_ready`` steers away from such a
+        node, never holds for it: held in the gateway queue, a prompt waited for each new top-tier request
+        in turn (review17 F0: every 8,000-token prompt under a stream of 100-token ones refused) or,
+        bounded, was refused later, and the families lost two checks. Every top-tier request waiting there
+        counts, those sent after the prompt arrived too: the node packs whatever waits, whoever came first
+        to the gateway (weighing only those sent before it — a bound from when the rule held — left a
+        prompt held in the gateway queue free to make later ones late)."""
         due = n.top_due
         while due and due[0][0] <= now:
             due.popleft()
@@ -521,11 +520,11 @@ class Picker(NodeBook):
         return n.model.b * min(prompt_tokens, n.model.chunk(decode)) * n.speed.factor
 
     def _packed_beside(self, n: Node, prompt_tokens: int, now: float) -> None:
-        """A less urgent prompt (or a top-tier one predicted past its target) was booked on ``n``: the top-tier
-        requests there still waiting for their
-        first token share its step, so each comes later by its share — the next prompt is weighed against
-        what is left of their targets, not against the whole (review17: two prompts that each fit it made
-        one late together). The same shift for all keeps them in order."""
+        """A less urgent prompt (or a top-tier one predicted past its target) was booked on ``n``: the
+        top-tier requests there still waiting for their first token share its step, so each comes later by
+        its share — the next prompt is weighed against what is left of their targets, not against the
+        whole (review17: two prompts that each fit it made one late together). The same shift for all
+        keeps them in order."""
         extra = self._extra(n, prompt_tokens)
         if extra > 0.0:
             shifted = [(p + extra, d) if p > now else (p, d) for p, d in n.top_due]

@@ -137,6 +137,10 @@ class FairQueue:
         self.max_size = max_size
         self.starvation_guard = starvation_guard
         self._share_lower = share_lower
+        self.backfill = True
+        """Whether a smaller request passes a head no node has room for (the admission's backfill, where
+        kvgate chooses nodes): a request's predicted wait then counts its own tenant's queue by its size
+        (``_wait``). Without node choice the queue releases in order as slots free: counted whole."""
         self._top = 0
         """The most urgent configured tier's rank: it alone goes in strict priority with ``share_lower``."""
         self._recent: dict[str, tuple[float, float]] = {}
@@ -423,16 +427,17 @@ class FairQueue:
         """Entries that can no longer make their deadline at the current drain rate, removed.
 
         Checks each backlogged tenant's newest entry (the one with the most work ahead of it) and goes
-        on backwards while they are doomed. (With a tenant's own queue counted by the request's size,
-        ``_wait``, an older, longer entry ahead of a newest one that makes it is not checked this pass: the
-        pump's placement refuses it once no node can make its target, or its deadline does.) A predicted
-        wait is O(tenants) (the other tenants' work ahead),
-        so a check of every tenant would be quadratic (a pass took 0.6 s with 1,000 tenants per tier, 1.6 s
-        sharing the lower tiers): each is first checked against a snapshot of the others' work taken at the
-        start of the pass (:class:`_Cut`, O(log tenants)), which can only overstate it (but for rounding,
-        which a margin covers) — removals only take work away — so a tenant that makes its deadline against
-        it does; only the others are checked exactly, against a snapshot taken again first after 1, 2, 4,
-        ... removals or :data:`RESNAP_CHECKS` exact checks. O(tenants x log tenants + tenants x (removed +
+        on backwards while they are doomed. (With :attr:`backfill` a tenant's own queue counts by the
+        request's size, ``_wait``: an older, longer entry ahead of a newest, shorter one that makes it is
+        not checked this pass — it is refused by placement once no node can make its target, or, held for
+        KV room, at its deadline, ``queue-timeout``: a later 503 than the early one it got before.) A
+        predicted wait is O(tenants) (the other tenants' work ahead), so a check of every tenant would be
+        quadratic (a pass took 0.6 s with 1,000 tenants per tier, 1.6 s sharing the lower tiers): each is
+        first checked against a snapshot of the others' work taken at the start of the pass
+        (:class:`_Cut`, O(log tenants)), which can only overstate it (but for rounding, which a margin
+        covers) — removals only take work away — so a tenant that makes its deadline against it does;
+        only the others are checked exactly, against a snapshot taken again first after 1, 2, 4, ...
+        removals or :data:`RESNAP_CHECKS` exact checks. O(tenants x log tenants + tenants x (removed +
         near misses)): a request's removal costs O(tenants), as its predicted wait did when it arrived."""
         rate = self.drain_rate()
         if rate is None:
@@ -512,9 +517,11 @@ class FairQueue:
         other tenants' work is summed (by default from the current state, O(tenants)).
 
         ``size``: the request's own cost (an arrival's ``cost``; a queued request's, checked with ``cost``
-        0). Its tenant's own queue then counts as at most that many requests of its size: a smaller
-        request passes a head no node has room for (``Admission._backfill``), so a short request queued
-        behind its tenant's long prompts waits for its turn, not for their tokens. Counted whole, a burst
+        0). With :attr:`backfill`, its tenant's own queue then counts as no more than that many requests
+        of its size (its tokens, where fewer — more than a sum of each request's tokens capped at its size,
+        which would read a long head as passed whenever a short one is): a smaller request passes a head no
+        node has room for (``Admission._backfill``), so a short request queued behind its tenant's long
+        prompts waits for its turn, not for their tokens. Counted whole, a burst
         of one standard tenant's requests while the fleet's KV was full read 0.9 s ahead of each of its
         300-token requests, and they were refused at once where ``kv-shed`` served them in 0.07-0.23 s
         (bursty-onoff seed 1's worst minute: Jain 0.846 against 0.949). A request larger than those ahead
@@ -522,7 +529,7 @@ class FairQueue:
         if cut is None:
             cut = self._cut
         own = t.tok.get(tenant, 0.0) + cost
-        if size > 0.0:
+        if size > 0.0 and self.backfill:
             own = min(own, (t.n.get(tenant, 0) + (1 if cost else 0)) * size)
         weight = self._weight.get(tenant, 1.0)
         c = self._counter.get(tenant, 0.0)

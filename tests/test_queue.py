@@ -814,7 +814,7 @@ def exact_doomed(q: FairQueue, now: float) -> list[str]:
         for tenant in t.backlogged():
             while t.n.get(tenant):
                 tail = next(e for e in reversed(t.queues[tenant]) if e.live)
-                wait = q._wait(t, tenant, 0.0, rate, allowed=tail.allowed, waited=now - tail.arrived)
+                wait = q._wait(t, tenant, 0.0, rate, allowed=tail.allowed, waited=now - tail.arrived, size=tail.cost)
                 if now + wait <= tail.deadline:
                     break
                 q.remove(tail, now)
@@ -875,8 +875,8 @@ def test_doomeds_snapshot_never_reads_less_work_than_there_is(
         for t in q._order:
             for u in t.backlogged():
                 tail = next(e for e in reversed(t.queues[u]) if e.live)
-                exact = q._wait(t, u, 0.0, rate, allowed=tail.allowed, waited=now - tail.arrived)
-                bound = q._wait(t, u, 0.0, rate, snap, tail.allowed, now - tail.arrived)
+                exact = q._wait(t, u, 0.0, rate, allowed=tail.allowed, waited=now - tail.arrived, size=tail.cost)
+                bound = q._wait(t, u, 0.0, rate, snap, tail.allowed, now - tail.arrived, tail.cost)
                 assert bound * (1 + 1e-9) + 1e-6 >= exact
 
 
@@ -1431,20 +1431,23 @@ def test_a_tenants_own_queue_counts_in_a_predicted_wait_as_at_most_that_many_req
     prompts read 0.9 s ahead of each of its 300-token requests, and they were refused at once (503
     queue-deadline) where kv-shed served them in 0.07-0.23 s. A smaller request passes a head no node has
     room for (``Admission._backfill``): a tenant's own queue counts as at most that many requests of the
-    request's size; a larger request counts it as it is; ``doomed()`` reads a queued request the same way
-    (its own queue then ends with it)."""
+    request's size (an arrival counted with them); a larger request counts it as it is; ``doomed()`` reads
+    a queued request the same way (its own queue then ends with it). Without backfill (Envoy picks the
+    nodes: the queue releases in order) it counts whole."""
     q = FairQueue([TierSpec("standard", 1, 1)], 1000, 8)
     drain_for_a_second(q, "api", "standard", 125, 2)  # 1,000 tokens/s
     rate = q.drain_rate()
     assert rate is not None
-    for k in range(3):
+    for k in range(2):
         q.push(Entry(f"l{k}", "api", "standard", 4000, 1.0, 2.0), 1.0)
-    assert q.predicted_wait("api", "standard", 300) == pytest.approx(4 * 300 / rate)
-    assert q.predicted_wait("api", "standard", 5000) == pytest.approx((3 * 4000 + 5000) / rate)
-    q.push(Entry("s", "api", "standard", 300, 1.0, 2.5), 1.0)  # 4 x 300 at 1,000/s: 1.2 s, by 2.5
+    assert q.predicted_wait("api", "standard", 300) == pytest.approx(3 * 300 / rate)
+    assert q.predicted_wait("api", "standard", 5000) == pytest.approx((2 * 4000 + 5000) / rate)
+    q.backfill = False
+    assert q.predicted_wait("api", "standard", 300) == pytest.approx((2 * 4000 + 300) / rate)
+    q.backfill = True
+    q.push(Entry("s", "api", "standard", 300, 1.0, 1.95), 1.0)  # 3 x 300 at 1,000/s: 0.9 s, by 1.95
     assert q.doomed(1.0) == []
-    head = q.peek()
-    assert head is not None and head.key == "l0"
-    q.remove(head, 1.0)  # (one long one gone: four queued with the next)
-    q.push(Entry("s2", "api", "standard", 300, 1.0, 1.5), 1.0)  # 4 x 300: 1.2 s, not by 1.5
+    q.push(Entry("s2", "api", "standard", 300, 1.0, 2.15), 1.0)  # 4 x 300: 1.2 s, not by 2.15
     assert [e.key for e in q.doomed(1.0)] == ["s2"]
+    q.backfill = False
+    assert [e.key for e in q.doomed(1.0)] == ["s", "l1", "l0"]  # (8,300 tokens ahead of s: 8.3 s)
