@@ -427,10 +427,10 @@ class FairQueue:
         """Entries that can no longer make their deadline at the current drain rate, removed.
 
         Checks each backlogged tenant's newest entry (the one with the most work ahead of it) and goes
-        on backwards while they are doomed. (With :attr:`backfill` a tenant's own queue counts by the
-        request's size, ``_wait``: an older, longer entry ahead of a newest, shorter one that makes it is
-        not checked this pass — it is refused by placement once no node can make its target, or, held for
-        KV room, at its deadline, ``queue-timeout``: a later 503 than the early one it got before.) A
+        on backwards while they are doomed. With :attr:`backfill` a tenant's own queue counts by the
+        request's size (``_wait``), so a newest, short request may make it where a longer one ahead of it
+        does not: then the tenant's largest request is checked too (its whole queue counted), and so on
+        while they are doomed. A
         predicted wait is O(tenants) (the other tenants' work ahead), so a check of every tenant would be
         quadratic (a pass took 0.6 s with 1,000 tenants per tier, 1.6 s sharing the lower tiers): each is
         first checked against a snapshot of the others' work taken at the start of the pass
@@ -444,40 +444,59 @@ class FairQueue:
             return []
         bound = _Snapshot(self)
 
-        def makes_it(t: _Tier, tenant: str, tail: Entry, cut: _CutFn | None = None) -> bool:
-            wait = self._wait(t, tenant, 0.0, rate, cut, tail.allowed, now - tail.arrived, tail.cost)
+        def makes_it(t: _Tier, tenant: str, e: Entry, cut: _CutFn | None = None) -> bool:
+            wait = self._wait(t, tenant, 0.0, rate, cut, e.allowed, now - e.arrived, e.cost)
             if cut is None:
-                return now + wait <= tail.deadline
+                return now + wait <= e.deadline
             # (rounding in the snapshot's sums: within a microsecond of its deadline, checked exactly)
-            return now + wait * (1 + 1e-9) + 1e-6 <= tail.deadline
+            return now + wait * (1 + 1e-9) + 1e-6 <= e.deadline
 
         removed = before = checks = 0  # removals since the snapshot was taken, and before; exact checks since
+
+        def check(t: _Tier, tenant: str, e: Entry) -> bool:
+            nonlocal removed, before, checks
+            if makes_it(t, tenant, e, bound):
+                return True
+            if removed and (removed >= before or checks >= RESNAP_CHECKS):
+                # removals since the snapshot may be what it overstates: taken again after 1, 2, 4, ...
+                # removals (O(log removed) snapshots a pass) or RESNAP_CHECKS exact checks since (never,
+                # near misses after a few removals were all checked exactly — attack57 N3; only by the
+                # doubling, a large third removal left 1,003 exact checks — review58)
+                bound.retake()
+                before += removed
+                removed = checks = 0
+                if makes_it(t, tenant, e, bound):
+                    return True
+            checks += 1
+            return makes_it(t, tenant, e)
+
         out = []
         for t in self._order:
             if not t.live:
                 continue
             for tenant in t.backlogged():
                 q = t.queues[tenant]
-                while t.n.get(tenant):
-                    tail = _tail(q)
-                    if makes_it(t, tenant, tail, bound):
-                        break
-                    if removed and (removed >= before or checks >= RESNAP_CHECKS):
-                        # removals since the snapshot may be what it overstates: taken again after 1, 2, 4,
-                        # ... removals (O(log removed) snapshots a pass) or RESNAP_CHECKS exact checks since
-                        # (never, near misses after a few removals were all checked exactly — attack57 N3;
-                        # only by the doubling, a large third removal left 1,003 exact checks — review58)
-                        bound.retake()
-                        before += removed
-                        removed = checks = 0
-                        if makes_it(t, tenant, tail, bound):
+                largest = False
+                e = _tail(q)
+                while True:
+                    if check(t, tenant, e):
+                        if largest or not self.backfill or t.n.get(tenant, 0) < 2:
                             break
-                    checks += 1
-                    if makes_it(t, tenant, tail):
-                        break
-                    self.remove(tail, now)
+                        # counted by its size (``_wait``) the newest may make it where a larger one ahead
+                        # of it does not: the largest is checked too, until one makes it (without, a tenant
+                        # whose newest request was always tiny kept its long prompts held to their
+                        # deadline, and the tiers above lost what they took: attack62 F1)
+                        big = _largest(q)
+                        if big.cost <= e.cost:
+                            break
+                        e, largest = big, True
+                        continue
+                    self.remove(e, now)
                     removed += 1
-                    out.append(tail)
+                    out.append(e)
+                    if not t.n.get(tenant):
+                        break
+                    e = _largest(q) if largest else _tail(q)
         return out
 
     def victim(self, tier: str) -> Entry | None:
@@ -712,6 +731,11 @@ def _head(q: deque[Entry]) -> Entry | None:
     while q and not q[0].live:
         q.popleft()
     return q[0] if q else None
+
+
+def _largest(q: deque[Entry]) -> Entry:
+    """The largest live entry (the first of equals); O(len(q)), lazily deleted entries included."""
+    return max((e for e in q if e.live), key=lambda e: e.cost)
 
 
 def _tail(q: deque[Entry]) -> Entry:

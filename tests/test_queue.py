@@ -805,20 +805,26 @@ def test_the_prefix_sum_cut_is_the_sum_of_each_tenants_share(tenants: list[tuple
 
 
 def exact_doomed(q: FairQueue, now: float) -> list[str]:
-    """``doomed`` as it was before its snapshot: every backlogged tenant's tail checked exactly."""
+    """``doomed`` as it was before its snapshot: every backlogged tenant's tail checked exactly (and, once
+    one makes it, its largest entry, while they do not)."""
     rate = q.drain_rate()
     if rate is None:
         return []
     out = []
     for t in q._order:
         for tenant in t.backlogged():
+            largest = False
             while t.n.get(tenant):
-                tail = next(e for e in reversed(t.queues[tenant]) if e.live)
-                wait = q._wait(t, tenant, 0.0, rate, allowed=tail.allowed, waited=now - tail.arrived, size=tail.cost)
-                if now + wait <= tail.deadline:
-                    break
-                q.remove(tail, now)
-                out.append(tail.key)
+                live = [e for e in t.queues[tenant] if e.live]
+                e = max(live, key=lambda x: x.cost) if largest else live[-1]
+                wait = q._wait(t, tenant, 0.0, rate, allowed=e.allowed, waited=now - e.arrived, size=e.cost)
+                if now + wait <= e.deadline:
+                    if largest or not q.backfill or max(x.cost for x in live) <= e.cost:
+                        break
+                    largest = True
+                    continue
+                q.remove(e, now)
+                out.append(e.key)
     return out
 
 
@@ -1439,7 +1445,7 @@ def test_a_tenants_own_queue_counts_in_a_predicted_wait_as_at_most_that_many_req
     rate = q.drain_rate()
     assert rate is not None
     for k in range(2):
-        q.push(Entry(f"l{k}", "api", "standard", 4000, 1.0, 2.0), 1.0)
+        q.push(Entry(f"l{k}", "api", "standard", 4000, 1.0, 20.0), 1.0)  # (deadlines they make)
     assert q.predicted_wait("api", "standard", 300) == pytest.approx(3 * 300 / rate)
     assert q.predicted_wait("api", "standard", 5000) == pytest.approx((2 * 4000 + 5000) / rate)
     q.backfill = False
@@ -1450,4 +1456,22 @@ def test_a_tenants_own_queue_counts_in_a_predicted_wait_as_at_most_that_many_req
     q.push(Entry("s2", "api", "standard", 300, 1.0, 2.15), 1.0)  # 4 x 300: 1.2 s, not by 2.15
     assert [e.key for e in q.doomed(1.0)] == ["s2"]
     q.backfill = False
-    assert [e.key for e in q.doomed(1.0)] == ["s", "l1", "l0"]  # (8,300 tokens ahead of s: 8.3 s)
+    assert [e.key for e in q.doomed(1.0)] == ["s"]  # (8,300 tokens ahead of it: 8.3 s)
+
+
+def test_a_tenants_short_newest_request_does_not_keep_its_doomed_long_ones_held() -> None:
+    """attack62 F1: counted by its size, a tenant's newest request makes its deadline where its long ones
+    ahead do not; checking only the newest (and going back only while doomed), a batch tenant that sent a
+    20-token request after each 8,000-token prompt kept its long prompts held to their deadline (98 late
+    timeouts against 14) and filled a bounded queue (the other batch tenants' queue-full 503s 149 -> 223).
+    Once the newest makes it, the tenant's largest is checked too, with its whole queue, and so on while
+    they are doomed."""
+    q = FairQueue([TierSpec("batch", 2, 5)], 1000, 8)
+    drain_for_a_second(q, "api", "batch", 125, 2)  # 1,000 tokens/s
+    for k in range(3):
+        q.push(Entry(f"big{k}", "gamer", "batch", 8000, 1.0, 1.0 + 5 + k), 1.0)
+        q.push(Entry(f"tiny{k}", "gamer", "batch", 20, 1.0, 6.0), 1.0)
+    # counted whole, 24,060 tokens: 24 s; big0 must go by 6, big1 by 7, big2 by 8: all doomed; the tiny
+    # ones (6 x 20 ahead at most) make it
+    assert sorted(e.key for e in q.doomed(1.0)) == ["big0", "big1", "big2"]
+    assert [e.key for e in q.doomed(1.0)] == []
