@@ -429,8 +429,9 @@ class FairQueue:
         Checks each backlogged tenant's newest entry (the one with the most work ahead of it) and goes
         on backwards while they are doomed. With :attr:`backfill` a tenant's own queue counts by the
         request's size (``_wait``), so a newest, short request may make it where a longer one ahead of it
-        does not: then the tenant's largest request is checked too (its whole queue counted), and so on
-        while they are doomed. A
+        does not: then the tenant's largest request (of equals, the first due) is checked too, with its
+        tenant's whole queue (what is smaller passes it while no node has room for it), and so on while
+        they are doomed — an O(its queue) scan per such tenant and pass, and per removal. A
         predicted wait is O(tenants) (the other tenants' work ahead), so a check of every tenant would be
         quadratic (a pass took 0.6 s with 1,000 tenants per tier, 1.6 s sharing the lower tiers): each is
         first checked against a snapshot of the others' work taken at the start of the pass
@@ -438,7 +439,8 @@ class FairQueue:
         covers) — removals only take work away — so a tenant that makes its deadline against it does;
         only the others are checked exactly, against a snapshot taken again first after 1, 2, 4, ...
         removals or :data:`RESNAP_CHECKS` exact checks. O(tenants x log tenants + tenants x (removed +
-        near misses)): a request's removal costs O(tenants), as its predicted wait did when it arrived."""
+        near misses)), plus the scans above (O(queued) a pass): a request's removal costs O(tenants), as its
+        predicted wait did when it arrived."""
         rate = self.drain_rate()
         if rate is None:
             return []
@@ -476,8 +478,7 @@ class FairQueue:
                 continue
             for tenant in t.backlogged():
                 q = t.queues[tenant]
-                largest = False
-                e = _tail(q)
+                e, largest = _tail(q), False
                 while True:
                     if check(t, tenant, e):
                         if largest or not self.backfill or t.n.get(tenant, 0) < 2:
@@ -485,9 +486,11 @@ class FairQueue:
                         # counted by its size (``_wait``) the newest may make it where a larger one ahead
                         # of it does not: the largest is checked too, until one makes it (without, a tenant
                         # whose newest request was always tiny kept its long prompts held to their
-                        # deadline, and the tiers above lost what they took: attack62 F1)
+                        # deadline, and the tiers above lost what they took: attack62 F1). It is counted
+                        # with its tenant's whole queue: the smaller requests behind it pass it while no
+                        # node has room for it (backfill, the same passing the newest is counted by)
                         big = _largest(q)
-                        if big.cost <= e.cost:
+                        if big is e:
                             break
                         e, largest = big, True
                         continue
@@ -734,8 +737,8 @@ def _head(q: deque[Entry]) -> Entry | None:
 
 
 def _largest(q: deque[Entry]) -> Entry:
-    """The largest live entry (the first of equals); O(len(q)), lazily deleted entries included."""
-    return max((e for e in q if e.live), key=lambda e: e.cost)
+    """The largest live entry (of equals, the first due); O(len(q)), lazily deleted entries included."""
+    return max((e for e in q if e.live), key=lambda e: (e.cost, -e.deadline))
 
 
 def _tail(q: deque[Entry]) -> Entry:

@@ -805,8 +805,8 @@ def test_the_prefix_sum_cut_is_the_sum_of_each_tenants_share(tenants: list[tuple
 
 
 def exact_doomed(q: FairQueue, now: float) -> list[str]:
-    """``doomed`` as it was before its snapshot: every backlogged tenant's tail checked exactly (and, once
-    one makes it, its largest entry, while they do not)."""
+    """``doomed`` as it was before its snapshot: every backlogged tenant's tail checked exactly (and, with
+    backfill, once one makes it, its largest — of equals the first due — while they do not)."""
     rate = q.drain_rate()
     if rate is None:
         return []
@@ -816,10 +816,12 @@ def exact_doomed(q: FairQueue, now: float) -> list[str]:
             largest = False
             while t.n.get(tenant):
                 live = [e for e in t.queues[tenant] if e.live]
-                e = max(live, key=lambda x: x.cost) if largest else live[-1]
+                e = max(live, key=lambda x: (x.cost, -x.deadline)) if largest else live[-1]
                 wait = q._wait(t, tenant, 0.0, rate, allowed=e.allowed, waited=now - e.arrived, size=e.cost)
                 if now + wait <= e.deadline:
-                    if largest or not q.backfill or max(x.cost for x in live) <= e.cost:
+                    if largest or not q.backfill or len(live) < 2:
+                        break
+                    if max(live, key=lambda x: (x.cost, -x.deadline)) is e:
                         break
                     largest = True
                     continue
@@ -831,19 +833,28 @@ def exact_doomed(q: FairQueue, now: float) -> list[str]:
 @settings(max_examples=150, deadline=None)
 @given(st.lists(st.tuples(st.integers(0, 11), st.integers(0, 2), st.integers(50, 4000), st.floats(0.2, 8)),
                 min_size=1, max_size=60),
-       st.lists(st.floats(0, 20_000), min_size=12, max_size=12), st.booleans(), st.floats(0.5, 6))
+       st.lists(st.floats(0, 20_000), min_size=12, max_size=12), st.booleans(), st.floats(0.5, 6),
+       st.booleans(), st.lists(st.integers(0, 59), max_size=6))
 def test_doomed_removes_exactly_what_checking_every_tenant_exactly_removes(
-        pushes: list[tuple[int, int, int, float]], charges: list[float], share: bool, at: float) -> None:
+        pushes: list[tuple[int, int, int, float]], charges: list[float], share: bool, at: float,
+        backfill: bool, gone: list[int]) -> None:
     """The snapshot only skips tenants that make their deadline: the same entries are removed, in the
-    same order, as when every tenant's newest request is checked exactly."""
+    same order, as when every tenant's newest request is checked exactly (with or without backfill, and
+    with entries already removed: lazily deleted ones in the tenants' queues)."""
     import copy
     tiers = [TierSpec("t0", 0, 1.0), TierSpec("t1", 1, 5.0), TierSpec("t2", 2, 30.0)]
     q = FairQueue(tiers, 1000, 8, share_lower=share)
+    q.backfill = backfill
     drain_for_a_second(q, "warm", "t1", 100, 100)  # a rate to predict from: 800 tokens/s
     for i, c in enumerate(charges):
         q.charge(f"u{i}", c, 1.0)
-    for n, (who, tier, size, wait) in enumerate(pushes):
-        q.push(Entry(f"e{n}", f"u{who}", tiers[tier].name, size, 1.0, 1.0 + wait), 1.0)
+    entries = [Entry(f"e{n}", f"u{who}", tiers[tier].name, size, 1.0, 1.0 + wait)
+               for n, (who, tier, size, wait) in enumerate(pushes)]
+    for e in entries:
+        q.push(e, 1.0)
+    for k in gone:
+        if k < len(entries) and entries[k].live:
+            q.remove(entries[k], 1.0)
     ref = copy.deepcopy(q)
     assert [e.key for e in q.doomed(1.0 + at)] == exact_doomed(ref, 1.0 + at)
     assert len(q) == len(ref)
@@ -1438,8 +1449,9 @@ def test_a_tenants_own_queue_counts_in_a_predicted_wait_as_at_most_that_many_req
     queue-deadline) where kv-shed served them in 0.07-0.23 s. A smaller request passes a head no node has
     room for (``Admission._backfill``): a tenant's own queue counts as at most that many requests of the
     request's size (an arrival counted with them); a larger request counts it as it is; ``doomed()`` reads
-    a queued request the same way (its own queue then ends with it). Without backfill (Envoy picks the
-    nodes: the queue releases in order) it counts whole."""
+    its tenant's newest queued request the same way (its own queue then ends with it). Without backfill
+    (Envoy picks the nodes: the queue releases in order) it counts whole, and ``doomed()`` walks back from
+    the newest while they are doomed."""
     q = FairQueue([TierSpec("standard", 1, 1)], 1000, 8)
     drain_for_a_second(q, "api", "standard", 125, 2)  # 1,000 tokens/s
     rate = q.drain_rate()
@@ -1457,6 +1469,9 @@ def test_a_tenants_own_queue_counts_in_a_predicted_wait_as_at_most_that_many_req
     assert [e.key for e in q.doomed(1.0)] == ["s2"]
     q.backfill = False
     assert [e.key for e in q.doomed(1.0)] == ["s"]  # (8,300 tokens ahead of it: 8.3 s)
+    q.push(Entry("s3", "api", "standard", 300, 1.0, 1.5), 1.0)
+    q.push(Entry("s4", "api", "standard", 300, 1.0, 1.5), 1.0)
+    assert [e.key for e in q.doomed(1.0)] == ["s4", "s3"]  # (walked back from the newest, l1 makes it)
 
 
 def test_a_tenants_short_newest_request_does_not_keep_its_doomed_long_ones_held() -> None:
@@ -1475,3 +1490,22 @@ def test_a_tenants_short_newest_request_does_not_keep_its_doomed_long_ones_held(
     # ones (6 x 20 ahead at most) make it
     assert sorted(e.key for e in q.doomed(1.0)) == ["big0", "big1", "big2"]
     assert [e.key for e in q.doomed(1.0)] == []
+
+
+def test_a_tenants_largest_request_is_checked_with_its_tenants_whole_queue() -> None:
+    """Checked once its tenant's newest makes it, a tenant's largest request is counted with its tenant's
+    whole queue: the smaller requests behind it pass it while no node has room for it (backfill, the same
+    passing the newest is counted by). A 4,000-token prompt due in 5 s with twenty 300-token requests
+    behind it (10 s of work in all) is refused (review63 M1: early, where a node could have taken it
+    before them; measured over the families, counting only the work up to it took issue 30's misses from
+    13 to 19). Of equal largest ones the first due is checked (review63 L1)."""
+    q = FairQueue([TierSpec("batch", 2, 5)], 1000, 8)
+    drain_for_a_second(q, "warm", "batch", 125, 2)  # 1,000 tokens/s
+    q.push(Entry("head", "t", "batch", 4000, 1.0, 6.0), 1.0)
+    for k in range(20):
+        q.push(Entry(f"s{k}", "t", "batch", 300, 1.0, 20.0), 1.0)  # 21 x 300 at most ahead of the newest: 6.3 s
+    assert [e.key for e in q.doomed(1.0)] == ["head"]
+    q.push(Entry("a", "t", "batch", 2000, 1.0, 30.0), 1.0)
+    q.push(Entry("b", "t", "batch", 2000, 1.0, 9.0), 1.0)  # as large as a, due first: 10,000 tokens, not by 9
+    q.push(Entry("s20", "t", "batch", 300, 1.0, 20.0), 1.0)
+    assert [e.key for e in q.doomed(1.0)] == ["b"]
