@@ -806,7 +806,8 @@ def test_the_prefix_sum_cut_is_the_sum_of_each_tenants_share(tenants: list[tuple
 
 def exact_doomed(q: FairQueue, now: float) -> list[str]:
     """``doomed`` as it was before its snapshot: every backlogged tenant's tail checked exactly (and, with
-    backfill, once one makes it, its largest — of equals the first due — while they do not)."""
+    backfill, once one makes it, its largest — of equals the earliest deadline, then the oldest — with its
+    tenant's queue but for what is behind it as large, while they do not)."""
     rate = q.drain_rate()
     if rate is None:
         return []
@@ -816,12 +817,13 @@ def exact_doomed(q: FairQueue, now: float) -> list[str]:
             largest = False
             while t.n.get(tenant):
                 live = [e for e in t.queues[tenant] if e.live]
-                e = max(live, key=lambda x: (x.cost, -x.deadline)) if largest else live[-1]
-                wait = q._wait(t, tenant, 0.0, rate, allowed=e.allowed, waited=now - e.arrived, size=e.cost)
+                k = max(range(len(live)), key=lambda i: (live[i].cost, -live[i].deadline, -i))
+                behind = sum(x.cost for x in live[k + 1:] if x.cost >= live[k].cost)
+                e = live[k] if largest else live[-1]
+                wait = q._wait(t, tenant, 0.0, rate, allowed=e.allowed, waited=now - e.arrived, size=e.cost,
+                               behind=behind if largest else 0.0)
                 if now + wait <= e.deadline:
-                    if largest or not q.backfill or len(live) < 2:
-                        break
-                    if max(live, key=lambda x: (x.cost, -x.deadline)) is e:
+                    if largest or not q.backfill or len(live) < 2 or live[k] is e:
                         break
                     largest = True
                     continue
@@ -1506,6 +1508,19 @@ def test_a_tenants_largest_request_is_checked_with_its_tenants_whole_queue() -> 
         q.push(Entry(f"s{k}", "t", "batch", 300, 1.0, 20.0), 1.0)  # 21 x 300 at most ahead of the newest: 6.3 s
     assert [e.key for e in q.doomed(1.0)] == ["head"]
     q.push(Entry("a", "t", "batch", 2000, 1.0, 30.0), 1.0)
-    q.push(Entry("b", "t", "batch", 2000, 1.0, 9.0), 1.0)  # as large as a, due first: 10,000 tokens, not by 9
+    q.push(Entry("b", "t", "batch", 2000, 1.0, 9.0), 1.0)  # as large as a, due first: 10,300 tokens, not by 9
     q.push(Entry("s20", "t", "batch", 300, 1.0, 20.0), 1.0)
     assert [e.key for e in q.doomed(1.0)] == ["b"]
+
+
+def test_a_tenants_largest_is_not_counted_with_as_large_requests_behind_it() -> None:
+    """review64 M1: only a smaller request passes a head no node has room for, so the requests queued
+    behind a tenant's largest that are as large do not count ahead of it. Six 4,000-token prompts due
+    in 20-25 s at 1,000 tokens/s all make it in queue order; counted with its whole queue (24 s) the
+    oldest was refused early."""
+    q = FairQueue([TierSpec("batch", 2, 30)], 1000, 8)
+    drain_for_a_second(q, "warm", "batch", 125, 2)  # 1,000 tokens/s
+    for k in range(6):
+        q.push(Entry(f"p{k}", "t", "batch", 4000, 1.0, 21.0 + k), 1.0)
+    q.push(Entry("tiny", "t", "batch", 20, 1.0, 30.0), 1.0)  # the newest, counted by its size: 0.14 s
+    assert q.doomed(1.0) == []
