@@ -429,10 +429,9 @@ class FairQueue:
         Checks each backlogged tenant's newest entry (the one with the most work ahead of it) and goes
         on backwards while they are doomed. With :attr:`backfill` a tenant's own queue counts by the
         request's size (``_wait``), so a newest, short request may make it where a longer one ahead of it
-        does not: then the tenant's largest request (of equals, the earliest deadline) is checked too, with
-        its tenant's whole queue but for the requests behind it as large (what is smaller passes it while
-        no node has room for it), and so on while they are doomed — an O(its queue) scan per such tenant
-        and pass, and again per removal. A
+        does not: then the newest of the tenant's largest requests is checked too, with its tenant's whole
+        queue (what is smaller behind it passes it while no node has room for it), and so on backwards
+        while they are doomed — an O(its queue) scan per such tenant and pass, and again per removal. A
         predicted wait is O(tenants) (the other tenants' work ahead), so a check of every tenant would be
         quadratic (a pass took 0.6 s with 1,000 tenants per tier, 1.6 s sharing the lower tiers): each is
         first checked against a snapshot of the others' work taken at the start of the pass
@@ -447,8 +446,8 @@ class FairQueue:
             return []
         bound = _Snapshot(self)
 
-        def makes_it(t: _Tier, tenant: str, e: Entry, cut: _CutFn | None = None, behind: float = 0.0) -> bool:
-            wait = self._wait(t, tenant, 0.0, rate, cut, e.allowed, now - e.arrived, e.cost, behind)
+        def makes_it(t: _Tier, tenant: str, e: Entry, cut: _CutFn | None = None) -> bool:
+            wait = self._wait(t, tenant, 0.0, rate, cut, e.allowed, now - e.arrived, e.cost)
             if cut is None:
                 return now + wait <= e.deadline
             # (rounding in the snapshot's sums: within a microsecond of its deadline, checked exactly)
@@ -456,9 +455,9 @@ class FairQueue:
 
         removed = before = checks = 0  # removals since the snapshot was taken, and before; exact checks since
 
-        def check(t: _Tier, tenant: str, e: Entry, behind: float) -> bool:
+        def check(t: _Tier, tenant: str, e: Entry) -> bool:
             nonlocal removed, before, checks
-            if makes_it(t, tenant, e, bound, behind):
+            if makes_it(t, tenant, e, bound):
                 return True
             if removed and (removed >= before or checks >= RESNAP_CHECKS):
                 # removals since the snapshot may be what it overstates: taken again after 1, 2, 4, ...
@@ -468,10 +467,10 @@ class FairQueue:
                 bound.retake()
                 before += removed
                 removed = checks = 0
-                if makes_it(t, tenant, e, bound, behind):
+                if makes_it(t, tenant, e, bound):
                     return True
             checks += 1
-            return makes_it(t, tenant, e, None, behind)
+            return makes_it(t, tenant, e)
 
         out = []
         for t in self._order:
@@ -479,20 +478,20 @@ class FairQueue:
                 continue
             for tenant in t.backlogged():
                 q = t.queues[tenant]
-                e, largest, behind = _tail(q), False, 0.0
+                e, largest = _tail(q), False
                 while True:
-                    if check(t, tenant, e, behind):
+                    if check(t, tenant, e):
                         if largest or not self.backfill or t.n.get(tenant, 0) < 2:
                             break
                         # counted by its size (``_wait``) the newest may make it where a larger one ahead
                         # of it does not: the largest is checked too, until one makes it (without, a tenant
                         # whose newest request was always tiny kept its long prompts held to their
-                        # deadline, and the tiers above lost what they took: attack62 F1). It is counted
-                        # with its tenant's whole queue but for the requests behind it as large (only a
-                        # smaller request passes a head no node has room for: backfill, the same passing
-                        # the newest is counted by; counting only the work up to it, the families' seeds
-                        # 1-12 read 19 misses of issue 30's checks against 13)
-                        big, behind = _largest(q)
+                        # deadline, and the tiers above lost what they took: attack62 F1). The newest of
+                        # the largest is counted with its tenant's whole queue: what is ahead of it, and
+                        # what is smaller behind it passes it while no node has room for it (backfill, the
+                        # same passing the newest is counted by); counting only the work up to it, the
+                        # families' seeds 1-12 read 19 misses of issue 30's checks against 14
+                        big = _largest(q)
                         if big is e:
                             break
                         e, largest = big, True
@@ -502,7 +501,7 @@ class FairQueue:
                     out.append(e)
                     if not t.n.get(tenant):
                         break
-                    e, behind = _largest(q) if largest else (_tail(q), 0.0)
+                    e = _largest(q) if largest else _tail(q)
         return out
 
     def victim(self, tier: str) -> Entry | None:
@@ -533,8 +532,7 @@ class FairQueue:
                    start)
 
     def _wait(self, t: _Tier, tenant: str, cost: float, rate: float, cut: _CutFn | None = None,
-              allowed: float | None = None, waited: float = 0.0, size: float = 0.0,
-              behind: float = 0.0) -> float:
+              allowed: float | None = None, waited: float = 0.0, size: float = 0.0) -> float:
         """Work served before the request, over the drain rate.
 
         Within the tier, VTC serves another tenant ``u`` before it until ``u``'s counter passes what
@@ -551,11 +549,10 @@ class FairQueue:
         of one standard tenant's requests while the fleet's KV was full read 0.9 s ahead of each of its
         300-token requests, and they were refused at once where ``kv-shed`` served them in 0.07-0.23 s
         (bursty-onoff seed 1's worst minute: Jain 0.846 against 0.949). A request larger than those ahead
-        of it counts them as they are. ``behind``: work of its tenant's requests queued behind it that do
-        not pass it (as large as it or larger), left out (``doomed()``'s check of a tenant's largest)."""
+        of it counts them as they are."""
         if cut is None:
             cut = self._cut
-        own = t.tok.get(tenant, 0.0) + cost - behind
+        own = t.tok.get(tenant, 0.0) + cost
         if size > 0.0 and self.backfill:
             own = min(own, (t.n.get(tenant, 0) + (1 if cost else 0)) * size)
         weight = self._weight.get(tenant, 1.0)
@@ -741,13 +738,15 @@ def _head(q: deque[Entry]) -> Entry | None:
     return q[0] if q else None
 
 
-def _largest(q: deque[Entry]) -> tuple[Entry, float]:
-    """The largest live entry (of equals, the earliest deadline) and the work of the live entries queued
-    behind it as large or larger (they do not pass it); O(len(q)), lazily deleted entries included."""
-    live = [e for e in q if e.live]
-    k = max(range(len(live)), key=lambda i: (live[i].cost, -live[i].deadline, -i))
-    big = live[k]
-    return big, sum(e.cost for e in live[k + 1:] if e.cost >= big.cost)
+def _largest(q: deque[Entry]) -> Entry:
+    """The newest of the largest live entries (none as large is behind it); O(len(q)), lazily deleted
+    entries included."""
+    best: Entry | None = None
+    for e in q:
+        if e.live and (best is None or e.cost >= best.cost):
+            best = e
+    assert best is not None
+    return best
 
 
 def _tail(q: deque[Entry]) -> Entry:

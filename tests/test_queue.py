@@ -806,8 +806,7 @@ def test_the_prefix_sum_cut_is_the_sum_of_each_tenants_share(tenants: list[tuple
 
 def exact_doomed(q: FairQueue, now: float) -> list[str]:
     """``doomed`` as it was before its snapshot: every backlogged tenant's tail checked exactly (and, with
-    backfill, once one makes it, its largest — of equals the earliest deadline, then the oldest — with its
-    tenant's queue but for what is behind it as large, while they do not)."""
+    backfill, once one makes it, the newest of its largest, with its whole queue, while they do not)."""
     rate = q.drain_rate()
     if rate is None:
         return []
@@ -817,13 +816,11 @@ def exact_doomed(q: FairQueue, now: float) -> list[str]:
             largest = False
             while t.n.get(tenant):
                 live = [e for e in t.queues[tenant] if e.live]
-                k = max(range(len(live)), key=lambda i: (live[i].cost, -live[i].deadline, -i))
-                behind = sum(x.cost for x in live[k + 1:] if x.cost >= live[k].cost)
-                e = live[k] if largest else live[-1]
-                wait = q._wait(t, tenant, 0.0, rate, allowed=e.allowed, waited=now - e.arrived, size=e.cost,
-                               behind=behind if largest else 0.0)
+                big = max(reversed(live), key=lambda x: x.cost)  # (the newest of equals)
+                e = big if largest else live[-1]
+                wait = q._wait(t, tenant, 0.0, rate, allowed=e.allowed, waited=now - e.arrived, size=e.cost)
                 if now + wait <= e.deadline:
-                    if largest or not q.backfill or len(live) < 2 or live[k] is e:
+                    if largest or not q.backfill or len(live) < 2 or big is e:
                         break
                     largest = True
                     continue
@@ -1495,32 +1492,35 @@ def test_a_tenants_short_newest_request_does_not_keep_its_doomed_long_ones_held(
 
 
 def test_a_tenants_largest_request_is_checked_with_its_tenants_whole_queue() -> None:
-    """Checked once its tenant's newest makes it, a tenant's largest request is counted with its tenant's
-    whole queue: the smaller requests behind it pass it while no node has room for it (backfill, the same
-    passing the newest is counted by). A 4,000-token prompt due in 5 s with twenty 300-token requests
-    behind it (10 s of work in all) is refused (review63 M1: early, where a node could have taken it
-    before them; measured over the families, counting only the work up to it took issue 30's misses from
-    13 to 19). Of equal largest ones the first due is checked (review63 L1)."""
+    """Checked once its tenant's newest makes it, the newest of a tenant's largest requests is counted with
+    its tenant's whole queue: what is ahead of it, and the smaller requests behind it, which pass it while
+    no node has room for it (backfill, the same passing the newest is counted by). A 4,000-token prompt
+    due in 5 s with twenty 300-token requests behind it (10 s of work in all) is refused (review63 M1:
+    early, where a node could have taken it before them; measured over the families, counting only the
+    work up to it took issue 30's misses from 13 to 19). Of equal largest ones the newest is checked
+    (none as large is behind it), and so on backwards (review64 M1, review65 M1)."""
     q = FairQueue([TierSpec("batch", 2, 5)], 1000, 8)
     drain_for_a_second(q, "warm", "batch", 125, 2)  # 1,000 tokens/s
     q.push(Entry("head", "t", "batch", 4000, 1.0, 6.0), 1.0)
     for k in range(20):
         q.push(Entry(f"s{k}", "t", "batch", 300, 1.0, 20.0), 1.0)  # 21 x 300 at most ahead of the newest: 6.3 s
     assert [e.key for e in q.doomed(1.0)] == ["head"]
-    q.push(Entry("a", "t", "batch", 2000, 1.0, 30.0), 1.0)
-    q.push(Entry("b", "t", "batch", 2000, 1.0, 9.0), 1.0)  # as large as a, due first: 10,300 tokens, not by 9
+    q.push(Entry("a", "t", "batch", 2000, 1.0, 9.0), 1.0)
+    q.push(Entry("b", "t", "batch", 2000, 1.0, 30.0), 1.0)  # the newest of the largest: 10,300 tokens by 30
     q.push(Entry("s20", "t", "batch", 300, 1.0, 20.0), 1.0)
-    assert [e.key for e in q.doomed(1.0)] == ["b"]
+    assert q.doomed(1.0) == []  # (a, due first, is left: its tenant's newest of the largest makes it)
 
 
-def test_a_tenants_largest_is_not_counted_with_as_large_requests_behind_it() -> None:
-    """review64 M1: only a smaller request passes a head no node has room for, so the requests queued
-    behind a tenant's largest that are as large do not count ahead of it. Six 4,000-token prompts due
-    in 20-25 s at 1,000 tokens/s all make it in queue order; counted with its whole queue (24 s) the
-    oldest was refused early."""
-    q = FairQueue([TierSpec("batch", 2, 30)], 1000, 8)
-    drain_for_a_second(q, "warm", "batch", 125, 2)  # 1,000 tokens/s
-    for k in range(6):
-        q.push(Entry(f"p{k}", "t", "batch", 4000, 1.0, 21.0 + k), 1.0)
-    q.push(Entry("tiny", "t", "batch", 20, 1.0, 30.0), 1.0)  # the newest, counted by its size: 0.14 s
-    assert q.doomed(1.0) == []
+def test_a_tenants_equal_largest_requests_are_checked_from_the_newest_back() -> None:
+    """review64 M1: only a smaller request passes a head, so as-large requests behind a tenant's largest do
+    not count ahead of it: six 4,000-token prompts due in 20-25 s at 1,000 tokens/s all make it in queue
+    order (counted with its whole queue, the oldest was refused early). review65 M1: due in 14-19 s, the
+    newest ones do not (p5 24 s, p4 20 s of work): they are refused, from the newest back, and the
+    oldest kept."""
+    for first, doomed in ((21.0, []), (15.0, ["p5", "p4"])):
+        q = FairQueue([TierSpec("batch", 2, 30)], 1000, 8)
+        drain_for_a_second(q, "warm", "batch", 125, 2)  # 1,000 tokens/s
+        for k in range(6):
+            q.push(Entry(f"p{k}", "t", "batch", 4000, 1.0, first + k), 1.0)
+        q.push(Entry("tiny", "t", "batch", 20, 1.0, 30.0), 1.0)  # the newest, counted by its size: 0.14 s
+        assert [e.key for e in q.doomed(1.0)] == doomed
