@@ -331,11 +331,12 @@ class Picker(NodeBook):
                     # holding it would only move the top tier's loss onto the tiers below
                     kept = scored, soonest, first
                 if kept is None:
-                    own = self._own(first, prompt_tokens - hits.get(first.address, 0))
-                    if target is not None and lim is not None and not _within(soonest, own, lim):
-                        # no node at all can make its limit: refused at once, as below (waiting for a
-                        # ready node would not help: review11)
-                        return Choice(None, "fleet-queue", max(0.0, soonest - target), soonest)
+                    if target is not None and lim is not None and soonest > lim:
+                        own = self._own(first, prompt_tokens - hits.get(first.address, 0))
+                        if not _within(soonest, own, lim):
+                            # no node at all can make its limit: refused at once, as below (waiting for a
+                            # ready node would not help: review11)
+                            return Choice(None, "fleet-queue", max(0.0, soonest - target), soonest)
                     return Choice(None, "fleet-queue", self._retry_after(tokens, now) if retry else None)
                 scored, soonest, first = kept
         elif (top.target is not None and now - self._top_seen < TOP_RECENT_S and len(scored) > 1
