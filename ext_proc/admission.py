@@ -777,7 +777,13 @@ class Admission:
         h = self._held.pop(e.key)
         s = h.lease.tenant
         self._refund(h.lease, now)
-        if excess is None and reason != "queue-timeout":
+        if reason == "queue-timeout":
+            # it waited its whole hold and was not served: by another hold the queue ahead of it has turned
+            # over (the prediction already proved too hopeful for it). The hold, not the tier's max wait:
+            # with node choice a batch request is held to about its 5 s target, and a Retry-After of the
+            # 30 s max wait told its client to stay away six times as long as it waited (attack62 F3)
+            excess = e.deadline - e.arrived
+        elif excess is None:
             p = queue.predicted_wait(s.name, e.tier, e.cost, e.allowed)
             excess = None if p is None else p - (e.deadline - e.arrived)
         d = Decision(s.name, e.tier, None, self._queue_rejection(s, reason, excess))

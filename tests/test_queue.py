@@ -549,6 +549,39 @@ def test_a_request_of_a_tier_above_sent_straight_to_a_node_counts_for_the_starva
     q.passed("gone", 100)  # (a tier removed by a reload: ignored)
 
 
+def test_below_the_second_tier_a_short_release_pays_only_its_fraction_of_the_guards_debt() -> None:
+    """bursty-onoff seed 5: short batch requests passing a long head no node had room for (backfill)
+    cleared batch's debt, so its long prompts were never owed a release and were held to their deadline.
+    Below the second configured tier a release smaller than the tier's mean queued request pays its
+    fraction of a whole one (guard x fraction of the count); a full-size release pays it all. The tier
+    just below the top pays a whole release with any one (its debt is the top tier's)."""
+    q = FairQueue([TierSpec("interactive", 0, 60), TierSpec("standard", 1, 60), TierSpec("batch", 2, 60)], 1000, 4)
+    batch, standard = q._tiers["batch"], q._tiers["standard"]
+    q.push(Entry("long", "bt", "batch", 3000, 0, 60), 0)
+    q.push(Entry("short", "bt", "batch", 200, 0, 60), 0)  # mean queued: 1,600 tokens
+    q.push(Entry("s-long", "api", "standard", 3000, 0, 60), 0)
+    q.push(Entry("s-short", "api", "standard", 200, 0, 60), 0)
+    for _ in range(5):
+        q.passed("interactive", 1600)  # each a whole release of batch's and of standard's mean
+    assert batch.skipped == standard.skipped == 5 and q.guarded("batch") and q.guarded("standard")
+    short = batch.queues["bt"][1]
+    q.take(short, 1)  # backfilled past the long head: an eighth of the mean, 0.5 of the 4 counted
+    assert batch.skipped == pytest.approx(4.5)
+    assert q.guarded("batch")  # the long head is still owed its release
+    q.take(standard.queues["api"][1], 1)  # the standard tier's short release clears its debt whole
+    assert standard.skipped == 0 and not q.guarded("standard")
+    q.take(batch.queues["bt"][0], 1)  # the head itself: all of it
+    assert batch.skipped == 0
+    # with two tiers the lower one is the second: any release pays all, as before
+    q2 = FairQueue([TierSpec("interactive", 0, 60), TierSpec("batch", 2, 60)], 1000, 4)
+    q2.push(Entry("long", "bt", "batch", 3000, 0, 60), 0)
+    q2.push(Entry("short", "bt", "batch", 200, 0, 60), 0)
+    for _ in range(5):
+        q2.passed("interactive", 1600)
+    q2.take(q2._tiers["batch"].queues["bt"][1], 1)
+    assert q2._tiers["batch"].skipped == 0
+
+
 def test_interactive_requests_overtake_queued_batch_ones() -> None:
     r = run({"tenants": [{"name": "bulk", "tier": "batch"}, {"name": "chat", "tier": "interactive"}]}, slots=1)
     for i in range(5):
@@ -610,6 +643,41 @@ def test_a_request_that_times_out_gets_503_and_its_quota_back() -> None:
     assert (out[0].decision.rejection.status, out[0].decision.rejection.reason) == (503, "queue-timeout")
     assert abs(out[0].waited - 0.6) < 1e-6
     assert state.inflight == 1 and state.tokens.available(r.clock()) >= before + 150 - 1e-6
+
+
+def test_a_queue_timeouts_retry_after_is_the_hold_it_waited_not_the_tiers_max_wait() -> None:
+    """attack62 F3: with node choice a batch request is held to about its 5 s TTFT target, not its 30 s
+    max wait; timed out, it was told to come back after the max wait (30 s and more), six times as long
+    as it had waited. Its Retry-After is now the hold it waited: by then the queue ahead has turned over."""
+    from ext_proc.core import Core, Held, Request, null_logger
+    from gpu_probe.snapshot import Snapshot
+
+    clock = FakeClock()
+    core = Core(parse_config({
+        "retry": {"jitter": 0.0},
+        "nodes": {"static": [{"address": "10.0.0.1:8000", "probe": "http://p"}]},
+        "tenants": [{"name": "bulk", "tier": "batch", "api_key_sha256": [hash_key("bulk")]}]}),
+        clock, random.Random(1), log=null_logger())
+
+    def full() -> None:  # no room for anything: the node's KV is past its threshold
+        core.snapshot("10.0.0.1:8000", Snapshot(node="n", at=clock(), ok=True, kv_usage=0.99, blocks_total=10_000,
+                                                block_size=16, running=8, waiting=0))
+
+    full()
+    held = core.decide(Request("/v1/chat/completions", "b", "Bearer bulk", estimate=E(), body_bytes=10))
+    assert isinstance(held, Held)
+    entry = core.admission._held[held.ticket].entry
+    hold = entry.deadline - entry.arrived
+    assert 1.0 < hold <= 5.0  # held to its target, not to its 30 s max wait
+    answers = []
+    for _ in range(70):
+        clock.advance(0.1)
+        full()
+        answers += core.answers()
+    [x] = answers
+    r = x.decision.rejection
+    assert r is not None and (r.status, r.reason) == (503, "queue-timeout")
+    assert r.retry_after == pytest.approx(hold)
 
 
 def test_a_full_queue_evicts_the_lowest_tier_for_a_higher_one_and_rejects_its_own_tier() -> None:
