@@ -553,24 +553,27 @@ def test_below_the_second_tier_a_short_release_pays_only_its_fraction_of_the_gua
     """bursty-onoff seed 5: short batch requests passing a long head no node had room for (backfill)
     cleared batch's debt, so its long prompts were never owed a release and were held to their deadline.
     Below the second configured tier a release smaller than the tier's mean queued request pays its
-    fraction of a whole one (guard x fraction of the count); a full-size release pays it all. The tier
-    just below the top pays a whole release with any one (its debt is the top tier's)."""
-    q = FairQueue([TierSpec("interactive", 0, 60), TierSpec("standard", 1, 60), TierSpec("batch", 2, 60)], 1000, 4)
+    fraction of a whole one (that fraction of the guard's count), and at least one count — so no more
+    than ``starvation_guard`` releases go as owed in a row; a full-size release pays it all. The tier just
+    below the top pays a whole release with any one (its debt is the top tier's)."""
+    q = FairQueue([TierSpec("interactive", 0, 60), TierSpec("standard", 1, 60), TierSpec("batch", 2, 60)], 1000, 8)
     batch, standard = q._tiers["batch"], q._tiers["standard"]
-    q.push(Entry("long", "bt", "batch", 3000, 0, 60), 0)
-    q.push(Entry("short", "bt", "batch", 200, 0, 60), 0)  # mean queued: 1,600 tokens
+    for key, cost in (("long", 3000), ("mid", 400), ("tiny", 100)):  # mean queued: 1,166.7 tokens
+        q.push(Entry(key, "bt", "batch", cost, 0, 60), 0)
     q.push(Entry("s-long", "api", "standard", 3000, 0, 60), 0)
     q.push(Entry("s-short", "api", "standard", 200, 0, 60), 0)
-    for _ in range(5):
-        q.passed("interactive", 1600)  # each a whole release of batch's and of standard's mean
-    assert batch.skipped == standard.skipped == 5 and q.guarded("batch") and q.guarded("standard")
-    short = batch.queues["bt"][1]
-    q.take(short, 1)  # backfilled past the long head: an eighth of the mean, 0.5 of the 4 counted
-    assert batch.skipped == pytest.approx(4.5)
+    for _ in range(12):
+        q.passed("interactive", 3000)  # each a whole release of batch's and of standard's mean
+    assert batch.skipped == standard.skipped == 12 and q.guarded("batch") and q.guarded("standard")
+    bt = batch.queues["bt"]
+    q.take(bt[1], 1)  # backfilled past the long head: 400 / 1,166.7 of a release, 2.74 of the 8 counted
+    assert batch.skipped == pytest.approx(12 - 8 * 400 / (3500 / 3))
+    q.take(bt[2], 1)  # 100 / 1,550 of one would be 0.52 of a count: it pays one
+    assert batch.skipped == pytest.approx(12 - 8 * 400 / (3500 / 3) - 1)
     assert q.guarded("batch")  # the long head is still owed its release
     q.take(standard.queues["api"][1], 1)  # the standard tier's short release clears its debt whole
     assert standard.skipped == 0 and not q.guarded("standard")
-    q.take(batch.queues["bt"][0], 1)  # the head itself: all of it
+    q.take(bt[0], 1)  # the head itself: all of it
     assert batch.skipped == 0
     # with two tiers the lower one is the second: any release pays all, as before
     q2 = FairQueue([TierSpec("interactive", 0, 60), TierSpec("batch", 2, 60)], 1000, 4)
