@@ -644,8 +644,9 @@ class Admission:
         return hold
 
     def _queue_rejection(self, s: TenantState, reason: str, excess: float | None) -> Rejection:
-        """503 for a request the queue cannot hold or serve in time. Retry-After: when the backlog
-        ahead should have drained enough for a new request to make its deadline."""
+        """503 for a request the queue cannot hold or serve in time. Retry-After: ``excess``, when the
+        backlog ahead should have drained enough for a new request to make its deadline (a predicted wait,
+        or for a ``queue-timeout`` the hold it waited)."""
         tier = self.config.tiers.get(s.config.tier)
         max_wait = tier.max_queue_wait_ms / 1000.0 if tier else self.config.retry.default_request_seconds
         if excess is None or not math.isfinite(excess):
@@ -772,7 +773,8 @@ class Admission:
     def _drop(self, e: Entry, reason: str, now: float, out: list[Outcome] | None = None,
               excess: float | None = None, *, queue: FairQueue) -> None:
         """Reject a queued request (503) and give back the quota it held. ``excess``: the predicted wait
-        until it could be served (the Retry-After), when known."""
+        until it could be served (the Retry-After), when known; for a ``queue-timeout``, the hold it waited
+        (at least a second, or its tier's max wait if shorter)."""
         queue.remove(e, now)
         h = self._held.pop(e.key)
         s = h.lease.tenant
@@ -781,8 +783,12 @@ class Admission:
             # it waited its whole hold and was not served: by another hold the queue ahead of it has turned
             # over (the prediction already proved too hopeful for it). The hold, not the tier's max wait:
             # with node choice a batch request is held to about its 5 s target, and a Retry-After of the
-            # 30 s max wait told its client to stay away six times as long as it waited (attack62 F3)
-            excess = e.deadline - e.arrived
+            # 30 s max wait told its client to stay away six times as long as it waited (attack62 F3). At
+            # least a second (or the max wait, if shorter): a long prompt's hold is its target less its own
+            # prefill, down to MIN_HOLD_S, and a hint of a tenth of a second, right after the fleet failed
+            # to serve it, invited a retry storm (attack66 M3: 0.125 s for a 15,000-token batch prompt)
+            max_wait = self.config.tiers[e.tier].max_queue_wait_ms / 1000.0 if e.tier in self.config.tiers else 1.0
+            excess = max(e.deadline - e.arrived, min(max_wait, 1.0))
         elif excess is None:
             p = queue.predicted_wait(s.name, e.tier, e.cost, e.allowed)
             excess = None if p is None else p - (e.deadline - e.arrived)

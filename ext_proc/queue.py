@@ -123,7 +123,8 @@ class _Tier:
     tokens: float = 0.0
     skipped: float = 0.0
     """Releases from higher tiers since this tier last got one, while it waited (``FairQueue.passed``
-    counts a direct dispatch smaller than this tier's mean queued request as a fraction of one)."""
+    counts a direct dispatch smaller than this tier's mean queued request as a fraction of one); below
+    the second tier, less what the tier's own releases since paid of it (``FairQueue.take``)."""
     floor: float = 0.0
     """The counter of the tenant served last: where a tenant coming back to an empty tier starts."""
     urgent: list[tuple[float, int, Entry]] = field(default_factory=list)
@@ -360,10 +361,10 @@ class FairQueue:
         # too. The tier just below the top keeps paying in releases: its debt is the top tier's, whose
         # nodes the picker keeps ready, and a busy standard tier's long prompts, owed every few of its
         # short releases, took those nodes (bursty-mmpp seed 12: interactive SLO 87.6 -> 83.4%). A release
-        # pays at least one of the guard's count, so at most ``starvation_guard`` go as owed in a row: a
-        # tenant whose queued giants make the mean huge would otherwise owe its tier a burst of short
-        # releases, each going ahead of the top tier and without the KV reserve (measured on the families,
-        # seeds 1-12, against the fraction alone: as many misses, interactive and all-tier SLO better)
+        # pays at least one of the guard's count, and the debt counts no further than the guard, so at
+        # most ``starvation_guard`` go as owed in a row: a tenant whose queued giants make the mean huge
+        # would otherwise owe its tier a burst of short releases, each going ahead of the top tier and
+        # without the KV reserve
         paid = _owed(t, e.cost) if self._second is not None and t.spec.rank > self._second else 1.0
         self._unlink(t, e, now)
         # counted here, not by the caller's dispatch: the queue may just have become empty, and a
@@ -373,7 +374,11 @@ class FairQueue:
         t.floor = self._counter.get(e.tenant, 0.0)
         for other in self._order:
             if other is t:
-                other.skipped = max(0.0, other.skipped - max(1.0, paid * self.starvation_guard)) if paid < 1.0 else 0.0
+                # (the debt counts no further than the guard: releases from above while the owed tier could
+                # not go kept adding to it, and paid down one count at a time it let a burst of the tier's
+                # short releases go ahead of the top tier — eleven in a row where one went before: review66)
+                g = self.starvation_guard
+                other.skipped = max(0.0, min(other.skipped, g) - max(1.0, paid * g))
             elif other.live and other.spec.rank > t.spec.rank:
                 # sharing, a lower tier's release counts as ``passed`` counts a direct dispatch (a fraction
                 # of one when it is smaller than the waiting tier's mean request): a standard tier sharing
