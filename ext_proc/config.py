@@ -304,7 +304,9 @@ class Queue(_Strict):
     starvation_guard: PositiveInt = Field(
         default=8, description="after this many releases from higher tiers in a row (a direct dispatch of a smaller "
         "request counts as a fraction of one, and with lower_tiers: share so does a release of a tier below the "
-        "top), a waiting lower tier gets one"
+        "top), a waiting lower tier gets one; below the second priority its own release smaller than its mean "
+        "request pays only that fraction of the debt, at least half (then at least guard/2 releases from above "
+        "before the next)"
     )
     output_token_weight: Annotated[float, Field(ge=0)] = Field(
         default=1.0, description="weight of an output token against a prompt token in the fair-share counters"
