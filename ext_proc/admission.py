@@ -634,7 +634,8 @@ class Admission:
         would take), and serving it late takes the place of one that could (under a sustained overload a
         queue held to the max wait served every request late: 25% of a standard tier met its target
         where shedding at the door met 77%). A request already predicted past its target on arrival is
-        still sent at once when a node can start it within the max wait (see ``nodes.py``): holding it
+        still sent at once when a node can start it within the max wait (see ``picker.py``; not one of a
+        tier below the top while the top tier is active): holding it
         would not make it sooner."""
         tier = self.config.tiers[tier_name]
         hold = tier.max_queue_wait_ms / 1000.0

@@ -717,7 +717,8 @@ class Core:
             target_s, max_wait = tier.ttft_target_ms / 1000.0, tier.max_queue_wait_ms / 1000.0
             target = target_s - waited
             # ``limit``: the latest first token worth sending it for. A new arrival goes at once if a node
-            # can give it one within its max wait (holding it would not make it sooner); one that was held
+            # can give it one within its max wait (holding it would not make it sooner; the picker narrows
+            # that to its target for a tier below the top while the top tier is active); one that was held
             # goes only while it can still make its target — it waited for room, and sending it late would
             # take the place of one that can (refused, it may retry when the fleet has room)
             limit = max(max_wait, target_s) if waited <= 0 else target

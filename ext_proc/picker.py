@@ -32,7 +32,9 @@ Shaped like the Gateway API Inference Extension's scheduler. Per request:
 
 A new request no node can give a first token within its tier's max wait (``limit``) → ``fleet-queue``
 with the predicted wait until one could meet its target: waiting would not help (the backlog ahead
-drains as fast as the wait runs), so the gateway refuses it at once. A request that waited in the
+drains as fast as the wait runs), so the gateway refuses it at once. While the top tier has traffic, a
+new request of a tier below it is held to its TTFT target instead of its max wait (sent late, it would
+take the place of one that can make its own). A request that waited in the
 gateway queue goes only while it can still make its target. No node passes the filters → a capacity
 answer (the request waits in the gateway queue for room) whose Retry-After comes from how fast the
 fleet is draining.
@@ -321,6 +323,14 @@ class Picker(NodeBook):
         lim = limit if limit is not None else target
         top = self.levels[0]
         is_top = (priority == top.priority) if urgent is None else urgent
+        if (urgent is False and target is not None and lim is not None and lim > target
+                and top.target is not None and now - self._top_seen < TOP_RECENT_S):
+            # A new arrival of a tier below the top, while the top tier has traffic: it goes only where it
+            # can still make its own TTFT target, as a held request does. Sent late, it would take the
+            # place of requests that can make theirs (holding it would not help: the work ahead drains as
+            # fast as the wait runs). With the top tier quiet, or without the gateway queue (``urgent``
+            # None: kv-shed's rule), it still goes within its max wait.
+            lim = target
         if is_top:
             self._top_seen = now
         elif priority == top.priority:

@@ -113,6 +113,29 @@ def test_no_node_within_the_limit_is_a_fleet_queue_answer_with_the_predicted_wai
     assert f.choose(200, 0.0, prompt_tokens=100).node is n  # no target: the soonest node, whatever it says
 
 
+def test_while_the_top_tier_is_active_a_lower_tier_arrival_goes_only_within_its_target() -> None:
+    """A new request of a tier below the top goes at once within its max wait, its target lost — but not
+    while the top tier has traffic (a request of it within ``TOP_RECENT_S``) and the gateway queue puts
+    tiers in order (``urgent`` False): sent late it would take the place of requests that can still make
+    their targets, so it is refused with the predicted wait, as a held request is. Without the gateway
+    queue (``urgent`` None: kv-shed's rule) it still goes within its max wait."""
+    from ext_proc.nodes import Level
+
+    f, n = _one_node()
+    f.set_levels([Level(0, 0.2)])
+    for i in range(10):  # ~1.7 s of less urgent prefill booked
+        assert f.place(8200, 8000, f"b{i}", 0.0, urgent=False).node is n
+    args = {"prompt_tokens": 100, "target": 0.5, "limit": 5.0}
+    assert f.choose(200, 0.0, urgent=False, **args).node is n  # the top tier quiet: late, within its max wait
+    f.choose(116, 0.0, prompt_tokens=100, target=0.2, limit=1.0, urgent=True)  # the top tier has traffic
+    soonest = f.predict(n, 100, 0, 0.0)
+    late = f.choose(200, 0.0, urgent=False, **args)
+    assert (late.node, late.reason) == (None, "fleet-queue")
+    assert late.ttft == pytest.approx(soonest) and late.retry_after == pytest.approx(soonest - 0.5)
+    assert f.choose(200, 0.0, urgent=None, **args).node is n  # no gateway queue: as before
+    assert f.choose(200, 0.0, urgent=False, prompt_tokens=100, target=5.0, limit=5.0).node is n  # it makes its target
+
+
 def test_the_top_tier_is_predicted_ahead_of_less_urgent_backlog() -> None:
     from ext_proc.nodes import Level
 
