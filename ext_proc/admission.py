@@ -605,7 +605,8 @@ class Admission:
         cost = self._service(s, est)
         max_wait = self._hold_s(tier, est)
         if placed is not None and placed.reason == "fleet-queue" and placed.ttft is not None:
-            # no node is predicted to give it a first token within its tier's max wait: refuse it now
+            # no node is predicted to give it a first token within its tier's max wait (and its TTFT
+            # target, below the top tier while the top tier is active): refuse it now
             return Decision(s.name, tier, None, self._queue_rejection(s, "queue-deadline", placed.wait))
         target_ms = self.config.tiers[tier].ttft_target_ms
         allowed = max_wait if target_ms is None else min(max_wait, target_ms / 1000.0)
@@ -634,9 +635,8 @@ class Admission:
         would take), and serving it late takes the place of one that could (under a sustained overload a
         queue held to the max wait served every request late: 25% of a standard tier met its target
         where shedding at the door met 77%). A request already predicted past its target on arrival is
-        still sent at once when a node can start it within the max wait (see ``picker.py``; not one of a
-        tier below the top while the top tier is active): holding it
-        would not make it sooner."""
+        still sent at once when a node can start it within the max wait (``picker.py``; below the top
+        tier, only while the top tier is quiet): holding it would not make it sooner."""
         tier = self.config.tiers[tier_name]
         hold = tier.max_queue_wait_ms / 1000.0
         if self.pick is not None and tier.ttft_target_ms is not None:

@@ -651,7 +651,7 @@ class NodeBook:
         adapter): about half what the node's requests still have to decode."""
         if adapter in n.loras:
             return 0.0
-        cost = self.cfg.lora.load_seconds
+        cost = self._lora_load(n, adapter)
         s = n.snapshot
         running = set(s.lora_running or ()) if s is not None else set()
         running.update(n.lora_sent)
@@ -695,6 +695,20 @@ class NodeBook:
         """A request's own prefill on ``n``, nothing ahead of it (``load``: ``_load(n)``, when known)."""
         decode, context = load if load is not None else self._load(n)
         return n.model.prefill(prompt_tokens, decode, context) * n.speed.factor
+
+    def _lora_load(self, n: Node, adapter: str) -> float:
+        """Seconds loading ``adapter`` onto ``n`` takes (0 where the node holds it)."""
+        return 0.0 if adapter in n.loras else self.cfg.lora.load_seconds
+
+    def _own_with_load(self, n: Node, prompt_tokens: int, adapter: str | None) -> float:
+        """A request's own part of its first token on ``n``: its prefill and, for an ``adapter`` the node
+        does not hold, the adapter's load — neither is work ahead of it, and neither shrinks by waiting (a
+        request refused never loads its adapter: counted as work ahead, a LoRA request whose prefill and
+        load together pass its target was refused on every retry on an idle node, attack68 H1)."""
+        own = self._own(n, prompt_tokens)
+        if adapter is not None and self.cfg.lora.enabled:
+            own += self._lora_load(n, adapter)
+        return own
 
     # -- request life ----------------------------------------------------------------------------
 

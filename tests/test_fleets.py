@@ -342,6 +342,26 @@ def test_a_node_holding_the_adapter_wins_and_a_load_is_counted_in_the_prediction
     assert "y" not in (holder if placed.node is other else other).loras
 
 
+def test_an_adapter_load_is_the_requests_own_time_not_work_ahead() -> None:
+    """attack68 H1: a request is refused for the work ahead of it, not for its own prefill — and loading its
+    adapter is its own too (a refused request never loads it: counted as work ahead, a standard request whose
+    prefill and load together passed its 1 s target was refused on every retry on an idle node while the
+    interactive tier had traffic; it goes, late by its own time)."""
+    from ext_proc.nodes import Level
+
+    static = [{"address": "a:1", "probe": "http://p"}]
+    f = fleet(static=static, performance={"profile": "34b-a100"}, lora={"load_seconds": 0.15})
+    f.adapters = frozenset({"z"})
+    f.on_snapshot("a:1", lora_reading([]), 0.0)
+    f.set_levels([Level(0, 0.2)])
+    n = f.nodes["a:1"]
+    p = 2730
+    assert 0.85 < f.predict(n, p, 0, 0.0) < 1.0 < f.predict(n, p, 0, 0.0) + f.lora_cost(n, "z")
+    f.choose(216, 0.0, prompt_tokens=200, target=0.2, limit=1.0, urgent=True)  # the top tier has traffic
+    c = f.choose(p + 16, 0.0, prompt_tokens=p, target=1.0, limit=5.0, urgent=False, adapter="z")
+    assert c.node is n and c.ttft is not None and c.ttft > 1.0
+
+
 @pytest.mark.parametrize(("booked", "holder_wins"), [(400, True), (12000, False)])
 def test_a_holder_loses_when_its_first_token_is_later_by_more_than_a_load(booked: int, holder_wins: bool) -> None:
     f = lora_fleet(load_seconds=0.15)

@@ -118,22 +118,76 @@ def test_while_the_top_tier_is_active_a_lower_tier_arrival_goes_only_within_its_
     while the top tier has traffic (a request of it within ``TOP_RECENT_S``) and the gateway queue puts
     tiers in order (``urgent`` False): sent late it would take the place of requests that can still make
     their targets, so it is refused with the predicted wait, as a held request is. Without the gateway
-    queue (``urgent`` None: kv-shed's rule) it still goes within its max wait."""
+    queue (``urgent`` None: kv-shed's rule) it still goes within its max wait, and so it does again once
+    the top tier has been quiet for ``TOP_RECENT_S``."""
     from ext_proc.nodes import Level
+    from ext_proc.picker import TOP_RECENT_S
+
+    def book(f: Fleet, at: float) -> None:
+        for i in range(10):  # ~1.7 s of less urgent prefill booked
+            assert f.place(8200, 8000, f"b{at}-{i}", at, priority=1, urgent=False).node is n
 
     f, n = _one_node()
-    f.set_levels([Level(0, 0.2)])
-    for i in range(10):  # ~1.7 s of less urgent prefill booked
-        assert f.place(8200, 8000, f"b{i}", 0.0, urgent=False).node is n
-    args = {"prompt_tokens": 100, "target": 0.5, "limit": 5.0}
+    f.set_levels([Level(0, 0.2), Level(1, 0.5)])
+    book(f, 0.0)
+    args = {"prompt_tokens": 100, "priority": 1, "target": 0.5, "limit": 5.0}
     assert f.choose(200, 0.0, urgent=False, **args).node is n  # the top tier quiet: late, within its max wait
     f.choose(116, 0.0, prompt_tokens=100, target=0.2, limit=1.0, urgent=True)  # the top tier has traffic
-    soonest = f.predict(n, 100, 0, 0.0)
+    soonest = f.predict(n, 100, 1, 0.0)
     late = f.choose(200, 0.0, urgent=False, **args)
     assert (late.node, late.reason) == (None, "fleet-queue")
     assert late.ttft == pytest.approx(soonest) and late.retry_after == pytest.approx(soonest - 0.5)
-    assert f.choose(200, 0.0, urgent=None, **args).node is n  # no gateway queue: as before
-    assert f.choose(200, 0.0, urgent=False, prompt_tokens=100, target=5.0, limit=5.0).node is n  # it makes its target
+    assert f.choose(200, 0.0, urgent=None, **args).node is n  # no gateway queue: a lower level, as before
+    later = TOP_RECENT_S + 0.5  # the top tier quiet again (a fresh reading, the same backlog booked)
+    f.on_snapshot("a:1", Snapshot(node="n", at=later, ok=True, kv_usage=0.0, blocks_total=100_000, block_size=16,
+                                  running=0, waiting=0), later)
+    book(f, later)
+    assert f.predict(n, 100, 1, later) > 0.5
+    assert f.choose(200, later, urgent=False, **args).node is n
+
+
+def test_a_lower_tier_arrival_held_to_its_target_is_still_bound_by_its_max_wait() -> None:
+    """review68 M1: a prompt whose own prefill alone is longer than its target is refused only for the work
+    ahead of it — read against the target alone, one whose prefill nearly fills its max wait went past it
+    (a 67,000-token standard prompt on a 70B node: predicted 5.08 s against its 5 s max wait). Held to its
+    target, it still never goes past its max wait."""
+    from ext_proc.nodes import Level
+
+    f, n = _one_node("70b-h100x4")
+    f.set_levels([Level(0, 0.2)])
+    f.booked_elsewhere("a:1", 8200, 8000, 0, 0.0)
+    p = 67_000
+    assert f.predict(n, p, 0, 0.0) - f.predict(n, 0, 0, 0.0) > 4.5 and f.predict(n, p, 0, 0.0) > 5.0
+    f.choose(116, 0.0, prompt_tokens=100, target=0.2, limit=1.0, urgent=True)
+    c = f.choose(p + 200, 0.0, prompt_tokens=p, target=1.0, limit=5.0, urgent=False)
+    assert (c.node, c.reason) == (None, "fleet-queue")
+
+
+def test_a_long_lower_tier_arrival_held_to_its_target_goes_within_its_max_wait_not_to_the_fullest_node() -> None:
+    """review68 H1: with several vLLM levels a long prompt goes to the fullest node that meets its target,
+    else its max wait. A new arrival held to its target read the second as its target too: a prompt whose
+    own prefill alone is longer than its target met neither, and best fit took the fullest node of all,
+    an 11.4 s first token where the other node gave 0.53 s. The hold decides whether it goes, not where."""
+    from ext_proc.nodes import Level
+
+    cfg = parse_config({"nodes": {"static": [{"address": "a:1", "probe": "http://p"},
+                                             {"address": "b:1", "probe": "http://q"}],
+                                  "performance": {"profile": "8b-h100"}}})
+    assert cfg.nodes is not None
+    f = Fleet(cfg.nodes, random.Random(1))
+    for a in ("a:1", "b:1"):
+        f.on_snapshot(a, Snapshot(node=a, at=0, ok=True, kv_usage=0.0, blocks_total=100_000, block_size=16,
+                                  running=0, waiting=0), 0.0)
+    f.set_levels([Level(0, 0.2), Level(1, 0.3)])
+    for _ in range(60):
+        f.booked_elsewhere("a:1", 8200, 8000, 1, 0.0)
+    f.booked_elsewhere("b:1", 2200, 2000, 1, 0.0)
+    p = 23_000
+    full, quick = f.predict(f.nodes["a:1"], p, 1, 0.0), f.predict(f.nodes["b:1"], p, 1, 0.0)
+    assert full > 5.0 and quick < 1.0
+    f.choose(116, 0.0, prompt_tokens=100, priority=0, target=0.2, limit=1.0, urgent=True)
+    c = f.choose(p + 200, 0.0, prompt_tokens=p, priority=1, target=0.3, limit=5.0, urgent=False)
+    assert c.node is f.nodes["b:1"] and c.ttft == pytest.approx(quick)
 
 
 def test_the_top_tier_is_predicted_ahead_of_less_urgent_backlog() -> None:

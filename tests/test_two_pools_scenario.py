@@ -206,14 +206,15 @@ POLICIES = (Policy("none", 2), Policy("kv-shed", 2, "kv-shed"), Policy("kvgate",
             Policy("autoscale-only", 1, autoscale="queue", max_nodes=4),
             Policy("kvgate+scaler", 1, "kvgate", autoscale="scaler", max_nodes=4))
 PINNED = {"none": ("0c4d544868a956f5", 600, 0, 0), "kv-shed": ("f9130b06724b3a9f", 203, 397, 0),
-          "kvgate": ("5edcf65a626bac42", 236, 320, 44), "autoscale-only": ("20b78234ecef11bc", 600, 0, 0),
+          "kvgate": ("b4154803b9fa7a12", 187, 387, 26), "autoscale-only": ("20b78234ecef11bc", 600, 0, 0),
           "kvgate+scaler": ("6335265b9cbf3bc2", 125, 475, 0)}
 """What the driver before model pools gave for ``small_trace`` (digest, admitted, 503, 429): every
 request's status, reason, TTFT, e2e, node and decision time, the node timeline, GPU-seconds, breaker
 opens and prefill tokens. No RNG draws the trace; the run's own RNGs are seeded. (kvgate's rows re-pinned
 when the picker began counting every less urgent prefill vLLM runs ahead of a request, issue 30: kvgate
 223/319/58 before, kvgate+scaler 103/450/47; again when a lower tier's new arrival began to go only
-within its TTFT target while the top tier is active: 183/360/57 and 97/446/57 before.)"""
+within its TTFT target while the top tier is active: 183/360/57 and 97/446/57 before — refused at once, a
+request holds no concurrency slot, so fewer 429s.)"""
 
 
 def small_trace(model: str | None = None) -> list[TraceRequest]:
