@@ -396,8 +396,8 @@ class Picker(NodeBook):
         # target: long prefills gather, the rest of the fleet stays quick for the top tier. Late beyond
         # that everywhere (a held prompt whose own prefill alone outlasts its target), it goes to the
         # fullest node of all: where it costs the top tier least
-        meets = ([(t, n) for t, n in scored if t <= target] or [(t, n) for t, n in scored if t <= wide]
-                 or scored)
+        bound = wide if wide is not None else target
+        meets = [(t, n) for t, n in scored if t <= target] or [(t, n) for t, n in scored if t <= bound] or scored
         kind = [(t, n) for t, n in meets
                 if self._keeps_targets(n, prompt_tokens - hits.get(n.address, 0), priority, now)] or meets
         t, n = self._best_fit(kind, hits, tokens, loads)
