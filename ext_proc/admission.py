@@ -636,7 +636,8 @@ class Admission:
         queue held to the max wait served every request late: 25% of a standard tier met its target
         where shedding at the door met 77%). A request already predicted past its target on arrival is
         still sent at once when a node can start it within the max wait (``picker.py``; below the top
-        tier, only while the top tier is quiet): holding it would not make it sooner."""
+        tier while the top tier is active, only one whose own prefill alone outlasts its target, for the
+        work ahead of it within the target): holding it would not make it sooner."""
         tier = self.config.tiers[tier_name]
         hold = tier.max_queue_wait_ms / 1000.0
         if self.pick is not None and tier.ttft_target_ms is not None:

@@ -103,6 +103,14 @@ def _within(t: float, own: float, lim: float) -> bool:
     return t <= lim or (own > lim and t - own <= lim)
 
 
+def _wait_to_fit(t: float, own: float, *limits: float | None) -> float:
+    """The refusal's Retry-After, as the backlog drains: until the first token ``t`` is within each limit
+    (its TTFT target among them: a request that could make its target is told when it could) — or,
+    against a limit its own prefill ``own`` alone outlasts, until the work ahead of it is (read as the
+    wait until its first token met its target, that was too long by the whole prefill, review69 L1)."""
+    return max(0.0, *((t - lim if own <= lim else t - own - lim) for lim in limits if lim is not None))
+
+
 class Picker(NodeBook):
     """Filters, predictions and the pick, as methods over the node book it extends: the records are the
     book's, the scan ring, the last best node and when the top tier was last seen are the picker's own
@@ -355,7 +363,7 @@ class Picker(NodeBook):
                         if not fits(soonest, own):
                             # no node at all can make its limit: refused at once, as below (waiting for a
                             # ready node would not help: review11)
-                            return Choice(None, "fleet-queue", max(0.0, soonest - target), soonest)
+                            return Choice(None, "fleet-queue", _wait_to_fit(soonest, own, target, lim, wide), soonest)
                     return Choice(None, "fleet-queue", self._retry_after(tokens, now) if retry else None)
                 scored, soonest, first = kept
         elif (top.target is not None and now - self._top_seen < TOP_RECENT_S and len(scored) > 1
@@ -382,9 +390,9 @@ class Picker(NodeBook):
             # request already held, what is left of its target): waiting does not change that (the
             # backlog drains as fast as the wait runs), so the gateway refuses it now. A prompt whose
             # own prefill alone is longer is not refused for that: only for the work ahead of it
-            return Choice(None, "fleet-queue", max(0.0, soonest - target), soonest)
+            return Choice(None, "fleet-queue", _wait_to_fit(soonest, own, target, lim, wide), soonest)
         if is_top and own > target and len(scored) > 1:
-            soonest, first = self._late_anyway(scored, soonest, first, prompt_tokens, hits, lim, tokens, now)
+            soonest, first = self._late_anyway(scored, soonest, first, prompt_tokens, hits, lim, tokens, now, adapter)
         if priority == top.priority or not self._long(first, prompt_tokens - hits.get(first.address, 0), top):
             # the soonest: for the top tier, and for a prefill too short to cost a top-tier request its
             # target when it runs beside it
@@ -394,10 +402,13 @@ class Picker(NodeBook):
         # read against the target, the fullest node of all took it, an 11 s first token where another node
         # gave 0.5 s: review68 H1) — (best fit), where the booking keeps what waits behind it within its own
         # target: long prefills gather, the rest of the fleet stays quick for the top tier. Late beyond
-        # that everywhere (a held prompt whose own prefill alone outlasts its target), it goes to the
-        # fullest node of all: where it costs the top tier least
+        # that everywhere (a prompt whose own prefill alone outlasts its target and max wait), the fullest
+        # node where the refusal above would let it go (its work ahead within them: not an 11 s first
+        # token where another node gives 0.5 s, review69 M2); with none, the fullest of all
         bound = wide if wide is not None else target
-        meets = [(t, n) for t, n in scored if t <= target] or [(t, n) for t, n in scored if t <= bound] or scored
+        meets = ([(t, n) for t, n in scored if t <= target] or [(t, n) for t, n in scored if t <= bound]
+                 or [(t, n) for t, n in scored
+                     if fits(t, self._own_with_load(n, prompt_tokens - hits.get(n.address, 0), adapter))] or scored)
         kind = [(t, n) for t, n in meets
                 if self._keeps_targets(n, prompt_tokens - hits.get(n.address, 0), priority, now)] or meets
         t, n = self._best_fit(kind, hits, tokens, loads)
@@ -493,7 +504,8 @@ class Picker(NodeBook):
         return kept, s, f
 
     def _late_anyway(self, scored: list[tuple[float, Node]], soonest: float, first: Node, prompt_tokens: int,
-                     hits: dict[str, int], lim: float, tokens: int, now: float) -> tuple[float, Node]:
+                     hits: dict[str, int], lim: float, tokens: int, now: float,
+                     adapter: str | None = None) -> tuple[float, Node]:
         """Where a top-tier prompt goes whose own prefill alone is longer than (what is left of) its target:
         it misses the target wherever it goes, but packed into the step of the top-tier requests still
         waiting for their first token on the soonest node it makes them miss theirs too (bursty-mmpp seed
@@ -508,7 +520,8 @@ class Picker(NodeBook):
         327 ms). Bounded to the soonest + its target, it kept little of the families' gain."""
         if self._spares(first, prompt_tokens, hits, now):
             return soonest, first
-        spared = [(t, n) for t, n in scored if _within(t, self._own(n, prompt_tokens - hits.get(n.address, 0)), lim)
+        spared = [(t, n) for t, n in scored
+                  if _within(t, self._own_with_load(n, prompt_tokens - hits.get(n.address, 0), adapter), lim)
                   and self._spares(n, prompt_tokens, hits, now)]
         return self._soonest(spared, tokens) if spared else (soonest, first)
 

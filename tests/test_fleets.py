@@ -362,6 +362,28 @@ def test_an_adapter_load_is_the_requests_own_time_not_work_ahead() -> None:
     assert c.node is n and c.ttft is not None and c.ttft > 1.0
 
 
+def test_the_wait_for_a_free_adapter_slot_is_work_ahead() -> None:
+    """review69 M3: the wait for a LoRA slot (every slot runs another adapter) is the other requests' work,
+    not the request's own: a request whose prefill and load make its target but not with that wait is
+    refused for it — with the top tier active, as a new arrival of a lower tier — and told to come back."""
+    from ext_proc.nodes import Level
+
+    static = [{"address": "a:1", "probe": "http://p"}]
+    f = fleet(static=static, performance={"profile": "34b-a100"}, lora={"load_seconds": 0.15})
+    f.adapters = frozenset({"z"})
+    f.on_snapshot("a:1", lora_reading(["a", "b", "c", "d"], max_lora=4), 0.0)  # every slot taken
+    f.set_levels([Level(0, 0.2)])
+    n = f.nodes["a:1"]
+    p = 500
+    own = f.predict(n, p, 0, 0.0)
+    slot = f.lora_cost(n, "z") - 0.15
+    assert slot > 0.1
+    target = own + 0.15 + slot / 2  # made with the load, not with the slot wait
+    f.choose(216, 0.0, prompt_tokens=200, target=0.2, limit=1.0, urgent=True)  # the top tier has traffic
+    c = f.choose(p + 16, 0.0, prompt_tokens=p, target=target, limit=5.0, urgent=False, adapter="z")
+    assert (c.node, c.reason) == (None, "fleet-queue") and c.retry_after is not None and c.retry_after > 0
+
+
 @pytest.mark.parametrize(("booked", "holder_wins"), [(400, True), (12000, False)])
 def test_a_holder_loses_when_its_first_token_is_later_by_more_than_a_load(booked: int, holder_wins: bool) -> None:
     f = lora_fleet(load_seconds=0.15)

@@ -186,8 +186,26 @@ def test_a_long_lower_tier_arrival_held_to_its_target_goes_within_its_max_wait_n
     full, quick = f.predict(f.nodes["a:1"], p, 1, 0.0), f.predict(f.nodes["b:1"], p, 1, 0.0)
     assert full > 5.0 and quick < 1.0
     f.choose(116, 0.0, prompt_tokens=100, priority=0, target=0.2, limit=1.0, urgent=True)
-    c = f.choose(p + 200, 0.0, prompt_tokens=p, priority=1, target=0.3, limit=5.0, urgent=False)
-    assert c.node is f.nodes["b:1"] and c.ttft == pytest.approx(quick)
+    for limit in (5.0, 0.3):  # a new arrival held to its target; one held in the gateway queue (review69 M2)
+        c = f.choose(p + 200, 0.0, prompt_tokens=p, priority=1, target=0.3, limit=limit, urgent=False)
+        assert c.node is f.nodes["b:1"] and c.ttft == pytest.approx(quick)
+
+
+def test_a_long_prompt_refused_for_the_work_ahead_is_told_when_that_work_fits() -> None:
+    """review69 L1: a prompt whose own prefill alone is longer than its target is refused only for the
+    work ahead of it, and its Retry-After is when that work is down to its target — not when its whole
+    first token would be (too long by the prefill itself)."""
+    from ext_proc.nodes import Level
+
+    f, n = _one_node()
+    f.set_levels([Level(0, 0.05)])
+    for i in range(10):  # ~1.7 s of less urgent prefill booked
+        f.place(8200, 8000, f"b{i}", 0.0, urgent=False)
+    own = f.predict(n, 8000, 0, 0.0) - f.predict(n, 0, 0, 0.0)
+    assert own > 0.1
+    c = f.choose(8200, 0.0, prompt_tokens=8000, target=0.1, limit=0.1, urgent=False)
+    assert (c.node, c.reason) == (None, "fleet-queue") and c.ttft is not None
+    assert c.retry_after == pytest.approx(c.ttft - own - 0.1, abs=0.02)
 
 
 def test_the_top_tier_is_predicted_ahead_of_less_urgent_backlog() -> None:
@@ -888,7 +906,9 @@ def test_fleet_caused_429s_and_predicted_misses_are_counted_for_the_scaler() -> 
     assert not isinstance(doomed, Held)
     assert doomed.decision.rejection is not None
     assert (doomed.decision.rejection.status, doomed.decision.rejection.reason) == (503, "queue-deadline")
-    assert doomed.decision.rejection.retry_after is not None and doomed.decision.rejection.retry_after > 1.0
+    # told to come back when the work ahead of it is within its target: what a prompt longer than its
+    # target can make (its whole first token past the target would be too long by its own prefill)
+    assert doomed.decision.rejection.retry_after is not None and 0.2 < doomed.decision.rejection.retry_after < 1.0
     text = generate_latest(core.stats.registry).decode()
     assert 'kvgate_predicted_slo_misses_total{pool="default",tenant="t",tier="interactive"} 1.0' in text
 

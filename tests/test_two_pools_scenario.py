@@ -214,7 +214,10 @@ opens and prefill tokens. No RNG draws the trace; the run's own RNGs are seeded.
 when the picker began counting every less urgent prefill vLLM runs ahead of a request, issue 30: kvgate
 223/319/58 before, kvgate+scaler 103/450/47; again when a lower tier's new arrival began to go only
 within its TTFT target while the top tier is active: 183/360/57 and 97/446/57 before — refused at once, a
-request holds no concurrency slot, so fewer 429s.)"""
+request holds no concurrency slot, so fewer 429s. Read against the target, best fit sent a long RAG prompt
+to the fullest node even past its max wait: 236/320/44, the chat tenant served 230 requests, 19 within
+target; bounded by the max wait, as before, 187/387/26, 181 and 13 — kept: an 11 s first token where
+another node gave 0.5 s, review68 H1, is no placement to pay for the top tier with.)"""
 
 
 def small_trace(model: str | None = None) -> list[TraceRequest]:
