@@ -103,12 +103,19 @@ def _within(t: float, own: float, lim: float) -> bool:
     return t <= lim or (own > lim and t - own <= lim)
 
 
-def _wait_to_fit(t: float, own: float, *limits: float | None) -> float:
-    """The refusal's Retry-After, as the backlog drains: until the first token ``t`` is within each limit
-    (its TTFT target among them: a request that could make its target is told when it could) — or,
-    against a limit its own prefill ``own`` alone outlasts, until the work ahead of it is (read as the
-    wait until its first token met its target, that was too long by the whole prefill, review69 L1)."""
-    return max(0.0, *((t - lim if own <= lim else t - own - lim) for lim in limits if lim is not None))
+def _wait_to_fit(t: float, own: float, target: float, lim: float, wide: float | None) -> float:
+    """A refusal's Retry-After, as the backlog drains. A request that can make its TTFT target (its own
+    prefill ``own`` within it) is told when its first token ``t`` would be within the target. A new arrival
+    whose own prefill alone outlasts the target is told when the refusal would let it go: its first token
+    within each limit — or, against a limit its prefill outlasts, the work ahead of it (read as the wait
+    until its first token met the target, that was too long by the whole prefill, review69 L1; and when
+    its limit is its max wait, the target does not enter it, review70 M2). A request held in the gateway
+    queue (``wide`` its target: what is left of it) keeps the first reading — its retry has the whole
+    target again, so that is too long by the hold, never too short (read as a new arrival's, a held
+    prompt was told to come back before it could go, review70 M1)."""
+    if wide is None or wide <= target or own <= target:
+        return max(0.0, t - target)
+    return max(0.0, *((t - x if own <= x else t - own - x) for x in (lim, wide)))
 
 
 class Picker(NodeBook):

@@ -381,7 +381,8 @@ def test_the_wait_for_a_free_adapter_slot_is_work_ahead() -> None:
     target = own + 0.15 + slot / 2  # made with the load, not with the slot wait
     f.choose(216, 0.0, prompt_tokens=200, target=0.2, limit=1.0, urgent=True)  # the top tier has traffic
     c = f.choose(p + 16, 0.0, prompt_tokens=p, target=target, limit=5.0, urgent=False, adapter="z")
-    assert (c.node, c.reason) == (None, "fleet-queue") and c.retry_after is not None and c.retry_after > 0
+    assert (c.node, c.reason) == (None, "fleet-queue") and c.ttft is not None
+    assert c.retry_after == pytest.approx(c.ttft - target)  # when it would make its target
 
 
 @pytest.mark.parametrize(("booked", "holder_wins"), [(400, True), (12000, False)])

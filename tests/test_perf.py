@@ -192,20 +192,29 @@ def test_a_long_lower_tier_arrival_held_to_its_target_goes_within_its_max_wait_n
 
 
 def test_a_long_prompt_refused_for_the_work_ahead_is_told_when_that_work_fits() -> None:
-    """review69 L1: a prompt whose own prefill alone is longer than its target is refused only for the
-    work ahead of it, and its Retry-After is when that work is down to its target — not when its whole
-    first token would be (too long by the prefill itself)."""
+    """review69 L1: a new arrival whose own prefill alone is longer than its target, held to that target
+    (a lower tier while the top tier is active), is refused only for the work ahead of it, and its
+    Retry-After is when that work is down to its target — not when its whole first token would be (too
+    long by the prefill itself); coming back then, it goes. A request held in the gateway queue (its limit
+    what is left of its target) is told when its first token would be within that (review70 M1: its retry
+    has its whole target again, so that is too long, never too short)."""
     from ext_proc.nodes import Level
 
     f, n = _one_node()
     f.set_levels([Level(0, 0.05)])
     for i in range(10):  # ~1.7 s of less urgent prefill booked
         f.place(8200, 8000, f"b{i}", 0.0, urgent=False)
+    f.choose(116, 0.0, prompt_tokens=100, target=0.05, limit=1.0, urgent=True)  # the top tier has traffic
     own = f.predict(n, 8000, 0, 0.0) - f.predict(n, 0, 0, 0.0)
     assert own > 0.1
-    c = f.choose(8200, 0.0, prompt_tokens=8000, target=0.1, limit=0.1, urgent=False)
-    assert (c.node, c.reason) == (None, "fleet-queue") and c.ttft is not None
+    c = f.choose(8200, 0.0, prompt_tokens=8000, target=0.1, limit=5.0, urgent=False)
+    assert (c.node, c.reason) == (None, "fleet-queue") and c.ttft is not None and c.retry_after is not None
     assert c.retry_after == pytest.approx(c.ttft - own - 0.1, abs=0.02)
+    held = f.choose(8200, 0.0, prompt_tokens=8000, target=0.1, limit=0.1, urgent=False)
+    assert held.retry_after == pytest.approx(c.ttft - 0.1)
+    later = c.retry_after + 0.02
+    f.choose(116, later, prompt_tokens=100, target=0.05, limit=1.0, urgent=True)
+    assert f.choose(8200, later, prompt_tokens=8000, target=0.1, limit=5.0, urgent=False).node is n
 
 
 def test_the_top_tier_is_predicted_ahead_of_less_urgent_backlog() -> None:
@@ -906,9 +915,13 @@ def test_fleet_caused_429s_and_predicted_misses_are_counted_for_the_scaler() -> 
     assert not isinstance(doomed, Held)
     assert doomed.decision.rejection is not None
     assert (doomed.decision.rejection.status, doomed.decision.rejection.reason) == (503, "queue-deadline")
-    # told to come back when the work ahead of it is within its target: what a prompt longer than its
-    # target can make (its whole first token past the target would be too long by its own prefill)
-    assert doomed.decision.rejection.retry_after is not None and 0.2 < doomed.decision.rejection.retry_after < 1.0
+    # told to come back when it would go: its first token within its max wait (read as when its first token
+    # met its target, too long by its own 4.3 s prefill) — and coming back then, it goes
+    ra = doomed.decision.rejection.retry_after
+    assert ra is not None and ra < 1.0
+    clock.advance(ra)
+    again = ask("d2", 14_000)
+    assert not isinstance(again, Held) and again.decision.lease is not None
     text = generate_latest(core.stats.registry).decode()
     assert 'kvgate_predicted_slo_misses_total{pool="default",tenant="t",tier="interactive"} 1.0' in text
 
