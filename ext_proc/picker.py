@@ -64,8 +64,8 @@ at SCAN_LIMIT looked at with one passing: the filters cost per node too. Only wh
 does the scan go on, to the whole fleet before a capacity answer."""
 TOP_RECENT_S = 10.0
 """The top tier counts as active (it keeps a node free of long prefills, and a lower tier's new arrival is held
-to its TTFT target) this long after its last request this fleet chose a node for (each replica and pool keeps
-its own)."""
+to its TTFT target) this long after this fleet was last asked to place a request of it (placed or refused; each
+replica and pool keeps its own)."""
 OWED_HOLD_S = 1.0
 """The release the gateway queue's starvation guard owes a less urgent tier waits for a node ready for the
 top tier like any other (``Picker._keep_one_ready``), but only while one was ready within this many seconds:
@@ -382,7 +382,7 @@ class Picker(NodeBook):
             # its target, for a new arrival held to it), else takes a node of its own — never the last one
             # without. (Joined within its max wait alone, a new arrival held to its target went where the
             # refusal below then turned it away: a healthy 34B fleet at 65% load served 94.6% of its
-            # requests instead of all)
+            # requests instead of 97.1%)
             booked = [self._low_booked(n, now) for _, n in scored]
             busy = [x for x, b in zip(scored, booked, strict=True) if b]
             clear = len(scored) - len(busy)
