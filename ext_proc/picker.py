@@ -367,8 +367,7 @@ class Picker(NodeBook):
                 if kept is None:
                     if target is not None and lim is not None and soonest > lim:
                         own = self._own_with_load(first, prompt_tokens - hits.get(first.address, 0), adapter)
-                        if not fits(soonest, own) and not self._fitting(scored, first, prompt_tokens, hits, adapter,
-                                                                        tokens, fits):
+                        if not fits(soonest, own):
                             # no node at all can make its limit: refused at once, as below (waiting for a
                             # ready node would not help: review11)
                             return Choice(None, "fleet-queue", _wait_to_fit(soonest, own, target, lim, wide), soonest)
@@ -397,14 +396,8 @@ class Picker(NodeBook):
             # no node can give it its first token within what it may wait (its max wait, or for a
             # request already held, what is left of its target): waiting does not change that (the
             # backlog drains as fast as the wait runs), so the gateway refuses it now. A prompt whose
-            # own prefill alone is longer is not refused for that: only for the work ahead of it — on any
-            # node, the soonest or not (one with nothing ahead may prefill it slower: no prefix held
-            # there, an adapter to load, a slower GPU; review70 L4)
-            other = self._fitting(scored, first, prompt_tokens, hits, adapter, tokens, fits)
-            if other is None:
-                return Choice(None, "fleet-queue", _wait_to_fit(soonest, own, target, lim, wide), soonest)
-            soonest, first = other
-            own = self._own_with_load(first, prompt_tokens - hits.get(first.address, 0), adapter)
+            # own prefill alone is longer is not refused for that: only for the work ahead of it
+            return Choice(None, "fleet-queue", _wait_to_fit(soonest, own, target, lim, wide), soonest)
         if is_top and own > target and len(scored) > 1:
             soonest, first = self._late_anyway(scored, soonest, first, prompt_tokens, hits, lim, tokens, now, adapter)
         if priority == top.priority or not self._long(first, prompt_tokens - hits.get(first.address, 0), top):
@@ -427,15 +420,6 @@ class Picker(NodeBook):
                 if self._keeps_targets(n, prompt_tokens - hits.get(n.address, 0), priority, now)] or meets
         t, n = self._best_fit(kind, hits, tokens, loads)
         return Choice(n, ttft=t, hit=hits.get(n.address, 0))
-
-    def _fitting(self, scored: list[tuple[float, Node]], first: Node, prompt_tokens: int, hits: dict[str, int],
-                 adapter: str | None, tokens: int, fits: Callable[[float, float], bool]) -> tuple[float, Node] | None:
-        """Of the nodes other than ``first`` (the soonest, which the refusal rule turned down), the soonest
-        where the rule lets the request go — its own part of the first token counted on each node — or
-        None."""
-        ok = [(t, n) for t, n in scored if n is not first
-              and fits(t, self._own_with_load(n, prompt_tokens - hits.get(n.address, 0), adapter))]
-        return self._soonest(ok, tokens) if ok else None
 
     def _best_fit(self, fit: list[tuple[float, Node]], hits: dict[str, int], tokens: int,
                   loads: dict[str, float]) -> tuple[float, Node]:

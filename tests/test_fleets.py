@@ -658,24 +658,3 @@ def test_a_probe_cannot_send_unbounded_names() -> None:
     ok = Snapshot.from_json({**base, "gpu_name": "NVIDIA H100 80GB HBM3", "lora_running": ["a"] * MAX_NAMES,
                              "max_lora": MAX_NAMES})
     assert ok.gpu_name == "NVIDIA H100 80GB HBM3" and ok.lora_running is not None
-
-
-def test_a_prompt_refused_on_the_soonest_node_for_the_work_ahead_goes_to_one_with_nothing_ahead() -> None:
-    """review70 L4: a prompt whose own first-token time is longer than its limit is refused only for the work
-    ahead of it — on any node, not only the soonest. The soonest holds its adapter but has work ahead past
-    the limit; the other has nothing ahead and must load the adapter first (later, but all of it the
-    request's own): it goes there, where it used to be refused."""
-    f = lora_fleet(load_seconds=0.5)
-    holder, idle = "10.0.0.0:8000", "10.0.0.1:8000"
-    f.on_snapshot(holder, lora_reading(["x"]), 0.0)
-    f.on_snapshot(idle, lora_reading([]), 0.0)
-    a, b = f.nodes[holder], f.nodes[idle]
-    p = 2000
-    own = f.predict(b, p, 0, 0.0)
-    target, limit = 0.7 * own, 1.2 * own
-    while f.predict(a, 0, 0, 0.0) < 0.3 * own:  # work ahead on the holder: past the limit, short of a load
-        f.booked_elsewhere(holder, 216, 200, 0, 0.0)
-    ta, tb = f.predict(a, p, 0, 0.0), f.predict(b, p, 0, 0.0) + f.lora_cost(b, "x")
-    assert limit < ta < tb
-    c = f.choose(p + 16, 0.0, prompt_tokens=p, target=target, limit=limit, urgent=True, adapter="x")
-    assert c.node is b and c.ttft == pytest.approx(tb)
