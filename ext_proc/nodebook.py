@@ -651,7 +651,7 @@ class NodeBook:
         adapter): about half what the node's requests still have to decode."""
         if adapter in n.loras:
             return 0.0
-        cost = self._lora_load(n, adapter)
+        cost = self.cfg.lora.load_seconds
         s = n.snapshot
         running = set(s.lora_running or ()) if s is not None else set()
         running.update(n.lora_sent)

@@ -103,6 +103,12 @@ def _within(t: float, own: float, lim: float) -> bool:
     return t <= lim or (own > lim and t - own <= lim)
 
 
+def _fits(t: float, own: float, lim: float, wide: float | None) -> bool:
+    """The refusal rule (``_within``) against the request's limit and, where that was narrowed to its TTFT
+    target, its max wait ``wide`` too (``Picker._choose``)."""
+    return _within(t, own, lim) and (wide is None or wide == lim or _within(t, own, wide))
+
+
 def _wait_to_fit(t: float, own: float, target: float, lim: float, wide: float | None) -> float:
     """A refusal's Retry-After, as the backlog drains. A request that can make its TTFT target (its own
     prefill ``own`` within it) is told when its first token ``t`` would be within the target. A new arrival
@@ -352,9 +358,6 @@ class Picker(NodeBook):
             # tier quiet, or without the gateway queue (kv-shed's rule), it goes within its max wait.
             lim = target
 
-        def fits(t: float, own: float) -> bool:
-            return lim is not None and _within(t, own, lim) and (wide is None or _within(t, own, wide))
-
         if is_top:
             self._top_seen = now
         elif priority == top.priority:
@@ -367,7 +370,7 @@ class Picker(NodeBook):
                 if kept is None:
                     if target is not None and lim is not None and soonest > lim:
                         own = self._own_with_load(first, prompt_tokens - hits.get(first.address, 0), adapter)
-                        if not fits(soonest, own):
+                        if not _fits(soonest, own, lim, wide):
                             # no node at all can make its limit: refused at once, as below (waiting for a
                             # ready node would not help: review11)
                             return Choice(None, "fleet-queue", _wait_to_fit(soonest, own, target, lim, wide), soonest)
@@ -392,7 +395,7 @@ class Picker(NodeBook):
         if target is None or lim is None:
             return Choice(first, ttft=soonest, hit=hits.get(first.address, 0))
         own = self._own_with_load(first, prompt_tokens - hits.get(first.address, 0), adapter)
-        if not fits(soonest, own):
+        if not _fits(soonest, own, lim, wide):
             # no node can give it its first token within what it may wait (its max wait, or for a
             # request already held, what is left of its target): waiting does not change that (the
             # backlog drains as fast as the wait runs), so the gateway refuses it now. A prompt whose
@@ -415,7 +418,8 @@ class Picker(NodeBook):
         bound = wide if wide is not None else target
         meets = ([(t, n) for t, n in scored if t <= target] or [(t, n) for t, n in scored if t <= bound]
                  or [(t, n) for t, n in scored
-                     if fits(t, self._own_with_load(n, prompt_tokens - hits.get(n.address, 0), adapter))] or scored)
+                     if _fits(t, self._own_with_load(n, prompt_tokens - hits.get(n.address, 0), adapter), lim, wide)]
+                 or scored)
         kind = [(t, n) for t, n in meets
                 if self._keeps_targets(n, prompt_tokens - hits.get(n.address, 0), priority, now)] or meets
         t, n = self._best_fit(kind, hits, tokens, loads)
