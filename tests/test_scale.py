@@ -190,6 +190,26 @@ def test_a_fleet_that_asks_its_room_first_chooses_as_one_that_filters_every_node
     rng = random.Random(seed)
     sent: list[tuple[str, str]] = []
     now, said_no = 0.0, 0
+
+    def fill(now: float) -> None:  # the whole fleet full at once
+        for a in list(new.nodes):
+            snap = Snapshot(a, now, True, kv_usage=rng.uniform(0.92, 0.949), blocks_total=4000, block_size=16,
+                            running=2.0, waiting=0.0)
+            for f in (new, old):
+                f.on_snapshot(a, snap, now)
+
+    def ask(i: int, now: float, reserve: float, prompt: int, target: float | None) -> int:
+        """One request to both fleets: the same answer from each; 1 where the room said no by itself."""
+        no = not new.room.might_fit(reserve, now, prompt + 100)
+        args: dict[str, Any] = {"reserve": reserve, "priority": i % 2, "target": target, "limit": 5.0}
+        a_, b_ = new.place(prompt + 100, prompt, f"t{i}", now, **args), old.place(prompt + 100, prompt, f"t{i}",
+                                                                                    now, **args)
+        assert (a_.node and a_.node.address, a_.reason, a_.retry_after, a_.ttft) == (
+            b_.node and b_.node.address, b_.reason, b_.retry_after, b_.ttft), i
+        if a_.node is not None:
+            sent.append((a_.node.address, f"t{i}"))
+        return int(no)
+
     for i in range(250):
         now += rng.choice((0.01, 0.1, 0.5, 4.0))  # (dead_after_seconds is 10 by default)
         addrs = list(new.nodes)
@@ -207,12 +227,8 @@ def test_a_fleet_that_asks_its_room_first_chooses_as_one_that_filters_every_node
             a, state = rng.choice(addrs), rng.choice(list(State))
             for f in (new, old):
                 f.nodes[a].breaker._go(state, "test", now)
-        elif op < 0.47:  # the whole fleet full at once
-            for a in addrs:
-                snap = Snapshot(a, now, True, kv_usage=rng.uniform(0.92, 0.949), blocks_total=4000, block_size=16,
-                                running=2.0, waiting=0.0)
-                for f in (new, old):
-                    f.on_snapshot(a, snap, now)
+        elif op < 0.47:
+            fill(now)
         elif op < 0.49:
             keep = rng.sample(range(size), rng.randint(1, size))
             for f in (new, old):
@@ -220,21 +236,18 @@ def test_a_fleet_that_asks_its_room_first_chooses_as_one_that_filters_every_node
         else:
             reserve = rng.choice((0.0, 0.05, 0.1))
             prompt = rng.choice((50, 400, 3000))
-            said_no += not new.room.might_fit(reserve, now, prompt + 100)
-            args: dict[str, Any] = {"reserve": reserve, "priority": i % 2, "target": rng.choice((0.2, 1.0, None)),
-                                    "limit": 5.0}
-            a_, b_ = new.place(prompt + 100, prompt, f"t{i}", now, **args), old.place(prompt + 100, prompt, f"t{i}",
-                                                                                        now, **args)
-            assert (a_.node and a_.node.address, a_.reason, a_.retry_after, a_.ttft) == (
-                b_.node and b_.node.address, b_.reason, b_.retry_after, b_.ttft), i
-            if a_.node is not None:
-                sent.append((a_.node.address, f"t{i}"))
+            said_no += ask(i, now, reserve, prompt, rng.choice((0.2, 1.0, None)))
         room = new.room
         for n in new.nodes.values():
             kept = room._rooms[id(n)]
             # what judging it afresh gives — or none, for a node node choice found dead (and still is)
             assert kept == room._judge(n) or (max(kept, default=0) == -math.inf and new.status(n, now) == "dead"), i
-    assert said_no  # (the room did answer for itself: every seed fills the fleet at some point)
+    # and once the whole fleet is full, a request asks it: the room answers for itself on every seed (a run
+    # that drew no such moment — seed 209 at 40 nodes — left the comparison above untested for it)
+    now += 0.01
+    fill(now)
+    said_no += ask(-1, now, 0.0, 400, 1.0)
+    assert said_no  # (the room did answer for itself)
 
 
 def test_with_requests_waiting_a_full_fleets_reading_filters_no_node() -> None:
