@@ -54,6 +54,11 @@ class Pool(_Strict):
         "this share of their time prefilling what kvgate sent the pool (kvgate_prefill_seconds_total, its peak "
         "over the cooldown)")
 
+    scale_down_window_seconds: Annotated[float, Field(ge=0, le=3600)] = Field(
+        default=300.0, description="a scale-down must also fit the peak KV and prefill load over this long, "
+        "bursts that outran the fleet included (the HPA's scale-down stabilisation window; 0: only the peak since "
+        "the unmet rate went low)")
+
     @model_validator(mode="after")
     def _order(self) -> Pool:
         if self.max_replicas < self.min_replicas:
@@ -74,7 +79,7 @@ class Pool(_Strict):
             trend_window_s=self.trend_window_seconds, spread_share=self.spread_share,
             spread_tenants=self.spread_tenants, scale_down_kv_usage=self.scale_down_kv_usage,
             warm_pool_kv_usage=self.warm_pool_kv_usage, scale_down_prefill_usage=self.scale_down_prefill_usage,
-            window_s=window_s)
+            scale_down_window_s=self.scale_down_window_seconds, window_s=window_s)
 
 
 class Source(_Strict):

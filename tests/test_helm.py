@@ -147,7 +147,8 @@ POOLED_CONFIG: dict[str, Any] = {
 TWO_POOLS: list[dict[str, Any]] = [
     {"name": "llama-8b", "scaleTargetRef": {"kind": "Deployment", "name": "vllm-8b"}, "maxReplicas": 16},
     {"name": "llama-70b", "scaleTargetRef": {"name": "vllm-70b"}, "minReplicas": 0, "maxReplicas": 4, "step": 1,
-     "coldStartSeconds": 180, "warmPoolKvUsage": 0.7, "scaleDownPrefillUsage": 0.5}]
+     "coldStartSeconds": 180, "warmPoolKvUsage": 0.7, "scaleDownPrefillUsage": 0.5,
+     "scaleDownWindowSeconds": 900}]
 
 
 def crd_schema() -> dict[str, Any]:
@@ -180,9 +181,10 @@ def test_one_scaled_object_per_pool_each_on_its_own_kvgate_pool(tmp_path: Path) 
     assert set(sc.pools) == set(sos)  # every ScaledObject's scalerMetadata.pool is a scaler pool
     big, small = sc.pools["llama-70b"], sc.pools["llama-8b"]
     assert (big.min_replicas, big.max_replicas, big.step, big.cooldown_seconds, big.cold_start_seconds,
-            big.warm_pool_kv_usage, big.scale_down_prefill_usage) == (0, 4, 1, 300, 180, 0.7, 0.5)
+            big.warm_pool_kv_usage, big.scale_down_prefill_usage, big.scale_down_window_seconds) == (
+        0, 4, 1, 300, 180, 0.7, 0.5, 900)
     assert (small.max_replicas, small.cold_start_seconds, small.warm_pool_kv_usage,
-            small.scale_down_prefill_usage) == (16, 60, 0.55, 0.3)  # the law's
+            small.scale_down_prefill_usage, small.scale_down_window_seconds) == (16, 60, 0.55, 0.3, 300)  # the law's
     # kvgate's own pools pass through to its config, and load there
     assert kvgate_config(docs)["pools"] == POOLED_CONFIG["pools"]
     assert [p.name for p in parse_config(kvgate_config(docs)).pools] == ["llama-8b", "llama-70b"]
