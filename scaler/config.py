@@ -52,12 +52,12 @@ class Pool(_Strict):
     scale_down_prefill_usage: Annotated[float, Field(gt=0, le=1)] = Field(
         default=0.3, description="scale down only if the replicas left beyond the warm pool would spend at most "
         "this share of their time prefilling what kvgate sent the pool (kvgate_prefill_seconds_total, its peak "
-        "over the cooldown)")
+        "over the cooldown and scale_down_window_seconds)")
 
     scale_down_window_seconds: Annotated[float, Field(ge=0, le=3600)] = Field(
         default=300.0, description="a scale-down must also fit the peak KV and prefill load over this long, "
-        "bursts that outran the fleet included (the HPA's scale-down stabilisation window; 0: only the peak since "
-        "the unmet rate went low)")
+        "bursts that outran the fleet included (the HPA's scale-down stabilisation window; each reading is the "
+        "signal window's mean (window_seconds); 0: only the peak since the unmet rate went low)")
 
     @model_validator(mode="after")
     def _order(self) -> Pool:

@@ -128,7 +128,8 @@ class LawSettings:
     scale_down_window_s: float = 300.0
     """A scale-down must also fit the peak KV and prefill load of every evaluation over this long (the HPA's
     scale-down stabilisation window, Kubernetes' default 300 s), unmet demand or not; 0: only the low
-    period's peak."""
+    period's peak. Each evaluation's load is its signal window's mean, so a reading counts for up to
+    ``window_s`` longer."""
 
 
 @dataclass(frozen=True)
@@ -342,7 +343,9 @@ class ControlLaw:
         rate = acted.rate
         projected, slope = self._project(now, rate)
         mean_up = self._mean_up(now, observed)
-        kv_load = self._kv_load(now, sig.kv_usage, observed)
+        # a reading that is not a finite share says nothing (one NaN in the peaks' max hid every other reading)
+        usage = sig.kv_usage if sig.kv_usage is not None and math.isfinite(sig.kv_usage) else None
+        kv_load = self._kv_load(now, usage, observed)
         kv = None if kv_load is None or not observed else kv_load / observed
         pf = sig.prefill_seconds  # (a reading that is not a finite count of seconds says nothing: none)
         prefill_load = pf / s.window_s if math.isfinite(pf) and pf > 0 else 0.0
@@ -396,8 +399,8 @@ class ControlLaw:
         peak = max((k for _, k in self._kv_low), default=None)
         if peak is not None:  # the stabilisation window's peak, the windows with unmet demand included
             peak = max(peak, max((k for _, k, _ in self._recent if k is not None), default=0.0))
-        if peak is not None and sig.kv_usage is not None and observed:
-            peak = max(peak, sig.kv_usage * observed)  # the reading now, too: the window's mean lags a rise
+        if peak is not None and usage is not None and observed:
+            peak = max(peak, usage * observed)  # the reading now, too: the window's mean lags a rise
         low_for = now - self._low_since
         cooldown = s.cooldown_s * (self.backoff if self.flap_level is not None and current - 1 <= self.flap_level
                                    else 1.0)
@@ -411,7 +414,7 @@ class ControlLaw:
             return self._out(current, "hold", f"{what}: low for {low_for:.0f}s, but {sig.waited / admitted:.0%} of "
                              f"admissions waited in kvgate's queue for room (>= {s.scale_down_threshold:.0%})", v)
         rest = observed - 1 - s.warm_pool if observed is not None else 0
-        span = f"the cooldown and the last {s.scale_down_window_s:.0f}s"
+        span = f"the cooldown and the last {s.scale_down_window_s:.0f}s" if s.scale_down_window_s > 0 else "the cooldown"
         after_kv = None if peak is None or rest <= 0 else peak / rest
         if after_kv is not None and after_kv > s.scale_down_kv_usage:
             return self._out(current, "hold", f"{what}: low for {low_for:.0f}s, but at its peak over {span} the {rest} "

@@ -543,11 +543,13 @@ def test_kvgate_counts_fleet_caused_rejections_and_predicted_misses() -> None:
     assert nonzero == [{"a": 1}, {"a": 1}, {}]
 
 
-@pytest.mark.parametrize(("window_s", "downs"), [
-    pytest.param(0.0, [255.0], id="without the window: the burst forgotten a cooldown after it left the mean"),
-    pytest.param(300.0, [435.0], id="the HPA's default 300 s: not before the burst's load is that old"),
+@pytest.mark.parametrize(("window_s", "nan", "downs"), [
+    pytest.param(0.0, False, [255.0], id="without the window: the burst forgotten a cooldown after it left the mean"),
+    pytest.param(300.0, False, [435.0], id="the HPA's default 300 s: not before the burst's load is that old"),
+    pytest.param(300.0, True, [435.0], id="a NaN KV reading first in the window hides nothing (attack72 L1)"),
 ])
-def test_a_scale_down_fits_the_peak_of_a_burst_that_outran_the_fleet(window_s: float, downs: list[float]) -> None:
+def test_a_scale_down_fits_the_peak_of_a_burst_that_outran_the_fleet(window_s: float, nan: bool,
+                                                                    downs: list[float]) -> None:
     """A bursty tenant: 90 s in which the 3 replicas run at 90% KV and 10% of the demand misses its target
     (between the thresholds: held), then an off period at 0.6 replicas' worth of KV. The burst restarts the
     low period, so the low period's own peak forgets it a cooldown (120 s) after it left the signal window's
@@ -557,10 +559,12 @@ def test_a_scale_down_fits_the_peak_of_a_burst_that_outran_the_fleet(window_s: f
     law = ControlLaw(LawSettings(min_replicas=1, max_replicas=8, step=2, cooldown_s=120,
                                  scale_down_window_s=window_s))
     step: Callable[[float, int], Signals] = lambda t, n: (  # noqa: E731
-        window(AB, slo={"a": 10}, replicas=n, kv=0.9) if t < 90 else window(AB, replicas=n, kv=0.6 / n))
+        window(AB, slo={"a": 10}, replicas=n, kv=math.nan if nan and t == 0 else 0.9) if t < 90
+        else window(AB, replicas=n, kv=0.6 / n))
     verdicts = _drive(law, step, 900, start=3)
     assert [t for t, v in verdicts if v.action == "down"] == downs
     assert [v.desired for _, v in verdicts][-1] == 2
     held = dict(verdicts)[downs[0] - 15]
-    assert held.action == "hold" and f"at its peak over the cooldown and the last {window_s:.0f}s the 2 replica(s) " \
-        "left beyond the warm pool would run at" in held.reason, held.reason  # held by the burst's KV, not the clock
+    span = f"the cooldown and the last {window_s:.0f}s" if window_s else "the cooldown"
+    assert held.action == "hold" and f"at its peak over {span} the 2 replica(s) left beyond the warm pool would run " \
+        "at" in held.reason, held.reason  # held by the burst's KV, not by the clock
