@@ -414,7 +414,7 @@ class ControlLaw:
             return self._out(current, "hold", f"{what}: low for {low_for:.0f}s, but {sig.waited / admitted:.0%} of "
                              f"admissions waited in kvgate's queue for room (>= {s.scale_down_threshold:.0%})", v)
         rest = observed - 1 - s.warm_pool if observed is not None else 0
-        span = f"the cooldown and the last {s.scale_down_window_s:.0f}s" if s.scale_down_window_s > 0 else "the cooldown"
+        span = "the cooldown" + (f" and the last {s.scale_down_window_s:.0f}s" if s.scale_down_window_s > 0 else "")
         after_kv = None if peak is None or rest <= 0 else peak / rest
         if after_kv is not None and after_kv > s.scale_down_kv_usage:
             return self._out(current, "hold", f"{what}: low for {low_for:.0f}s, but at its peak over {span} the {rest} "
