@@ -56,8 +56,9 @@ class Pool(_Strict):
 
     scale_down_window_seconds: Annotated[float, Field(ge=0, le=3600)] = Field(
         default=300.0, description="a scale-down must also fit the peak KV and prefill load over this long, "
-        "bursts that outran the fleet included (the HPA's scale-down stabilisation window; each reading is the "
-        "signal window's mean (window_seconds); 0: only the peak since the unmet rate went low)")
+        "bursts that outran the fleet included (the law's own stabilisation, as long as Kubernetes' default for "
+        "an HPA's; each reading is the signal window's mean (window_seconds); it matters only with a cooldown "
+        "shorter than it; 0: only the peak since the unmet rate went low)")
 
     @model_validator(mode="after")
     def _order(self) -> Pool:

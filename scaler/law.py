@@ -48,16 +48,19 @@ Per evaluation, over the signal window:
   (a fleet of long prompts on a large model runs out of compute long before KV: on the families' seeds
   1-12, scale-downs by KV alone saved a few percent of GPU-hours and cost service — ``diurnal`` seed 4
   0.223 -> 0.216 GPU-h for 2.7 points of interactive SLO; with this bound kvgate+scaler missed 56 of its
-  targets against static kvgate's rows instead of 69) —
-  and both peaks are read over the last ``scale_down_window_s`` (300 s, the HPA's default stabilisation
-  window) too, every evaluation of it, those with unmet demand included: a burst that outran the fleet
-  restarts the low period, and read only since then its load was forgotten one cooldown later — an
-  off period of a bursty tenant then looked like a trough (families ``bursty-onoff`` seed 1, a 120 s
-  cooldown: 3 -> 2 replicas 180 s into a 210 s off period, its next burst met two: 21 more 503s and
-  the worst minute's Jain index 0.96 -> 0.82; the scale-down was undone at once and the run used 5.5%
-  more GPU-hours than a static fleet; over the families' seeds 1-12 it changes 4 of 60 runs, kvgate+scaler's
-  misses 51 -> 48, the other three each a few percent more GPU-hours for as much or more SLO). With a
-  cooldown at least that long the window adds nothing;
+  targets against static kvgate's rows instead of 69, when the bound went in) — and both peaks are read over
+  the last ``scale_down_window_s`` (300 s, as long as Kubernetes' default stabilisation window for an HPA's
+  scale-down) too, every evaluation of it, those with unmet demand included: a burst that outran the fleet
+  restarts the low period, and read only since then its load was forgotten one cooldown later — an off
+  period of a bursty tenant then looked like a trough (families ``bursty-onoff`` seed 1, a 120 s cooldown: 3
+  -> 2 replicas 180 s into a 210 s off period, its next burst met two: 21 more 503s and the worst minute's
+  Jain index 0.96 -> 0.82; the scale-down was undone at once and the run used 5.5% more GPU-hours than a
+  static fleet; over the families' seeds 1-12 it changes 4 of 60 runs, kvgate+scaler's misses 51 -> 48 on
+  this build, the other three each a few percent more GPU-hours for as much or more SLO — the bench applies
+  the law's count directly; the chart's HPA adds a stabilisation of ``cooldownSeconds`` on top, which would
+  have held that scale-down back too, the law's window keeps the law from asking for it: a scale-down a
+  burst undoes also costs the next one a doubled cooldown). With a cooldown at least that long the window
+  adds nothing;
   then wait another cooldown. The gap between the two KV bounds is the hysteresis: a scale-down
   never makes the next scale-up. Without KV readings nothing tells a fleet with room from one just
   big enough: a scale-down undone within a cooldown (a flap) doubles the cooldown the next one to
@@ -126,10 +129,10 @@ class LawSettings:
     window_s: float = 60.0
     """The signal window: a scale-up is sized on the replicas up over it."""
     scale_down_window_s: float = 300.0
-    """A scale-down must also fit the peak KV and prefill load of every evaluation over this long (the HPA's
-    scale-down stabilisation window, Kubernetes' default 300 s), unmet demand or not; 0: only the low
-    period's peak. Each evaluation's load is its signal window's mean, so a reading counts for up to
-    ``window_s`` longer."""
+    """A scale-down must also fit the peak KV and prefill load of every evaluation over this long (the law's
+    own stabilisation, as long as Kubernetes' default for an HPA's), unmet demand or not; 0: only the low
+    period's peak. With a cooldown at least this long it adds nothing (the default 600 s). Each
+    evaluation's load is its signal window's mean, so a reading counts for up to ``window_s`` longer."""
 
 
 @dataclass(frozen=True)

@@ -568,3 +568,30 @@ def test_a_scale_down_fits_the_peak_of_a_burst_that_outran_the_fleet(window_s: f
     span = f"the cooldown and the last {window_s:.0f}s" if window_s else "the cooldown"
     assert held.action == "hold" and f"at its peak over {span} the 2 replica(s) left beyond the warm pool would run " \
         "at" in held.reason, held.reason  # held by the burst's KV, not by the clock
+
+
+@pytest.mark.parametrize(("window_s", "downs"), [
+    pytest.param(0.0, [210.0, 330.0], id="without the window: a cooldown after the burst"),
+    pytest.param(300.0, [390.0, 510.0], id="300 s: not before the burst's prefill is that old"),
+])
+def test_a_scale_down_fits_the_prefill_peak_of_a_burst_too(window_s: float, downs: list[float]) -> None:
+    """The same burst read by its prefill alone (no KV readings): 1.5 replicas' worth of prefill for 90 s
+    with 10% of the demand missing its target, then 0.1 replica's worth. Two left would prefill 75% of their
+    time at the burst's peak (> 30%), so the window holds the first scale-down until the burst has left
+    it; after it each scale-down goes a cooldown apart (0.1 replica's worth fits one)."""
+    law = ControlLaw(LawSettings(min_replicas=1, max_replicas=8, step=2, cooldown_s=120,
+                                 scale_down_window_s=window_s))
+    step: Callable[[float, int], Signals] = lambda t, n: (  # noqa: E731
+        window(AB, slo={"a": 10}, replicas=n, prefill=90.0) if t < 90 else window(AB, replicas=n, prefill=6.0))
+    verdicts = _drive(law, step, 900, start=3)
+    assert [t for t, v in verdicts if v.action == "down"] == downs
+    if window_s:
+        held = dict(verdicts)[downs[0] - 15]
+        assert "would spend 75% of their time prefilling" in held.reason, held.reason
+
+
+def test_the_scaler_config_passes_its_window_to_the_law() -> None:
+    from scaler.config import Pool
+
+    assert Pool(scale_down_window_seconds=42).law(stale_after_s=60).scale_down_window_s == 42
+    assert Pool().law(stale_after_s=60).scale_down_window_s == LawSettings().scale_down_window_s == 300

@@ -345,13 +345,16 @@ def test_a_bench_config_sets_the_autoscalers_start_size_and_the_scaler_law(tmp_p
     cfg = tmp_path / "bench.yaml"
     cfg.write_text(yaml.safe_dump({
         "nodes": 3, "min_nodes": 2, "max_nodes": 9, "policies": ["autoscale-only", "kvgate+scaler"],
-        "scaler": {"step": 3, "scale_up_threshold": 0.1, "cooldown_s": 30, "warm_pool": 1, "window_s": 20},
+        "scaler": {"step": 3, "scale_up_threshold": 0.1, "cooldown_s": 30, "warm_pool": 1, "window_s": 20,
+                   "scale_down_window_s": 600, "law_scale_down_window_s": 90},
         "kvgate": {"tenants": [{"name": "a"}]}}))
     bc = load_bench_config(cfg)
     assert [(p.nodes, p.min_nodes, p.max_nodes) for p in bc.policy_list()] == [(3, 2, 9), (3, 2, 9)]
     auto = bc.autoscaling()
     assert (auto.law.step, auto.law.scale_up_threshold, auto.law.cooldown_s, auto.law.warm_pool,
             auto.window_s) == (3, 0.1, 30, 1, 20)
+    # each autoscaler its own scale-down window: the HPA's stabilisation, the law's peak lookback
+    assert (auto.scale_down_window_s, auto.law.scale_down_window_s) == (600, 90)
     cfg.write_text(yaml.safe_dump({"scaler": {"stepp": 3}}))
     with pytest.raises(ConfigError, match=r"scaler\.stepp"):
         load_bench_config(cfg)

@@ -62,9 +62,11 @@ class ScalerSettings(BaseModel):
         default=0.5, description="autoscale-only's second HPA trigger: vLLM's KV-cache usage per node (0..1, "
         "AverageValue of the nodes' sum); the HPA follows whichever trigger asks for more nodes")
     scale_down_window_s: Annotated[float, Field(ge=0, le=3600)] = Field(
-        default=300.0, description="both autoscalers' scale-down stabilisation window: autoscale-only's HPA "
-        "(Kubernetes' default 300 s; 0-3600 as the HPA allows), and how far back the scaler's law reads the peak "
-        "load a scale-down must fit (``scale_down_window_seconds``)")
+        default=300.0, description="autoscale-only: the HPA's scale-down stabilisation window (Kubernetes' "
+        "default 300 s; 0-3600 as the HPA allows)")
+    law_scale_down_window_s: Annotated[float, Field(ge=0, le=3600)] = Field(
+        default=300.0, description="kvgate+scaler: how far back the law reads the peak load a scale-down must fit "
+        "(the scaler's ``scale_down_window_seconds``; 0: only since the unmet rate went low)")
     concentration: Annotated[float, Field(gt=0, le=1)] = 0.8
     trend_window_s: Annotated[float, Field(gt=0)] = 60.0
     spread_share: Annotated[float, Field(gt=0, le=1)] = 0.30
@@ -160,7 +162,7 @@ class BenchConfig(BaseModel):
                           spread_tenants=s.spread_tenants, scale_down_kv_usage=s.scale_down_kv_usage,
                           warm_pool_kv_usage=s.warm_pool_kv_usage,
                           scale_down_prefill_usage=s.scale_down_prefill_usage, window_s=s.window_s,
-                          scale_down_window_s=s.scale_down_window_s)
+                          scale_down_window_s=s.law_scale_down_window_s)
         return Autoscaling(interval_s=s.interval_s, waiting_per_node=s.waiting_per_node, window_s=s.window_s, law=law,
                            kv_usage_per_node=s.kv_usage_per_node, scale_down_window_s=s.scale_down_window_s)
 
