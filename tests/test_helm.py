@@ -130,8 +130,11 @@ def test_the_scaled_object_matches_kedas_crd(tmp_path: Path) -> None:
     assert trig["type"] == "external" and trig["metadata"]["pool"] == "llama-8b"
     assert trig["metadata"]["scalerAddress"] == "demo-kvgate-scaler.llm.svc.cluster.local:9105"
     behaviour = so["spec"]["advanced"]["horizontalPodAutoscalerConfig"]["behavior"]
-    assert behaviour["scaleUp"]["policies"][0]["value"] == 2  # in steps of the law's step
-    assert behaviour["scaleDown"]["stabilizationWindowSeconds"] == 600  # with the cooldown
+    # up: the law's whole count at once (maxReplicas pods a period: it sizes a scale-up by the shortfall);
+    # down: stabilised over the cooldown; no tolerance either way (the metric is the law's count itself)
+    assert behaviour["scaleUp"]["policies"] == [{"type": "Pods", "value": 6, "periodSeconds": 15}]
+    assert behaviour["scaleDown"]["stabilizationWindowSeconds"] == 600
+    assert behaviour["scaleUp"]["tolerance"] == behaviour["scaleDown"]["tolerance"] == 0
     broken = json.loads(json.dumps(so))
     broken["spec"]["triggers"][0].pop("type")
     with pytest.raises(jsonschema.ValidationError):  # the schema really checks
@@ -173,9 +176,11 @@ def test_one_scaled_object_per_pool_each_on_its_own_kvgate_pool(tmp_path: Path) 
         return (spec["scaleTargetRef"]["name"], spec["minReplicaCount"], spec["maxReplicaCount"],
                 behaviour["scaleUp"]["policies"][0]["value"], behaviour["scaleDown"]["stabilizationWindowSeconds"])
 
-    # each its own Deployment and bounds; what an entry leaves out comes from poolDefaults (0 is a value)
-    assert shape(sos["llama-8b"]) == ("vllm-8b", 1, 16, 2, 300)
-    assert shape(sos["llama-70b"]) == ("vllm-70b", 0, 4, 1, 300)
+    # each its own Deployment and bounds; what an entry leaves out comes from poolDefaults (0 is a value).
+    # Up: the law's whole count at once (it sizes a scale-up by the shortfall, up to 3x; a cap of `step` pods a
+    # minute throttled it); down: one at a time, stabilised over the cooldown
+    assert shape(sos["llama-8b"]) == ("vllm-8b", 1, 16, 16, 300)
+    assert shape(sos["llama-70b"]) == ("vllm-70b", 0, 4, 4, 300)
     cms = {d["metadata"]["name"]: d["data"] for d in of(docs, "ConfigMap")}
     sc = ScalerConfig.model_validate(yaml.safe_load(cms["demo-kvgate-scaler"]["scaler.yaml"]))
     assert set(sc.pools) == set(sos)  # every ScaledObject's scalerMetadata.pool is a scaler pool
