@@ -56,9 +56,8 @@ Per evaluation, over the signal window:
   -> 2 replicas 180 s into a 210 s off period, its next burst met two: 21 more 503s and the worst minute's
   Jain index 0.96 -> 0.82; the scale-down was undone at once and the run used 5.5% more GPU-hours than a
   static fleet; over the families' seeds 1-12 it changes 4 of 60 runs, kvgate+scaler's misses 51 -> 48 on
-  this build, the other three each a few percent more GPU-hours for as much or more SLO — the bench applies
-  the law's count directly; the chart's HPA adds a stabilisation of ``cooldownSeconds`` on top, which would
-  have held that scale-down back too, the law's window keeps the law from asking for it: a scale-down a
+  this build, the other three each a few percent more GPU-hours for as much or more SLO; the chart's HPA
+  applies the law's count as it is, as the bench does, so the law is the only stabiliser; a scale-down a
   burst undoes also costs the next one a doubled cooldown). With a cooldown at least that long the window
   adds nothing;
   then wait another cooldown. The gap between the two KV bounds is the hysteresis: a scale-down

@@ -130,10 +130,13 @@ def test_the_scaled_object_matches_kedas_crd(tmp_path: Path) -> None:
     assert trig["type"] == "external" and trig["metadata"]["pool"] == "llama-8b"
     assert trig["metadata"]["scalerAddress"] == "demo-kvgate-scaler.llm.svc.cluster.local:9105"
     behaviour = so["spec"]["advanced"]["horizontalPodAutoscalerConfig"]["behavior"]
-    # up: the law's whole count at once (maxReplicas pods a period: it sizes a scale-up by the shortfall);
-    # down: stabilised over the cooldown; no tolerance either way (the metric is the law's count itself)
+    # the HPA applies the law's count (the law is the stabiliser): up at once (maxReplicas pods a period: the law
+    # sizes a scale-up by the shortfall), down one pod at a time with no window of its own (a stabilisation of
+    # the cooldown doubled it), no tolerance either way (the metric is the law's count itself)
     assert behaviour["scaleUp"]["policies"] == [{"type": "Pods", "value": 6, "periodSeconds": 15}]
-    assert behaviour["scaleDown"]["stabilizationWindowSeconds"] == 600
+    assert behaviour["scaleDown"]["policies"] == [{"type": "Pods", "value": 1, "periodSeconds": 15}]
+    assert behaviour["scaleUp"]["stabilizationWindowSeconds"] == behaviour["scaleDown"][
+        "stabilizationWindowSeconds"] == 0
     assert behaviour["scaleUp"]["tolerance"] == behaviour["scaleDown"]["tolerance"] == 0
     broken = json.loads(json.dumps(so))
     broken["spec"]["triggers"][0].pop("type")
@@ -174,13 +177,13 @@ def test_one_scaled_object_per_pool_each_on_its_own_kvgate_pool(tmp_path: Path) 
         spec = so["spec"]
         behaviour = spec["advanced"]["horizontalPodAutoscalerConfig"]["behavior"]
         return (spec["scaleTargetRef"]["name"], spec["minReplicaCount"], spec["maxReplicaCount"],
-                behaviour["scaleUp"]["policies"][0]["value"], behaviour["scaleDown"]["stabilizationWindowSeconds"])
+                behaviour["scaleUp"]["policies"][0]["value"])
 
     # each its own Deployment and bounds; what an entry leaves out comes from poolDefaults (0 is a value).
     # Up: the law's whole count at once (it sizes a scale-up by the shortfall, up to 3x; a cap of `step` pods a
-    # minute throttled it); down: one at a time, stabilised over the cooldown
-    assert shape(sos["llama-8b"]) == ("vllm-8b", 1, 16, 16, 300)
-    assert shape(sos["llama-70b"]) == ("vllm-70b", 0, 4, 4, 300)
+    # minute throttled it)
+    assert shape(sos["llama-8b"]) == ("vllm-8b", 1, 16, 16)
+    assert shape(sos["llama-70b"]) == ("vllm-70b", 0, 4, 4)
     cms = {d["metadata"]["name"]: d["data"] for d in of(docs, "ConfigMap")}
     sc = ScalerConfig.model_validate(yaml.safe_load(cms["demo-kvgate-scaler"]["scaler.yaml"]))
     assert set(sc.pools) == set(sos)  # every ScaledObject's scalerMetadata.pool is a scaler pool
@@ -781,3 +784,19 @@ def test_the_charts_redis_with_an_explicit_url_is_refused_in_words(tmp_path: Pat
     ok = {**VALUES, **CHART_REDIS, "store": {"redis": {"url": "redis://demo-kvgate-redis.llm.svc:6379/0",
                                                      "existingSecret": "mine"}}}
     assert helm("template", "demo", str(CHART), values=ok, tmp=tmp_path, check=False).returncode == 0
+
+
+@pytest.mark.parametrize("cooldown", [0, 90.5, 2400])
+def test_any_cooldown_renders_an_hpa_the_api_server_takes(tmp_path: Path, cooldown: float) -> None:
+    """The cooldown is the law's (the scaler's config); the HPA's behaviour does not depend on it. As its
+    stabilisation window and policy period, a cooldown of 0 or over 1800 s (an HPA's bounds) or a fraction
+    of a second made an HPA the API server refuses, and the pool never scaled."""
+    docs = render(tmp_path, pools=[{**VALUES["pools"][0], "cooldownSeconds": cooldown}])
+    (so,) = of(docs, "ScaledObject")
+    jsonschema.validate(so, crd_schema())
+    for rules in so["spec"]["advanced"]["horizontalPodAutoscalerConfig"]["behavior"].values():
+        assert 0 <= rules["stabilizationWindowSeconds"] <= 3600
+        assert all(isinstance(p["periodSeconds"], int) and 0 < p["periodSeconds"] <= 1800 for p in rules["policies"])
+    cms = {d["metadata"]["name"]: d["data"] for d in of(docs, "ConfigMap")}
+    sc = ScalerConfig.model_validate(yaml.safe_load(cms["demo-kvgate-scaler"]["scaler.yaml"]))
+    assert {p.cooldown_seconds for p in sc.pools.values()} == {cooldown}  # the law has it
