@@ -48,22 +48,22 @@ Per evaluation, over the signal window:
   (a fleet of long prompts on a large model runs out of compute long before KV: on the families' seeds
   1-12, scale-downs by KV alone saved a few percent of GPU-hours and cost service — ``diurnal`` seed 4
   0.223 -> 0.216 GPU-h for 2.7 points of interactive SLO; with this bound kvgate+scaler missed 56 of its
-  targets against static kvgate's rows instead of 69, when the bound went in) — and both peaks are read over
-  the last ``scale_down_window_s`` (300 s, as long as Kubernetes' default stabilisation window for an HPA's
-  scale-down) too, every evaluation of it, those with unmet demand included: a burst that outran the fleet
-  restarts the low period, and read only since then its load was forgotten one cooldown later — an off
-  period of a bursty tenant then looked like a trough (families ``bursty-onoff`` seed 1, a 120 s cooldown: 3
-  -> 2 replicas 180 s into a 210 s off period, its next burst met two: 21 more 503s and the worst minute's
-  Jain index 0.96 -> 0.82; the scale-down was undone at once and the run used 5.5% more GPU-hours than a
-  static fleet; over the families' seeds 1-12 it changes 4 of 60 runs, kvgate+scaler's misses 51 -> 48 on
-  this build, the other three each a few percent more GPU-hours for as much or more SLO; the chart's HPA
-  applies the law's count as it is, as the bench does, so the law is the only stabiliser; a scale-down a
-  burst undoes also costs the next one a doubled cooldown). With a cooldown at least that long the window
-  adds nothing;
-  then wait another cooldown. The gap between the two KV bounds is the hysteresis: a scale-down
-  never makes the next scale-up. Without KV readings nothing tells a fleet with room from one just
-  big enough: a scale-down undone within a cooldown (a flap) doubles the cooldown the next one to
-  that level or below waits (up to 8 cooldowns); one there that holds halves it again;
+  targets against static kvgate's rows instead of 69, when the bound went in); then wait another
+  cooldown. The gap between the two KV bounds is the hysteresis: a scale-down never makes the next
+  scale-up. Without KV readings nothing tells a fleet with room from one just big enough: a scale-down
+  undone within a cooldown (a flap) doubles the cooldown the next one to that level or below waits (up
+  to 8 cooldowns); one there that holds halves it again;
+* both peaks a scale-down must fit are also read over the last ``scale_down_window_s`` (300 s, as long
+  as Kubernetes' default stabilisation window for an HPA's scale-down), every evaluation of it, those
+  with unmet demand included. A burst that outran the fleet restarts the low period, and read only since
+  then its load was forgotten one cooldown later: an off period of a bursty tenant looked like a trough
+  (families ``bursty-onoff`` seed 1, a 120 s cooldown: 3 -> 2 replicas 180 s into a 210 s off period;
+  its next burst met two, 21 more 503s, the worst minute's Jain index 0.96 -> 0.82, and once the
+  scale-down was undone 5.5% more GPU-hours than a static fleet; over the families' seeds 1-12 the window
+  changed 4 of 60 runs, kvgate+scaler's misses 51 -> 48 when it went in, the other three a few percent
+  more GPU-hours for as much or more SLO). With a cooldown at least that long (the default 600 s) it adds
+  nothing. (The bench applies the law's count as it is; the chart's HPA holds a scale-down over one more
+  cooldown.)
 * in between → hold (and the cooldown starts again), except within a cooldown of a scale-down with
   no scale-up since: the unmet rate or its projection at ``scale_down_threshold`` or above then puts
   the replica removed back (+1; a flap, as above). The fleet had no unmet demand before it; one
@@ -121,7 +121,8 @@ class LawSettings:
     most at this mean (when kvgate reports it)."""
     scale_down_prefill_usage: float = 0.3
     """Scale down only if the replicas left beyond the warm pool would spend at most this share of their time
-    prefilling what kvgate sent the pool (its peak over the cooldown; when kvgate reports it)."""
+    prefilling what kvgate sent the pool (its peak over the cooldown and ``scale_down_window_s``; when kvgate
+    reports it)."""
     warm_pool_kv_usage: float = 0.55
     """With a warm pool: the replicas beyond it carrying the fleet's KV-cache usage above this mean (the
     warm replicas carry demand) → one more replica, to keep the pool spare."""

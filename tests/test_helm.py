@@ -130,13 +130,17 @@ def test_the_scaled_object_matches_kedas_crd(tmp_path: Path) -> None:
     assert trig["type"] == "external" and trig["metadata"]["pool"] == "llama-8b"
     assert trig["metadata"]["scalerAddress"] == "demo-kvgate-scaler.llm.svc.cluster.local:9105"
     behaviour = so["spec"]["advanced"]["horizontalPodAutoscalerConfig"]["behavior"]
-    # the HPA applies the law's count (the law is the stabiliser): up at once (maxReplicas pods a period: the law
-    # sizes a scale-up by the shortfall), down one pod at a time with no window of its own (a stabilisation of
-    # the cooldown doubled it), no tolerance either way (the metric is the law's count itself)
-    assert behaviour["scaleUp"]["policies"] == [{"type": "Pods", "value": 6, "periodSeconds": 15}]
-    assert behaviour["scaleDown"]["policies"] == [{"type": "Pods", "value": 1, "periodSeconds": 15}]
-    assert behaviour["scaleUp"]["stabilizationWindowSeconds"] == behaviour["scaleDown"][
-        "stabilizationWindowSeconds"] == 0
+    # up: the law's count at once (maxReplicas pods a period: the law sizes a scale-up by the shortfall); down: one
+    # pod at a time, held over the cooldown (a restarted scaler starts from the ready replicas, not the loading)
+    assert behaviour["scaleUp"] == {"stabilizationWindowSeconds": 0,
+                                    "policies": [{"type": "Pods", "value": 6, "periodSeconds": 15}]}
+    assert behaviour["scaleDown"] == {"stabilizationWindowSeconds": 600,
+                                      "policies": [{"type": "Pods", "value": 1, "periodSeconds": 15}]}
+    # the HPA's tolerance only when asked for (an older KEDA's CRD lacks the field: strict validation refuses it)
+    (so,) = of(render(tmp_path, keda={"pollingInterval": 15, "cooldownPeriod": 300, "hpaTolerance": 0}),
+               "ScaledObject")
+    jsonschema.validate(so, schema)
+    behaviour = so["spec"]["advanced"]["horizontalPodAutoscalerConfig"]["behavior"]
     assert behaviour["scaleUp"]["tolerance"] == behaviour["scaleDown"]["tolerance"] == 0
     broken = json.loads(json.dumps(so))
     broken["spec"]["triggers"][0].pop("type")
@@ -786,16 +790,18 @@ def test_the_charts_redis_with_an_explicit_url_is_refused_in_words(tmp_path: Pat
     assert helm("template", "demo", str(CHART), values=ok, tmp=tmp_path, check=False).returncode == 0
 
 
-@pytest.mark.parametrize("cooldown", [0, 90.5, 2400])
-def test_any_cooldown_renders_an_hpa_the_api_server_takes(tmp_path: Path, cooldown: float) -> None:
-    """The cooldown is the law's (the scaler's config); the HPA's behaviour does not depend on it. As its
-    stabilisation window and policy period, a cooldown of 0 or over 1800 s (an HPA's bounds) or a fraction
-    of a second made an HPA the API server refuses, and the pool never scaled."""
+@pytest.mark.parametrize(("cooldown", "window"), [(0, 0), (90.5, 90), (2400, 2400), (5000, 3600)])
+def test_any_cooldown_renders_an_hpa_the_api_server_takes(tmp_path: Path, cooldown: float, window: int) -> None:
+    """The cooldown is the law's (the scaler's config); the HPA holds a scale-down over it, as an integer within
+    an HPA's bounds (0-3600 s). As the policy period too, a cooldown of 0 or over 1800 s or a fraction of a
+    second made an HPA the API server refuses, and the pool never scaled."""
     docs = render(tmp_path, pools=[{**VALUES["pools"][0], "cooldownSeconds": cooldown}])
     (so,) = of(docs, "ScaledObject")
     jsonschema.validate(so, crd_schema())
-    for rules in so["spec"]["advanced"]["horizontalPodAutoscalerConfig"]["behavior"].values():
-        assert 0 <= rules["stabilizationWindowSeconds"] <= 3600
+    behaviour = so["spec"]["advanced"]["horizontalPodAutoscalerConfig"]["behavior"]
+    assert behaviour["scaleDown"]["stabilizationWindowSeconds"] == window
+    for rules in behaviour.values():
+        assert isinstance(rules["stabilizationWindowSeconds"], int) and 0 <= rules["stabilizationWindowSeconds"] <= 3600
         assert all(isinstance(p["periodSeconds"], int) and 0 < p["periodSeconds"] <= 1800 for p in rules["policies"])
     cms = {d["metadata"]["name"]: d["data"] for d in of(docs, "ConfigMap")}
     sc = ScalerConfig.model_validate(yaml.safe_load(cms["demo-kvgate-scaler"]["scaler.yaml"]))
