@@ -27,6 +27,9 @@ Per evaluation, over the signal window:
   least one when only its projection is (a rise not there yet is not sized as one: a +2 on a 13%
   rate left the replicas added half idle); nothing when replicas that came up during the window
   cover it;
+* every move (up, down, the warm pool's, a flap's) is more than ``hpa_tolerance`` (10%) of the replicas
+  up: the HPA that applies the count ignores a smaller change of it, and a scale-up asked but never
+  applied held every later one (below);
 * a scale-up is not repeated while the replicas it asked for are not there yet (models take 30-90 s
   to load): unmet demand during a cold start is expected and must not compound;
 * rejections concentrated in one tenant's quota — one tenant has ≥ ``concentration`` (80%) of all
