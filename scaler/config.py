@@ -54,10 +54,6 @@ class Pool(_Strict):
         "this share of their time prefilling what kvgate sent the pool (kvgate_prefill_seconds_total, its peak "
         "over the cooldown and scale_down_window_seconds)")
 
-    hpa_tolerance: Annotated[float, Field(ge=0, le=1)] = Field(
-        default=0.1, description="the tolerance of the HPA that applies the law's count (Kubernetes' cluster-wide "
-        "default 10%): every move the law asks is more than this share of the replicas running, else the HPA "
-        "ignores it (at 10 replicas or more a one-replica move is two); 0 where the HPAs' tolerance is 0")
     scale_down_window_seconds: Annotated[float, Field(ge=0, le=3600)] = Field(
         default=300.0, description="a scale-down must also fit the peak KV and prefill load over this long, "
         "bursts that outran the fleet included (the law's own stabilisation, as long as Kubernetes' default for "
@@ -84,7 +80,7 @@ class Pool(_Strict):
             trend_window_s=self.trend_window_seconds, spread_share=self.spread_share,
             spread_tenants=self.spread_tenants, scale_down_kv_usage=self.scale_down_kv_usage,
             warm_pool_kv_usage=self.warm_pool_kv_usage, scale_down_prefill_usage=self.scale_down_prefill_usage,
-            scale_down_window_s=self.scale_down_window_seconds, hpa_tolerance=self.hpa_tolerance, window_s=window_s)
+            scale_down_window_s=self.scale_down_window_seconds, window_s=window_s)
 
 
 class Source(_Strict):

@@ -27,9 +27,6 @@ Per evaluation, over the signal window:
   least one when only its projection is (a rise not there yet is not sized as one: a +2 on a 13%
   rate left the replicas added half idle); nothing when replicas that came up during the window
   cover it;
-* every move (up, down, the warm pool's, a flap's) is more than ``hpa_tolerance`` (10%) of the replicas
-  up: the HPA that applies the count ignores a smaller change of it, and a scale-up asked but never
-  applied held every later one (below);
 * a scale-up is not repeated while the replicas it asked for are not there yet (models take 30-90 s
   to load): unmet demand during a cold start is expected and must not compound;
 * rejections concentrated in one tenant's quota — one tenant has ≥ ``concentration`` (80%) of all
@@ -131,12 +128,6 @@ class LawSettings:
     warm replicas carry demand) → one more replica, to keep the pool spare."""
     window_s: float = 60.0
     """The signal window: a scale-up is sized on the replicas up over it."""
-    hpa_tolerance: float = 0.1
-    """The tolerance of the HPA that applies the law's count (Kubernetes' cluster-wide default 10%): it ignores
-    a count within this share of the replicas running, so every move the law asks is larger — at 10 replicas
-    or more a one-replica move is two. A scale-up it ignored never came, and the law, waiting for it, held
-    every later one: a pool of 10 stopped growing at 40% unmet demand (attack73). 0 where the HPAs'
-    tolerance is 0."""
     scale_down_window_s: float = 300.0
     """A scale-down must also fit the peak KV and prefill load of every evaluation over this long (the law's
     own stabilisation, as long as Kubernetes' default for an HPA's), unmet demand or not; 0: only the low
@@ -386,8 +377,7 @@ class ControlLaw:
             if waiting:
                 return self._out(current, "hold", f"{why}; waiting for the {self._total(current) - (observed or 0)} "
                                  "replica(s) already asked for to come up", v)
-            more = self._move(observed)
-            return self._out(current + more, "up", f"{why}: +{more} replica(s){self._cleared(more)}", v)
+            return self._out(current + 1, "up", why + ": +1 replica", v)
         if quota is not None and u.rate is not None and u.rate > thr:
             self._low_since = None
             return self._out(current, "hold", f"{what}: rejections concentrated in tenant {quota!r}'s quota: a "
@@ -396,9 +386,8 @@ class ControlLaw:
             self._low_since = None
             last = self._last_down
             if last is not None and now - last[0] < s.cooldown_s and current == last[1]:
-                more = self._move(observed)
-                return self._out(current + more, "up", f"{what} >= {s.scale_down_threshold:.0%} within a cooldown "
-                                 f"of a scale-down: +{more}, the replica(s) removed{self._cleared(more)}", v)
+                return self._out(current + 1, "up", f"{what} >= {s.scale_down_threshold:.0%} within a cooldown "
+                                 "of a scale-down: +1 replica, the one removed", v)
             return self._out(current, "hold", f"{what}: between the thresholds", v)
         if self._low_since is None:
             self._low_since = now
@@ -427,8 +416,7 @@ class ControlLaw:
             # 1: 2 -> 1 node at "45% KV" while 10% of admissions waited; then 158 503s)
             return self._out(current, "hold", f"{what}: low for {low_for:.0f}s, but {sig.waited / admitted:.0%} of "
                              f"admissions waited in kvgate's queue for room (>= {s.scale_down_threshold:.0%})", v)
-        fewer = self._move(observed)
-        rest = observed - fewer - s.warm_pool if observed is not None else 0
+        rest = observed - 1 - s.warm_pool if observed is not None else 0
         span = "the cooldown" + (f" and the last {s.scale_down_window_s:.0f}s" if s.scale_down_window_s > 0 else "")
         after_kv = None if peak is None or rest <= 0 else peak / rest
         if after_kv is not None and after_kv > s.scale_down_kv_usage:
@@ -446,8 +434,7 @@ class ControlLaw:
         load = "" if after_kv is None else f"; the {rest} left beyond the warm pool would run at {after_kv:.0%} KV"
         if after_prefill is not None and prefill > 0:
             load += f"; they would spend {after_prefill:.0%} of their time prefilling"
-        return self._out(current - fewer, "down", f"{what} < {s.scale_down_threshold:.0%} for {low_for:.0f}s{load}"
-                         f"{self._cleared(fewer, '-')}", v)
+        return self._out(current - 1, "down", f"{what} < {s.scale_down_threshold:.0%} for {low_for:.0f}s{load}", v)
 
     def _up(self, current: int, observed: int | None, mean_up: float | None, share: float, why: str,
             ctx: _Ctx, step: int) -> Verdict:
@@ -467,24 +454,8 @@ class ControlLaw:
             return self._out(current, "hold", f"{why}, but the {up} replica(s) up now cover it (the window saw "
                              f"{base:.1f} on average, short by {share:.0%}: {need} needed)", ctx)
         add = max(step, need - up)
-        more = self._move(up)
-        cleared = self._cleared(more) if more > add else ""
-        add = max(add, more)
         return self._out(current + add, "up", f"{why}: +{add} replica(s) (max(step {step}, {base:.1f} up over the "
-                         f"window / {1 - share:.0%} served = {need} needed, {up} up)){cleared}", ctx)
-
-    def _move(self, running: int | None) -> int:
-        """The fewest replicas a change of the count must move from ``running`` for the HPA to apply it:
-        more than ``hpa_tolerance`` of them (at least one)."""
-        if not running:
-            return 1
-        return max(1, math.floor(self.s.hpa_tolerance * running + 1e-9) + 1)
-
-    def _cleared(self, moved: int, sign: str = "+") -> str:
-        """What a verdict's reason adds when the HPA's tolerance set the size of its move."""
-        if moved <= 1 or self.s.hpa_tolerance <= 0:
-            return ""
-        return f" ({sign}{moved}: a smaller move is within the HPA's {self.s.hpa_tolerance:.0%} tolerance)"
+                         f"window / {1 - share:.0%} served = {need} needed, {up} up))", ctx)
 
     def _remember(self, now: float, kv_load: float | None, prefill_load: float) -> None:
         """Keep this evaluation's KV and prefill load over the last ``scale_down_window_s``."""

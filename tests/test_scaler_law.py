@@ -403,11 +403,8 @@ def test_no_flapping_under_an_oscillating_signal(step: Callable[[float, int], Si
 
 def test_without_kv_readings_flaps_back_off() -> None:
     """Without KV readings nothing tells a fleet with room from one just big enough: a scale-down undone
-    within a cooldown makes the next one to that level wait twice as long (up to 8 cooldowns). (An HPA with no
-    tolerance: the fleet reaches 10 replicas, where a 10% one makes every scale-down two, and the backoff is
-    what is measured here.)"""
-    law = ControlLaw(LawSettings(min_replicas=1, max_replicas=12, step=2, cooldown_s=600, warm_pool=1,
-                                 hpa_tolerance=0.0))
+    within a cooldown makes the next one to that level wait twice as long (up to 8 cooldowns)."""
+    law = ControlLaw(LawSettings(min_replicas=1, max_replicas=12, step=2, cooldown_s=600, warm_pool=1))
     step: Callable[[float, int], Signals] = lambda t, n: window(  # noqa: E731
         AB, capacity={"a": 60} if n < _demand(t) else None, replicas=n)
     verdicts = _drive(law, step, 6 * 3600)
@@ -601,53 +598,18 @@ def test_the_scaler_config_passes_its_window_to_the_law() -> None:
 
 
 
-class _Hpa:
-    """An HPA on the law's count (AverageValue, target 1) with Kubernetes' tolerance: a count within
-    ``tolerance`` of the replicas running is ignored."""
-
-    def __init__(self, tolerance: float) -> None:
-        self.tolerance = tolerance
-
-    def apply(self, running: int, asked: int) -> int:
-        return running if abs(asked / running - 1) <= self.tolerance else asked
-
-
-@pytest.mark.parametrize(("hpa_tolerance", "grows"), [
-    pytest.param(0.1, True, id="the law's moves clear the HPA's 10%: the pool grows"),
-    pytest.param(0.0, False, id="a law that ignores it asks +1 at 12, never gets it and waits for it for good"),
-])
-def test_a_large_pool_keeps_scaling_behind_an_hpas_tolerance(hpa_tolerance: float, grows: bool) -> None:
+@pytest.mark.xfail(strict=True, reason="known limit: the law waits for good for replicas an HPA with a 10% tolerance "
+                   "never adds (docs/known-limits.md; attack73, attack74)")
+def test_a_large_pool_keeps_scaling_behind_an_hpas_tolerance() -> None:
     """12 replicas, one of them the warm pool, at 60% KV usage: the warm pool carries demand, so one more
-    replica. The HPA (Kubernetes' default tolerance 10%) ignores a count within 10% of the replicas running:
-    13 of 12 never came, and the law, which does not ask again while replicas it asked for are loading, held
-    every later scale-up, at 40% of the demand refused for capacity too (attack73)."""
-    law = ControlLaw(LawSettings(min_replicas=1, max_replicas=24, step=2, warm_pool=1, hpa_tolerance=hpa_tolerance))
-    hpa = _Hpa(0.1)
+    replica. An HPA with Kubernetes' default tolerance (10%) ignores a count within 10% of the replicas it
+    runs: 13 of 12 never comes, and the law, which does not ask again while replicas it asked for are
+    loading, holds every later scale-up, with 40% of the demand refused for capacity too."""
+    law = ControlLaw(LawSettings(min_replicas=1, max_replicas=24, step=2, warm_pool=1))
     running, t = 12, 0.0
-    seen = []
-    last = None
     while t <= 600:
         r = 0.4 if t >= 120 and running < 18 else 0.0
-        sig = window(AB, capacity={"a": 100 * r / (1 - r)}, replicas=running, at=t, kv=0.6)
-        last = law.decide(sig, t)
-        running = hpa.apply(running, last.desired)
-        seen.append(running)
+        asked = law.decide(window(AB, capacity={"a": 100 * r / (1 - r)}, replicas=running, at=t, kv=0.6), t).desired
+        running = running if abs(asked / running - 1) <= 0.1 else asked  # the HPA's tolerance
         t += 15.0
-    assert last is not None
-    if grows:
-        assert seen[-1] >= 18, seen  # up to where nothing is refused
-    else:
-        assert max(seen) == 12 and "waiting for the 1 replica(s) already asked for" in last.reason, last.reason
-
-
-@pytest.mark.parametrize(("running", "moves"), [(5, 1), (9, 1), (10, 2), (19, 2), (20, 3), (30, 4)])
-def test_every_move_clears_the_hpas_tolerance(running: int, moves: int) -> None:
-    """One step up and one down from ``running`` replicas: more than 10% of them, at least one."""
-    law = ControlLaw(LawSettings(min_replicas=1, max_replicas=64, step=1, cooldown_s=60))
-    up = law.decide(window(AB, capacity={"a": 40}, replicas=running), 0.0)  # 29% > 25%: sized 1.4x...
-    assert up.action == "up" and up.desired - running >= moves
-    down = ControlLaw(LawSettings(min_replicas=1, max_replicas=64, step=1, cooldown_s=60))
-    verdicts = _drive(down, lambda t, n: window(AB, replicas=n, kv=0.1), 60, start=running)
-    (v,) = [v for _, v in verdicts if v.action == "down"]
-    assert running - v.desired == moves, v.reason
-    assert (f"(-{moves}: a smaller move is within the HPA's 10% tolerance)" in v.reason) is (moves > 1), v.reason
+    assert running >= 18  # up to where nothing is refused

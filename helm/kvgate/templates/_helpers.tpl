@@ -160,9 +160,6 @@ overlaid one by one (hasKey, not `default` or `merge`, which take 0 and false fo
 {{- $_ := set $law $name (get $p $key) -}}
 {{- end -}}
 {{- end -}}
-{{- if not (kindIs "invalid" $.Values.keda.hpaTolerance) -}}
-{{- $_ := set $law "hpa_tolerance" $.Values.keda.hpaTolerance -}}
-{{- end -}}
 {{- $_ := set $pools .name $law -}}
 {{- end -}}
 {{- toYaml (dict "pools" $pools) -}}
