@@ -612,3 +612,20 @@ def test_a_large_pool_keeps_scaling_behind_an_hpas_tolerance() -> None:
         running = running if 0.9 <= asked / running <= 1.1 else asked  # the HPA's tolerance (10% included)
         t += 15.0
     assert running >= 18  # up to where nothing is refused
+
+
+def test_a_scale_down_the_hpa_has_not_applied_yet_counts_as_done() -> None:
+    """Behind the chart's HPA a scale-down reaches the pods a cooldown late (its window holds the highest count
+    the law asked in it) and a poll or two, after the law's next one is due. 4 replicas at 1.2 replicas' worth
+    of KV in use: 3 left run at 40% (<= 45%: down), 2 at 60% (held). Counted from the 4 pods still running,
+    the second scale-down checked the 3 that would be left — 40% — and went to 2 (review74 L3)."""
+    law = ControlLaw(LawSettings(min_replicas=1, max_replicas=8, step=2, cooldown_s=120))
+    asked: list[tuple[float, int]] = []
+    running, t = 4, 0.0
+    while t <= 900:
+        v = law.decide(window(AB, replicas=running, kv=1.2 / running, at=t), t)
+        asked.append((t, v.desired))
+        # the HPA: the highest count asked over its window (the cooldown), applied two polls later
+        running = max(n for at, n in asked if t - 150 < at <= t - 30) if t >= 30 else running
+        t += 15.0
+    assert min(n for _, n in asked) == 3 and running == 3
