@@ -416,11 +416,12 @@ class ControlLaw:
             # 1: 2 -> 1 node at "45% KV" while 10% of admissions waited; then 158 503s)
             return self._out(current, "hold", f"{what}: low for {low_for:.0f}s, but {sig.waited / admitted:.0%} of "
                              f"admissions waited in kvgate's queue for room (>= {s.scale_down_threshold:.0%})", v)
-        # the replicas left: one fewer than what runs or what the law last asked, whichever is fewer — behind the
-        # chart's HPA a scale-down reaches the pods a cooldown late (and a poll or two), when the next one is due;
-        # counted from the pods still running it checked its load against one replica more than would be left
-        # (review74 L3)
-        rest = min(observed, self._total(current)) - 1 - s.warm_pool if observed is not None else 0
+        # the replicas left beyond the warm pool: what runs or what the law will ask, whichever is fewer — behind
+        # the chart's HPA a scale-down reaches the pods a cooldown late (and a poll or two), when the next one is
+        # due, and counted from the pods still running it checked its load against one replica more than would
+        # be left (review74 L3); replicas asked for that never came (a Pending pod) are not counted as running
+        # either, so the level comes down to what runs (review75 L1)
+        rest = min(observed, self._total(current - 1)) - s.warm_pool if observed is not None else 0
         span = "the cooldown" + (f" and the last {s.scale_down_window_s:.0f}s" if s.scale_down_window_s > 0 else "")
         after_kv = None if peak is None or rest <= 0 else peak / rest
         if after_kv is not None and after_kv > s.scale_down_kv_usage:

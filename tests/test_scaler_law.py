@@ -629,3 +629,17 @@ def test_a_scale_down_the_hpa_has_not_applied_yet_counts_as_done() -> None:
         running = max(n for at, n in asked if t - 150 < at <= t - 30) if t >= 30 else running
         t += 15.0
     assert min(n for _, n in asked) == 3 and running == 3
+
+
+
+def test_replicas_asked_for_that_never_came_do_not_hold_the_level_up() -> None:
+    """The law asked for 7 replicas; 3 never came (Pending: no GPU free) and 4 run at 1.6 replicas' worth of KV
+    in use. Low unmet demand: the level comes down to what runs — each step removes a replica that does not
+    run — and holds at 4, where one fewer would run at 53% (> 45%) (review75 L1)."""
+    law = ControlLaw(LawSettings(min_replicas=1, max_replicas=8, step=2, cooldown_s=120))
+    law.desired = 7  # (asked before; the 3 beyond the 4 never came)
+    t = 0.0
+    while t <= 1200:
+        v = law.decide(window(AB, replicas=4, kv=1.6 / 4, at=t), t)
+        t += 15.0
+    assert v.desired == 4 and v.action == "hold", v.reason
