@@ -37,7 +37,9 @@ Per evaluation, over the signal window:
   more than ``warm_pool_kv_usage`` (the warm replicas are carrying demand), one more replica;
 * scale down by one when the unmet rate and its projection stayed under ``scale_down_threshold``
   for ``cooldown_s`` (never while unmet demand is present; any scale-up restarts the cooldown) and
-  the replicas left beyond the warm pool would have carried the fleet's KV cache in use — at its
+  the replicas left beyond the warm pool (what runs or the next level, whichever is fewer: behind the
+  chart's HPA a scale-down reaches the pods a cooldown late, and replicas asked for that never came do
+  not run) would have carried the fleet's KV cache in use — at its
   peak over that cooldown, and as read now (the window's mean lags a rising load: families
   ``diurnal`` seed 1 went 4 → 3 at 44% by the mean, 70% by the reading, and back 15 s later) — at
   most at ``scale_down_kv_usage`` mean usage (when kvgate reports it), and fewer than
