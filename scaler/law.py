@@ -290,15 +290,15 @@ class ControlLaw:
         """(time, replicas observed) over the window: the fleet that produced the window's counts."""
         self._kv: deque[tuple[float, float]] = deque()
         """(time, KV-cache in use in replicas' worth: mean usage x replicas up) over the window."""
-        self._kv_low: deque[tuple[float, float]] = deque()
-        """Its window-means since the unmet rate went low, over the last cooldown: a scale-down must fit
-        their peak."""
-        self._prefill_low: deque[tuple[float, float]] = deque()
-        """(time, the window's prefill in replicas' worth: prefill seconds per second) since the unmet rate
-        went low, over the last cooldown: a scale-down must fit their peak too."""
-        self._recent: deque[tuple[float, float | None, float]] = deque()
-        """(time, KV load in replicas' worth or None, prefill load) of every evaluation with data over the
-        last ``scale_down_window_s``: a scale-down must fit their peak too, burst windows included."""
+        self._loads: deque[tuple[int, float, float | None, float]] = deque()
+        """(evaluation, time, KV load — the window's mean in replicas' worth — or None, the window's prefill in
+        replicas' worth: prefill seconds per second) of every evaluation with data over the last cooldown or
+        ``scale_down_window_s``, whichever is longer: a scale-down must fit their peak since the unmet rate
+        went low, over the last cooldown, and over the whole window, burst windows included (``_peaks``)."""
+        self._evals = 0
+        """Evaluations with data so far: the number of the latest in ``_loads``."""
+        self._low_from = 0
+        """The first evaluation of the low period (``_low_since``, which a scale-down restarts, is not it)."""
         self._last_down: tuple[float, int] | None = None
         """When the law last scaled down, and to which demand level (None once a scale-up followed)."""
         self.flap_level: int | None = None
@@ -393,17 +393,8 @@ class ControlLaw:
             return self._out(current, "hold", f"{what}: between the thresholds", v)
         if self._low_since is None:
             self._low_since = now
-            self._kv_low.clear()
-            self._prefill_low.clear()
-        if kv_load is not None:
-            self._kv_low.append((now, kv_load))
-        self._prefill_low.append((now, prefill_load))
-        for low in (self._kv_low, self._prefill_low):
-            while low and low[0][0] < now - s.cooldown_s:
-                low.popleft()
-        peak = max((k for _, k in self._kv_low), default=None)
-        if peak is not None:  # the stabilisation window's peak, the windows with unmet demand included
-            peak = max(peak, max((k for _, k, _ in self._recent if k is not None), default=0.0))
+            self._low_from = self._evals
+        peak, prefill = self._peaks(now)
         if peak is not None and usage is not None and observed:
             peak = max(peak, usage * observed)  # the reading now, too: the window's mean lags a rise
         low_for = now - self._low_since
@@ -430,8 +421,6 @@ class ControlLaw:
             return self._out(current, "hold", f"{what}: low for {low_for:.0f}s, but at its peak over {span} the {rest} "
                              f"replica(s) left beyond the warm pool would run at {after_kv:.0%} KV usage "
                              f"> {s.scale_down_kv_usage:.0%}", v)
-        prefill = max(max((p for _, p in self._prefill_low), default=0.0),
-                      max((p for _, _, p in self._recent), default=0.0))
         after_prefill = None if rest <= 0 else prefill / rest
         if after_prefill is not None and after_prefill > s.scale_down_prefill_usage:
             return self._out(current, "hold", f"{what}: low for {low_for:.0f}s, but at its peak over {span} the {rest} "
@@ -465,10 +454,33 @@ class ControlLaw:
                          f"window / {1 - share:.0%} served = {need} needed, {up} up))", ctx)
 
     def _remember(self, now: float, kv_load: float | None, prefill_load: float) -> None:
-        """Keep this evaluation's KV and prefill load over the last ``scale_down_window_s``."""
-        self._recent.append((now, kv_load, prefill_load))
-        while self._recent and self._recent[0][0] < now - self.s.scale_down_window_s:
-            self._recent.popleft()
+        """Keep this evaluation's KV and prefill load over the last cooldown or ``scale_down_window_s``."""
+        self._evals += 1
+        self._loads.append((self._evals, now, kv_load, prefill_load))
+        keep = now - max(self.s.cooldown_s, self.s.scale_down_window_s)
+        while self._loads and self._loads[0][1] < keep:
+            self._loads.popleft()
+
+    def _peaks(self, now: float) -> tuple[float | None, float]:
+        """The KV and prefill load a scale-down must fit: their peaks over the evaluations of the low period
+        within the last cooldown and, burst windows included, of the last ``scale_down_window_s``. The KV
+        peak is None when the low period had no KV reading (nothing to bound by); the prefill peak 0."""
+        low, recent = now - self.s.cooldown_s, now - self.s.scale_down_window_s
+        kv_low: float | None = None
+        kv_recent: float | None = None
+        prefill = 0.0
+        for i, t, k, p in self._loads:
+            in_low, in_recent = i >= self._low_from and t >= low, t >= recent
+            if in_low or in_recent:
+                prefill = max(prefill, p)
+            if k is not None:
+                if in_low:
+                    kv_low = k if kv_low is None else max(kv_low, k)
+                if in_recent:
+                    kv_recent = k if kv_recent is None else max(kv_recent, k)
+        if kv_low is None:
+            return None, prefill
+        return max(kv_low, 0.0 if kv_recent is None else kv_recent), prefill  # (none in the window: at least 0)
 
     def _project(self, now: float, rate: float | None) -> tuple[float | None, float]:
         """The unmet rate one cold start ahead on its least-squares trend over ``trend_window_s`` (rising
