@@ -59,6 +59,11 @@ class Pool(_Strict):
         "bursts that outran the fleet included (the law's own stabilisation, as long as Kubernetes' default for "
         "an HPA's; each reading is the signal window's mean (window_seconds); it matters only with a cooldown "
         "shorter than it; 0: only the peak since the unmet rate went low)")
+    hpa_tolerance: Annotated[float, Field(ge=0, le=1)] = Field(
+        default=0.1, description="the tolerance of the HPA between the scaler and the pods (Kubernetes' default "
+        "10%; the chart renders keda.hpaTolerance here when set): replicas asked for that have not come after "
+        "two cold starts and a window are given up on, and the scale-up asked then clears this tolerance of "
+        "the replicas running")
 
     @model_validator(mode="after")
     def _order(self) -> Pool:
@@ -80,7 +85,7 @@ class Pool(_Strict):
             trend_window_s=self.trend_window_seconds, spread_share=self.spread_share,
             spread_tenants=self.spread_tenants, scale_down_kv_usage=self.scale_down_kv_usage,
             warm_pool_kv_usage=self.warm_pool_kv_usage, scale_down_prefill_usage=self.scale_down_prefill_usage,
-            scale_down_window_s=self.scale_down_window_seconds, window_s=window_s)
+            scale_down_window_s=self.scale_down_window_seconds, hpa_tolerance=self.hpa_tolerance, window_s=window_s)
 
 
 class Source(_Strict):

@@ -28,7 +28,15 @@ Per evaluation, over the signal window:
   rate left the replicas added half idle); nothing when replicas that came up during the window
   cover it;
 * a scale-up is not repeated while the replicas it asked for are not there yet (models take 30-90 s
-  to load): unmet demand during a cold start is expected and must not compound;
+  to load): unmet demand during a cold start is expected and must not compound — for two cold starts
+  and a signal window (``give_up_s``). Replicas asked for that have not come by then may never come:
+  an HPA ignores a count within its tolerance of the pods it runs (Kubernetes' default 10%: 13 of 12),
+  and waiting for them held every later scale-up for good (attack73 F2). Then, where the law would
+  otherwise wait for them (a scale-up, the warm pool's one more, a scale from zero), it re-decides from
+  the replicas that run, and a scale-up it asks then is at least the least count that clears
+  ``hpa_tolerance`` of them (14 of 12 at 10%). It is sized from what runs, not added to what was asked,
+  so replicas the HPA did add that stay Pending (no GPU free) are asked again, not again on top: the
+  pool does not grow towards ``max_replicas`` while the cluster has no room;
 * rejections concentrated in one tenant's quota — one tenant has ≥ ``concentration`` (80%) of all
   rejections, mostly 429s of its own (not fleet-caused) — is a policy problem: reported
   (``Verdict.policy_tenant``), and the law acts on the unmet rate without that tenant (its quota
@@ -130,11 +138,21 @@ class LawSettings:
     warm replicas carry demand) → one more replica, to keep the pool spare."""
     window_s: float = 60.0
     """The signal window: a scale-up is sized on the replicas up over it."""
+    hpa_tolerance: float = 0.1
+    """The tolerance of the HPA between the law and the pods (Kubernetes' default 10%, the chart's
+    ``keda.hpaTolerance`` where set): a scale-up asked after giving up on replicas that never came
+    (``give_up_s``) clears it."""
     scale_down_window_s: float = 300.0
     """A scale-down must also fit the peak KV and prefill load of every evaluation over this long (the law's
     own stabilisation, as long as Kubernetes' default for an HPA's), unmet demand or not; 0: only the low
     period's peak. With a cooldown at least this long it adds nothing (the default 600 s). Each
     evaluation's load is its signal window's mean, so a reading counts for up to ``window_s`` longer."""
+
+    @property
+    def give_up_s(self) -> float:
+        """How long the law waits for replicas it asked for before it re-decides from the replicas that run:
+        two cold starts (one for a replica that came late, say behind a pull) and a signal window."""
+        return 2.0 * self.cold_start_s + self.window_s
 
 
 @dataclass(frozen=True)
@@ -306,6 +324,11 @@ class ControlLaw:
         self.backoff = 1.0
         """The cooldown a scale-down to ``flap_level`` or below waits, in ``cooldown_s``: doubled by each
         flap (up to ``MAX_BACKOFF``), halved by such a scale-down that held."""
+        self._short_since: float | None = None
+        """Since when the replicas observed have been fewer than the law asks for (None: not short)."""
+        self._clear: int | None = None
+        """This evaluation gave up waiting (``LawSettings.give_up_s``): a scale-up asks at least this many
+        replicas, the least count that clears the HPA's tolerance of those running."""
 
     @property
     def ready(self) -> bool:
@@ -313,7 +336,13 @@ class ControlLaw:
         return self.desired is not None
 
     def decide(self, sig: Signals | None, now: float) -> Verdict:
+        self._clear = None
         v = self._decide(sig, now)
+        if sig is not None and sig.replicas is not None and not v.missing_data:
+            if sig.replicas >= v.desired:
+                self._short_since = None
+            elif self._short_since is None:
+                self._short_since = now
         if v.action == "up" and self._last_down is not None:
             (at, level), self._last_down = self._last_down, None
             if now - at < self.s.cooldown_s:  # a flap: that scale-down was wrong; the next one there waits longer
@@ -362,12 +391,17 @@ class ControlLaw:
         thr = s.scale_up_threshold
         over = max(rate or 0.0, projected or 0.0) > thr
         waiting = observed is not None and observed < self._total(current)
+        # asked for long ago and still not there: where the law would wait for them (a scale-up, the warm
+        # pool's one more) it re-decides from what runs (``_give_up``); elsewhere its level holds
+        stale = waiting and self._short_since is not None and now - self._short_since >= s.give_up_s
         if current == 0 and (sig.held > 0 or sig.demand > 0 or u.demand > 0) and (not over or waiting):
             self._low_since = None
             return self._out(max(1, s.min_replicas), "up", f"{what}: requests are waiting and no replica is up "
                              "beyond the warm pool: scale from zero", v)
         if over:  # (from zero too, when the replicas up are short: sized like any other scale-up)
             self._low_since = None
+            if stale:
+                current, what = self._give_up(current, observed, now, what)
             return self._up(current, observed, mean_up, rate or 0.0, f"{what} > {thr:.0%}", v,
                             s.step if (rate or 0.0) > thr else 1)
         beyond = observed - s.warm_pool if observed is not None else 0
@@ -376,7 +410,9 @@ class ControlLaw:
             self._low_since = None
             why = (f"{what}: the warm pool is carrying demand: {observed} replica(s) at {kv or 0.0:.0%} mean KV "
                    f"usage would be {busy:.0%} on the {beyond} beyond it > {s.warm_pool_kv_usage:.0%}")
-            if waiting:
+            if stale:
+                current, why = self._give_up(current, observed, now, why)
+            elif waiting:
                 return self._out(current, "hold", f"{why}; waiting for the {self._total(current) - (observed or 0)} "
                                  "replica(s) already asked for to come up", v)
             return self._out(current + 1, "up", why + ": +1 replica", v)
@@ -431,6 +467,19 @@ class ControlLaw:
         if after_prefill is not None and prefill > 0:
             load += f"; they would spend {after_prefill:.0%} of their time prefilling"
         return self._out(current - 1, "down", f"{what} < {s.scale_down_threshold:.0%} for {low_for:.0f}s{load}", v)
+
+    def _give_up(self, current: int, observed: int | None, now: float, why: str) -> tuple[int, str]:
+        """Stop waiting for the replicas asked for ``give_up_s`` ago or more that have not come: the demand
+        level becomes what runs (beyond the warm pool), and a scale-up now asks at least the least count that
+        clears the HPA's tolerance of what runs (``_out``)."""
+        s = self.s
+        assert observed is not None and self._short_since is not None
+        gone, since = self._total(current) - observed, now - self._short_since
+        self._short_since = None
+        self._clear = math.floor(observed * (1.0 + s.hpa_tolerance) + 1e-9) + 1
+        return max(0, observed - s.warm_pool), (
+            f"{why}; gave up on the {gone} replica(s) asked for that have not come in {since:.0f}s (an HPA "
+            f"ignoring a count within its {s.hpa_tolerance:.0%} tolerance, a Pending pod): from the {observed} running")
 
     def _up(self, current: int, observed: int | None, mean_up: float | None, share: float, why: str,
             ctx: _Ctx, step: int) -> Verdict:
@@ -553,6 +602,9 @@ class ControlLaw:
 
     def _out(self, desired: int, action: Action, reason: str, ctx: _Ctx) -> Verdict:
         s = self.s
+        if action == "up" and self._clear is not None and self._total(desired) < self._clear:
+            desired = self._clear - s.warm_pool
+            reason += f" (at least {self._clear}: beyond the HPA's {s.hpa_tolerance:.0%} tolerance of those running)"
         bounded = max(s.min_replicas, min(s.max_replicas - s.warm_pool, desired))
         if bounded != desired:
             reason += f" (bounded to {bounded})"

@@ -203,6 +203,28 @@ def test_one_scaled_object_per_pool_each_on_its_own_kvgate_pool(tmp_path: Path) 
     assert [p.name for p in parse_config(kvgate_config(docs)).pools] == ["llama-8b", "llama-70b"]
 
 
+def test_the_scaler_assumes_the_tolerance_the_chart_gives_the_hpas(tmp_path: Path) -> None:
+    """The law gives up on replicas that never came and re-asks past the HPA's tolerance: the tolerance it
+    assumes is the one the chart renders into the HPAs (keda.hpaTolerance), an entry's own hpaTolerance (a
+    cluster whose controller flag is not Kubernetes' 10%), else 10%."""
+    pools = [TWO_POOLS[0], {**TWO_POOLS[1], "hpaTolerance": 0.2}]
+
+    def assumed(docs: list[dict[str, Any]]) -> dict[str, float]:
+        cms = {d["metadata"]["name"]: d["data"] for d in of(docs, "ConfigMap")}
+        sc = ScalerConfig.model_validate(yaml.safe_load(cms["demo-kvgate-scaler"]["scaler.yaml"]))
+        return {name: p.law(stale_after_s=60).hpa_tolerance for name, p in sc.pools.items()}
+
+    assert assumed(render(tmp_path, config=POOLED_CONFIG, pools=pools)) == {"llama-8b": 0.1, "llama-70b": 0.2}
+    docs = render(tmp_path, config=POOLED_CONFIG, pools=pools,
+                  keda={"pollingInterval": 15, "cooldownPeriod": 300, "hpaTolerance": 0})
+    assert assumed(docs) == {"llama-8b": 0.0, "llama-70b": 0.2}
+    (so, _) = of(docs, "ScaledObject")
+    assert so["spec"]["advanced"]["horizontalPodAutoscalerConfig"]["behavior"]["scaleUp"]["tolerance"] == "0"
+    # (the entry's key is the law's alone: the HPAs get keda.hpaTolerance)
+    assert {d["spec"]["advanced"]["horizontalPodAutoscalerConfig"]["behavior"]["scaleUp"]["tolerance"]
+            for d in of(docs, "ScaledObject")} == {"0"}
+
+
 def test_the_single_pool_values_of_before_pools_render_as_before(tmp_path: Path) -> None:
     # the chart's own defaults: one pool, every setting as it was (and kvgate without pools: the scaler
     # pool "vllm" reads kvgate's one pool, "default")

@@ -151,7 +151,7 @@ overlaid one by one (hasKey, not `default` or `merge`, which take 0 and false fo
 {{- /* the scaler's pools.<name>: each entry's law settings, those set only */ -}}
 {{- define "kvgate.scalerPools" -}}
 {{- $pools := dict -}}
-{{- $names := dict "minReplicas" "min_replicas" "maxReplicas" "max_replicas" "step" "step" "scaleUpThreshold" "scale_up_threshold" "scaleDownThreshold" "scale_down_threshold" "cooldownSeconds" "cooldown_seconds" "warmPool" "warm_pool" "concentration" "concentration" "coldStartSeconds" "cold_start_seconds" "trendWindowSeconds" "trend_window_seconds" "spreadShare" "spread_share" "spreadTenants" "spread_tenants" "scaleDownKvUsage" "scale_down_kv_usage" "scaleDownPrefillUsage" "scale_down_prefill_usage" "scaleDownWindowSeconds" "scale_down_window_seconds" "warmPoolKvUsage" "warm_pool_kv_usage" -}}
+{{- $names := dict "minReplicas" "min_replicas" "maxReplicas" "max_replicas" "step" "step" "scaleUpThreshold" "scale_up_threshold" "scaleDownThreshold" "scale_down_threshold" "cooldownSeconds" "cooldown_seconds" "warmPool" "warm_pool" "concentration" "concentration" "coldStartSeconds" "cold_start_seconds" "trendWindowSeconds" "trend_window_seconds" "spreadShare" "spread_share" "spreadTenants" "spread_tenants" "scaleDownKvUsage" "scale_down_kv_usage" "scaleDownPrefillUsage" "scale_down_prefill_usage" "scaleDownWindowSeconds" "scale_down_window_seconds" "warmPoolKvUsage" "warm_pool_kv_usage" "hpaTolerance" "hpa_tolerance" -}}
 {{- range (fromYaml (include "kvgate.pools" .)).pools -}}
 {{- $law := dict -}}
 {{- $p := . -}}
@@ -159,6 +159,10 @@ overlaid one by one (hasKey, not `default` or `merge`, which take 0 and false fo
 {{- if hasKey $p $key -}}
 {{- $_ := set $law $name (get $p $key) -}}
 {{- end -}}
+{{- end -}}
+{{- if and (not (hasKey $law "hpa_tolerance")) (not (kindIs "invalid" $.Values.keda.hpaTolerance)) -}}
+{{- /* the tolerance the chart gives the HPAs: the law's re-ask after giving up on replicas clears it */ -}}
+{{- $_ := set $law "hpa_tolerance" (float64 $.Values.keda.hpaTolerance) -}}
 {{- end -}}
 {{- $_ := set $pools .name $law -}}
 {{- end -}}
