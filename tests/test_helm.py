@@ -203,6 +203,22 @@ def test_one_scaled_object_per_pool_each_on_its_own_kvgate_pool(tmp_path: Path) 
     assert [p.name for p in parse_config(kvgate_config(docs)).pools] == ["llama-8b", "llama-70b"]
 
 
+def test_a_million_replicas_render_as_a_count(tmp_path: Path) -> None:
+    """Counts of a million or more render as integers, not 1e+06 — which the scaler read as a string and
+    refused, and the ScaledObject's CRD as a non-integer (attack73 F3)."""
+    pools = [{"name": "llama-8b", "scaleTargetRef": {"name": "v"}, "minReplicas": 1, "maxReplicas": 2_000_000,
+              "warmPool": 1_000_000}]
+    docs = render(tmp_path, config=POOLED_CONFIG | {"pools": POOLED_CONFIG["pools"][:1]}, pools=pools)
+    (so,) = of(docs, "ScaledObject")
+    jsonschema.validate(so, crd_schema())
+    assert so["spec"]["maxReplicaCount"] == 2_000_000
+    assert so["spec"]["advanced"]["horizontalPodAutoscalerConfig"]["behavior"]["scaleUp"]["policies"][0][
+        "value"] == 2_000_000
+    cms = {d["metadata"]["name"]: d["data"] for d in of(docs, "ConfigMap")}
+    sc = ScalerConfig.model_validate(yaml.safe_load(cms["demo-kvgate-scaler"]["scaler.yaml"]))
+    assert (sc.pools["llama-8b"].max_replicas, sc.pools["llama-8b"].warm_pool) == (2_000_000, 1_000_000)
+
+
 def test_the_scaler_assumes_the_tolerance_the_chart_gives_the_hpas(tmp_path: Path) -> None:
     """The law gives up on replicas that never came and re-asks past the HPA's tolerance: the tolerance it
     assumes is the one the chart renders into the HPAs (keda.hpaTolerance), an entry's own hpaTolerance (a
@@ -543,6 +559,11 @@ def test_only_envoy_reaches_the_ext_proc_port(tmp_path: Path) -> None:
     ({"poolDefaults": None, "pools": [{"name": "x", "scaleTargetRef": {"name": "v"}}]},
      "pools[0].minReplicas: required (in the entry or in poolDefaults)"),
     ({"scaler": {"source": "prometheus"}}, "scaler.prometheusUrl is required"),
+    # what the scaler's config refuses at start (a crash-looping scaler) is refused at install (attack73 F4)
+    ({"pools": [{"name": "x", "scaleTargetRef": {"name": "v"}, "minReplicas": 5, "maxReplicas": 3}]},
+     "pools[0].minReplicas: 5 is above maxReplicas (3)"),
+    ({"pools": [{"name": "x", "scaleTargetRef": {"name": "v"}, "scaleDownThreshold": 0.3}]},
+     "pools[0].scaleDownThreshold: 0.3 must be below scaleUpThreshold (0.25)"),
 ])
 def test_bad_values_get_a_clear_error(tmp_path: Path, values: dict[str, Any], error: str) -> None:
     r = helm("template", "demo", str(CHART), values={**VALUES, **values}, tmp=tmp_path, check=False)

@@ -143,6 +143,13 @@ overlaid one by one (hasKey, not `default` or `merge`, which take 0 and false fo
 {{- fail (printf "pools[%d].%s: required (in the entry or in poolDefaults)" $i $key) -}}
 {{- end -}}
 {{- end -}}
+{{- /* what the scaler's config refuses at start (a crash-looping scaler): refused here, at install */ -}}
+{{- if gt (int $p.minReplicas) (int $p.maxReplicas) -}}
+{{- fail (printf "pools[%d].minReplicas: %d is above maxReplicas (%d)" $i (int $p.minReplicas) (int $p.maxReplicas)) -}}
+{{- end -}}
+{{- if and (hasKey $p "scaleUpThreshold") (hasKey $p "scaleDownThreshold") (ge (float64 $p.scaleDownThreshold) (float64 $p.scaleUpThreshold)) -}}
+{{- fail (printf "pools[%d].scaleDownThreshold: %v must be below scaleUpThreshold (%v)" $i $p.scaleDownThreshold $p.scaleUpThreshold) -}}
+{{- end -}}
 {{- $out = append $out $p -}}
 {{- end -}}
 {{- toYaml (dict "pools" $out) -}}
@@ -157,7 +164,8 @@ overlaid one by one (hasKey, not `default` or `merge`, which take 0 and false fo
 {{- $p := . -}}
 {{- range $key, $name := $names -}}
 {{- if hasKey $p $key -}}
-{{- $_ := set $law $name (get $p $key) -}}
+{{- /* (counts as integers: a float64 of a million renders 1e+06, which the scaler reads as a string) */ -}}
+{{- $_ := set $law $name (ternary (int (get $p $key)) (get $p $key) (has $key (list "minReplicas" "maxReplicas" "step" "warmPool"))) -}}
 {{- end -}}
 {{- end -}}
 {{- if and (not (hasKey $law "hpa_tolerance")) (not (kindIs "invalid" $.Values.keda.hpaTolerance)) -}}
