@@ -60,10 +60,11 @@ class Pool(_Strict):
         "an HPA's; each reading is the signal window's mean (window_seconds); it matters only with a cooldown "
         "shorter than it; 0: only the peak since the unmet rate went low)")
     hpa_tolerance: Annotated[float, Field(ge=0, le=1)] = Field(
-        default=0.1, description="the tolerance of the HPA between the scaler and the pods (Kubernetes' default "
-        "10%; the chart renders keda.hpaTolerance here when set): replicas asked for that have not come after "
-        "two cold starts and a window are given up on, and the scale-up asked then clears this tolerance of "
-        "the replicas running")
+        default=0.1, description="the tolerance the scaler assumes of the HPA between it and the pods "
+        "(Kubernetes' default 10%; the chart leaves it so): replicas asked for that have not come after "
+        "two cold starts and a window (at least 300 s) are given up on, and what is asked then is past this "
+        "tolerance of the replicas running. Assumed too low, the re-ask can be ignored too (one more give-up "
+        "then clears the count asked before as well)")
 
     @model_validator(mode="after")
     def _order(self) -> Pool:

@@ -28,15 +28,20 @@ Per evaluation, over the signal window:
   rate left the replicas added half idle); nothing when replicas that came up during the window
   cover it;
 * a scale-up is not repeated while the replicas it asked for are not there yet (models take 30-90 s
-  to load): unmet demand during a cold start is expected and must not compound — for two cold starts
-  and a signal window (``give_up_s``). Replicas asked for that have not come by then may never come:
-  an HPA ignores a count within its tolerance of the pods it runs (Kubernetes' default 10%: 13 of 12),
-  and waiting for them held every later scale-up for good (attack73 F2). Then, where the law would
-  otherwise wait for them (a scale-up, the warm pool's one more, a scale from zero), it re-decides from
-  the replicas that run, and a scale-up it asks then is at least the least count that clears
-  ``hpa_tolerance`` of them (14 of 12 at 10%). It is sized from what runs, not added to what was asked,
-  so replicas the HPA did add that stay Pending (no GPU free) are asked again, not again on top: the
-  pool does not grow towards ``max_replicas`` while the cluster has no room;
+  to load): unmet demand during a cold start is expected and must not compound — for ``give_up_s`` (two
+  cold starts and a signal window, at least 5 minutes: a new pod may wait for a node and an image pull
+  first). Replicas asked for that have not come by then may never come: an HPA ignores a count within
+  its tolerance of the pods it runs (Kubernetes' default 10%: 13 of 12), and waiting for them held every
+  later scale-up for good (attack73 F2). Then, where the law would wait for them (a scale-up, the warm
+  pool's one more; with replicas running beyond the warm pool), it re-decides from the replicas running,
+  and what it asks is at least the least count past ``hpa_tolerance`` of them (14 of 12 at 10%). Sized
+  from what runs, not added to what was asked, replicas the HPA did add that stay Pending (no GPU free)
+  are asked again, not again on top. The HPA measures its tolerance against every pod it runs, ready or
+  not, and its tolerance may be larger than assumed: a give-up with no more replicas running than at the
+  last one also clears the tolerance of the count asked before it, once per such run of give-ups (attack75
+  F1/F2, review76 M1/M2: a crash-looping pod kept 13 of 12 ignored for good). So the pool stays at most
+  one tolerance step above what the HPA applied while its pods stay Pending, rather than growing towards
+  ``max_replicas``; a give-up that asks no more than before is a hold;
 * rejections concentrated in one tenant's quota — one tenant has ≥ ``concentration`` (80%) of all
   rejections, mostly 429s of its own (not fleet-caused) — is a policy problem: reported
   (``Verdict.policy_tenant``), and the law acts on the unmet rate without that tenant (its quota
@@ -103,6 +108,8 @@ from typing import Literal
 
 MAX_BACKOFF = 8.0
 """The longest a scale-down waits after scale-downs that had to be undone, in cooldowns."""
+GIVE_UP_MIN_S = 300.0
+"""The least the law waits for replicas it asked for (``LawSettings.give_up_s``)."""
 MAX_SIZING_SHARE = 0.75
 """The unmet share a scale-up is sized on is capped here (at most 3 times the replicas up are added at once)."""
 
@@ -139,9 +146,8 @@ class LawSettings:
     window_s: float = 60.0
     """The signal window: a scale-up is sized on the replicas up over it."""
     hpa_tolerance: float = 0.1
-    """The tolerance of the HPA between the law and the pods (Kubernetes' default 10%, the chart's
-    ``keda.hpaTolerance`` where set): a scale-up asked after giving up on replicas that never came
-    (``give_up_s``) clears it."""
+    """The tolerance the law assumes of the HPA between it and the pods (Kubernetes' default 10%): what it
+    asks after giving up on replicas that never came (``give_up_s``) clears it."""
     scale_down_window_s: float = 300.0
     """A scale-down must also fit the peak KV and prefill load of every evaluation over this long (the law's
     own stabilisation, as long as Kubernetes' default for an HPA's), unmet demand or not; 0: only the low
@@ -151,8 +157,10 @@ class LawSettings:
     @property
     def give_up_s(self) -> float:
         """How long the law waits for replicas it asked for before it re-decides from the replicas that run:
-        two cold starts (one for a replica that came late, say behind a pull) and a signal window."""
-        return 2.0 * self.cold_start_s + self.window_s
+        two cold starts and a signal window, at least ``GIVE_UP_MIN_S`` (a new pod may first wait for a node
+        and an image pull; a pool whose ``cold_start_s`` is left below its model's load time would give up
+        on pods still loading — review76 M5)."""
+        return max(GIVE_UP_MIN_S, 2.0 * self.cold_start_s + self.window_s)
 
 
 @dataclass(frozen=True)
@@ -326,9 +334,8 @@ class ControlLaw:
         flap (up to ``MAX_BACKOFF``), halved by such a scale-down that held."""
         self._short_since: float | None = None
         """Since when the replicas observed have been fewer than the law asks for (None: not short)."""
-        self._clear: int | None = None
-        """This evaluation gave up waiting (``LawSettings.give_up_s``): a scale-up asks at least this many
-        replicas, the least count that clears the HPA's tolerance of those running."""
+        self._streak: _GiveUp | None = None
+        """The last give-up, while the replicas observed have stayed short of what the law asks."""
 
     @property
     def ready(self) -> bool:
@@ -336,11 +343,10 @@ class ControlLaw:
         return self.desired is not None
 
     def decide(self, sig: Signals | None, now: float) -> Verdict:
-        self._clear = None
         v = self._decide(sig, now)
         if sig is not None and sig.replicas is not None and not v.missing_data:
             if sig.replicas >= v.desired:
-                self._short_since = None
+                self._short_since = self._streak = None
             elif self._short_since is None:
                 self._short_since = now
         if v.action == "up" and self._last_down is not None:
@@ -392,27 +398,33 @@ class ControlLaw:
         over = max(rate or 0.0, projected or 0.0) > thr
         waiting = observed is not None and observed < self._total(current)
         # asked for long ago and still not there: where the law would wait for them (a scale-up, the warm
-        # pool's one more) it re-decides from what runs (``_give_up``); elsewhere its level holds
-        stale = waiting and self._short_since is not None and now - self._short_since >= s.give_up_s
+        # pool's one more) it re-decides from what runs (``_give_up``); elsewhere its level holds. (With no
+        # replica beyond the warm pool running there is nothing to re-decide from: review76 L1)
+        stale = observed is not None and waiting and observed > s.warm_pool and self._short_since is not None \
+            and now - self._short_since >= s.give_up_s
         if current == 0 and (sig.held > 0 or sig.demand > 0 or u.demand > 0) and (not over or waiting):
             self._low_since = None
             return self._out(max(1, s.min_replicas), "up", f"{what}: requests are waiting and no replica is up "
                              "beyond the warm pool: scale from zero", v)
         if over:  # (from zero too, when the replicas up are short: sized like any other scale-up)
             self._low_since = None
-            if stale:
-                current, what = self._give_up(current, observed, now, what)
-            return self._up(current, observed, mean_up, rate or 0.0, f"{what} > {thr:.0%}", v,
-                            s.step if (rate or 0.0) > thr else 1)
+            why = f"{what} > {thr:.0%}"
+            step = s.step if (rate or 0.0) > thr else 1
+            if observed is not None and stale:
+                g = self._give_up(current, observed, now)
+                return g.settle(self._up(g.level, observed, mean_up, rate or 0.0, why + g.text, v, step, g.floor))
+            return self._up(current, observed, mean_up, rate or 0.0, why, v, step)
         beyond = observed - s.warm_pool if observed is not None else 0
         busy = None if kv_load is None or beyond <= 0 else kv_load / beyond
         if s.warm_pool > 0 and busy is not None and busy > s.warm_pool_kv_usage:
             self._low_since = None
             why = (f"{what}: the warm pool is carrying demand: {observed} replica(s) at {kv or 0.0:.0%} mean KV "
                    f"usage would be {busy:.0%} on the {beyond} beyond it > {s.warm_pool_kv_usage:.0%}")
-            if stale:
-                current, why = self._give_up(current, observed, now, why)
-            elif waiting:
+            if observed is not None and stale:
+                g = self._give_up(current, observed, now)
+                return g.settle(self._out(max(g.level + 1, g.floor - s.warm_pool), "up",
+                                          f"{why}{g.text}: +1 replica{g.beyond(g.level + 1 + s.warm_pool)}", v))
+            if waiting:
                 return self._out(current, "hold", f"{why}; waiting for the {self._total(current) - (observed or 0)} "
                                  "replica(s) already asked for to come up", v)
             return self._out(current + 1, "up", why + ": +1 replica", v)
@@ -468,21 +480,36 @@ class ControlLaw:
             load += f"; they would spend {after_prefill:.0%} of their time prefilling"
         return self._out(current - 1, "down", f"{what} < {s.scale_down_threshold:.0%} for {low_for:.0f}s{load}", v)
 
-    def _give_up(self, current: int, observed: int | None, now: float, why: str) -> tuple[int, str]:
+    def _give_up(self, current: int, observed: int, now: float) -> _GiveUp:
         """Stop waiting for the replicas asked for ``give_up_s`` ago or more that have not come: the demand
-        level becomes what runs (beyond the warm pool), and a scale-up now asks at least the least count that
-        clears the HPA's tolerance of what runs (``_out``)."""
+        level becomes what runs beyond the warm pool, and what is asked now is at least the least count past
+        the HPA's tolerance of what runs — of the count asked before too, when the last give-up brought no
+        more replicas (the HPA measures against its pods, ready or not, and may be more tolerant than
+        assumed), once in such a run."""
         s = self.s
-        assert observed is not None and self._short_since is not None
-        gone, since = self._total(current) - observed, now - self._short_since
+        asked = self._total(current)
+        tol = s.hpa_tolerance
+
+        def past(n: int) -> int:
+            return math.floor(n * (1.0 + tol) + 1e-9) + 1
+
+        last = self._streak
+        if last is not None and observed <= last.observed:
+            floor = last.floor if last.escalated else max(last.floor, past(asked))
+            escalated = True
+        else:
+            floor, escalated = past(observed), False
+        since = now - (self._short_since if self._short_since is not None else now)
         self._short_since = None
-        self._clear = math.floor(observed * (1.0 + s.hpa_tolerance) + 1e-9) + 1
-        return max(0, observed - s.warm_pool), (
-            f"{why}; gave up on the {gone} replica(s) asked for that have not come in {since:.0f}s (an HPA "
-            f"ignoring a count within its {s.hpa_tolerance:.0%} tolerance, a Pending pod): from the {observed} running")
+        maybe = f"an HPA ignoring a count within its {tol:.0%} tolerance, " if tol > 0 else "an HPA, "
+        g = _GiveUp(max(0, observed - s.warm_pool), floor, asked, observed, escalated,
+                    f"; gave up on the {asked - observed} replica(s) asked for that have not come in {since:.0f}s "
+                    f"(maybe {maybe}or a Pending pod): from the {observed} running")
+        self._streak = g
+        return g
 
     def _up(self, current: int, observed: int | None, mean_up: float | None, share: float, why: str,
-            ctx: _Ctx, step: int) -> Verdict:
+            ctx: _Ctx, step: int, at_least: int = 0) -> Verdict:
         """Scale up by the shortfall: the window's fleet (``mean_up`` replicas, time-weighted) served 1 - u
         of its demand (u: the unmet rate seen, not its projection: the trend says when, not how much), so
         it needed mean_up / (1 - u); add what the replicas up now lack, at least ``step`` (``s.step``, or
@@ -499,8 +526,13 @@ class ControlLaw:
             return self._out(current, "hold", f"{why}, but the {up} replica(s) up now cover it (the window saw "
                              f"{base:.1f} on average, short by {share:.0%}: {need} needed)", ctx)
         add = max(step, need - up)
-        return self._out(current + add, "up", f"{why}: +{add} replica(s) (max(step {step}, {base:.1f} up over the "
-                         f"window / {1 - share:.0%} served = {need} needed, {up} up))", ctx)
+        # added to what runs where the law's level is below it (a scale-down the HPA has not applied, or
+        # ignored): added to the level, 15 needed with 10 running at level 9 asked 14 (review76 L9)
+        plain = max(current, up - self.s.warm_pool) + add
+        desired = max(plain, at_least - self.s.warm_pool)
+        beyond = f" (at least {at_least}: past the HPA's tolerance)" if desired > plain else ""
+        return self._out(desired, "up", f"{why}: +{add} replica(s) (max(step {step}, {base:.1f} up over the "
+                         f"window / {1 - share:.0%} served = {need} needed, {up} up)){beyond}", ctx)
 
     def _remember(self, now: float, kv_load: float | None, prefill_load: float) -> None:
         """Keep this evaluation's KV and prefill load over the last cooldown or ``scale_down_window_s``."""
@@ -602,9 +634,6 @@ class ControlLaw:
 
     def _out(self, desired: int, action: Action, reason: str, ctx: _Ctx) -> Verdict:
         s = self.s
-        if action == "up" and self._clear is not None and self._total(desired) < self._clear:
-            desired = self._clear - s.warm_pool
-            reason += f" (at least {self._clear}: beyond the HPA's {s.hpa_tolerance:.0%} tolerance of those running)"
         bounded = max(s.min_replicas, min(s.max_replicas - s.warm_pool, desired))
         if bounded != desired:
             reason += f" (bounded to {bounded})"
@@ -617,6 +646,33 @@ class ControlLaw:
     def _total(self, demand: int) -> int:
         """Replicas to run for a demand level: plus the warm pool, within max_replicas."""
         return min(self.s.max_replicas, demand + self.s.warm_pool)
+
+
+@dataclass(frozen=True)
+class _GiveUp:
+    """A give-up on replicas that never came (``ControlLaw._give_up``)."""
+
+    level: int
+    """The demand level re-decided from: the replicas running beyond the warm pool."""
+    floor: int
+    """The least count to ask now (past the HPA's tolerance)."""
+    asked: int
+    """The count asked before it."""
+    observed: int
+    """The replicas running."""
+    escalated: bool
+    """Whether ``floor`` also clears the tolerance of the count asked before (a run of give-ups that brought no
+    more replicas)."""
+    text: str
+    """What the verdict's reason says of it."""
+
+    def beyond(self, plain: int) -> str:
+        return f" (at least {self.floor}: past the HPA's tolerance)" if self.floor > plain else ""
+
+    def settle(self, v: Verdict) -> Verdict:
+        """A verdict that asks no more than before it is a hold (an "up" that does not raise the count would
+        read as a scaling pool in the decisions, and count in the flap rule: review76 L2)."""
+        return replace(v, action="hold") if v.action == "up" and v.desired <= self.asked else v
 
 
 @dataclass(frozen=True)

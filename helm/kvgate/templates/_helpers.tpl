@@ -158,7 +158,7 @@ overlaid one by one (hasKey, not `default` or `merge`, which take 0 and false fo
 {{- /* the scaler's pools.<name>: each entry's law settings, those set only */ -}}
 {{- define "kvgate.scalerPools" -}}
 {{- $pools := dict -}}
-{{- $names := dict "minReplicas" "min_replicas" "maxReplicas" "max_replicas" "step" "step" "scaleUpThreshold" "scale_up_threshold" "scaleDownThreshold" "scale_down_threshold" "cooldownSeconds" "cooldown_seconds" "warmPool" "warm_pool" "concentration" "concentration" "coldStartSeconds" "cold_start_seconds" "trendWindowSeconds" "trend_window_seconds" "spreadShare" "spread_share" "spreadTenants" "spread_tenants" "scaleDownKvUsage" "scale_down_kv_usage" "scaleDownPrefillUsage" "scale_down_prefill_usage" "scaleDownWindowSeconds" "scale_down_window_seconds" "warmPoolKvUsage" "warm_pool_kv_usage" "hpaTolerance" "hpa_tolerance" -}}
+{{- $names := dict "minReplicas" "min_replicas" "maxReplicas" "max_replicas" "step" "step" "scaleUpThreshold" "scale_up_threshold" "scaleDownThreshold" "scale_down_threshold" "cooldownSeconds" "cooldown_seconds" "warmPool" "warm_pool" "concentration" "concentration" "coldStartSeconds" "cold_start_seconds" "trendWindowSeconds" "trend_window_seconds" "spreadShare" "spread_share" "spreadTenants" "spread_tenants" "scaleDownKvUsage" "scale_down_kv_usage" "scaleDownPrefillUsage" "scale_down_prefill_usage" "scaleDownWindowSeconds" "scale_down_window_seconds" "warmPoolKvUsage" "warm_pool_kv_usage" -}}
 {{- range (fromYaml (include "kvgate.pools" .)).pools -}}
 {{- $law := dict -}}
 {{- $p := . -}}
@@ -167,10 +167,6 @@ overlaid one by one (hasKey, not `default` or `merge`, which take 0 and false fo
 {{- /* (counts as integers: a float64 of a million renders 1e+06, which the scaler reads as a string) */ -}}
 {{- $_ := set $law $name (ternary (int (get $p $key)) (get $p $key) (has $key (list "minReplicas" "maxReplicas" "step" "warmPool"))) -}}
 {{- end -}}
-{{- end -}}
-{{- if and (not (hasKey $law "hpa_tolerance")) (not (kindIs "invalid" $.Values.keda.hpaTolerance)) -}}
-{{- /* the tolerance the chart gives the HPAs: the law's re-ask after giving up on replicas clears it */ -}}
-{{- $_ := set $law "hpa_tolerance" (float64 $.Values.keda.hpaTolerance) -}}
 {{- end -}}
 {{- $_ := set $pools .name $law -}}
 {{- end -}}
