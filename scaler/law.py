@@ -343,11 +343,16 @@ class ControlLaw:
         return self.desired is not None
 
     def decide(self, sig: Signals | None, now: float) -> Verdict:
+        before = self._total(self.desired) if self.desired is not None else None
         v = self._decide(sig, now)
-        if sig is not None and sig.replicas is not None and not v.missing_data:
-            if sig.replicas >= v.desired:
+        up = sig.replicas if sig is not None else None
+        if up is not None and not v.missing_data:
+            if up >= v.desired:
                 self._short_since = self._streak = None
-            elif self._short_since is None:
+            elif self._short_since is None or (before is not None and v.desired > before):
+                # (a new, higher ask is waited for from now: climbing, the law asks again as the replicas it
+                # asked for arrive, and timed from the first ask it gave up on ones asked a moment ago —
+                # attack77 M1)
                 self._short_since = now
         if v.action == "up" and self._last_down is not None:
             (at, level), self._last_down = self._last_down, None
@@ -356,7 +361,9 @@ class ControlLaw:
                 self.backoff = min(MAX_BACKOFF, self.backoff * 2)
                 v = replace(v, reason=f"{v.reason}; this undoes the scale-down of {now - at:.0f}s ago: the next to "
                             f"{level + self.s.warm_pool} replica(s) or fewer waits {self.backoff:g} cooldowns")
-        elif v.action == "down" and self.desired is not None:
+        elif v.action == "down" and self.desired is not None and (up is None or v.desired < up):
+            # (only a scale-down that removes a running replica: one that lowers a count of replicas that never
+            # came, Pending, is no flap when demand asks them again — attack77 M2)
             last = self._last_down
             if last is not None and self.flap_level is not None and last[1] <= self.flap_level:
                 self.backoff = max(1.0, self.backoff / 2)  # the previous scale-down there held
@@ -427,7 +434,9 @@ class ControlLaw:
             if waiting:
                 return self._out(current, "hold", f"{why}; waiting for the {self._total(current) - (observed or 0)} "
                                  "replica(s) already asked for to come up", v)
-            return self._out(current + 1, "up", why + ": +1 replica", v)
+            # (one more than runs where the level is below it — a scale-down the HPA has not applied — not
+            # one more than the level, which asked for what runs: attack77 L2)
+            return self._out(max(current, beyond) + 1, "up", why + ": +1 replica", v)
         if quota is not None and u.rate is not None and u.rate > thr:
             self._low_since = None
             return self._out(current, "hold", f"{what}: rejections concentrated in tenant {quota!r}'s quota: a "

@@ -739,6 +739,52 @@ def test_a_normal_cold_start_is_not_given_up_on() -> None:
     assert hpa.ready(900) >= 9
 
 
+def test_a_climbing_pool_is_not_given_up_on() -> None:
+    """A KV load that keeps rising behind an HPA with no tolerance: the warm pool's one more is asked again
+    on the evaluation its replica arrives, each new ask waited for from when it was made. Timed from the
+    first ask, as the pool never caught up with what it asked, every 300 s it "gave up" on a replica asked a
+    moment ago and asked 10% more (attack77 M1)."""
+    law = ControlLaw(LawSettings(min_replicas=1, max_replicas=80, step=2, warm_pool=1))
+    hpa = _Hpa(20, tolerance=0.0)
+    t, reasons = 0.0, []
+    while t <= 900:
+        up = hpa.ready(t)
+        v = law.decide(window(AB, replicas=up, at=t, kv=0.7 * (20 + t / 40) / up), t)
+        reasons.append(v.reason)
+        hpa.apply(v.desired, t)
+        t += 15.0
+    assert hpa.ready(900) > 20 and not [r for r in reasons if "gave up" in r]
+
+
+def test_lowering_a_count_of_pending_replicas_is_no_flap() -> None:
+    """Pods stay Pending; a quiet spell lowers the law's count without removing a running replica, and when
+    demand returns it asks them again. That scale-down removed nothing: no flap, no doubled cooldown
+    (attack77 M2)."""
+    law = ControlLaw(LawSettings(min_replicas=1, max_replicas=16, step=2, cooldown_s=120))
+    law.desired = 8  # (asked before; 4 never came)
+    t, actions = 0.0, []
+    while t <= 1500:
+        quiet = 300 <= t < 600
+        actions.append(law.decide(window(AB, capacity={} if quiet else {"a": 11}, replicas=4, at=t, kv=0.2), t).action)
+        t += 15.0
+    assert "down" in actions and "up" in actions[actions.index("down"):]
+    assert law.backoff == 1.0 and law.flap_level is None
+
+
+def test_a_scale_up_is_added_to_what_runs_where_the_level_is_below_it() -> None:
+    """The law's level is 9 (a scale-down the HPA has not applied) and 10 run; 40% of the demand is refused:
+    10 / 60% = 17 needed, asked as 17, not the level + 7 = 16 (review76 L9). The warm pool's one more, the
+    same: one more than runs (attack77 L2)."""
+    law = ControlLaw(LawSettings(min_replicas=1, max_replicas=32, step=2))
+    law.desired = 9
+    v = law.decide(window(AB, capacity={"a": 100 * 0.4 / 0.6}, replicas=10), 0.0)
+    assert v.action == "up" and v.desired == 17, v.reason
+    law = ControlLaw(LawSettings(min_replicas=1, max_replicas=32, step=2, warm_pool=1))
+    law.desired = 8  # (9 with the warm pool; 10 run)
+    v = law.decide(window(AB, replicas=10, kv=0.7), 0.0)
+    assert v.action == "up" and v.desired == 11, v.reason
+
+
 def test_with_nothing_beyond_the_warm_pool_running_nothing_is_given_up() -> None:
     """Nothing beyond the warm pool runs (the first replica of demand is Pending): there is nothing to
     re-decide from, so the law keeps waiting rather than swing its count (review76 L1)."""
