@@ -407,18 +407,23 @@ class ControlLaw:
         # asked for long ago and still not there: where the law would wait for them (a scale-up, the warm
         # pool's one more) it re-decides from what runs (``_give_up``); elsewhere its level holds. (With no
         # replica beyond the warm pool running there is nothing to re-decide from: review76 L1)
-        stale = observed is not None and waiting and observed > s.warm_pool and self._short_since is not None \
-            and now - self._short_since >= s.give_up_s
+        since = self._short_since
+        waited = now - since if since is not None and observed is not None and waiting and observed > s.warm_pool \
+            else None
+        stale = waited is not None and waited >= s.give_up_s
         if current == 0 and (sig.held > 0 or sig.demand > 0 or u.demand > 0) and (not over or waiting):
             self._low_since = None
-            return self._out(max(1, s.min_replicas), "up", f"{what}: requests are waiting and no replica is up "
+            # (at least one replica past the HPA's tolerance of the warm pool: 11 of a warm pool of 10 is within
+            # 10%, and with nothing beyond it running there would be nothing to give up from — attack77 L1)
+            first = max(1, s.min_replicas, _past(observed or 0, s.hpa_tolerance) - s.warm_pool)
+            return self._out(first, "up", f"{what}: requests are waiting and no replica is up "
                              "beyond the warm pool: scale from zero", v)
         if over:  # (from zero too, when the replicas up are short: sized like any other scale-up)
             self._low_since = None
             why = f"{what} > {thr:.0%}"
             step = s.step if (rate or 0.0) > thr else 1
-            if observed is not None and stale:
-                g = self._give_up(current, observed, now)
+            if observed is not None and waited is not None and stale:
+                g = self._give_up(current, observed, waited)
                 return g.settle(self._up(g.level, observed, mean_up, rate or 0.0, why + g.text, v, step, g.floor))
             return self._up(current, observed, mean_up, rate or 0.0, why, v, step)
         beyond = observed - s.warm_pool if observed is not None else 0
@@ -427,8 +432,8 @@ class ControlLaw:
             self._low_since = None
             why = (f"{what}: the warm pool is carrying demand: {observed} replica(s) at {kv or 0.0:.0%} mean KV "
                    f"usage would be {busy:.0%} on the {beyond} beyond it > {s.warm_pool_kv_usage:.0%}")
-            if observed is not None and stale:
-                g = self._give_up(current, observed, now)
+            if observed is not None and waited is not None and stale:
+                g = self._give_up(current, observed, waited)
                 return g.settle(self._out(max(g.level + 1, g.floor - s.warm_pool), "up",
                                           f"{why}{g.text}: +1 replica{g.beyond(g.level + 1 + s.warm_pool)}", v))
             if waiting:
@@ -489,7 +494,7 @@ class ControlLaw:
             load += f"; they would spend {after_prefill:.0%} of their time prefilling"
         return self._out(current - 1, "down", f"{what} < {s.scale_down_threshold:.0%} for {low_for:.0f}s{load}", v)
 
-    def _give_up(self, current: int, observed: int, now: float) -> _GiveUp:
+    def _give_up(self, current: int, observed: int, since: float) -> _GiveUp:
         """Stop waiting for the replicas asked for ``give_up_s`` ago or more that have not come: the demand
         level becomes what runs beyond the warm pool, and what is asked now is at least the least count past
         the HPA's tolerance of what runs — of the count asked before too, when the last give-up brought no
@@ -498,17 +503,12 @@ class ControlLaw:
         s = self.s
         asked = self._total(current)
         tol = s.hpa_tolerance
-
-        def past(n: int) -> int:
-            return math.floor(n * (1.0 + tol) + 1e-9) + 1
-
         last = self._streak
         if last is not None and observed <= last.observed:
-            floor = last.floor if last.escalated else max(last.floor, past(asked))
+            floor = last.floor if last.escalated else max(last.floor, _past(asked, tol))
             escalated = True
         else:
-            floor, escalated = past(observed), False
-        since = now - (self._short_since if self._short_since is not None else now)
+            floor, escalated = _past(observed, tol), False
         self._short_since = None
         maybe = f"an HPA ignoring a count within its {tol:.0%} tolerance, " if tol > 0 else "an HPA, "
         g = _GiveUp(max(0, observed - s.warm_pool), floor, asked, observed, escalated,
@@ -539,9 +539,9 @@ class ControlLaw:
         # ignored): added to the level, 15 needed with 10 running at level 9 asked 14 (review76 L9)
         plain = max(current, up - self.s.warm_pool) + add
         desired = max(plain, at_least - self.s.warm_pool)
-        beyond = f" (at least {at_least}: past the HPA's tolerance)" if desired > plain else ""
+        floor = f" (at least {at_least}: past the HPA's tolerance)" if desired > plain else ""
         return self._out(desired, "up", f"{why}: +{add} replica(s) (max(step {step}, {base:.1f} up over the "
-                         f"window / {1 - share:.0%} served = {need} needed, {up} up)){beyond}", ctx)
+                         f"window / {1 - share:.0%} served = {need} needed, {up} up)){floor}", ctx)
 
     def _remember(self, now: float, kv_load: float | None, prefill_load: float) -> None:
         """Keep this evaluation's KV and prefill load over the last cooldown or ``scale_down_window_s``."""
@@ -693,6 +693,12 @@ class _Ctx:
     quota: str | None = None
     rate: float | None = None
     utilisation: float | None = None
+
+
+def _past(n: int, tolerance: float) -> int:
+    """The least replica count an HPA with ``tolerance`` does not ignore when it runs ``n`` pods (it ignores a
+    ratio within 1 +/- tolerance, the bounds included: 12 of 10 at 10%, as 11 is exactly 10% more)."""
+    return math.floor(n * (1.0 + tolerance) + 1e-9) + 1
 
 
 def _slope(series: deque[tuple[float, float]]) -> float:

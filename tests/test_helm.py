@@ -547,6 +547,9 @@ def test_only_envoy_reaches_the_ext_proc_port(tmp_path: Path) -> None:
      "pools[0].minReplicas: 5 is above maxReplicas (3)"),
     ({"pools": [{"name": "x", "scaleTargetRef": {"name": "v"}, "scaleDownThreshold": 0.3}]},
      "pools[0].scaleDownThreshold: 0.3 must be below scaleUpThreshold (0.25)"),
+    ({"poolDefaults": {"minReplicas": 1, "maxReplicas": 4, "step": 2, "cooldownSeconds": 60},
+      "pools": [{"name": "x", "scaleTargetRef": {"name": "v"}, "scaleDownThreshold": 0.3}]},
+     "pools[0].scaleDownThreshold: 0.3 must be below scaleUpThreshold (0.25)"),  # (the scaler's default)
 ])
 def test_bad_values_get_a_clear_error(tmp_path: Path, values: dict[str, Any], error: str) -> None:
     r = helm("template", "demo", str(CHART), values={**VALUES, **values}, tmp=tmp_path, check=False)

@@ -785,6 +785,20 @@ def test_a_scale_up_is_added_to_what_runs_where_the_level_is_below_it() -> None:
     assert v.action == "up" and v.desired == 11, v.reason
 
 
+@pytest.mark.parametrize(("warm", "first"), [(1, 2), (5, 6), (10, 12), (20, 23)])
+def test_a_scale_from_zero_clears_the_hpas_tolerance_of_the_warm_pool(warm: int, first: int) -> None:
+    """Requests wait and only the warm pool runs: the first replica of demand. Behind a warm pool of 10 or
+    more one more is within the HPA's 10% (11 of 10) and never came, and with nothing beyond the warm pool
+    running there is nothing to give up from: the scale from zero asks past the tolerance (attack77 L1)."""
+    law = ControlLaw(LawSettings(min_replicas=0, max_replicas=64, step=2, warm_pool=warm))
+    law.desired = 0
+    v = law.decide(replace(window(AB, capacity={"a": 1}, replicas=warm), held=3.0), 0.0)
+    assert v.action == "up" and v.desired == first, v.reason
+    hpa = _Hpa(warm)
+    hpa.apply(v.desired, 0.0)
+    assert hpa.spec == first
+
+
 def test_with_nothing_beyond_the_warm_pool_running_nothing_is_given_up() -> None:
     """Nothing beyond the warm pool runs (the first replica of demand is Pending): there is nothing to
     re-decide from, so the law keeps waiting rather than swing its count (review76 L1)."""

@@ -147,8 +147,9 @@ overlaid one by one (hasKey, not `default` or `merge`, which take 0 and false fo
 {{- if gt (int $p.minReplicas) (int $p.maxReplicas) -}}
 {{- fail (printf "pools[%d].minReplicas: %d is above maxReplicas (%d)" $i (int $p.minReplicas) (int $p.maxReplicas)) -}}
 {{- end -}}
-{{- if and (hasKey $p "scaleUpThreshold") (hasKey $p "scaleDownThreshold") (ge (float64 $p.scaleDownThreshold) (float64 $p.scaleUpThreshold)) -}}
-{{- fail (printf "pools[%d].scaleDownThreshold: %v must be below scaleUpThreshold (%v)" $i $p.scaleDownThreshold $p.scaleUpThreshold) -}}
+{{- $up := ternary $p.scaleUpThreshold 0.25 (hasKey $p "scaleUpThreshold") -}}
+{{- if and (hasKey $p "scaleDownThreshold") (ge (float64 $p.scaleDownThreshold) (float64 $up)) -}}
+{{- fail (printf "pools[%d].scaleDownThreshold: %v must be below scaleUpThreshold (%v)" $i $p.scaleDownThreshold $up) -}}
 {{- end -}}
 {{- $out = append $out $p -}}
 {{- end -}}
