@@ -91,7 +91,8 @@ Per evaluation, over the signal window:
   neither the window nor, maybe, the pool's size, so it says so (``Verdict.ready`` False) instead of
   guessing; the server answers KEDA with an error until then, so KEDA's own fallback applies;
 * requests held in kvgate's queue with no replica beyond the warm pool → at least one (scale from
-  zero; sized as a scale-up when the replicas up are short);
+  zero; sized as a scale-up when the replicas up are short), and past ``hpa_tolerance`` of the warm pool
+  running (12 of a warm pool of 10);
 * ``warm_pool`` replicas on top of demand; the demand level is clamped to [min, max - warm_pool],
   the result to max.
 
