@@ -63,8 +63,8 @@ class Pool(_Strict):
         default=0.1, description="the tolerance the scaler assumes of the HPA between it and the pods "
         "(Kubernetes' default 10%; the chart leaves it so): replicas asked for that have not come after "
         "two cold starts and a window (at least 300 s) are given up on, and what is asked then is past this "
-        "tolerance of the replicas running. Assumed too low, the re-ask can be ignored too (one more give-up "
-        "then clears the count asked before as well)")
+        "tolerance of the replicas running (and a scale from zero behind a warm pool is past it). Assumed too "
+        "low, the re-ask can be ignored too (one more give-up then clears the count asked before as well)")
 
     @model_validator(mode="after")
     def _order(self) -> Pool:

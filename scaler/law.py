@@ -41,7 +41,8 @@ Per evaluation, over the signal window:
   last one also clears the tolerance of the count asked before it, once per such run of give-ups (attack75
   F1/F2, review76 M1/M2: a crash-looping pod kept 13 of 12 ignored for good). So the pool stays at most
   one tolerance step above what the HPA applied while its pods stay Pending, rather than growing towards
-  ``max_replicas``; a give-up that asks no more than before is a hold;
+  ``max_replicas``; a give-up that asks no more than before is a hold. A scale-down that removes no
+  running replica (it lowers a count of replicas that never came) is not one a flap can undo (below);
 * rejections concentrated in one tenant's quota — one tenant has ≥ ``concentration`` (80%) of all
   rejections, mostly 429s of its own (not fleet-caused) — is a policy problem: reported
   (``Verdict.policy_tenant``), and the law acts on the unmet rate without that tenant (its quota
@@ -146,14 +147,15 @@ class LawSettings:
     warm replicas carry demand) → one more replica, to keep the pool spare."""
     window_s: float = 60.0
     """The signal window: a scale-up is sized on the replicas up over it."""
-    hpa_tolerance: float = 0.1
-    """The tolerance the law assumes of the HPA between it and the pods (Kubernetes' default 10%): what it
-    asks after giving up on replicas that never came (``give_up_s``) clears it."""
     scale_down_window_s: float = 300.0
     """A scale-down must also fit the peak KV and prefill load of every evaluation over this long (the law's
     own stabilisation, as long as Kubernetes' default for an HPA's), unmet demand or not; 0: only the low
     period's peak. With a cooldown at least this long it adds nothing (the default 600 s). Each
     evaluation's load is its signal window's mean, so a reading counts for up to ``window_s`` longer."""
+    hpa_tolerance: float = 0.1
+    """The tolerance the law assumes of the HPA between it and the pods (Kubernetes' default 10%): what it
+    asks after giving up on replicas that never came (``give_up_s``), and a scale from zero behind a warm
+    pool, clear it. (Last: the fields before it keep their places.)"""
 
     @property
     def give_up_s(self) -> float:
@@ -416,7 +418,7 @@ class ControlLaw:
             self._low_since = None
             # (at least one replica past the HPA's tolerance of the warm pool: 11 of a warm pool of 10 is within
             # 10%, and with nothing beyond it running there would be nothing to give up from — attack77 L1)
-            first = max(1, s.min_replicas, _past(observed or 0, s.hpa_tolerance) - s.warm_pool)
+            first = max(1, s.min_replicas, _past(min(observed or 0, s.warm_pool), s.hpa_tolerance) - s.warm_pool)
             return self._out(first, "up", f"{what}: requests are waiting and no replica is up "
                              "beyond the warm pool: scale from zero", v)
         if over:  # (from zero too, when the replicas up are short: sized like any other scale-up)
@@ -495,7 +497,7 @@ class ControlLaw:
             load += f"; they would spend {after_prefill:.0%} of their time prefilling"
         return self._out(current - 1, "down", f"{what} < {s.scale_down_threshold:.0%} for {low_for:.0f}s{load}", v)
 
-    def _give_up(self, current: int, observed: int, since: float) -> _GiveUp:
+    def _give_up(self, current: int, observed: int, waited: float) -> _GiveUp:
         """Stop waiting for the replicas asked for ``give_up_s`` ago or more that have not come: the demand
         level becomes what runs beyond the warm pool, and what is asked now is at least the least count past
         the HPA's tolerance of what runs — of the count asked before too, when the last give-up brought no
@@ -513,7 +515,7 @@ class ControlLaw:
         self._short_since = None
         maybe = f"an HPA ignoring a count within its {tol:.0%} tolerance, " if tol > 0 else "an HPA, "
         g = _GiveUp(max(0, observed - s.warm_pool), floor, asked, observed, escalated,
-                    f"; gave up on the {asked - observed} replica(s) asked for that have not come in {since:.0f}s "
+                    f"; gave up on the {asked - observed} replica(s) asked for that have not come in {waited:.0f}s "
                     f"(maybe {maybe}or a Pending pod): from the {observed} running")
         self._streak = g
         return g

@@ -552,6 +552,9 @@ def test_only_envoy_reaches_the_ext_proc_port(tmp_path: Path) -> None:
      "pools[0].scaleDownThreshold: 0.3 must be below scaleUpThreshold (0.25)"),  # (the scaler's default)
 ])
 def test_bad_values_get_a_clear_error(tmp_path: Path, values: dict[str, Any], error: str) -> None:
+    from scaler.config import Pool
+
+    assert Pool().scale_up_threshold == 0.25  # (the chart's threshold check assumes the scaler's default)
     r = helm("template", "demo", str(CHART), values={**VALUES, **values}, tmp=tmp_path, check=False)
     assert r.returncode != 0 and error in r.stderr, r.stderr
 

@@ -799,6 +799,15 @@ def test_a_scale_from_zero_clears_the_hpas_tolerance_of_the_warm_pool(warm: int,
     assert hpa.spec == first
 
 
+def test_a_scale_from_zero_with_a_pod_beyond_the_warm_pool_still_asks_one() -> None:
+    """Level 0 with a pod running all the same (KEDA keeps one while there is traffic, or the HPA's window
+    holds it): the scale from zero asks one replica, not past the tolerance of what runs (review78 M1)."""
+    law = ControlLaw(LawSettings(min_replicas=0, max_replicas=8, step=2))
+    law.desired = 0
+    v = law.decide(replace(window(AB, replicas=1), held=3.0), 0.0)
+    assert v.action == "up" and v.desired == 1, v.reason
+
+
 def test_with_nothing_beyond_the_warm_pool_running_nothing_is_given_up() -> None:
     """Nothing beyond the warm pool runs (the first replica of demand is Pending): there is nothing to
     re-decide from, so the law keeps waiting rather than swing its count (review76 L1)."""

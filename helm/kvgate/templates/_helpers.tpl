@@ -147,6 +147,7 @@ overlaid one by one (hasKey, not `default` or `merge`, which take 0 and false fo
 {{- if gt (int $p.minReplicas) (int $p.maxReplicas) -}}
 {{- fail (printf "pools[%d].minReplicas: %d is above maxReplicas (%d)" $i (int $p.minReplicas) (int $p.maxReplicas)) -}}
 {{- end -}}
+{{- /* (0.25: the scaler's default, scaler/config.py Pool.scale_up_threshold; tests/test_helm.py checks both) */ -}}
 {{- $up := ternary $p.scaleUpThreshold 0.25 (hasKey $p "scaleUpThreshold") -}}
 {{- if and (hasKey $p "scaleDownThreshold") (ge (float64 $p.scaleDownThreshold) (float64 $up)) -}}
 {{- fail (printf "pools[%d].scaleDownThreshold: %v must be below scaleUpThreshold (%v)" $i $p.scaleDownThreshold $up) -}}
