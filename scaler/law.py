@@ -438,7 +438,7 @@ class ControlLaw:
             if observed is not None and waited is not None and stale:
                 g = self._give_up(current, observed, waited)
                 return g.settle(self._out(max(g.level + 1, g.floor - s.warm_pool), "up",
-                                          f"{why}{g.text}: +1 replica{g.beyond(g.level + 1 + s.warm_pool)}", v))
+                                          f"{why}{g.text}: +1 replica{g.floor_note(g.level + 1 + s.warm_pool)}", v))
             if waiting:
                 return self._out(current, "hold", f"{why}; waiting for the {self._total(current) - (observed or 0)} "
                                  "replica(s) already asked for to come up", v)
@@ -678,7 +678,8 @@ class _GiveUp:
     text: str
     """What the verdict's reason says of it."""
 
-    def beyond(self, plain: int) -> str:
+    def floor_note(self, plain: int) -> str:
+        """What the reason adds when the floor asks more than ``plain`` (the count without it) would."""
         return f" (at least {self.floor}: past the HPA's tolerance)" if self.floor > plain else ""
 
     def settle(self, v: Verdict) -> Verdict:
