@@ -340,13 +340,13 @@ def test_a_trace_with_epoch_timestamps_replays_from_its_first_request(tmp_path: 
 
 
 def test_a_bench_config_sets_the_autoscalers_start_size_and_the_scaler_law(tmp_path: Path) -> None:
-    from kvgate.bench.scenarios.runner import load_bench_config
+    from kvgate.bench.scenarios.runner import BenchConfig, load_bench_config
 
     cfg = tmp_path / "bench.yaml"
     cfg.write_text(yaml.safe_dump({
         "nodes": 3, "min_nodes": 2, "max_nodes": 9, "policies": ["autoscale-only", "kvgate+scaler"],
         "scaler": {"step": 3, "scale_up_threshold": 0.1, "cooldown_s": 30, "warm_pool": 1, "window_s": 20,
-                   "scale_down_window_s": 600, "law_scale_down_window_s": 90},
+                   "scale_down_window_s": 600, "law_scale_down_window_s": 90, "law_behind_hpa": True},
         "kvgate": {"tenants": [{"name": "a"}]}}))
     bc = load_bench_config(cfg)
     assert [(p.nodes, p.min_nodes, p.max_nodes) for p in bc.policy_list()] == [(3, 2, 9), (3, 2, 9)]
@@ -355,9 +355,37 @@ def test_a_bench_config_sets_the_autoscalers_start_size_and_the_scaler_law(tmp_p
             auto.window_s) == (3, 0.1, 30, 1, 20)
     # each autoscaler its own scale-down window: the HPA's stabilisation, the law's peak lookback
     assert (auto.scale_down_window_s, auto.law.scale_down_window_s) == (600, 90)
+    assert auto.law_behind_hpa and not BenchConfig().autoscaling().law_behind_hpa  # (opt-in)
     cfg.write_text(yaml.safe_dump({"scaler": {"stepp": 3}}))
     with pytest.raises(ConfigError, match=r"scaler\.stepp"):
         load_bench_config(cfg)
+
+
+def test_kvgate_scaler_can_run_behind_the_charts_hpa(tmp_path: Path) -> None:
+    """``scaler.law_behind_hpa``: the law's count goes through the HPA the chart renders — Kubernetes' 10%
+    tolerance (11 of 10 ignored, 12 applied), up at once, down one pod per 15 s to the highest count asked
+    over the cooldown — rather than straight to the fleet."""
+    from kvgate.bench.scenarios.driver import PoolSize, chart_metric
+    from kvgate.bench.scenarios.hpa import Hpa
+    from kvgate.bench.scenarios.runner import BenchConfig, from_trace
+
+    trace = tmp_path / "t.jsonl"
+    trace.write_text(json.dumps({"t": 0.0, "tenant": "a", "prompt_tokens": 100, "output_tokens": 4}) + "\n")
+    bc = BenchConfig(nodes=2, max_nodes=16, policies=["kvgate+scaler"], scaler={"cooldown_s": 120,
+                     "law_behind_hpa": True}, kvgate={"tenants": [{"name": "a"}], "nodes": PLACEHOLDER_NODES})
+    sc, reqs = from_trace(trace, bc)
+    r = Run(parse_config(sc.config), sc.policies[0], get_profile(sc.profile), reqs, autoscaling=sc.autoscaling)
+    (pool,) = r.pools.values()
+    assert pool.law is not None and pool.hpa is not None  # (without the key: no HPA, as before)
+    assert Run(parse_config(sc.config), sc.policies[0], get_profile(sc.profile), reqs).pools[pool.name].hpa is None
+    hpa = Hpa(sc.autoscaling.chart_hpa(PoolSize("p", 10, 1, 16)))
+
+    def ask(now: float, current: int, law: int) -> int:
+        return hpa.decide(now, current, chart_metric(law, current, hpa.settings.tolerance))
+
+    assert ask(0.0, 10, 11) == 10 and ask(15.0, 10, 12) == 12  # within 10%: ignored; past it: at once
+    assert [ask(t, 12, 9) for t in (30.0, 120.0)] == [12, 12]  # down: the highest count of the cooldown
+    assert ask(150.0, 12, 9) == 11  # ... then one pod per 15 s
 
 
 def test_a_bench_config_runs_its_nodes_with_a_long_prefill_token_threshold(tmp_path: Path) -> None:

@@ -51,7 +51,7 @@ from sim.engine import Engine, EngineOptions
 from sim.prefix_cache import Prompt
 from sim.scheduler import Request
 
-from .hpa import DEFAULT_SCALE_DOWN, Hpa, HpaSettings, metric_replicas
+from .hpa import DEFAULT_SCALE_DOWN, Hpa, HpaSettings, ScalingPolicy, ScalingRules, metric_replicas
 from .switches import switch_off
 from .trace import TraceRequest
 
@@ -169,6 +169,20 @@ class Autoscaling:
     """The scaler's signal window."""
     law: LawSettings = field(default_factory=lambda: LawSettings(min_replicas=1, max_replicas=16, step=2,
                                                                   cooldown_s=600.0))
+    law_behind_hpa: bool = False
+    """kvgate+scaler: the law's count goes through the HPA the chart's ScaledObject renders (``chart_hpa``)
+    instead of straight to the fleet."""
+
+    def chart_hpa(self, size: PoolSize) -> HpaSettings:
+        """The HPA between the scaler and one pool's pods as the chart renders it (helm/kvgate/templates/
+        scaledobject.yaml): Kubernetes' 10% tolerance on the law's count (``AverageValue``, target 1); up by
+        up to ``maxReplicas`` pods per 15 s, unstabilised; down one pod per 15 s, to the highest count asked
+        over the cooldown (whole seconds, at most 3600)."""
+        low = max(1, size.min_nodes)  # (an HPA's floor: KEDA itself takes a pool to 0 and back)
+        return HpaSettings(low, max(low, size.max_nodes),
+                           scale_up=ScalingRules(0.0, (ScalingPolicy("Pods", max(low, size.max_nodes), 15.0),)),
+                           scale_down=ScalingRules(float(min(3600, int(self.law.cooldown_s))),
+                                                   (ScalingPolicy("Pods", 1, 15.0),)))
 
     def hpa(self, size: PoolSize) -> HpaSettings:
         """The queue autoscaler's HPA for one pool: ``minReplicas`` is the fleet the pool starts with (a
@@ -178,6 +192,17 @@ class Autoscaling:
         low = min(size.nodes, size.max_nodes)
         return HpaSettings(low, max(low, size.max_nodes),
                            scale_down=replace(DEFAULT_SCALE_DOWN, stabilization_s=self.scale_down_window_s))
+
+
+def chart_metric(desired: int, current: int, tolerance: float) -> int:
+    """What the chart's HPA makes of the law's count (an ``AverageValue`` metric, target 1): the count, or
+    ``current`` while their ratio is within ``tolerance`` of 1, the bounds included — current Kubernetes'
+    ``1 - tolerance <= ratio <= 1 + tolerance``, under which 11 of 10 is ignored (``hpa.metric_replicas``'s
+    ``|ratio - 1| <= tolerance`` reads 0.10000000000000009 there and lets it through; kept for the
+    ``autoscale-only`` baseline, whose figures it made)."""
+    if current > 0 and 1.0 - tolerance <= desired / current <= 1.0 + tolerance:
+        return current
+    return desired
 
 
 @dataclass(frozen=True)
@@ -385,7 +410,8 @@ class SimPool:
     evaluation over the window: the window's difference is ``Signals.prefill_seconds``, as the scaler reads
     ``kvgate_prefill_seconds_total``'s increase."""
     hpa: Hpa | None = None
-    """The ``autoscale-only`` policy's HPA (``hpa.py``); None for the other policies."""
+    """The ``autoscale-only`` policy's HPA (``hpa.py``), or kvgate+scaler's as the chart renders it
+    (``Autoscaling.law_behind_hpa``); None otherwise."""
     next_poll: float = 0.0
 
     @property
@@ -457,7 +483,8 @@ class Run:
             if policy.autoscale == "scaler":
                 law = ControlLaw(replace(self.auto.law, min_replicas=size.min_nodes, max_replicas=size.max_nodes,
                                          cold_start_s=cold, window_s=self.auto.window_s))
-            hpa = Hpa(self.auto.hpa(size)) if policy.autoscale == "queue" else None
+            hpa = Hpa(self.auto.hpa(size)) if policy.autoscale == "queue" else (
+                Hpa(self.auto.chart_hpa(size)) if law is not None and self.auto.law_behind_hpa else None)
             self.pools[spec.name] = SimPool(spec, prof, size, cold, law=law, hpa=hpa,
                                             node_profiles=tuple(get_profile(name) for name in node_profiles))
         self.core: Core | None = None
@@ -759,6 +786,9 @@ class Run:
                           slo_missed=by["slo_miss"], kv_usage=sum(kv) / len(kv) if kv else None,
                           waited=sum(by["waited"].values()), prefill_seconds=marks[-1][1] - marks[0][1])
             target = pool.law.decide(sig, self.now).desired
+            if pool.hpa is not None:  # behind the chart's HPA: its tolerance, step and scale-down window
+                target = pool.hpa.decide(self.now, provisioned, chart_metric(target, provisioned,
+                                                                             pool.hpa.settings.tolerance))
         if target > provisioned:
             for _ in range(target - provisioned):
                 self._provision(pool)

@@ -67,6 +67,10 @@ class ScalerSettings(BaseModel):
     law_scale_down_window_s: Annotated[float, Field(ge=0, le=3600)] = Field(
         default=300.0, description="kvgate+scaler: how far back the law reads the peak load a scale-down must fit "
         "(the scaler's ``scale_down_window_seconds``; 0: only since the unmet rate went low)")
+    law_behind_hpa: bool = Field(
+        default=False, description="kvgate+scaler: the law's count goes through the HPA the chart renders (10% "
+        "tolerance; up at once; down one pod per 15 s after the cooldown's highest count) instead of straight "
+        "to the fleet")
     concentration: Annotated[float, Field(gt=0, le=1)] = 0.8
     trend_window_s: Annotated[float, Field(gt=0)] = 60.0
     spread_share: Annotated[float, Field(gt=0, le=1)] = 0.30
@@ -164,7 +168,8 @@ class BenchConfig(BaseModel):
                           scale_down_prefill_usage=s.scale_down_prefill_usage, window_s=s.window_s,
                           scale_down_window_s=s.law_scale_down_window_s)
         return Autoscaling(interval_s=s.interval_s, waiting_per_node=s.waiting_per_node, window_s=s.window_s, law=law,
-                           kv_usage_per_node=s.kv_usage_per_node, scale_down_window_s=s.scale_down_window_s)
+                           kv_usage_per_node=s.kv_usage_per_node, scale_down_window_s=s.scale_down_window_s,
+                           law_behind_hpa=s.law_behind_hpa)
 
 
 def load_bench_config(path: str | Path) -> BenchConfig:
