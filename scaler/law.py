@@ -78,8 +78,8 @@ Per evaluation, over the signal window:
   scale-down was undone 5.5% more GPU-hours than a static fleet; over the families' seeds 1-12 the window
   changed 4 of 60 runs, kvgate+scaler's misses 51 -> 48 when it went in, the other three a few percent
   more GPU-hours for as much or more SLO). With a cooldown at least that long (the default 600 s) it adds
-  nothing. (The bench applies the law's count as it is; the chart's HPA holds a scale-down over one more
-  cooldown.)
+  nothing. (The bench applies the law's count as it is unless ``scaler.law_behind_hpa``; the chart's HPA
+  holds a scale-down over one more cooldown.)
 * in between → hold (and the cooldown starts again), except within a cooldown of a scale-down with
   no scale-up since: the unmet rate or its projection at ``scale_down_threshold`` or above then puts
   the replica removed back (+1; a flap, as above). The fleet had no unmet demand before it; one

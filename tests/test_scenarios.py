@@ -369,23 +369,39 @@ def test_kvgate_scaler_can_run_behind_the_charts_hpa(tmp_path: Path) -> None:
     from kvgate.bench.scenarios.hpa import Hpa
     from kvgate.bench.scenarios.runner import BenchConfig, from_trace
 
-    trace = tmp_path / "t.jsonl"
-    trace.write_text(json.dumps({"t": 0.0, "tenant": "a", "prompt_tokens": 100, "output_tokens": 4}) + "\n")
-    bc = BenchConfig(nodes=2, max_nodes=16, policies=["kvgate+scaler"], scaler={"cooldown_s": 120,
-                     "law_behind_hpa": True}, kvgate={"tenants": [{"name": "a"}], "nodes": PLACEHOLDER_NODES})
-    sc, reqs = from_trace(trace, bc)
-    r = Run(parse_config(sc.config), sc.policies[0], get_profile(sc.profile), reqs, autoscaling=sc.autoscaling)
-    (pool,) = r.pools.values()
-    assert pool.law is not None and pool.hpa is not None  # (without the key: no HPA, as before)
-    assert Run(parse_config(sc.config), sc.policies[0], get_profile(sc.profile), reqs).pools[pool.name].hpa is None
+    # a burst of 1,500-token prompts for 90 s, then a trickle: the law scales 1 -> 6 and back down a node a
+    # cooldown (60 s) apart; behind the HPA each scale-down lands when the count asked has been lower for a
+    # whole cooldown (its stabilisation window), later, to the same end
+    trace = tmp_path / "burst.jsonl"
+    trace.write_text("".join(json.dumps({"t": round(i / 60.0, 3), "tenant": "a", "prompt_tokens": 1500,
+                                         "output_tokens": 64}) + "\n" for i in range(90 * 60)) +
+                     "".join(json.dumps({"t": 90.0 + i / 2.0, "tenant": "a", "prompt_tokens": 1500,
+                                         "output_tokens": 64}) + "\n" for i in range(780)))
+    timelines = {}
+    for on in (False, True):
+        bc = BenchConfig(nodes=1, max_nodes=8, policies=["kvgate+scaler"], kvgate={
+            "tenants": [{"name": "a"}], "nodes": PLACEHOLDER_NODES}, scaler={
+            "cooldown_s": 60, "law_scale_down_window_s": 0, "law_behind_hpa": on})
+        sc, reqs = from_trace(trace, bc)
+        r = Run(parse_config(sc.config), sc.policies[0], get_profile(sc.profile), reqs, autoscaling=sc.autoscaling)
+        (pool,) = r.pools.values()
+        assert (pool.hpa is not None) == on  # (without the key: no HPA, the law's count as it is)
+        r.run()
+        timelines[on] = r.node_timeline
+    downs = {on: [t for (t, n), (_, m) in zip(tl[1:], tl, strict=False) if n < m] for on, tl in timelines.items()}
+    assert max(n for _, n in timelines[False]) == max(n for _, n in timelines[True]) >= 4
+    assert len(downs[True]) == len(downs[False]) >= 3 and timelines[True][-1][1] == timelines[False][-1][1]
+    assert all(b >= a + 30 for a, b in zip(downs[False], downs[True], strict=True)), downs
+
     hpa = Hpa(sc.autoscaling.chart_hpa(PoolSize("p", 10, 1, 16)))
 
     def ask(now: float, current: int, law: int) -> int:
         return hpa.decide(now, current, chart_metric(law, current, hpa.settings.tolerance))
 
     assert ask(0.0, 10, 11) == 10 and ask(15.0, 10, 12) == 12  # within 10%: ignored; past it: at once
-    assert [ask(t, 12, 9) for t in (30.0, 120.0)] == [12, 12]  # down: the highest count of the cooldown
-    assert ask(150.0, 12, 9) == 11  # ... then one pod per 15 s
+    assert Hpa(sc.autoscaling.chart_hpa(PoolSize("p", 2, 1, 16))).decide(0.0, 2, 16) == 16  # (the chart's: all at once)
+    assert [ask(t, 12, 9) for t in (30.0, 60.0)] == [12, 12]  # down: the highest count of the cooldown (60 s)
+    assert ask(90.0, 12, 9) == 11  # ... then one pod per 15 s
 
 
 def test_a_bench_config_runs_its_nodes_with_a_long_prefill_token_threshold(tmp_path: Path) -> None:

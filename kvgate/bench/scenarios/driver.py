@@ -178,9 +178,9 @@ class Autoscaling:
         scaledobject.yaml): Kubernetes' 10% tolerance on the law's count (``AverageValue``, target 1); up by
         up to ``maxReplicas`` pods per 15 s, unstabilised; down one pod per 15 s, to the highest count asked
         over the cooldown (whole seconds, at most 3600)."""
-        low = max(1, size.min_nodes)  # (an HPA's floor: KEDA itself takes a pool to 0 and back)
-        return HpaSettings(low, max(low, size.max_nodes),
-                           scale_up=ScalingRules(0.0, (ScalingPolicy("Pods", max(low, size.max_nodes), 15.0),)),
+        low = max(1, size.min_nodes)  # (an HPA's floor is 1; KEDA's scale to and from zero is not modelled)
+        top = max(low, size.max_nodes)
+        return HpaSettings(low, top, scale_up=ScalingRules(0.0, (ScalingPolicy("Pods", top, 15.0),)),
                            scale_down=ScalingRules(float(min(3600, int(self.law.cooldown_s))),
                                                    (ScalingPolicy("Pods", 1, 15.0),)))
 
@@ -483,8 +483,11 @@ class Run:
             if policy.autoscale == "scaler":
                 law = ControlLaw(replace(self.auto.law, min_replicas=size.min_nodes, max_replicas=size.max_nodes,
                                          cold_start_s=cold, window_s=self.auto.window_s))
-            hpa = Hpa(self.auto.hpa(size)) if policy.autoscale == "queue" else (
-                Hpa(self.auto.chart_hpa(size)) if law is not None and self.auto.law_behind_hpa else None)
+            hpa = None
+            if policy.autoscale == "queue":
+                hpa = Hpa(self.auto.hpa(size))
+            elif law is not None and self.auto.law_behind_hpa:
+                hpa = Hpa(self.auto.chart_hpa(size))
             self.pools[spec.name] = SimPool(spec, prof, size, cold, law=law, hpa=hpa,
                                             node_profiles=tuple(get_profile(name) for name in node_profiles))
         self.core: Core | None = None

@@ -9,8 +9,10 @@ HPA controller (``pkg/controller/podautoscaler``) does between the metric and th
 defaults of ``autoscaling/v2`` ``HorizontalPodAutoscalerBehavior`` (API reference, ``HPAScalingRules``,
 Kubernetes 1.23-1.36):
 
-* **tolerance** — no change while the metric is within 10% of its target (``usage / (target x
-  replicas)`` in [0.9, 1.1]: the cluster-wide default ``--horizontal-pod-autoscaler-tolerance``);
+* **tolerance** — no change while the metric is within 10% of its target (``|usage / (target x
+  replicas) - 1| <= 0.1``, the controller's older comparison — in floating point an exact 1.1 reads
+  0.10000000000000009 and is applied, where current Kubernetes' ``1 - tol <= ratio <= 1 + tol`` ignores it,
+  as ``driver.chart_metric`` does; the cluster-wide default ``--horizontal-pod-autoscaler-tolerance``);
 * **stabilisation** — scale-up: 0 s (no stabilisation); scale-down: 300 s, *the highest recommendation
   of the last 300 s is used*;
 * **step limits** (``policies``, ``selectPolicy: Max``: the policy allowing the larger change wins) —

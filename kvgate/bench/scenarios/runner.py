@@ -69,8 +69,8 @@ class ScalerSettings(BaseModel):
         "(the scaler's ``scale_down_window_seconds``; 0: only since the unmet rate went low)")
     law_behind_hpa: bool = Field(
         default=False, description="kvgate+scaler: the law's count goes through the HPA the chart renders (10% "
-        "tolerance; up at once; down one pod per 15 s after the cooldown's highest count) instead of straight "
-        "to the fleet")
+        "tolerance; up at once; down one pod per 15 s, to the highest count asked over the cooldown) instead of "
+        "straight to the fleet")
     concentration: Annotated[float, Field(gt=0, le=1)] = 0.8
     trend_window_s: Annotated[float, Field(gt=0)] = 60.0
     spread_share: Annotated[float, Field(gt=0, le=1)] = 0.30
