@@ -427,7 +427,7 @@ class ControlLaw:
             step = s.step if (rate or 0.0) > thr else 1
             if observed is not None and waited is not None and stale:
                 g = self._give_up(current, observed, waited)
-                return g.settle(self._up(g.level, observed, mean_up, rate or 0.0, why + g.text, v, step, g.floor))
+                return g.settle(self._up(g.level, observed, mean_up, rate or 0.0, why + g.text, v, step, g))
             return self._up(current, observed, mean_up, rate or 0.0, why, v, step)
         beyond = observed - s.warm_pool if observed is not None else 0
         busy = None if kv_load is None or beyond <= 0 else kv_load / beyond
@@ -521,7 +521,7 @@ class ControlLaw:
         return g
 
     def _up(self, current: int, observed: int | None, mean_up: float | None, share: float, why: str,
-            ctx: _Ctx, step: int, at_least: int = 0) -> Verdict:
+            ctx: _Ctx, step: int, gave_up: _GiveUp | None = None) -> Verdict:
         """Scale up by the shortfall: the window's fleet (``mean_up`` replicas, time-weighted) served 1 - u
         of its demand (u: the unmet rate seen, not its projection: the trend says when, not how much), so
         it needed mean_up / (1 - u); add what the replicas up now lack, at least ``step`` (``s.step``, or
@@ -541,8 +541,10 @@ class ControlLaw:
         # added to what runs where the law's level is below it (a scale-down the HPA has not applied, or
         # ignored): added to the level, 15 needed with 10 running at level 9 asked 14 (review76 L9)
         plain = max(current, up - self.s.warm_pool) + add
-        desired = max(plain, at_least - self.s.warm_pool)
-        floor = f" (at least {at_least}: past the HPA's tolerance)" if desired > plain else ""
+        if gave_up is None:
+            desired, floor = plain, ""
+        else:  # (at least past the HPA's tolerance: ``_give_up``)
+            desired, floor = max(plain, gave_up.floor - self.s.warm_pool), gave_up.floor_note(plain + self.s.warm_pool)
         return self._out(desired, "up", f"{why}: +{add} replica(s) (max(step {step}, {base:.1f} up over the "
                          f"window / {1 - share:.0%} served = {need} needed, {up} up)){floor}", ctx)
 

@@ -365,8 +365,8 @@ def test_kvgate_scaler_can_run_behind_the_charts_hpa(tmp_path: Path) -> None:
     """``scaler.law_behind_hpa``: the law's count goes through the HPA the chart renders — Kubernetes' 10%
     tolerance (11 of 10 ignored, 12 applied), up at once, down one pod per 15 s to the highest count asked
     over the cooldown — rather than straight to the fleet."""
-    from kvgate.bench.scenarios.driver import PoolSize, chart_metric
-    from kvgate.bench.scenarios.hpa import Hpa
+    from kvgate.bench.scenarios.driver import PoolSize
+    from kvgate.bench.scenarios.hpa import Hpa, chart_metric
     from kvgate.bench.scenarios.runner import BenchConfig, from_trace
 
     # a burst of 1,500-token prompts for 90 s, then a trickle: the law scales 1 -> 6 and back down a node a

@@ -51,7 +51,7 @@ from sim.engine import Engine, EngineOptions
 from sim.prefix_cache import Prompt
 from sim.scheduler import Request
 
-from .hpa import DEFAULT_SCALE_DOWN, Hpa, HpaSettings, ScalingPolicy, ScalingRules, metric_replicas
+from .hpa import DEFAULT_SCALE_DOWN, Hpa, HpaSettings, ScalingPolicy, ScalingRules, chart_metric, metric_replicas
 from .switches import switch_off
 from .trace import TraceRequest
 
@@ -192,17 +192,6 @@ class Autoscaling:
         low = min(size.nodes, size.max_nodes)
         return HpaSettings(low, max(low, size.max_nodes),
                            scale_down=replace(DEFAULT_SCALE_DOWN, stabilization_s=self.scale_down_window_s))
-
-
-def chart_metric(desired: int, current: int, tolerance: float) -> int:
-    """What the chart's HPA makes of the law's count (an ``AverageValue`` metric, target 1): the count, or
-    ``current`` while their ratio is within ``tolerance`` of 1, the bounds included — current Kubernetes'
-    ``1 - tolerance <= ratio <= 1 + tolerance``, under which 11 of 10 is ignored (``hpa.metric_replicas``'s
-    ``|ratio - 1| <= tolerance`` reads 0.10000000000000009 there and lets it through; kept for the
-    ``autoscale-only`` baseline, whose figures it made)."""
-    if current > 0 and 1.0 - tolerance <= desired / current <= 1.0 + tolerance:
-        return current
-    return desired
 
 
 @dataclass(frozen=True)
