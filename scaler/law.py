@@ -26,7 +26,9 @@ Per evaluation, over the signal window:
   what the replicas up now lack, at least ``step`` when the rate seen is over the threshold, at
   least one when only its projection is (a rise not there yet is not sized as one: a +2 on a 13%
   rate left the replicas added half idle); nothing when replicas that came up during the window
-  cover it;
+  cover it. Any scale-up (the warm pool's one more and a flap's too) asks at least the least count past
+  ``hpa_tolerance`` of the replicas running (12 of 10 at 10%: 11 is within it, and the HPA would ignore
+  it — for good before the give-up below, ``give_up_s`` late after it: attack75 F4, review76 M4);
 * a scale-up is not repeated while the replicas it asked for are not there yet (models take 30-90 s
   to load): unmet demand during a cold start is expected and must not compound — for ``give_up_s`` (two
   cold starts and a signal window, at least 5 minutes: a new pod may wait for a node and an image pull
@@ -78,8 +80,8 @@ Per evaluation, over the signal window:
   scale-down was undone 5.5% more GPU-hours than a static fleet; over the families' seeds 1-12 the window
   changed 4 of 60 runs, kvgate+scaler's misses 51 -> 48 when it went in, the other three a few percent
   more GPU-hours for as much or more SLO). With a cooldown at least that long (the default 600 s) it adds
-  nothing. (The bench applies the law's count as it is unless ``scaler.law_behind_hpa``; the chart's HPA
-  holds a scale-down over one more cooldown.)
+  nothing. (The bench puts the chart's HPA between the law and the fleet, as in a cluster, unless
+  ``scaler.law_behind_hpa`` is false; the HPA holds a scale-down over one more cooldown.)
 * in between → hold (and the cooldown starts again), except within a cooldown of a scale-down with
   no scale-up since: the unmet rate or its projection at ``scale_down_threshold`` or above then puts
   the replica removed back (+1; a flap, as above). The fleet had no unmet demand before it; one
@@ -154,8 +156,8 @@ class LawSettings:
     evaluation's load is its signal window's mean, so a reading counts for up to ``window_s`` longer."""
     hpa_tolerance: float = 0.1
     """The tolerance the law assumes of the HPA between it and the pods (Kubernetes' default 10%): what it
-    asks after giving up on replicas that never came (``give_up_s``), and a scale from zero behind a warm
-    pool, clear it. (Last: the fields before it keep their places.)"""
+    asks on a scale-up, after giving up on replicas that never came (``give_up_s``), and on a scale from zero
+    behind a warm pool, clears it of the replicas running. (Last: the fields before it keep their places.)"""
 
     @property
     def give_up_s(self) -> float:
@@ -444,7 +446,8 @@ class ControlLaw:
                                  "replica(s) already asked for to come up", v)
             # (one more than runs where the level is below it — a scale-down the HPA has not applied — not
             # one more than the level, which asked for what runs: attack77 L2)
-            return self._out(max(current, beyond) + 1, "up", why + ": +1 replica", v)
+            level, past = self._clear(max(current, beyond) + 1, observed)
+            return self._out(level, "up", why + ": +1 replica" + past, v)
         if quota is not None and u.rate is not None and u.rate > thr:
             self._low_since = None
             return self._out(current, "hold", f"{what}: rejections concentrated in tenant {quota!r}'s quota: a "
@@ -453,8 +456,9 @@ class ControlLaw:
             self._low_since = None
             last = self._last_down
             if last is not None and now - last[0] < s.cooldown_s and current == last[1]:
-                return self._out(current + 1, "up", f"{what} >= {s.scale_down_threshold:.0%} within a cooldown "
-                                 "of a scale-down: +1 replica, the one removed", v)
+                level, past = self._clear(current + 1, observed)
+                return self._out(level, "up", f"{what} >= {s.scale_down_threshold:.0%} within a cooldown "
+                                 "of a scale-down: +1 replica, the one removed" + past, v)
             return self._out(current, "hold", f"{what}: between the thresholds", v)
         if self._low_since is None:
             self._low_since = now
@@ -542,11 +546,26 @@ class ControlLaw:
         # ignored): added to the level, 15 needed with 10 running at level 9 asked 14 (review76 L9)
         plain = max(current, up - self.s.warm_pool) + add
         if gave_up is None:
-            desired, floor = plain, ""
+            desired, floor = self._clear(plain, observed)
         else:  # (at least past the HPA's tolerance: ``_give_up``)
             desired, floor = max(plain, gave_up.floor - self.s.warm_pool), gave_up.floor_note(plain + self.s.warm_pool)
         return self._out(desired, "up", f"{why}: +{add} replica(s) (max(step {step}, {base:.1f} up over the "
                          f"window / {1 - share:.0%} served = {need} needed, {up} up)){floor}", ctx)
+
+    def _clear(self, level: int, observed: int | None) -> tuple[int, str]:
+        """A scale-up's demand level, raised where its count would be within ``hpa_tolerance`` of the replicas
+        running to the least count past it, and what the reason adds then. The HPA ignores such a count (11 of
+        10 is exactly 10%): asked as it is, it would come only when the law gave up on it, ``give_up_s`` later
+        (at least 300 s for every +1 of a pool of 10 or more: attack75 F4, review76 M4)."""
+        s = self.s
+        total = self._total(level)
+        if observed is None or total <= observed:
+            return level, ""
+        least = _past(observed, s.hpa_tolerance)
+        if total >= least:
+            return level, ""
+        return least - s.warm_pool, (f" ({least}: {total} of the {observed} running is within the HPA's "
+                                     f"{s.hpa_tolerance:.0%} tolerance)")
 
     def _remember(self, now: float, kv_load: float | None, prefill_load: float) -> None:
         """Keep this evaluation's KV and prefill load over the last cooldown or ``scale_down_window_s``."""

@@ -346,7 +346,7 @@ def test_a_bench_config_sets_the_autoscalers_start_size_and_the_scaler_law(tmp_p
     cfg.write_text(yaml.safe_dump({
         "nodes": 3, "min_nodes": 2, "max_nodes": 9, "policies": ["autoscale-only", "kvgate+scaler"],
         "scaler": {"step": 3, "scale_up_threshold": 0.1, "cooldown_s": 30, "warm_pool": 1, "window_s": 20,
-                   "scale_down_window_s": 600, "law_scale_down_window_s": 90, "law_behind_hpa": True},
+                   "scale_down_window_s": 600, "law_scale_down_window_s": 90, "law_behind_hpa": False},
         "kvgate": {"tenants": [{"name": "a"}]}}))
     bc = load_bench_config(cfg)
     assert [(p.nodes, p.min_nodes, p.max_nodes) for p in bc.policy_list()] == [(3, 2, 9), (3, 2, 9)]
@@ -355,7 +355,7 @@ def test_a_bench_config_sets_the_autoscalers_start_size_and_the_scaler_law(tmp_p
             auto.window_s) == (3, 0.1, 30, 1, 20)
     # each autoscaler its own scale-down window: the HPA's stabilisation, the law's peak lookback
     assert (auto.scale_down_window_s, auto.law.scale_down_window_s) == (600, 90)
-    assert auto.law_behind_hpa and not BenchConfig().autoscaling().law_behind_hpa  # (opt-in)
+    assert not auto.law_behind_hpa and BenchConfig().autoscaling().law_behind_hpa  # (the chart's HPA by default)
     cfg.write_text(yaml.safe_dump({"scaler": {"stepp": 3}}))
     with pytest.raises(ConfigError, match=r"scaler\.stepp"):
         load_bench_config(cfg)
@@ -386,6 +386,7 @@ def test_kvgate_scaler_can_run_behind_the_charts_hpa(tmp_path: Path) -> None:
         r = Run(parse_config(sc.config), sc.policies[0], get_profile(sc.profile), reqs, autoscaling=sc.autoscaling)
         (pool,) = r.pools.values()
         assert (pool.hpa is not None) == on  # (without the key: no HPA, the law's count as it is)
+        assert pool.law is not None and pool.law.s.hpa_tolerance == (0.1 if on else 0.0)  # (no tolerance to clear)
         r.run()
         timelines[on] = r.node_timeline
     downs = {on: [t for (t, n), (_, m) in zip(tl[1:], tl, strict=False) if n < m] for on, tl in timelines.items()}

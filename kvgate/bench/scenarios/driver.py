@@ -169,9 +169,10 @@ class Autoscaling:
     """The scaler's signal window."""
     law: LawSettings = field(default_factory=lambda: LawSettings(min_replicas=1, max_replicas=16, step=2,
                                                                   cooldown_s=600.0))
-    law_behind_hpa: bool = False
-    """kvgate+scaler: the law's count goes through the HPA the chart's ScaledObject renders (``chart_hpa``)
-    instead of straight to the fleet."""
+    law_behind_hpa: bool = True
+    """kvgate+scaler: the law's count goes through the HPA the chart's ScaledObject renders (``chart_hpa``),
+    as it does in a cluster; False: straight to the fleet (the default before the law cleared the HPA's
+    tolerance on every scale-up)."""
 
     def chart_hpa(self, size: PoolSize) -> HpaSettings:
         """The HPA between the scaler and one pool's pods as the chart renders it (helm/kvgate/templates/
@@ -470,8 +471,11 @@ class Run:
             cold = prof.cold_start_s if cold_start_s is None else cold_start_s
             law = None
             if policy.autoscale == "scaler":
+                # (straight to the fleet, the law's count is applied as it is: no HPA tolerance to clear)
                 law = ControlLaw(replace(self.auto.law, min_replicas=size.min_nodes, max_replicas=size.max_nodes,
-                                         cold_start_s=cold, window_s=self.auto.window_s))
+                                         cold_start_s=cold, window_s=self.auto.window_s,
+                                         hpa_tolerance=self.auto.law.hpa_tolerance if self.auto.law_behind_hpa
+                                         else 0.0))
             hpa = None
             if policy.autoscale == "queue":
                 hpa = Hpa(self.auto.hpa(size))

@@ -68,9 +68,9 @@ class ScalerSettings(BaseModel):
         default=300.0, description="kvgate+scaler: how far back the law reads the peak load a scale-down must fit "
         "(the scaler's ``scale_down_window_seconds``; 0: only since the unmet rate went low)")
     law_behind_hpa: bool = Field(
-        default=False, description="kvgate+scaler: the law's count goes through the HPA the chart renders (10% "
-        "tolerance; up at once; down one pod per 15 s, to the highest count asked over the cooldown) instead of "
-        "straight to the fleet")
+        default=True, description="kvgate+scaler: the law's count goes through the HPA the chart renders (10% "
+        "tolerance; up at once; down one pod per 15 s, to the highest count asked over the cooldown), as in a "
+        "cluster; false: straight to the fleet, as it is")
     concentration: Annotated[float, Field(gt=0, le=1)] = 0.8
     trend_window_s: Annotated[float, Field(gt=0)] = 60.0
     spread_share: Annotated[float, Field(gt=0, le=1)] = 0.30
