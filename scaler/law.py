@@ -28,20 +28,24 @@ Per evaluation, over the signal window:
   rate left the replicas added half idle); nothing when replicas that came up during the window
   cover it. Any scale-up (the warm pool's one more and a flap's too) asks at least the least count past
   ``hpa_tolerance`` of the replicas running (12 of 10 at 10%: 11 is within it, and the HPA would ignore
-  it — for good before the give-up below, ``give_up_s`` late after it: attack75 F4, review76 M4);
+  it — for good before the give-up below, ``give_up_s`` late after it: attack75 F4, review76 M4). One
+  that ``max_replicas`` bounds within that tolerance is a hold: the HPA would ignore it too (attack80 F3);
 * a scale-up is not repeated while the replicas it asked for are not there yet (models take 30-90 s
   to load): unmet demand during a cold start is expected and must not compound — for ``give_up_s`` (two
   cold starts and a signal window, at least 5 minutes: a new pod may wait for a node and an image pull
   first). Replicas asked for that have not come by then may never come: an HPA ignores a count within
-  its tolerance of the pods it runs (Kubernetes' default 10%: 13 of 12), and waiting for them held every
-  later scale-up for good (attack73 F2). Then, where the law would wait for them (a scale-up, the warm
-  pool's one more; with replicas running beyond the warm pool), it re-decides from the replicas running,
-  and what it asks is at least the least count past ``hpa_tolerance`` of them (14 of 12 at 10%). Sized
-  from what runs, not added to what was asked, replicas the HPA did add that stay Pending (no GPU free)
-  are asked again, not again on top. The HPA measures its tolerance against every pod it runs, ready or
-  not, and its tolerance may be larger than assumed: a give-up with no more replicas running than at the
-  last one also clears the tolerance of the count asked before it, once per such run of give-ups (attack75
-  F1/F2, review76 M1/M2: a crash-looping pod kept 13 of 12 ignored for good). So the pool stays at most
+  its tolerance of the pods it runs (Kubernetes' default 10%: 13 of 12 — asked where the law assumes less
+  tolerance than the HPA has, or the pods the HPA counts are not the replicas the law sees), and waiting
+  for them held every later scale-up for good (attack73 F2). Then, where the law would wait for them (a
+  scale-up, the warm pool's one more; with replicas running beyond the warm pool), it re-decides from the
+  replicas running, and what it asks is at least the least count past ``hpa_tolerance`` of them (14 of 12
+  at 10%). Sized from what runs, not added to what was asked, replicas the HPA did add that stay Pending
+  (no GPU free) are asked again, not again on top. The HPA measures its tolerance against every pod it
+  runs, ready or not, and its tolerance may be larger than assumed: a give-up with no more replicas
+  running than at the last one also clears the tolerance of the count asked before it, once per such run
+  of give-ups (attack75 F1/F2, review76 M1/M2: a crash-looping pod kept 13 of 12 ignored for good) — and
+  so does the first, where the count asked already cleared the tolerance of what runs (every scale-up
+  does: asked again it would be ignored again; attack80 F4). So the pool stays at most
   one tolerance step above what the HPA applied while its pods stay Pending, rather than growing towards
   ``max_replicas``; a give-up that asks no more than before is a hold. A scale-down that removes no
   running replica (it lowers a count of replicas that never came) is not one a flap can undo (below);
@@ -50,7 +54,10 @@ Per evaluation, over the signal window:
   (``Verdict.policy_tenant``), and the law acts on the unmet rate without that tenant (its quota
   overflowing as 503s does not buy GPUs; other tenants' unmet demand still does);
 * the warm pool is kept spare: when the replicas beyond it would carry the fleet's KV-cache usage at
-  more than ``warm_pool_kv_usage`` (the warm replicas are carrying demand), one more replica;
+  more than ``warm_pool_kv_usage`` (the warm replicas are carrying demand), one more replica — by the
+  window's mean and by the reading now (the mean still holds the readings from before the replicas asked
+  for came: read alone, a window after they did it asked a tolerance step more, which then stayed —
+  attack80 F2);
 * scale down by one when the unmet rate and its projection stayed under ``scale_down_threshold``
   for ``cooldown_s`` (never while unmet demand is present; any scale-up restarts the cooldown) and
   the replicas left beyond the warm pool (what runs or the next level, whichever is fewer: behind the
@@ -86,7 +93,9 @@ Per evaluation, over the signal window:
   no scale-up since: the unmet rate or its projection at ``scale_down_threshold`` or above then puts
   the replica removed back (+1; a flap, as above). The fleet had no unmet demand before it; one
   replica short, the hold band would keep the shortfall for good (families ``mixed`` seed 2: 4 → 3
-  replicas as the prompt mix lengthened, then 5-15% unmet demand to the end, all inside the band);
+  replicas as the prompt mix lengthened, then 5-15% unmet demand to the end, all inside the band).
+  Where the replicas running show the scale-down was never applied (an HPA ignores one within its
+  tolerance: 19 of 20), the level comes back to them, a hold and no flap (attack80 F5);
 * missing, incomplete or stale data → hold; never scale down on no data, and never answer fewer
   replicas than the signal last reported up (``observed``): a law whose own level is below what is
   running (a manual scale-up, an HPA floor) must not shrink the pool because a source went silent;
@@ -94,8 +103,9 @@ Per evaluation, over the signal window:
   neither the window nor, maybe, the pool's size, so it says so (``Verdict.ready`` False) instead of
   guessing; the server answers KEDA with an error until then, so KEDA's own fallback applies;
 * requests held in kvgate's queue with no replica beyond the warm pool → at least one (scale from
-  zero; sized as a scale-up when the replicas up are short), and past ``hpa_tolerance`` of the warm pool
-  running (12 of a warm pool of 10);
+  zero; sized as a scale-up when the replicas up are short), and past ``hpa_tolerance`` of the warm pool,
+  whose pods the HPA counts ready or not (12 of a warm pool of 10, also with 5 of them ready: attack80
+  F1); at level 0 with replicas beyond the warm pool running all the same, the level comes back to them;
 * ``warm_pool`` replicas on top of demand; the demand level is clamped to [min, max - warm_pool],
   the result to max.
 
@@ -156,8 +166,9 @@ class LawSettings:
     evaluation's load is its signal window's mean, so a reading counts for up to ``window_s`` longer."""
     hpa_tolerance: float = 0.1
     """The tolerance the law assumes of the HPA between it and the pods (Kubernetes' default 10%): what it
-    asks on a scale-up, after giving up on replicas that never came (``give_up_s``), and on a scale from zero
-    behind a warm pool, clears it of the replicas running. (Last: the fields before it keep their places.)"""
+    asks on a scale-up and after giving up on replicas that never came (``give_up_s``) clears it of the
+    replicas running, and a scale from zero clears it of the warm pool. (Last: the fields before it keep
+    their places.)"""
 
     @property
     def give_up_s(self) -> float:
@@ -418,9 +429,20 @@ class ControlLaw:
         stale = waited is not None and waited >= s.give_up_s
         if current == 0 and (sig.held > 0 or sig.demand > 0 or u.demand > 0) and (not over or waiting):
             self._low_since = None
-            # (at least one replica past the HPA's tolerance of the warm pool: 11 of a warm pool of 10 is within
-            # 10%, and with nothing beyond it running there would be nothing to give up from — attack77 L1)
-            first = max(1, s.min_replicas, _past(min(observed or 0, s.warm_pool), s.hpa_tolerance) - s.warm_pool)
+            first = max(1, s.min_replicas)
+            if observed is not None and observed > s.warm_pool:
+                # replicas beyond the warm pool run all the same (KEDA keeps one while there is traffic; the HPA
+                # ignored a scale-down within its tolerance): the level comes back to them, past the tolerance of
+                # what runs if it asks more (review78 M1, review81 L-8)
+                level, past = self._clear(max(first, observed - s.warm_pool), observed)
+                return self._out(level, "up" if self._total(level) > observed else "hold",
+                                 f"{what}: requests are waiting and {observed - s.warm_pool} replica(s) run beyond "
+                                 f"the warm pool at level 0: level {level}{past}", v)
+            # (past the HPA's tolerance of the warm pool, which it runs ready or not: 11 of a warm pool of 10 is
+            # within 10%, and with nothing beyond it running there would be nothing to give up from — attack77
+            # L1; measured against the warm pool's pods, not the ready ones: with 5 of 10 ready it asked 11, which
+            # the HPA ignored for good — attack80 F1)
+            first = max(first, _past(s.warm_pool, s.hpa_tolerance) - s.warm_pool)
             return self._out(first, "up", f"{what}: requests are waiting and no replica is up "
                              "beyond the warm pool: scale from zero", v)
         if over:  # (from zero too, when the replicas up are short: sized like any other scale-up)
@@ -432,11 +454,15 @@ class ControlLaw:
                 return g.settle(self._up(g.level, observed, mean_up, rate or 0.0, why + g.text, v, step, g))
             return self._up(current, observed, mean_up, rate or 0.0, why, v, step)
         beyond = observed - s.warm_pool if observed is not None else 0
-        busy = None if kv_load is None or beyond <= 0 else kv_load / beyond
-        if s.warm_pool > 0 and busy is not None and busy > s.warm_pool_kv_usage:
+        # (the window's mean and the reading now, whichever is lower: the mean still holds the readings from before
+        # the replicas asked for came, and read alone it asked one more a window after they did — attack80 F2)
+        held_kv = kv_load if kv_load is None or usage is None or not observed else min(kv_load, usage * observed)
+        busy = None if held_kv is None or beyond <= 0 else held_kv / beyond
+        if s.warm_pool > 0 and held_kv is not None and busy is not None and busy > s.warm_pool_kv_usage:
             self._low_since = None
-            why = (f"{what}: the warm pool is carrying demand: {observed} replica(s) at {kv or 0.0:.0%} mean KV "
-                   f"usage would be {busy:.0%} on the {beyond} beyond it > {s.warm_pool_kv_usage:.0%}")
+            why = (f"{what}: the warm pool is carrying demand: {observed} replica(s) at "
+                   f"{held_kv / (observed or 1):.0%} KV usage (the window's mean or the reading now, the lower) "
+                   f"would be {busy:.0%} on the {beyond} beyond it > {s.warm_pool_kv_usage:.0%}")
             if observed is not None and waited is not None and stale:
                 g = self._give_up(current, observed, waited)
                 return g.settle(self._out(max(g.level + 1, g.floor - s.warm_pool), "up",
@@ -456,6 +482,13 @@ class ControlLaw:
             self._low_since = None
             last = self._last_down
             if last is not None and now - last[0] < s.cooldown_s and current == last[1]:
+                if observed is not None and self._total(current + 1) <= observed:
+                    # the HPA kept what runs (the scale-down was within its tolerance): nothing to put back, and
+                    # no flap — the level comes back to what runs (attack80 F5, review81 L-9)
+                    self._last_down = None
+                    return self._out(current + 1, "hold", f"{what} >= {s.scale_down_threshold:.0%} within a "
+                                     f"cooldown of a scale-down the {observed} running show was not applied: the "
+                                     "level comes back to them", v)
                 level, past = self._clear(current + 1, observed)
                 return self._out(level, "up", f"{what} >= {s.scale_down_threshold:.0%} within a cooldown "
                                  "of a scale-down: +1 replica, the one removed" + past, v)
@@ -514,6 +547,10 @@ class ControlLaw:
         if last is not None and observed <= last.observed:
             floor = last.floor if last.escalated else max(last.floor, _past(asked, tol))
             escalated = True
+        elif asked >= _past(observed, tol):
+            # what was asked already clears the tolerance of what runs (every scale-up does, ``_clear``): asked
+            # again it would be ignored again, so the first give-up clears the count asked too (attack80 F4)
+            floor, escalated = _past(asked, tol), True
         else:
             floor, escalated = _past(observed, tol), False
         self._short_since = None
@@ -669,9 +706,16 @@ class ControlLaw:
         s = self.s
         bounded = max(s.min_replicas, min(s.max_replicas - s.warm_pool, desired))
         if bounded != desired:
-            reason += f" (bounded to {bounded})"
+            reason += f" (bounded to {self._total(bounded)} replicas)"
+            seen = self.observed
             if bounded == (self.desired if self.desired is not None else bounded):
                 action = "hold"
+            elif action == "up" and seen is not None and seen < self._total(bounded) < _past(seen, s.hpa_tolerance):
+                # (the HPA ignores it: a max_replicas within its tolerance of what runs is not reached — an "up"
+                # that says so would read as a scaling pool: attack80 F3)
+                action = "hold"
+                reason += (f": max_replicas {s.max_replicas} is within the HPA's {s.hpa_tolerance:.0%} tolerance of "
+                           f"the {seen} running, which it ignores")
         self.desired = bounded
         return Verdict(self._total(bounded), action, reason, ctx.rate, ctx.quota, unmet=ctx.unmet,
                        projected=ctx.projected, utilisation=ctx.utilisation)

@@ -148,6 +148,13 @@ def test_the_scaled_object_matches_kedas_crd(tmp_path: Path) -> None:
     docs = render(tmp_path, keda={"pollingInterval": 15, "cooldownPeriod": 300, "hpaTolerance": 0})
     scaler = yaml.safe_load(named(docs, "ConfigMap", "demo-kvgate-scaler")["data"]["scaler.yaml"])
     assert all("hpa_tolerance" not in p for p in scaler["pools"].values())
+    # ... unless the pool entry says so (where the field does take effect, or every scale-up of 10 or more
+    # asks a tolerance step too many: review81 M-1)
+    docs = render(tmp_path, keda={"pollingInterval": 15, "cooldownPeriod": 300, "hpaTolerance": 0},
+                  poolDefaults={"hpaTolerance": 0})
+    scaler = yaml.safe_load(named(docs, "ConfigMap", "demo-kvgate-scaler")["data"]["scaler.yaml"])
+    assert scaler["pools"] and all(p["hpa_tolerance"] == 0 for p in scaler["pools"].values())
+    ScalerConfig.model_validate(scaler)
     broken = json.loads(json.dumps(so))
     broken["spec"]["triggers"][0].pop("type")
     with pytest.raises(jsonschema.ValidationError):  # the schema really checks

@@ -701,11 +701,65 @@ def test_a_scale_up_on_the_projection_clears_the_hpas_tolerance(tolerance: float
     assert ("within the HPA's 10% tolerance" in v.reason) == (asked == 23), v.reason
     law = ControlLaw(LawSettings(min_replicas=1, max_replicas=32, step=2, cooldown_s=60.0, hpa_tolerance=tolerance))
     law.desired = 20
-    for t in range(0, 75, 15):  # (low for a cooldown at 20% KV: 20 -> 19, which the HPA would apply as 18)
+    for t in range(0, 75, 15):  # (low for a cooldown at 20% KV: 20 -> 19)
         v = law.decide(window(AB, replicas=20, at=float(t), kv=0.2), float(t))
     assert v is not None and (v.action, v.desired) == ("down", 19), v.reason
+    # (19 run: an HPA with less tolerance than 5% applied it; 20 of 19 is within 10%, so the undo asks 21)
     v = law.decide(window(AB, capacity={"a": 10}, replicas=19, at=90.0), 90.0)
     assert v.action == "up" and v.desired == (21 if tolerance else 20), v.reason
+
+
+def test_undoing_a_scale_down_the_hpa_ignored_is_no_flap() -> None:
+    """20 run at level 20; the law scales down to 19, which a 10% HPA ignores (20 still run), and demand
+    comes back within a cooldown: nothing was removed, so the level comes back to the 20 running — a hold,
+    not an "up" to what runs, not 23 past the tolerance, and no flap doubling the next cooldown (attack80 F5,
+    review81 L-9/M-2)."""
+    law = ControlLaw(LawSettings(min_replicas=1, max_replicas=32, step=2, cooldown_s=60.0))
+    law.desired = 20
+    hpa = _Hpa(20)
+    v = None
+    for t in range(0, 75, 15):
+        v = law.decide(window(AB, replicas=hpa.ready(t), at=float(t), kv=0.2), float(t))
+        hpa.apply(v.desired, float(t))
+    assert v is not None and (v.action, v.desired) == ("down", 19) and hpa.spec == 20, v.reason
+    v = law.decide(window(AB, capacity={"a": 10}, replicas=hpa.ready(90.0), at=90.0), 90.0)
+    assert (v.action, v.desired) == ("hold", 20), v.reason
+    assert "scale-down the 20 running show was not applied" in v.reason
+    assert law.flap_level is None and law.backoff == 1.0
+
+
+def test_the_warm_pools_one_more_reads_the_kv_usage_now_too() -> None:
+    """12 run at 90% KV (a short fleet holds more: its requests last longer), one of them the warm pool: one
+    more, asked past the HPA's tolerance (14). Once they are up the fleet runs at 45%, but the window's mean
+    still holds the readings from before: read alone it asked a whole tolerance step more a window later
+    (16), which the HPA applied and then kept (attack80 F2). With the reading now too, nothing more."""
+    law = ControlLaw(LawSettings(min_replicas=1, max_replicas=32, step=2, warm_pool=1))
+    hpa = _Hpa(12)
+    asks = []
+    t = 0.0
+    while t <= 300:
+        up = hpa.ready(t)
+        v = law.decide(window(AB, replicas=up, at=t, kv=0.9 if up < 14 else 0.45), t)
+        hpa.apply(v.desired, t)
+        if v.action == "up":
+            asks.append((t, v.desired))
+        t += 15.0
+    assert asks == [(0.0, 14)] and hpa.spec == 14, asks
+
+
+def test_a_max_within_the_hpas_tolerance_of_what_runs_is_a_hold() -> None:
+    """11 run, at most 12, 40% refused: 12 of 11 is within the HPA's 10%, which would ignore it — the verdict
+    says so as a hold (not an "up" that reads as a scaling pool), in replicas, not levels (attack80 F3,
+    review81 L-1)."""
+    law = ControlLaw(LawSettings(min_replicas=1, max_replicas=12, step=2))
+    law.desired = 11
+    v = law.decide(window(AB, capacity={"a": 100 * 0.4 / 0.6}, replicas=11), 0.0)
+    assert (v.action, v.desired) == ("hold", 12), v.reason
+    assert "(bounded to 12 replicas): max_replicas 12 is within the HPA's 10% tolerance of the 11 running" in v.reason
+    law = ControlLaw(LawSettings(min_replicas=1, max_replicas=13, step=2))  # (13 of 11 is past it)
+    law.desired = 11
+    v = law.decide(window(AB, capacity={"a": 100 * 0.4 / 0.6}, replicas=11), 0.0)
+    assert (v.action, v.desired) == ("up", 13), v.reason
 
 
 @pytest.mark.parametrize("running", [10, 11, 15, 20, 29])
@@ -752,16 +806,17 @@ def test_a_re_ask_that_brings_nothing_clears_the_count_asked_before(broken: int,
 
 def test_replicas_that_stay_pending_are_asked_again_not_on_top() -> None:
     """The HPA applies every count but its new pods stay Pending (no GPU free) while 40% of the demand is
-    refused: each give-up re-asks from the 12 running — the same count, 20, not one stacked on the last —
-    except that the second, having brought no more replicas, clears the tolerance of the 20 asked before
-    (23) once. The pool stays one tolerance step above what the HPA applied, and a give-up asking no more
-    than before is a hold."""
+    refused: each give-up re-asks from the 12 running — the same count, not one stacked on the last —
+    except that the first clears the tolerance of the 20 asked before (23) once: 20 already cleared it of the
+    12 running, so asked again it would be ignored again where the HPA is the cause (attack80 F4). The pool
+    stays one tolerance step above what the HPA applied, and a give-up asking no more than before is a
+    hold."""
     law = ControlLaw(LawSettings(min_replicas=1, max_replicas=64, step=2, warm_pool=1))
     hpa = _Hpa(12, pending=True, window_s=600.0)
     verdicts = _behind_hpa(law, hpa, needed=18, until=3600)
     gave_up = [(t, v.desired, v.action) for t, v in verdicts if "gave up" in v.reason]
     assert len(gave_up) >= 8
-    assert gave_up[:3] == [(300.0, 20, "hold"), (600.0, 23, "up"), (900.0, 23, "hold")], gave_up
+    assert gave_up[:3] == [(300.0, 23, "up"), (600.0, 23, "hold"), (900.0, 23, "hold")], gave_up
     assert {n for _, n, _ in gave_up[2:]} == {23} and hpa.spec == 23 and hpa.ready(3600) == 12
 
 
@@ -842,13 +897,30 @@ def test_a_scale_from_zero_clears_the_hpas_tolerance_of_the_warm_pool(warm: int,
     assert hpa.spec == first
 
 
-def test_a_scale_from_zero_with_a_pod_beyond_the_warm_pool_still_asks_one() -> None:
-    """Level 0 with a pod running all the same (KEDA keeps one while there is traffic, or the HPA's window
-    holds it): the scale from zero asks one replica, not past the tolerance of what runs (review78 M1)."""
-    law = ControlLaw(LawSettings(min_replicas=0, max_replicas=8, step=2))
+@pytest.mark.parametrize(("warm", "running"), [(0, 1), (10, 11), (10, 12)])
+def test_a_scale_from_zero_with_a_pod_beyond_the_warm_pool_keeps_what_runs(warm: int, running: int) -> None:
+    """Level 0 with replicas beyond the warm pool running all the same (KEDA keeps one while there is
+    traffic; the HPA ignored a scale-down within its tolerance): requests wait, and the level comes back to
+    what runs — a hold, not one replica past the tolerance of what runs (review78 M1), nor of the warm pool
+    (12 of 11, which the HPA ignores; its reason said no replica ran beyond the warm pool: review81 L-8)."""
+    law = ControlLaw(LawSettings(min_replicas=0, max_replicas=16, step=2, warm_pool=warm))
     law.desired = 0
-    v = law.decide(replace(window(AB, replicas=1), held=3.0), 0.0)
-    assert v.action == "up" and v.desired == 1, v.reason
+    v = law.decide(replace(window(AB, replicas=running), held=3.0), 0.0)
+    assert v.action == "hold" and v.desired == running, v.reason
+    assert f"{running - warm} replica(s) run beyond the warm pool" in v.reason
+
+
+def test_a_scale_from_zero_clears_the_tolerance_of_a_warm_pool_not_all_ready() -> None:
+    """Requests wait behind a warm pool of 10 of which 5 are ready (5 restarting): the HPA measures against
+    its 10 pods, ready or not, so the scale from zero asks 12, not 11 (11 was ignored, and with nothing beyond
+    the warm pool running nothing gave up on it: stuck until the scaler restarted — attack80 F1)."""
+    law = ControlLaw(LawSettings(min_replicas=0, max_replicas=32, step=2, warm_pool=10))
+    law.desired = 0
+    hpa = _Hpa(10, broken=5)
+    v = law.decide(replace(window(AB, capacity={"a": 60}, replicas=hpa.ready(0.0)), held=3.0), 0.0)
+    assert v.action == "up" and v.desired == 12, v.reason
+    hpa.apply(v.desired, 0.0)
+    assert hpa.spec == 12
 
 
 def test_with_nothing_beyond_the_warm_pool_running_nothing_is_given_up() -> None:

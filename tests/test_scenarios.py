@@ -15,7 +15,7 @@ import yaml
 from ext_proc.config import ConfigError, parse_config
 from ext_proc.profiles import get_profile
 from kvgate.bench.scenarios import report
-from kvgate.bench.scenarios.driver import Policy, Run, simulate
+from kvgate.bench.scenarios.driver import Autoscaling, Policy, Run, simulate
 from kvgate.bench.scenarios.runner import ScenarioResult, run
 from kvgate.bench.scenarios.trace import TraceError, TraceRequest, read_trace, write_trace
 from kvgate.bench.scenarios.workloads import PLACEHOLDER_NODES, SCENARIOS, get_scenario
@@ -356,6 +356,7 @@ def test_a_bench_config_sets_the_autoscalers_start_size_and_the_scaler_law(tmp_p
     # each autoscaler its own scale-down window: the HPA's stabilisation, the law's peak lookback
     assert (auto.scale_down_window_s, auto.law.scale_down_window_s) == (600, 90)
     assert not auto.law_behind_hpa and BenchConfig().autoscaling().law_behind_hpa  # (the chart's HPA by default)
+    assert Autoscaling().law_behind_hpa and get_scenario("diurnal").autoscaling.law_behind_hpa
     cfg.write_text(yaml.safe_dump({"scaler": {"stepp": 3}}))
     with pytest.raises(ConfigError, match=r"scaler\.stepp"):
         load_bench_config(cfg)
@@ -385,7 +386,7 @@ def test_kvgate_scaler_can_run_behind_the_charts_hpa(tmp_path: Path) -> None:
         sc, reqs = from_trace(trace, bc)
         r = Run(parse_config(sc.config), sc.policies[0], get_profile(sc.profile), reqs, autoscaling=sc.autoscaling)
         (pool,) = r.pools.values()
-        assert (pool.hpa is not None) == on  # (without the key: no HPA, the law's count as it is)
+        assert (pool.hpa is not None) == on  # (with the key false: no HPA, the law's count as it is)
         assert pool.law is not None and pool.law.s.hpa_tolerance == (0.1 if on else 0.0)  # (no tolerance to clear)
         r.run()
         timelines[on] = r.node_timeline

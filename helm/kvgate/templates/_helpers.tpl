@@ -160,7 +160,7 @@ overlaid one by one (hasKey, not `default` or `merge`, which take 0 and false fo
 {{- /* the scaler's pools.<name>: each entry's law settings, those set only */ -}}
 {{- define "kvgate.scalerPools" -}}
 {{- $pools := dict -}}
-{{- $names := dict "minReplicas" "min_replicas" "maxReplicas" "max_replicas" "step" "step" "scaleUpThreshold" "scale_up_threshold" "scaleDownThreshold" "scale_down_threshold" "cooldownSeconds" "cooldown_seconds" "warmPool" "warm_pool" "concentration" "concentration" "coldStartSeconds" "cold_start_seconds" "trendWindowSeconds" "trend_window_seconds" "spreadShare" "spread_share" "spreadTenants" "spread_tenants" "scaleDownKvUsage" "scale_down_kv_usage" "scaleDownPrefillUsage" "scale_down_prefill_usage" "scaleDownWindowSeconds" "scale_down_window_seconds" "warmPoolKvUsage" "warm_pool_kv_usage" -}}
+{{- $names := dict "minReplicas" "min_replicas" "maxReplicas" "max_replicas" "step" "step" "scaleUpThreshold" "scale_up_threshold" "scaleDownThreshold" "scale_down_threshold" "cooldownSeconds" "cooldown_seconds" "warmPool" "warm_pool" "concentration" "concentration" "coldStartSeconds" "cold_start_seconds" "trendWindowSeconds" "trend_window_seconds" "spreadShare" "spread_share" "spreadTenants" "spread_tenants" "scaleDownKvUsage" "scale_down_kv_usage" "scaleDownPrefillUsage" "scale_down_prefill_usage" "scaleDownWindowSeconds" "scale_down_window_seconds" "warmPoolKvUsage" "warm_pool_kv_usage" "hpaTolerance" "hpa_tolerance" -}}
 {{- range (fromYaml (include "kvgate.pools" .)).pools -}}
 {{- $law := dict -}}
 {{- $p := . -}}

@@ -154,7 +154,8 @@ class Autoscaling:
     """Settings of both autoscalers. ``queue``: what KEDA on vLLM's queue depth does (HPA AverageValue
     of ``vllm:num_requests_waiting`` with the HPA's default behaviour, ``hpa.py``: 10% tolerance, 300 s
     scale-down stabilisation, up by max(4 pods, 100%) per 15 s, never below the fleet it starts with);
-    ``scaler``: kvgate's control law on capacity rejections."""
+    ``scaler``: kvgate's control law on capacity rejections, behind the HPA the chart renders
+    (``law_behind_hpa``)."""
 
     interval_s: float = 15.0
     """KEDA's pollingInterval."""

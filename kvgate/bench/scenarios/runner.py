@@ -70,7 +70,7 @@ class ScalerSettings(BaseModel):
     law_behind_hpa: bool = Field(
         default=True, description="kvgate+scaler: the law's count goes through the HPA the chart renders (10% "
         "tolerance; up at once; down one pod per 15 s, to the highest count asked over the cooldown), as in a "
-        "cluster; false: straight to the fleet, as it is")
+        "cluster; false: straight to the fleet, as it is (and the law assumes no HPA tolerance)")
     concentration: Annotated[float, Field(gt=0, le=1)] = 0.8
     trend_window_s: Annotated[float, Field(gt=0)] = 60.0
     spread_share: Annotated[float, Field(gt=0, le=1)] = 0.30
