@@ -61,12 +61,13 @@ class Pool(_Strict):
         "shorter than it; 0: only the peak since the unmet rate went low)")
     hpa_tolerance: Annotated[float, Field(ge=0, le=1)] = Field(
         default=0.1, description="the tolerance the scaler assumes of the HPA between it and the pods "
-        "(Kubernetes' default 10%; the chart leaves it so): a scale-up asks at least the least count past this "
-        "tolerance of the replicas running (12 of 10), which the HPA does not ignore; replicas asked for that have "
-        "not come after two cold starts and a window (at least 300 s) are given up on, and what is asked then is "
-        "past it too (as is a scale from zero behind a warm pool). Assumed too low, an ask can be ignored (one "
-        "more give-up then clears the count asked before as well); set 0 where the HPA has no tolerance "
-        "(keda.hpaTolerance: 0 with the feature gate on), or a large pool's scale-ups ask about 10% too many")
+        "(Kubernetes' default 10%; the chart's pool entry hpaTolerance): a scale-up asks at least the least count "
+        "past this tolerance of the replicas running (12 of 10), which the HPA does not ignore, and a scale from "
+        "zero past it of the warm pool; replicas asked for that have not come after two cold starts and a window "
+        "(at least 300 s) are given up on, and what is asked then is past it too, and past the count asked before "
+        "where that already cleared what runs. Assumed too low, an ask can be ignored (a give-up then clears the "
+        "count asked as well); set 0 where the HPA has no tolerance (keda.hpaTolerance: 0 with the feature gate "
+        "on), or a large pool's scale-ups ask about 10% too many")
 
     @model_validator(mode="after")
     def _order(self) -> Pool:

@@ -95,7 +95,8 @@ Per evaluation, over the signal window:
   replica short, the hold band would keep the shortfall for good (families ``mixed`` seed 2: 4 → 3
   replicas as the prompt mix lengthened, then 5-15% unmet demand to the end, all inside the band).
   Where the replicas running show the scale-down was never applied (an HPA ignores one within its
-  tolerance: 19 of 20), the level comes back to them, a hold and no flap (attack80 F5);
+  tolerance: 19 of 20), the level comes back to them, a hold — and still a flap: the scale-down was wrong
+  whether or not a pod moved (attack80 F5, review82 #1);
 * missing, incomplete or stale data → hold; never scale down on no data, and never answer fewer
   replicas than the signal last reported up (``observed``): a law whose own level is below what is
   running (a manual scale-up, an HPA floor) must not shrink the pool because a source went silent;
@@ -105,7 +106,9 @@ Per evaluation, over the signal window:
 * requests held in kvgate's queue with no replica beyond the warm pool → at least one (scale from
   zero; sized as a scale-up when the replicas up are short), and past ``hpa_tolerance`` of the warm pool,
   whose pods the HPA counts ready or not (12 of a warm pool of 10, also with 5 of them ready: attack80
-  F1); at level 0 with replicas beyond the warm pool running all the same, the level comes back to them;
+  F1); at level 0 with replicas beyond the warm pool running all the same, the level comes back to them (a
+  hold; a flap within a cooldown of the scale-down to 0). No scale-down to level 0 while requests come: the
+  scale from zero would undo it at the next evaluation (review82 #1);
 * ``warm_pool`` replicas on top of demand; the demand level is clamped to [min, max - warm_pool],
   the result to max.
 
@@ -371,12 +374,7 @@ class ControlLaw:
                 # attack77 M1)
                 self._short_since = now
         if v.action == "up" and self._last_down is not None:
-            (at, level), self._last_down = self._last_down, None
-            if now - at < self.s.cooldown_s:  # a flap: that scale-down was wrong; the next one there waits longer
-                self.flap_level = level
-                self.backoff = min(MAX_BACKOFF, self.backoff * 2)
-                v = replace(v, reason=f"{v.reason}; this undoes the scale-down of {now - at:.0f}s ago: the next to "
-                            f"{level + self.s.warm_pool} replica(s) or fewer waits {self.backoff:g} cooldowns")
+            v = replace(v, reason=v.reason + self._undone(now))
         elif v.action == "down" and self.desired is not None and (up is None or v.desired < up):
             # (only a scale-down that removes a running replica: one that lowers a count of replicas that never
             # came, Pending, is no flap when demand asks them again — attack77 M2)
@@ -385,6 +383,20 @@ class ControlLaw:
                 self.backoff = max(1.0, self.backoff / 2)  # the previous scale-down there held
             self._last_down = (now, self.desired)
         return v
+
+    def _undone(self, now: float) -> str:
+        """A verdict that undoes the last scale-down (a scale-up, or the level back to the replicas running where
+        the HPA never applied it): within a cooldown of it, a flap — that scale-down was wrong, so the next one
+        there waits longer, whether or not a pod moved (undamped, the law went down and back every cooldown:
+        review82 #1). What the reason adds."""
+        last, self._last_down = self._last_down, None
+        if last is None or now - last[0] >= self.s.cooldown_s:
+            return ""
+        at, level = last
+        self.flap_level = level
+        self.backoff = min(MAX_BACKOFF, self.backoff * 2)
+        return (f"; this undoes the scale-down of {now - at:.0f}s ago: the next to {level + self.s.warm_pool} "
+                f"replica(s) or fewer waits {self.backoff:g} cooldowns")
 
     def _decide(self, sig: Signals | None, now: float) -> Verdict:
         s = self.s
@@ -432,12 +444,12 @@ class ControlLaw:
             first = max(1, s.min_replicas)
             if observed is not None and observed > s.warm_pool:
                 # replicas beyond the warm pool run all the same (KEDA keeps one while there is traffic; the HPA
-                # ignored a scale-down within its tolerance): the level comes back to them, past the tolerance of
-                # what runs if it asks more (review78 M1, review81 L-8)
-                level, past = self._clear(max(first, observed - s.warm_pool), observed)
-                return self._out(level, "up" if self._total(level) > observed else "hold",
-                                 f"{what}: requests are waiting and {observed - s.warm_pool} replica(s) run beyond "
-                                 f"the warm pool at level 0: level {level}{past}", v)
+                # ignored a scale-down within its tolerance): the level comes back to them, a hold — one more
+                # past the tolerance of what runs would not be asked by a scale from zero (review78 M1, review81
+                # L-8) — and a flap where it undoes the scale-down to 0 (review82 #1)
+                beyond = observed - s.warm_pool
+                return self._out(beyond, "hold", f"{what}: requests are waiting and {beyond} replica(s) run beyond "
+                                 f"the warm pool at level 0: the level comes back to them{self._undone(now)}", v)
             # (past the HPA's tolerance of the warm pool, which it runs ready or not: 11 of a warm pool of 10 is
             # within 10%, and with nothing beyond it running there would be nothing to give up from — attack77
             # L1; measured against the warm pool's pods, not the ready ones: with 5 of 10 ready it asked 11, which
@@ -483,12 +495,11 @@ class ControlLaw:
             last = self._last_down
             if last is not None and now - last[0] < s.cooldown_s and current == last[1]:
                 if observed is not None and self._total(current + 1) <= observed:
-                    # the HPA kept what runs (the scale-down was within its tolerance): nothing to put back, and
-                    # no flap — the level comes back to what runs (attack80 F5, review81 L-9)
-                    self._last_down = None
-                    return self._out(current + 1, "hold", f"{what} >= {s.scale_down_threshold:.0%} within a "
+                    # the HPA kept what runs (the scale-down was within its tolerance): nothing to put back — a hold
+                    # back to what runs, not an "up" to it (attack80 F5, review81 L-9, review82 #4); still a flap
+                    return self._out(observed - s.warm_pool, "hold", f"{what} >= {s.scale_down_threshold:.0%} within a "
                                      f"cooldown of a scale-down the {observed} running show was not applied: the "
-                                     "level comes back to them", v)
+                                     f"level comes back to them{self._undone(now)}", v)
                 level, past = self._clear(current + 1, observed)
                 return self._out(level, "up", f"{what} >= {s.scale_down_threshold:.0%} within a cooldown "
                                  "of a scale-down: +1 replica, the one removed" + past, v)
@@ -528,6 +539,11 @@ class ControlLaw:
             return self._out(current, "hold", f"{what}: low for {low_for:.0f}s, but at its peak over {span} the {rest} "
                              f"replica(s) left beyond the warm pool would spend {after_prefill:.0%} of "
                              f"their time prefilling > {s.scale_down_prefill_usage:.0%}", v)
+        if current - 1 <= 0 and (sig.held > 0 or sig.demand > 0):
+            # (the scale from zero would undo it at the next evaluation: level 0 only once no request comes —
+            # review82 #1)
+            return self._out(current, "hold", f"{what}: low for {low_for:.0f}s, but requests still come: level 0 "
+                             "would be undone by the scale from zero", v)
         self._low_since = now
         load = "" if after_kv is None else f"; the {rest} left beyond the warm pool would run at {after_kv:.0%} KV"
         if after_prefill is not None and prefill > 0:
@@ -708,14 +724,17 @@ class ControlLaw:
         if bounded != desired:
             reason += f" (bounded to {self._total(bounded)} replicas)"
             seen = self.observed
-            if bounded == (self.desired if self.desired is not None else bounded):
+            if action == "up" and seen is not None and self._total(bounded) < _past(seen, s.hpa_tolerance):
+                # (the HPA would ignore it, or it asks what runs: a max_replicas within the tolerance of what runs is
+                # not reached — held at what runs, so the law does not wait for, and give up on, a replica it says
+                # will not come; an "up" would read as a scaling pool — attack80 F3, review82 #2/#5)
                 action = "hold"
-            elif action == "up" and seen is not None and seen < self._total(bounded) < _past(seen, s.hpa_tolerance):
-                # (the HPA ignores it: a max_replicas within its tolerance of what runs is not reached — an "up"
-                # that says so would read as a scaling pool: attack80 F3)
-                action = "hold"
-                reason += (f": max_replicas {s.max_replicas} is within the HPA's {s.hpa_tolerance:.0%} tolerance of "
+                bounded = max(s.min_replicas, min(s.max_replicas, seen) - s.warm_pool)
+                reason += (f": max_replicas {s.max_replicas} already run" if seen >= s.max_replicas else
+                           f": max_replicas {s.max_replicas} is within the HPA's {s.hpa_tolerance:.0%} tolerance of "
                            f"the {seen} running, which it ignores")
+            elif bounded == (self.desired if self.desired is not None else bounded):
+                action = "hold"
         self.desired = bounded
         return Verdict(self._total(bounded), action, reason, ctx.rate, ctx.quota, unmet=ctx.unmet,
                        projected=ctx.projected, utilisation=ctx.utilisation)

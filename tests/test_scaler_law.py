@@ -709,23 +709,63 @@ def test_a_scale_up_on_the_projection_clears_the_hpas_tolerance(tolerance: float
     assert v.action == "up" and v.desired == (21 if tolerance else 20), v.reason
 
 
-def test_undoing_a_scale_down_the_hpa_ignored_is_no_flap() -> None:
-    """20 run at level 20; the law scales down to 19, which a 10% HPA ignores (20 still run), and demand
-    comes back within a cooldown: nothing was removed, so the level comes back to the 20 running — a hold,
-    not an "up" to what runs, not 23 past the tolerance, and no flap doubling the next cooldown (attack80 F5,
-    review81 L-9/M-2)."""
+@pytest.mark.parametrize("downs", [1, 2])
+def test_undoing_a_scale_down_the_hpa_ignored_is_a_hold_and_a_flap(downs: int) -> None:
+    """20 run at level 20; the law scales down to 19 (and 18), which a 10% HPA ignores (20 still run), and
+    demand comes back within a cooldown: nothing was removed, so the level comes back to the 20 running — a
+    hold, not an "up" to what runs nor 23 past the tolerance (attack80 F5, review81 M-2, review82 #4) — and
+    still a flap: the scale-down was wrong, so the next one there waits longer (undamped, the law went down
+    and back every cooldown: review82 #1)."""
     law = ControlLaw(LawSettings(min_replicas=1, max_replicas=32, step=2, cooldown_s=60.0))
     law.desired = 20
     hpa = _Hpa(20)
-    v = None
-    for t in range(0, 75, 15):
-        v = law.decide(window(AB, replicas=hpa.ready(t), at=float(t), kv=0.2), float(t))
-        hpa.apply(v.desired, float(t))
-    assert v is not None and (v.action, v.desired) == ("down", 19) and hpa.spec == 20, v.reason
-    v = law.decide(window(AB, capacity={"a": 10}, replicas=hpa.ready(90.0), at=90.0), 90.0)
+    t, v = 0.0, None
+    while law.desired > 20 - downs:
+        v = law.decide(window(AB, replicas=hpa.ready(t), at=t, kv=0.2), t)
+        hpa.apply(v.desired, t)
+        t += 15.0
+    assert v is not None and (v.action, v.desired) == ("down", 20 - downs) and hpa.spec == 20, v.reason
+    v = law.decide(window(AB, capacity={"a": 10}, replicas=hpa.ready(t), at=t), t)
     assert (v.action, v.desired) == ("hold", 20), v.reason
-    assert "scale-down the 20 running show was not applied" in v.reason
-    assert law.flap_level is None and law.backoff == 1.0
+    assert "scale-down the 20 running show was not applied: the level comes back to them" in v.reason
+    assert "this undoes the scale-down" in v.reason and law.flap_level == 20 - downs and law.backoff == 2.0
+    v = law.decide(window(AB, capacity={"a": 60}, replicas=hpa.ready(t + 15), at=t + 15), t + 15)
+    assert v.action == "up" and law.backoff == 2.0, v.reason  # (one flap, counted once)
+
+
+def test_no_scale_down_to_level_0_while_requests_come() -> None:
+    """min_replicas 0, a warm pool of 10 and 11 running (the HPA ignored 10 of 11), light traffic at 5% KV: the
+    law does not go down to level 0 and back every cooldown (the scale from zero would undo it at the next
+    evaluation: review82 #1); with no request for a window, it does."""
+    law = ControlLaw(LawSettings(min_replicas=0, max_replicas=32, step=2, warm_pool=10, cooldown_s=300.0))
+    law.desired = 1
+    hpa = _Hpa(11, window_s=300.0)
+    actions = []
+    t = 0.0
+    while t <= 3600:
+        v = law.decide(window({"a": 5.0}, replicas=hpa.ready(t), at=t, kv=0.05), t)
+        hpa.apply(v.desired, t)
+        actions.append(v.action)
+        t += 15.0
+    assert set(actions) == {"hold"} and law.desired == 1, v.reason
+    assert "level 0 would be undone by the scale from zero" in v.reason
+    v = law.decide(window({}, replicas=hpa.ready(t), at=t, kv=0.0), t)
+    assert (v.action, v.desired) == ("down", 10), v.reason
+
+
+def test_a_scale_from_zero_undoing_a_scale_down_is_a_flap() -> None:
+    """Idle, the law went down to level 0 behind a warm pool of 10, which the HPA ignored (10 of 11); requests
+    come back within a cooldown: the level comes back to the replica running beyond the warm pool, a hold,
+    and a flap (review82 #3)."""
+    law = ControlLaw(LawSettings(min_replicas=0, max_replicas=32, step=2, warm_pool=10, cooldown_s=300.0))
+    law.desired = 1
+    t, v = 0.0, None
+    while law.desired:
+        v = law.decide(window({}, replicas=11, at=t, kv=0.0), t)
+        t += 15.0
+    assert v is not None and (v.action, v.desired) == ("down", 10), v.reason
+    v = law.decide(replace(window({"a": 5.0}, replicas=11, at=t), held=2.0), t)
+    assert (v.action, v.desired) == ("hold", 11) and law.flap_level == 0 and law.backoff == 2.0, v.reason
 
 
 def test_the_warm_pools_one_more_reads_the_kv_usage_now_too() -> None:
@@ -749,17 +789,29 @@ def test_the_warm_pools_one_more_reads_the_kv_usage_now_too() -> None:
 
 def test_a_max_within_the_hpas_tolerance_of_what_runs_is_a_hold() -> None:
     """11 run, at most 12, 40% refused: 12 of 11 is within the HPA's 10%, which would ignore it — the verdict
-    says so as a hold (not an "up" that reads as a scaling pool), in replicas, not levels (attack80 F3,
-    review81 L-1)."""
+    says so as a hold at what runs (not an "up" that reads as a scaling pool), in replicas, not levels, and so
+    do the next ones: no waiting for, and giving up on, a replica it says will not come (attack80 F3,
+    review81 L-1, review82 #5)."""
     law = ControlLaw(LawSettings(min_replicas=1, max_replicas=12, step=2))
     law.desired = 11
-    v = law.decide(window(AB, capacity={"a": 100 * 0.4 / 0.6}, replicas=11), 0.0)
-    assert (v.action, v.desired) == ("hold", 12), v.reason
-    assert "(bounded to 12 replicas): max_replicas 12 is within the HPA's 10% tolerance of the 11 running" in v.reason
+    t = 0.0
+    while t <= 900:
+        v = law.decide(window(AB, capacity={"a": 100 * 0.4 / 0.6}, replicas=11, at=t), t)
+        assert (v.action, v.desired) == ("hold", 11), (t, v.reason)
+        assert ("(bounded to 12 replicas): max_replicas 12 is within the HPA's 10% tolerance of the 11 running"
+                in v.reason), (t, v.reason)
+        t += 15.0
     law = ControlLaw(LawSettings(min_replicas=1, max_replicas=13, step=2))  # (13 of 11 is past it)
     law.desired = 11
     v = law.decide(window(AB, capacity={"a": 100 * 0.4 / 0.6}, replicas=11), 0.0)
     assert (v.action, v.desired) == ("up", 13), v.reason
+    # at max already (after a scale-down the HPA ignored): a hold, no "up" to what runs, no flap (review82 #2)
+    law = ControlLaw(LawSettings(min_replicas=1, max_replicas=12, step=2, cooldown_s=60.0))
+    law.desired = 11
+    law._last_down = (0.0, 11)
+    v = law.decide(window(AB, capacity={"a": 100 * 0.4 / 0.6}, replicas=12, at=15.0), 15.0)
+    assert (v.action, v.desired) == ("hold", 12) and "max_replicas 12 already run" in v.reason, v.reason
+    assert law.flap_level is None
 
 
 @pytest.mark.parametrize("running", [10, 11, 15, 20, 29])
@@ -802,6 +854,25 @@ def test_a_re_ask_that_brings_nothing_clears_the_count_asked_before(broken: int,
         hpa.apply(v.desired, t)
         t += 15.0
     assert hpa.spec > 12 and hpa.ready(1200) >= 14 - broken, (hpa.spec, v.reason)
+
+
+def test_the_first_give_up_clears_the_count_asked_where_it_cleared_what_runs() -> None:
+    """13 pods, one crash-looping (12 ready), the warm pool carrying demand: the law asks 14 (past 12), which
+    the HPA measures against its 13 pods and ignores. 14 already cleared the tolerance of what runs, so the
+    first give-up (300 s) clears the count asked too (16) — the replicas are up at 360 s, not 660 s after a
+    second give-up (attack80 F4)."""
+    law = ControlLaw(LawSettings(min_replicas=1, max_replicas=40, step=2, warm_pool=1))
+    hpa = _Hpa(13, broken=1)
+    asks = []
+    t = 0.0
+    while t <= 420:
+        v = law.decide(window(AB, replicas=hpa.ready(t), at=t, kv=7.2 / hpa.ready(t)), t)
+        hpa.apply(v.desired, t)
+        if v.action == "up":
+            asks.append((t, v.desired))
+        t += 15.0
+    assert asks == [(0.0, 14), (300.0, 16)], asks
+    assert hpa.ready(360) == 15
 
 
 def test_replicas_that_stay_pending_are_asked_again_not_on_top() -> None:
