@@ -103,7 +103,8 @@ Per evaluation, over the signal window:
 * no verdict until the first complete window (``ControlLaw.ready``): after a (re)start the law knows
   neither the window nor, maybe, the pool's size, so it says so (``Verdict.ready`` False) instead of
   guessing; the server answers KEDA with an error until then, so KEDA's own fallback applies;
-* requests held in kvgate's queue with no replica beyond the warm pool → at least one (scale from
+* requests held in kvgate's queue, or any request in the window, with no replica beyond the warm pool →
+  at least one (scale from
   zero; sized as a scale-up when the replicas up are short), and past ``hpa_tolerance`` of the warm pool,
   whose pods the HPA counts ready or not (12 of a warm pool of 10, also with 5 of them ready: attack80
   F1); at level 0 with replicas beyond the warm pool running all the same, the level comes back to them (a
@@ -355,6 +356,8 @@ class ControlLaw:
         """Since when the replicas observed have been fewer than the law asks for (None: not short)."""
         self._streak: _GiveUp | None = None
         """The last give-up, while the replicas observed have stayed short of what the law asks."""
+        self._now = 0.0
+        """The time of the evaluation under way (``_out`` books a flap at it)."""
 
     @property
     def ready(self) -> bool:
@@ -400,6 +403,7 @@ class ControlLaw:
 
     def _decide(self, sig: Signals | None, now: float) -> Verdict:
         s = self.s
+        self._now = now
         if sig is not None and sig.replicas is not None:
             self.observed = sig.replicas
         observed = sig.replicas if sig is not None else None
@@ -539,7 +543,7 @@ class ControlLaw:
             return self._out(current, "hold", f"{what}: low for {low_for:.0f}s, but at its peak over {span} the {rest} "
                              f"replica(s) left beyond the warm pool would spend {after_prefill:.0%} of "
                              f"their time prefilling > {s.scale_down_prefill_usage:.0%}", v)
-        if current - 1 <= 0 and (sig.held > 0 or sig.demand > 0):
+        if s.min_replicas == 0 and current - 1 <= 0 and (sig.held > 0 or sig.demand > 0):
             # (the scale from zero would undo it at the next evaluation: level 0 only once no request comes —
             # review82 #1)
             return self._out(current, "hold", f"{what}: low for {low_for:.0f}s, but requests still come: level 0 "
@@ -726,14 +730,18 @@ class ControlLaw:
             seen = self.observed
             if action == "up" and seen is not None and self._total(bounded) < _past(seen, s.hpa_tolerance):
                 # (the HPA would ignore it, or it asks what runs: a max_replicas within the tolerance of what runs is
-                # not reached — held at what runs, so the law does not wait for, and give up on, a replica it says
-                # will not come; an "up" would read as a scaling pool — attack80 F3, review82 #2/#5)
+                # not reached — held at what runs (or at the level, never lower), so the law does not wait for, and
+                # give up on, a replica it says will not come; an "up" would read as a scaling pool; a flap where it
+                # undoes a scale-down, as any undo — attack80 F3, review82 #2/#5, review83 #1/#4)
                 action = "hold"
-                bounded = max(s.min_replicas, min(s.max_replicas, seen) - s.warm_pool)
+                bounded = max(s.min_replicas, min(s.max_replicas - s.warm_pool,
+                                                  max(self.desired or 0, min(s.max_replicas, seen) - s.warm_pool)))
                 reason += (f": max_replicas {s.max_replicas} already run" if seen >= s.max_replicas else
                            f": max_replicas {s.max_replicas} is within the HPA's {s.hpa_tolerance:.0%} tolerance of "
-                           f"the {seen} running, which it ignores")
-            elif bounded == (self.desired if self.desired is not None else bounded):
+                           f"the {seen} running, which it ignores") + self._undone(self._now)
+            elif bounded == (self.desired if self.desired is not None else
+                             max(0, seen - s.warm_pool) if seen is not None else bounded):
+                # (a fresh law compares with what runs: a scale-up bounded at max past it is one — review83 #2)
                 action = "hold"
         self.desired = bounded
         return Verdict(self._total(bounded), action, reason, ctx.rate, ctx.quota, unmet=ctx.unmet,

@@ -751,6 +751,12 @@ def test_no_scale_down_to_level_0_while_requests_come() -> None:
     assert "level 0 would be undone by the scale from zero" in v.reason
     v = law.decide(window({}, replicas=hpa.ready(t), at=t, kv=0.0), t)
     assert (v.action, v.desired) == ("down", 10), v.reason
+    # (with min_replicas 1 there is no level 0 to speak of: the hold is the bound's — review83 #3)
+    law = ControlLaw(LawSettings(min_replicas=1, max_replicas=32, step=2, cooldown_s=60.0))
+    law.desired = 1
+    for t in range(0, 90, 15):
+        v = law.decide(window({"a": 5.0}, replicas=1, at=float(t), kv=0.05), float(t))
+    assert (v.action, v.desired) == ("hold", 1) and "scale from zero" not in v.reason, v.reason
 
 
 def test_a_scale_from_zero_undoing_a_scale_down_is_a_flap() -> None:
@@ -805,13 +811,26 @@ def test_a_max_within_the_hpas_tolerance_of_what_runs_is_a_hold() -> None:
     law.desired = 11
     v = law.decide(window(AB, capacity={"a": 100 * 0.4 / 0.6}, replicas=11), 0.0)
     assert (v.action, v.desired) == ("up", 13), v.reason
-    # at max already (after a scale-down the HPA ignored): a hold, no "up" to what runs, no flap (review82 #2)
+    # at max already (after a scale-down the HPA ignored): a hold, no "up" to what runs (review82 #2) — and a
+    # flap, as any undo of a scale-down within a cooldown (review83 #1)
     law = ControlLaw(LawSettings(min_replicas=1, max_replicas=12, step=2, cooldown_s=60.0))
     law.desired = 11
     law._last_down = (0.0, 11)
     v = law.decide(window(AB, capacity={"a": 100 * 0.4 / 0.6}, replicas=12, at=15.0), 15.0)
     assert (v.action, v.desired) == ("hold", 12) and "max_replicas 12 already run" in v.reason, v.reason
-    assert law.flap_level is None
+    assert law.flap_level == 11 and law.backoff == 2.0 and law._last_down is None
+    # a fresh law at 11 running, at most 14: the scale-up bounded to 14 is one — the HPA applies 14 of 11 (review83 #2)
+    v = ControlLaw(LawSettings(min_replicas=1, max_replicas=14, step=2)).decide(
+        window(AB, capacity={"a": 100 * 0.4 / 0.6}, replicas=11), 0.0)
+    assert (v.action, v.desired) == ("up", 14), v.reason
+    # at max with one of them Pending (11 of 12 run): the holds keep the level, the give-up's too — it does not
+    # lower it (review83 #4)
+    law = ControlLaw(LawSettings(min_replicas=1, max_replicas=12, step=2))
+    law.desired = 12
+    for t in range(0, 315, 15):
+        v = law.decide(window(AB, capacity={"a": 100 * 0.4 / 0.6}, replicas=11, at=float(t)), float(t))
+        assert (v.action, v.desired) == ("hold", 12), (t, v.reason)
+    assert "gave up" in v.reason
 
 
 @pytest.mark.parametrize("running", [10, 11, 15, 20, 29])
