@@ -445,7 +445,6 @@ class ControlLaw:
         stale = waited is not None and waited >= s.give_up_s
         if current == 0 and (sig.held > 0 or sig.demand > 0 or u.demand > 0) and (not over or waiting):
             self._low_since = None
-            first = max(1, s.min_replicas)
             if observed is not None and observed > s.warm_pool:
                 # replicas beyond the warm pool run all the same (KEDA keeps one while there is traffic; the HPA
                 # ignored a scale-down within its tolerance): the level comes back to them, a hold — one more
@@ -458,7 +457,7 @@ class ControlLaw:
             # within 10%, and with nothing beyond it running there would be nothing to give up from — attack77
             # L1; measured against the warm pool's pods, not the ready ones: with 5 of 10 ready it asked 11, which
             # the HPA ignored for good — attack80 F1)
-            first = max(first, _past(s.warm_pool, s.hpa_tolerance) - s.warm_pool)
+            first = max(1, s.min_replicas, _past(s.warm_pool, s.hpa_tolerance) - s.warm_pool)
             return self._out(first, "up", f"{what}: requests are waiting and no replica is up "
                              "beyond the warm pool: scale from zero", v)
         if over:  # (from zero too, when the replicas up are short: sized like any other scale-up)
@@ -722,9 +721,14 @@ class ControlLaw:
             return None
         return top
 
+    def _bound(self, level: int) -> int:
+        """A demand level within [min_replicas, max_replicas - warm_pool]."""
+        s = self.s
+        return max(s.min_replicas, min(s.max_replicas - s.warm_pool, level))
+
     def _out(self, desired: int, action: Action, reason: str, ctx: _Ctx) -> Verdict:
         s = self.s
-        bounded = max(s.min_replicas, min(s.max_replicas - s.warm_pool, desired))
+        bounded = self._bound(desired)
         if bounded != desired:
             reason += f" (bounded to {self._total(bounded)} replicas)"
             seen = self.observed
@@ -734,8 +738,7 @@ class ControlLaw:
                 # give up on, a replica it says will not come; an "up" would read as a scaling pool; a flap where it
                 # undoes a scale-down, as any undo — attack80 F3, review82 #2/#5, review83 #1/#4)
                 action = "hold"
-                bounded = max(s.min_replicas, min(s.max_replicas - s.warm_pool,
-                                                  max(self.desired or 0, min(s.max_replicas, seen) - s.warm_pool)))
+                bounded = self._bound(max(self.desired or 0, seen - s.warm_pool))
                 reason += (f": max_replicas {s.max_replicas} already run" if seen >= s.max_replicas else
                            f": max_replicas {s.max_replicas} is within the HPA's {s.hpa_tolerance:.0%} tolerance of "
                            f"the {seen} running, which it ignores") + self._undone(self._now)
