@@ -76,6 +76,9 @@ AS_HELD_S = 1e-6
 the lowest tier's TTFT target, not within its max wait (``core.Core._pick``)."""
 SLOWED = 1.5
 """Recent mean over norm at which a tenant's concurrency-cap 429s count as the fleet's doing."""
+MAX_STRETCH = 2.0
+"""The most a concurrency cap is stretched while its tier is lagging under shed parity (``_cap``): twice
+the cap, however slow the fleet — a bound on what a tenant may hold however its requests are slowed."""
 
 
 @dataclass(slots=True, eq=False)
@@ -86,6 +89,9 @@ class TenantState:
     tokens: Bucket | None
     inflight: int = 0
     """Charged requests in flight or queued: what ``max_concurrent`` caps."""
+    bounded: bool = False
+    """It has a protective limit (a concurrency cap, a per-minute budget): shed parity counts its requests
+    (``Admission.tally``)."""
     slots: int | None = None
     """With several replicas: this replica's slice of ``max_concurrent`` (``share.py``); None: all of it."""
     fleet_free: int = 0
@@ -336,6 +342,7 @@ class Admission:
                 state.requests = _retuned(quota, state.requests, t.requests_per_minute, t.request_burst, now)
                 state.tokens = _retuned(quota, state.tokens, t.tokens_per_minute, t.token_burst, now)
             state.model = model
+            state.bounded = any(x is not None for x in (t.max_concurrent, t.requests_per_minute, t.tokens_per_minute))
             (tenants if model is None else budgets)[t.name] = state
         unknown = old.get(_UNKNOWN_SLOT)
         if unknown is None:
@@ -357,6 +364,7 @@ class Admission:
                 q = self.queues[p.name] = FairQueue([], p.queue_max_size, config.queue.starvation_guard)
             q.max_size, q.starvation_guard = p.queue_max_size, config.queue.starvation_guard
             q.share_lower = config.queue.lower_tiers == "share"
+            q.parity_gap = config.queue.shed_parity_gap
             q.set_tiers(tiers)
             for st in tenants.values():
                 q.set_weight(st.name, st.config.weight)
@@ -866,7 +874,7 @@ class Admission:
                 f"token budget{on} of {int(whole)}; it can never be admitted as it is.",
             )
         cap = cfg.max_concurrent
-        if cap is not None and s.inflight >= (cap if s.slots is None else min(s.slots, cap)):
+        if cap is not None and s.inflight >= self._cap(s, est, cap):
             short = self.quota.short(s, "slots", 1.0, now, may_borrow)
             if short == "borrow":
                 return BORROW
@@ -965,6 +973,44 @@ class Admission:
         elif s.reads is None or s.reads.rate != per_minute / 60.0:
             s.reads = TokenBucket(per_minute, default_burst(per_minute, burst), now)
         return s.reads
+
+    def _cap(self, s: TenantState, est: Estimate, cap: int) -> int:
+        """The concurrency cap in force: the tenant's (with several replicas, this replica's slice) —
+        stretched by how much longer its requests now run than its norm, up to :data:`MAX_STRETCH`, where the
+        cap may be exceeded (``over_limit``: best effort), its tier is lagging under shed parity
+        (``FairQueue.lagging``) and its requests run slowed (``_slowed``). A cap is sized as the tenant's rate
+        times its requests' duration on a healthy fleet: a slowed fleet holds each request longer, so the
+        same traffic hits it (Little's law) — demand the fleet caused, which refused whole made its tier
+        the one an overload refused (the families' batch tenants: up to 1,095 concurrency 429s a run where
+        shedding at 90% KV served 93% of them). Only while the tier is lagging, so the tiers above keep
+        their turns wherever the tier is refused no more than they are; only in a single replica's count
+        (with a shared store the fleet-wide cap stays exact)."""
+        if s.slots is not None:
+            return min(s.slots, cap)
+        if s.mean_seconds is None or s.norm_seconds is None or not _slowed(s) or \
+                not self._may_exceed(s, "concurrency") or not self.queue_of(est.pool).lagging(s.config.tier):
+            return cap
+        return int(cap * min(MAX_STRETCH, s.mean_seconds / s.norm_seconds))
+
+    def tally(self, d: Decision, pool: str, now: float) -> None:
+        """Shed parity's ledger (``FairQueue.tally``): a final decision of a request routed to ``pool`` —
+        served (a lease: admitted, best effort or shadow), or refused for capacity or by a quota the fleet
+        caused. A tenant's own excess (a 429 it was not slowed into), a bad request and a contract's 429
+        are not counted: a tier is not owed turns for what its tenants asked beyond their quotas. Nor is
+        anything of a tenant without a protective limit (``max_concurrent``, ``requests_per_minute``,
+        ``tokens_per_minute``): its demand has no bound, and counted, a lower tier's tenant that floods the
+        fleet made its own tier lagging and took the turns of the tiers above (attack14's flood of batch
+        prompts: the interactive tier predicted late 26% against 18%)."""
+        q = self.queues.get(pool)
+        if q is None or q.parity_gap is None:
+            return
+        s = self._tenants.get(d.tenant)
+        if s is None or not s.bounded:
+            return
+        if d.lease is not None:
+            q.tally(d.tier, False, now)
+        elif (r := d.rejection) is not None and (r.klass == "capacity" or r.fleet_caused):
+            q.tally(d.tier, True, now)
 
     @staticmethod
     def _fleet_caused(s: TenantState, est: Estimate, now: float) -> bool:

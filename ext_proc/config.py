@@ -317,6 +317,14 @@ class Queue(_Strict):
         "except that one holding a request that has used half its wait (up to its TTFT target) goes before the "
         "less urgent ones; 'strict' — in priority order (the starvation guard aside)"
     )
+    shed_parity_gap: Annotated[float, Field(ge=0, le=1)] | None = Field(
+        default=0.05, description="below the most urgent tier: a tier whose requests were refused over about the "
+        "last minute (capacity 503s and the quota 429s the fleet caused) more than this share more often than "
+        "the tiers above it together is owed every release its starvation guard would owe after one (so about "
+        "every other one) until it is back within it, and its tenants' concurrency caps that may be exceeded "
+        "stretch with their slowdown (up to twice) meanwhile: priority decides who waits, not who is refused; "
+        "null: off"
+    )
     inject_priority: bool = Field(
         default=False, description="write the tier's vllm_priority into each request body (for vLLM servers "
         "run with --scheduling-policy priority); a client's own 'priority' is overwritten"

@@ -384,6 +384,7 @@ class Core:
         if pool is None:
             pool = est.pool if est is not None and est.pool else NO_POOL
         self.stats.decision(d, pool)
+        self.admission.tally(d, pool, self._clock())
         r = d.rejection
         if r is not None:
             event = "shadow_reject" if d.admitted else "reject"
