@@ -681,6 +681,7 @@ class Admission:
         return out
 
     def _pump_queue(self, q: FairQueue, now: float, out: list[Outcome]) -> None:
+        q.refresh(now)
         if q not in self._pools_queues():
             # its pool went away in a reload: nothing will ever serve what waits there
             while (gone := q.peek()) is not None:
@@ -874,7 +875,7 @@ class Admission:
                 f"token budget{on} of {int(whole)}; it can never be admitted as it is.",
             )
         cap = cfg.max_concurrent
-        if cap is not None and s.inflight >= self._cap(s, est, cap):
+        if cap is not None and s.inflight >= self._cap(s, est, cap, now):
             short = self.quota.short(s, "slots", 1.0, now, may_borrow)
             if short == "borrow":
                 return BORROW
@@ -974,7 +975,7 @@ class Admission:
             s.reads = TokenBucket(per_minute, default_burst(per_minute, burst), now)
         return s.reads
 
-    def _cap(self, s: TenantState, est: Estimate, cap: int) -> int:
+    def _cap(self, s: TenantState, est: Estimate, cap: int, now: float) -> int:
         """The concurrency cap in force: the tenant's (with several replicas, this replica's slice) —
         stretched by how much longer its requests now run than its norm, up to :data:`MAX_STRETCH`, where the
         cap may be exceeded (``over_limit``: best effort), its tier is lagging under shed parity
@@ -984,11 +985,20 @@ class Admission:
         the one an overload refused (the families' batch tenants: up to 1,095 concurrency 429s a run where
         shedding at 90% KV served 93% of them). Only while the tier is lagging, so the tiers above keep
         their turns wherever the tier is refused no more than they are; only in a single replica's count
-        (with a shared store the fleet-wide cap stays exact)."""
+        (with a shared store the fleet-wide cap stays exact); only where its 429 would be the fleet's doing
+        in this pool (``_fleet_caused``: slowed, inside its budgets, its slots held in this pool alone —
+        review91 M5). Rounded down: a cap of 1 stretches only at twice its norm. A per-model budget's cap
+        never stretches (no norm is kept for it). The requests it admits are ordinary admissions of the
+        tenant's tier (charged, its priority and KV reserve), not best effort."""
         if s.slots is not None:
             return min(s.slots, cap)
-        if s.mean_seconds is None or s.norm_seconds is None or not _slowed(s) or \
-                not self._may_exceed(s, "concurrency") or not self.queue_of(est.pool).lagging(s.config.tier):
+        if s.mean_seconds is None or s.norm_seconds is None or not self._may_exceed(s, "concurrency"):
+            return cap
+        q = self.queue_of(est.pool)
+        if q.parity_gap is None or not self._fleet_caused(s, est, now):
+            return cap
+        q.refresh(now)
+        if not q.lagging(s.config.tier):
             return cap
         return int(cap * min(MAX_STRETCH, s.mean_seconds / s.norm_seconds))
 
@@ -1009,7 +1019,10 @@ class Admission:
             return
         if d.lease is not None:
             q.tally(d.tier, False, now)
-        elif (r := d.rejection) is not None and (r.klass == "capacity" or r.fleet_caused):
+        elif (r := d.rejection) is not None and (r.klass == "capacity" or r.fleet_caused) and \
+                r.reason != "queue-full":
+            # (``queue-full``: the queue is at its size with nothing below the arrival to evict — what a
+            # tier's own flood meets, not the tiers above: attack90 F2)
             q.tally(d.tier, True, now)
 
     @staticmethod

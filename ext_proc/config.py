@@ -318,12 +318,12 @@ class Queue(_Strict):
         "less urgent ones; 'strict' — in priority order (the starvation guard aside)"
     )
     shed_parity_gap: Annotated[float, Field(ge=0, le=1)] | None = Field(
-        default=0.05, description="below the most urgent tier: a tier whose requests were refused over about the "
-        "last minute (capacity 503s and the quota 429s the fleet caused) more than this share more often than "
-        "the tiers above it together is owed every release its starvation guard would owe after one (so about "
-        "every other one) until it is back within it, and its tenants' concurrency caps that may be exceeded "
-        "stretch with their slowdown (up to twice) meanwhile: priority decides who waits, not who is refused; "
-        "null: off"
+        default=0.05, description="shed parity: a tier below the top refused over about the last minute (capacity "
+        "503s and the quota 429s the fleet caused, of tenants with a protective limit) more than this share more "
+        "often than the tiers above it together is lagging: its turn comes after each release from above (not "
+        "after starvation_guard of them) until it is back within half the gap, and meanwhile its tenants' "
+        "concurrency caps that over_limit lets be exceeded stretch with their slowdown (at most twice; one "
+        "replica's count). Priority decides who waits, not who is refused; null: off"
     )
     inject_priority: bool = Field(
         default=False, description="write the tier's vllm_priority into each request body (for vLLM servers "

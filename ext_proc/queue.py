@@ -22,7 +22,7 @@ where the order can be decided:
   output tokens, divided by its weight); the backlogged tenant with the smallest counter goes next. A
   tenant that was idle is lifted to the smallest counter of those waiting when it comes back, so idling
   banks no credit. Ties go to the shortest expected request; a tenant's own requests are FIFO,
-  except that a smaller request may pass a tier's head that no node can take now (:meth:`lagging`);
+  except that a smaller request may pass a tier's head that no node can take now (:meth:`behind`);
 * **deadlines**: each request may wait at most its tier's ``max_wait``. ``predicted_wait`` says, from
   the work queued ahead of a request and the rate the queue has been draining at, whether it can make
   it; the caller rejects early rather than let it wait in vain;
@@ -30,9 +30,10 @@ where the order can be decided:
   *refused* wholesale. The queue keeps, per tier, the share of its requests refused over about the last
   minute (:meth:`tally`: capacity 503s and the quota 429s the fleet caused — never a tenant's own excess).
   A tier below the top refused more than ``parity_gap`` more often than the tiers above it together is
-  *lagging*: its starvation guard drops to one release, so it goes every other release until its share
-  comes back (:meth:`lagging`; the admission also lets its fleet-caused concurrency 429s wait). Without it
-  the families' overloads refused a batch tier four to six times as often as the tiers above (mixed seed
+  *lagging*: its turn in the order comes after one release from above instead of ``starvation_guard``
+  (by size, as the guard counts), until its share is back within half the gap (:meth:`lagging`; its KV
+  reserve still holds, and the admission stretches its tenants' concurrency caps meanwhile). Without it
+  the families' overloads refused a batch tier several times as often as the tiers above (mixed seed
   3: 21% against 2%, where shedding at 90% KV refused 9%); kv-shed refuses about evenly;
 * **bounded**: the caller asks ``victim`` for the entry to evict (the newest of the most-served tenant
   of the lowest waiting tier, only ever below the arrival's tier).
@@ -178,9 +179,9 @@ class FairQueue:
         self._drained = 0.0
         self._events = 0.0
         self._busy = 0.0
-        self.parity_gap: float | None = None
-        """Shed parity: how much more often than the tiers above a lower tier may be refused before it is
-        :meth:`lagging` (a share; None: off)."""
+        self._parity_gap: float | None = None
+        self._t_lag: float | None = None
+        """When the lagging tiers were last read (:meth:`_lag`)."""
         self._ledger: dict[str, list[float]] = {}
         """Per tier: [decided, refused, when] — request counts decayed with :data:`SHARE_TAU_S` (:meth:`tally`)."""
         self._lagging: frozenset[str] = frozenset()
@@ -197,6 +198,11 @@ class FairQueue:
             else:
                 t.spec = spec
         self._order = sorted(self._tiers.values(), key=lambda t: t.spec.rank)
+        names = {spec.name for spec in tiers}
+        for name in [n for n in self._ledger if n not in names]:
+            del self._ledger[name]  # a tier a reload removed: what it was refused owes nothing any more
+        if self._t_lag is not None:
+            self._lagging = self._lag(self._t_lag)
         if tiers:  # (a tier a reload removed stays until it drains, but is no longer the top: review55)
             ranks = sorted({spec.rank for spec in tiers})
             self._top = ranks[0]
@@ -237,17 +243,34 @@ class FairQueue:
     def guarded(self, tier: str) -> bool:
         """Whether ``tier`` has waited out the starvation guard: its next release is owed to it."""
         t = self._tiers.get(tier)
-        return t is not None and t.skipped >= self._guard(t)
+        return t is not None and t.skipped >= self.starvation_guard
 
     def _guard(self, t: _Tier) -> float:
-        """The releases from above after which ``t`` is owed one: the starvation guard, or one while the
-        tier is :meth:`lagging`."""
+        """The releases from above after which ``t`` is owed one in the *order*: the starvation guard, or one
+        while the tier is :meth:`lagging`. (Only the starvation guard's own release goes without the tier's
+        KV reserve, :meth:`guarded`: a turn that shed parity owes changes who goes next, not the headroom
+        the tiers above keep — attack90 F3.)"""
         return 1.0 if t.spec.name in self._lagging else self.starvation_guard
+
+    @property
+    def parity_gap(self) -> float | None:
+        """Shed parity: how much more often than the tiers above a lower tier may be refused before it is
+        :meth:`lagging` (a share; None: off)."""
+        return self._parity_gap
+
+    @parity_gap.setter
+    def parity_gap(self, gap: float | None) -> None:
+        if gap is None:
+            self._ledger.clear()  # turned back on later, it starts from nothing (as ``share_lower`` does)
+            self._lagging = frozenset()
+        self._parity_gap = gap
+        if gap is not None and self._t_lag is not None:
+            self._lagging = self._lag(self._t_lag)
 
     def tally(self, tier: str, refused: bool, now: float) -> None:
         """A request of ``tier`` was decided: served, or ``refused`` (a capacity 503, or a quota 429 the
         fleet caused). Feeds shed parity; kept only while ``parity_gap`` is set."""
-        if self.parity_gap is None:
+        if self._parity_gap is None:
             return
         v = self._ledger.get(tier)
         if v is None:
@@ -260,11 +283,24 @@ class FairQueue:
         v[0] += 1.0
         if refused:
             v[1] += 1.0
-        self._lagging = self._lag()
+        self._t_lag = now
+        self._lagging = self._lag(now)
+
+    def refresh(self, now: float) -> None:
+        """Read the lagging tiers again as of ``now``: the ledger fades while nothing is decided (a quiet
+        pool's last overload must not keep a tier lagging; attack90 F1). The admission calls it before each
+        pass of the pump and before a concurrency cap is read."""
+        if self._parity_gap is not None and self._ledger and (self._t_lag is None or now > self._t_lag):
+            self._t_lag = now
+            self._lagging = self._lag(now)
+
+    def lagging_at(self, now: float) -> frozenset[str]:
+        """The tiers that would be lagging as of ``now``, changing nothing (what a scrape reports)."""
+        return self._lag(now)
 
     def lagging(self, tier: str) -> bool:
-        """Whether ``tier`` has been refused more than ``parity_gap`` more often, over about the last
-        minute, than the tiers above it together (never the top tier; off without ``parity_gap``)."""
+        """Whether ``tier`` is lagging: refused more than ``parity_gap`` more often, over about the last
+        minute, than the tiers above it together (as of the last :meth:`tally` or :meth:`refresh`)."""
         return tier in self._lagging
 
     def refused_share(self, tier: str) -> float | None:
@@ -273,26 +309,34 @@ class FairQueue:
         v = self._ledger.get(tier)
         return v[1] / v[0] if v is not None and v[0] > 0 else None
 
-    def _lag(self) -> frozenset[str]:
-        """The tiers lagging now: O(tiers) after a decision, so that a release reads a set."""
-        gap = self.parity_gap
+    def _lag(self, now: float) -> frozenset[str]:
+        """The tiers lagging as of ``now``: each tier below the top with :data:`PARITY_MIN_OFFERED` decisions
+        in the window whose refused share is past the gap over the tiers above it together (which need as
+        many decisions: one served chat request is no baseline, review91 M3) — or, already lagging, past
+        half the gap (hysteresis: without it the guard, and a stretched cap, flipped on nearly every decision
+        near the line). One pass over the tiers by rank, O(tiers); after every counted decision. Pure."""
+        gap = self._parity_gap
         if gap is None:
             return frozenset()
-        last = max((v[2] for v in self._ledger.values()), default=0.0)
-        seen = []  # (rank, decided, refused), each decayed to ``last``
+        out = []
+        decided = refused = 0.0  # of the ranks above the one being read
+        rank_d = rank_r = 0.0  # of the rank being read (tiers of equal rank are not above each other)
+        rank: int | None = None
         for t in self._order:
             v = self._ledger.get(t.spec.name)
-            if v is not None:
-                f = math.exp(-(last - v[2]) / SHARE_TAU_S) if last > v[2] else 1.0
-                seen.append((t.spec.rank, t.spec.name, v[0] * f, v[1] * f))
-        out = []
-        for rank, name, decided, refused in seen:
-            if rank <= self._top or decided < PARITY_MIN_OFFERED:
+            if v is None:
                 continue
-            above = [(d, r) for k, _, d, r in seen if k < rank]
-            total = sum(d for d, _ in above)
-            if total > 0 and refused / decided > sum(r for _, r in above) / total + gap:
-                out.append(name)
+            if t.spec.rank != rank:
+                decided, refused, rank_d, rank_r, rank = decided + rank_d, refused + rank_r, 0.0, 0.0, t.spec.rank
+            f = math.exp(-(now - v[2]) / SHARE_TAU_S) if now > v[2] else 1.0
+            d, r = v[0] * f, v[1] * f
+            rank_d += d
+            rank_r += r
+            if t.spec.rank <= self._top or d < PARITY_MIN_OFFERED or decided < PARITY_MIN_OFFERED:
+                continue
+            line = gap / 2 if t.spec.name in self._lagging else gap
+            if r / d > refused / decided + line:
+                out.append(t.spec.name)
         return frozenset(out)
 
     def tiers(self) -> list[str]:
@@ -455,7 +499,10 @@ class FairQueue:
                 # (the debt counts no further than the guard: releases from above while the owed tier could
                 # not go kept adding to it, and paid down a little at a time it let a burst of the tier's
                 # short releases go ahead of the top tier — eleven in a row where one went before: review66)
-                g = self.starvation_guard
+                # (with the threshold in force: while the tier is lagging it is one, and paid against the
+                # guard's eight a tier that had run up a debt went twice in a row ahead of the top tier —
+                # review91 M1)
+                g = self._guard(other)
                 other.skipped = max(0.0, min(other.skipped, g) - max(g / 2, paid * g))
             elif other.live and other.spec.rank > t.spec.rank:
                 # sharing, a lower tier's release counts as ``passed`` counts a direct dispatch (a fraction
@@ -690,6 +737,11 @@ class FairQueue:
             urgent_in = URGENT_FRAC * (t.spec.max_wait if allowed is None else allowed) - waited
             later = min(later, rate * max(0.0, urgent_in))
         total = ahead + later + min(higher, ahead * self._guard(t))
+        if self._lagging:
+            # a lagging tier below goes after each release from here up: about as much again as what is
+            # ahead (without it the tiers above read up to half their wait — attack90 F4)
+            total += min(ahead, sum(o.tokens for o in self._order
+                                    if o.live and o.spec.rank > t.spec.rank and o.spec.name in self._lagging))
         return math.inf if rate <= 0 else total / rate
 
     # -- internals -------------------------------------------------------------------------------

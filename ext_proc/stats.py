@@ -275,6 +275,15 @@ class _StateCollector(Collector):
                                   "(fleet.max_inflight counts them all), per pool", labels=["pool"])
         depth = GaugeMetricFamily("kvgate_queue_depth_requests", "Requests held in kvgate's gateway queue, per tier "
                                   "and pool", labels=["tier", "pool"])
+        lagging = GaugeMetricFamily("kvgate_queue_tier_lagging", "1 while a tier is lagging under shed parity "
+                                    "(queue.shed_parity_gap: refused more than the gap more often than the tiers "
+                                    "above it over the last minute; it then goes every other release), else 0; "
+                                    "per tier and pool", labels=["tier", "pool"])
+        refused = GaugeMetricFamily("kvgate_queue_tier_refused_ratio", "Share of a tier's requests refused over "
+                                    "about the last minute as shed parity counts them (capacity 503s and quota "
+                                    "429s the fleet caused, of tenants with a protective limit), per tier and "
+                                    "pool; no sample with shed parity off or nothing counted",
+                                    labels=["tier", "pool"])
         total = GaugeMetricFamily("kvgate_nodes_total", "vLLM nodes kvgate knows, by discovery (static | dns | "
                                   "static+dns) and pool; no sample when Envoy picks the node",
                                   labels=["discovery", "pool"])
@@ -323,10 +332,15 @@ class _StateCollector(Collector):
                 inflight.add_metric([label, pool], count)
             for pool, count in sent.items():
                 fleet.add_metric([pool], count)
+            now = st.now()
             for pool, q in a.queues.items():
+                behind = q.lagging_at(now)
                 for tier in q.tiers():
                     depth.add_metric([tier, pool], q.depth(tier))
-            now = st.now()
+                    lagging.add_metric([tier, pool], 1.0 if tier in behind else 0.0)
+                    share = q.refused_share(tier)
+                    if share is not None:
+                        refused.add_metric([tier, pool], share)
             for pool, f in st.fleets.items():
                 cfg = f.cfg
                 discovery = "+".join(k for k, on in (("static", bool(cfg.static)), ("dns", bool(cfg.dns))) if on)
@@ -355,5 +369,5 @@ class _StateCollector(Collector):
                         by[mode] = by.get(mode, 0) + 1
                     for mode, count in by.items():
                         follow.add_metric([mode, pool], count)
-        yield from (inflight, fleet, depth, total, kv, capacity, profile, projected, node_inflight, age, breaker, hit,
-                    follow, tombstones, blocks)
+        yield from (inflight, fleet, depth, lagging, refused, total, kv, capacity, profile, projected, node_inflight,
+                    age, breaker, hit, follow, tombstones, blocks)
