@@ -217,10 +217,9 @@ def test_a_quiet_pool_stops_lagging_as_its_ledger_fades() -> None:
     assert not q.lagging("batch")
 
 
-def test_a_lagging_tiers_turn_keeps_its_kv_reserve_and_never_goes_twice_running() -> None:
-    """attack90 F3: only the starvation guard's own release goes without the tier's KV reserve; review91 M1: a
-    tier that ran up a debt (its head could not be placed while the tiers above went) is owed one release,
-    then one from above goes — the debt is paid against the threshold in force."""
+def test_a_lagging_tier_is_owed_a_turn_after_one_release_and_never_goes_twice_running() -> None:
+    """review91 M1: a lagging tier that ran up a debt (its head could not be placed while the tiers above went)
+    is owed one release, then one from above goes — the debt is paid against the threshold in force."""
     q = queue()
     tally(q, "interactive", 100, 0)
     tally(q, "batch", 50, 50)
@@ -230,10 +229,11 @@ def test_a_lagging_tiers_turn_keeps_its_kv_reserve_and_never_goes_twice_running(
         q.push(Entry(f"b{i}", "bt", "batch", 100, 0, 60), 0)
     for i in range(4):
         q.push(Entry(f"i{i}", "it", "interactive", 100, 0, 60), 0)
-    assert not q.guarded("batch"), "lagging: its turn in the order, not a release without its reserve"
-    for _ in range(8):
-        q.passed("interactive", 10_000)  # eight large releases from above while batch could not go
-    assert q.guarded("batch"), "the starvation guard's release: this one goes without the reserve"
+    assert not q.guarded("batch")
+    q.passed("interactive", 10_000)  # one large release from above while batch could not go: its turn, ...
+    assert q.guarded("batch"), "... without its KV reserve, as the starvation guard's own release"
+    for _ in range(7):
+        q.passed("interactive", 10_000)  # eight in all
     # b0 pays a sliver of its debt (100 tokens of a 2,575-token mean); paid against the guard's eight, the
     # debt left owed batch ``big`` straight after it
     assert released(q, 8, 1) == ["b0", "i0", "big", "i1", "b1", "i2", "b2", "i3"]
@@ -298,21 +298,23 @@ def test_only_capacity_refusals_and_quota_429s_the_fleet_caused_count_as_refused
     assert math.isclose(v[0], 2.0), "two counted: the bounded tenant's queue-timeout and fleet-caused 429"
 
 
-def slowed_and_lagging(core: Core, ratio: float) -> None:
+def slowed_and_lagging(core: Core, ratio: float) -> bool:
+    """Tenant b's requests run ``ratio`` x its norm, and half its tier's decisions were refusals against
+    none above: whether the tier now lags (with shed parity on)."""
     b = core.admission.tenant_state("b")
     assert b is not None
     b.norm_seconds, b.mean_seconds = 1.0, ratio
     q = core.admission.queue_of("default")
     tally(q, "interactive", 100, 0, core.now())
     tally(q, "batch", 50, 50, core.now())
-    assert q.lagging("batch")
+    return q.lagging("batch")
 
 
 def test_lagging_and_slowed_a_best_effort_cap_stretches_and_the_request_is_charged() -> None:
     core, clock = make(tenant={"max_concurrent": 2})
     assert answer(ask(core, "r1")).decision.lease is not None
     assert answer(ask(core, "r2")).decision.lease is not None
-    slowed_and_lagging(core, 1.6)
+    assert slowed_and_lagging(core, 1.6)
     d = answer(ask(core, "r3")).decision
     assert d.admitted and d.best_effort is None, "within the stretched cap (2 x 1.6 = 3): an ordinary admission"
     b = core.admission.tenant_state("b")
@@ -324,7 +326,7 @@ def test_lagging_and_slowed_a_best_effort_cap_stretches_and_the_request_is_charg
 
 def test_the_stretch_is_at_most_twice_the_cap() -> None:
     core, clock = make(tenant={"max_concurrent": 2})
-    slowed_and_lagging(core, 10.0)
+    assert slowed_and_lagging(core, 10.0)
     idle(core, clock, 0.0)
     got = [answer(ask(core, f"r{i}")).decision for i in range(6)]
     assert [d.best_effort is None and d.admitted for d in got] == [True] * 4 + [False] * 2
@@ -332,23 +334,17 @@ def test_the_stretch_is_at_most_twice_the_cap() -> None:
 
 def test_a_cap_that_may_not_be_exceeded_does_not_stretch() -> None:
     core, _ = make("refuse", tenant={"max_concurrent": 2})
-    slowed_and_lagging(core, 1.6)
+    assert slowed_and_lagging(core, 1.6)
     got = [answer(ask(core, f"r{i}")).decision for i in range(3)]
     assert [d.admitted for d in got] == [True, True, False]
     assert got[2].rejection is not None and got[2].rejection.reason == "tenant-concurrency"
 
 
-def test_not_slowed_or_not_behind_the_cap_stays() -> None:
+def test_not_slowed_or_not_lagging_the_cap_stays() -> None:
     for ratio, extra in ((1.4, None), (1.6, {"queue": {"inject_priority": True, "shed_parity_gap": None}})):
         core, clock = make(tenant={"max_concurrent": 2}, extra=extra)
         assert [answer(ask(core, f"r{i}")).decision.best_effort is None for i in range(2)] == [True, True]
-        b = core.admission.tenant_state("b")
-        assert b is not None
-        b.norm_seconds, b.mean_seconds = 1.0, ratio
-        q = core.admission.queue_of("default")
-        tally(q, "interactive", 100, 0, core.now())
-        tally(q, "batch", 50, 50, core.now())
-        assert q.lagging("batch") == (extra is None)
+        assert slowed_and_lagging(core, ratio) == (extra is None)
         idle(core, clock, 0.99)  # no spare room for best effort either
         d = answer(ask(core, "r3")).decision
         assert not d.admitted and d.rejection is not None and d.rejection.reason == "tenant-concurrency", ratio
