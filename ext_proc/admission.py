@@ -992,7 +992,8 @@ class Admission:
         tenant's tier (charged, its priority and KV reserve), not best effort."""
         if s.slots is not None:
             return min(s.slots, cap)
-        if s.mean_seconds is None or s.norm_seconds is None or not self._may_exceed(s, "concurrency"):
+        if s.inflight < cap or s.mean_seconds is None or s.norm_seconds is None or \
+                not self._may_exceed(s, "concurrency"):
             return cap
         q = self.queue_of(est.pool)
         if q.parity_gap is None or not self._fleet_caused(s, est, now):
@@ -1010,7 +1011,8 @@ class Admission:
         anything of a tenant without a protective limit (``max_concurrent``, ``requests_per_minute``,
         ``tokens_per_minute``): its demand has no bound, and counted, a lower tier's tenant that floods the
         fleet made its own tier lagging and took the turns of the tiers above (attack14's flood of batch
-        prompts: the interactive tier predicted late 26% against 18%)."""
+        prompts: the interactive tier predicted late 26% against 18%). ``model_budgets`` alone do not make
+        a tenant bounded: they bound its requests for some models, not what it sends to the others."""
         q = self.queues.get(pool)
         if q is None or q.parity_gap is None:
             return
@@ -1020,9 +1022,10 @@ class Admission:
         if d.lease is not None:
             q.tally(d.tier, False, now)
         elif (r := d.rejection) is not None and (r.klass == "capacity" or r.fleet_caused) and \
-                r.reason != "queue-full":
-            # (``queue-full``: the queue is at its size with nothing below the arrival to evict — what a
-            # tier's own flood meets, not the tiers above: attack90 F2)
+                not (r.reason == "queue-full" and 2 * q.depth(d.tier) >= q.max_size):
+            # (``queue-full`` where the arrival's own tier holds half the queue or more: what a tier's own
+            # flood meets, not the tiers above — attack90 F2; a queue full of the tiers above still counts,
+            # review92 L1)
             q.tally(d.tier, True, now)
 
     @staticmethod

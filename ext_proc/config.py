@@ -321,7 +321,8 @@ class Queue(_Strict):
         default=0.05, description="shed parity: a tier below the top refused over about the last minute (capacity "
         "503s and the quota 429s the fleet caused, of tenants with a protective limit) more than this share more "
         "often than the tiers above it together is lagging: its turn comes after each release from above (not "
-        "after starvation_guard of them) until it is back within half the gap, and meanwhile its tenants' "
+        "after starvation_guard of them), without its KV reserve as the guard's own, until it is back within "
+        "half the gap, and meanwhile its tenants' "
         "concurrency caps that over_limit lets be exceeded stretch with their slowdown (at most twice; one "
         "replica's count). Priority decides who waits, not who is refused; null: off"
     )

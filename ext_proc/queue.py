@@ -202,12 +202,12 @@ class FairQueue:
         names = {spec.name for spec in tiers}
         for name in [n for n in self._ledger if n not in names]:
             del self._ledger[name]  # a tier a reload removed: what it was refused owes nothing any more
-        if self._t_lag is not None:
-            self._lagging = self._lag(self._t_lag)
         if tiers:  # (a tier a reload removed stays until it drains, but is no longer the top: review55)
             ranks = sorted({spec.rank for spec in tiers})
             self._top = ranks[0]
             self._second = ranks[1] if len(ranks) > 1 else None
+        if self._t_lag is not None:
+            self._lagging = self._lag(self._t_lag)  # (with the new top: review92 L3)
 
     @property
     def share_lower(self) -> bool:
@@ -313,6 +313,15 @@ class FairQueue:
         shed parity off)."""
         v = self._ledger.get(tier)
         return v[1] / v[0] if v is not None and v[0] > 0 else None
+
+    def refused_share_at(self, tier: str, now: float) -> float | None:
+        """:meth:`refused_share`, or None once fewer than :data:`PARITY_MIN_OFFERED` decisions are left in
+        the window as of ``now`` (a quiet pool's last overload is no share of the last minute: review92 L2)."""
+        v = self._ledger.get(tier)
+        if v is None or v[0] <= 0:
+            return None
+        f = math.exp(-(now - v[2]) / SHARE_TAU_S) if now > v[2] else 1.0
+        return v[1] / v[0] if v[0] * f >= PARITY_MIN_OFFERED else None
 
     def _lag(self, now: float) -> frozenset[str]:
         """The tiers lagging as of ``now``: each tier below the top with :data:`PARITY_MIN_OFFERED` decisions
@@ -743,10 +752,17 @@ class FairQueue:
             later = min(later, rate * max(0.0, urgent_in))
         total = ahead + later + min(higher, ahead * self._guard(t))
         if self._lagging:
-            # a lagging tier below goes after each release from here up: about as much again as what is
-            # ahead (without it the tiers above read up to half their wait — attack90 F4)
-            total += min(ahead, sum(o.tokens for o in self._order
-                                    if o.live and o.spec.rank > t.spec.rank and o.spec.name in self._lagging))
+            # a lagging tier below goes after each release from here up (without it the tiers above read
+            # up to half their wait — attack90 F4): a release of the top tier owes it a whole one (``take``),
+            # so there about one of its mean requests per request ahead (review92 M2: 10k-token batch turns
+            # between 100-token chat requests); below the top, releases owe it their size's fraction of
+            # one, so about as much again as what is ahead
+            lag = [o for o in self._order if o.live and o.spec.rank > t.spec.rank and o.spec.name in self._lagging]
+            if t.spec.rank <= top and t.live:
+                n = ahead * t.live / t.tokens if t.tokens > 0 else 0.0
+                total += sum(min(o.tokens, n * o.tokens / o.live) for o in lag)
+            else:
+                total += min(ahead, sum(o.tokens for o in lag))
         return math.inf if rate <= 0 else total / rate
 
     # -- internals -------------------------------------------------------------------------------

@@ -277,12 +277,12 @@ class _StateCollector(Collector):
                                   "and pool", labels=["tier", "pool"])
         lagging = GaugeMetricFamily("kvgate_queue_tier_lagging", "1 while a tier is lagging under shed parity "
                                     "(queue.shed_parity_gap: refused more than the gap more often than the tiers "
-                                    "above it over the last minute; it then goes every other release), else 0; "
-                                    "per tier and pool", labels=["tier", "pool"])
+                                    "above it over the last minute; it then goes after each release from above), "
+                                    "else 0; per tier and pool", labels=["tier", "pool"])
         refused = GaugeMetricFamily("kvgate_queue_tier_refused_ratio", "Share of a tier's requests refused over "
                                     "about the last minute as shed parity counts them (capacity 503s and quota "
                                     "429s the fleet caused, of tenants with a protective limit), per tier and "
-                                    "pool; no sample with shed parity off or nothing counted",
+                                    "pool; no sample with shed parity off or fewer than 20 decisions in the window",
                                     labels=["tier", "pool"])
         total = GaugeMetricFamily("kvgate_nodes_total", "vLLM nodes kvgate knows, by discovery (static | dns | "
                                   "static+dns) and pool; no sample when Envoy picks the node",
@@ -338,7 +338,7 @@ class _StateCollector(Collector):
                 for tier in q.tiers():
                     depth.add_metric([tier, pool], q.depth(tier))
                     lagging.add_metric([tier, pool], 1.0 if tier in behind else 0.0)
-                    share = q.refused_share(tier)
+                    share = q.refused_share_at(tier, now)
                     if share is not None:
                         refused.add_metric([tier, pool], share)
             for pool, f in st.fleets.items():

@@ -103,6 +103,9 @@ def test_a_tier_of_the_same_rank_is_not_above_it() -> None:
     tally(q, "a", 0, 100)
     tally(q, "b", 100, 0)
     assert not q.lagging("a") and not q.lagging("b"), "no tier above either has decided anything"
+    tally(q, "interactive", 100, 0)
+    tally(q, "b", 0, 12)  # 12 of 112 (10.7%) against interactive's 0%: a, all refused, is beside it, not above
+    assert q.lagging("a") and q.lagging("b")
 
 
 @settings(max_examples=80, deadline=None)
@@ -168,11 +171,11 @@ def test_once_lagging_a_tier_stays_so_until_within_half_the_gap() -> None:
     tally(q, "interactive", 100, 0)
     tally(q, "batch", 90, 10)  # 10% against 0%: past 5 points
     assert q.lagging("batch")
-    tally(q, "batch", 40, 0)  # 10 of 140, 7.1%: within the gap, past half of it
+    tally(q, "batch", 150, 0)  # 10 of 250, 4%: within the gap, past half of it
     assert q.lagging("batch")
-    tally(q, "batch", 300, 0)  # 10 of 440, 2.3%: within half the gap
+    tally(q, "batch", 200, 0)  # 10 of 450, 2.2%: within half the gap
     assert not q.lagging("batch")
-    tally(q, "batch", 0, 10)  # 20 of 450, 4.4%: within the gap again, not yet lagging
+    tally(q, "batch", 0, 10)  # 20 of 460, 4.3%: within the gap again, not yet lagging
     assert not q.lagging("batch")
 
 
@@ -381,17 +384,29 @@ def test_every_protective_limit_makes_a_tenant_counted_and_none_leaves_it_out(li
     assert (a.queue_of("default").refused_share("batch") is not None) == bool(limit)
 
 
-def test_queue_full_is_what_a_tiers_own_flood_meets_and_is_not_counted() -> None:
+def test_queue_full_is_counted_only_where_the_tier_itself_does_not_fill_the_queue() -> None:
+    """attack90 F2: a queue-full 503 where the arrival's own tier holds half the queue or more is its own
+    flood; review92 L1: one where the tiers above fill it is priority refusing it, and counts."""
     core, _ = make()
     a = core.admission
+    q = a.queue_of("default")
+    q.max_size = 4
+    for i in range(2):
+        q.push(Entry(f"x{i}", "b", "interactive", 10, 0, 60), 0)
     a.tally(Decision("b", "batch", None, reject("queue-full")), "default", 0.0)
-    assert a.queue_of("default").refused_share("batch") is None
+    assert q.refused_share("batch") == 1.0, "a queue the tiers above fill: counted"
+    q.parity_gap = None
+    q.parity_gap = 0.05
+    for i in range(2):
+        q.push(Entry(f"y{i}", "b", "batch", 10, 0, 60), 0)
+    a.tally(Decision("b", "batch", None, reject("queue-full")), "default", 0.0)
+    assert q.refused_share("batch") is None, "its own tier holds half the queue: not counted"
     a.tally(Decision("b", "batch", None, reject("queue-evicted")), "default", 0.0)
-    assert a.queue_of("default").refused_share("batch") == 1.0, "evicted for a more urgent arrival: counted"
+    assert q.refused_share("batch") == 1.0, "evicted for a more urgent arrival: counted"
 
 
 def test_the_metrics_say_which_tier_is_lagging_and_its_refused_share() -> None:
-    core, _ = make()
+    core, clock = make()
     q = core.admission.queue_of("default")
     tally(q, "interactive", 100, 0, core.now())
     tally(q, "batch", 60, 40, core.now())
@@ -400,3 +415,41 @@ def test_the_metrics_say_which_tier_is_lagging_and_its_refused_share() -> None:
     assert 'kvgate_queue_tier_lagging{pool="default",tier="interactive"} 0.0' in text
     assert 'kvgate_queue_tier_refused_ratio{pool="default",tier="batch"} 0.4' in text
     assert 'kvgate_queue_tier_refused_ratio{pool="default",tier="standard"}' not in text, "nothing counted there"
+    clock.advance(10 * SHARE_TAU_S)  # a quiet pool: the scrape reads the ledger as of now, and changes nothing
+    text = generate_latest(core.stats.registry).decode()
+    assert 'kvgate_queue_tier_lagging{pool="default",tier="batch"} 0.0' in text
+    assert 'kvgate_queue_tier_refused_ratio{pool="default",tier="batch"}' not in text
+    assert q.lagging("batch")
+
+
+def test_a_cap_read_long_after_the_overload_does_not_stretch() -> None:
+    """The cap reads the ledger as of now: a quiet pool's last overload stretches nothing."""
+    core, clock = make(tenant={"max_concurrent": 2})
+    assert [answer(ask(core, f"r{i}")).decision.best_effort is None for i in range(2)] == [True, True]
+    assert slowed_and_lagging(core, 1.6)
+    clock.advance(10 * SHARE_TAU_S)
+    idle(core, clock, 0.99)
+    d = answer(ask(core, "r3")).decision
+    assert not d.admitted and d.rejection is not None and d.rejection.reason == "tenant-concurrency"
+
+
+def test_the_top_tier_predicts_a_whole_turn_of_a_lagging_tier_per_request_ahead() -> None:
+    """review92 M2: a queued top-tier release owes a lagging tier a whole release, whatever their sizes."""
+    waits = {}
+    for gap in (None, 0.05):
+        q = queue(gap)
+        for i in range(8):  # a drain rate: 8 releases of 100 tokens over a second
+            q.push(Entry(f"w{i}", "it", "interactive", 100, i / 8, 60), i / 8)
+            e = q.peek()
+            assert e is not None
+            q.take(e, (i + 1) / 8)
+        for i in range(4):
+            q.push(Entry(f"b{i}", "bt", "batch", 10_000, 1, 60), 1)
+            q.push(Entry(f"i{i}", "it", "interactive", 100, 1, 60), 1)
+        tally(q, "interactive", 100, 0, 1)
+        tally(q, "batch", 50, 50, 1)
+        w = q.predicted_wait("it", "interactive", 100)
+        assert w is not None
+        waits[gap] = w
+    # four 100-token requests ahead (and its own): four 10,000-token batch turns between them
+    assert waits[0.05] > waits[None] + 40_000 / 800 * 0.9
