@@ -759,7 +759,11 @@ class FairQueue:
             # one, so about as much again as what is ahead
             lag = [o for o in self._order if o.live and o.spec.rank > t.spec.rank and o.spec.name in self._lagging]
             if t.spec.rank <= top and t.live:
-                n = ahead * t.live / t.tokens if t.tokens > 0 else 0.0
+                # the requests that go before it: the others' work ahead over their mean size (at most all
+                # of them: one prompt far above the mean is one request, not hundreds — attack93 H1), its
+                # tenant's queued ones and itself
+                others = max(0.0, ahead - own) * t.live / t.tokens if t.tokens > 0 else 0.0
+                n = min(float(t.live), others) + t.n.get(tenant, 0) + (1 if cost else 0)
                 total += sum(min(o.tokens, n * o.tokens / o.live) for o in lag)
             else:
                 total += min(ahead, sum(o.tokens for o in lag))

@@ -453,3 +453,25 @@ def test_the_top_tier_predicts_a_whole_turn_of_a_lagging_tier_per_request_ahead(
         waits[gap] = w
     # four 100-token requests ahead (and its own): four 10,000-token batch turns between them
     assert waits[0.05] > waits[None] + 40_000 / 800 * 0.9
+
+
+def test_one_large_top_tier_request_is_one_request_ahead_of_the_lagging_turns() -> None:
+    """attack93 H1: a prompt far above the top tier's mean queued request is one request: it waits for one
+    lagging turn per request ahead of it, not for the lagging tier's whole queue."""
+    q = queue()
+    for i in range(8):  # a drain rate: 8 releases of 100 tokens over a second
+        q.push(Entry(f"w{i}", "it", "interactive", 100, i / 8, 60), i / 8)
+        e = q.peek()
+        assert e is not None
+        q.take(e, (i + 1) / 8)
+    q.push(Entry("c", "ct", "interactive", 20, 1, 60), 1)
+    for i in range(40):
+        q.push(Entry(f"b{i}", "bt", "batch", 8_000, 1, 60), 1)
+    plain = q.predicted_wait("it", "interactive", 6_000)
+    tally(q, "interactive", 100, 0, 1)
+    tally(q, "batch", 50, 50, 1)
+    lag = q.predicted_wait("it", "interactive", 6_000)
+    assert plain is not None and lag is not None
+    # one chat request ahead and itself: two batch turns of 8,000 tokens, not forty
+    rate = (20 + 6_000) / plain  # parity off: the chat request ahead and itself, over the drain rate
+    assert lag == pytest.approx(plain + 2 * 8_000 / rate, rel=0.05)
