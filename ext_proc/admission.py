@@ -76,9 +76,6 @@ AS_HELD_S = 1e-6
 the lowest tier's TTFT target, not within its max wait (``core.Core._pick``)."""
 SLOWED = 1.5
 """Recent mean over norm at which a tenant's concurrency-cap 429s count as the fleet's doing."""
-MAX_STRETCH = 2.0
-"""The most a concurrency cap is stretched while its tier is lagging under shed parity (``_cap``): twice
-the cap, however slow the fleet — a bound on what a tenant may hold however its requests are slowed."""
 
 
 @dataclass(slots=True, eq=False)
@@ -875,7 +872,7 @@ class Admission:
                 f"token budget{on} of {int(whole)}; it can never be admitted as it is.",
             )
         cap = cfg.max_concurrent
-        if cap is not None and s.inflight >= self._cap(s, est, cap, now):
+        if cap is not None and s.inflight >= (cap if s.slots is None else min(s.slots, cap)):
             short = self.quota.short(s, "slots", 1.0, now, may_borrow)
             if short == "borrow":
                 return BORROW
@@ -974,34 +971,6 @@ class Admission:
         elif s.reads is None or s.reads.rate != per_minute / 60.0:
             s.reads = TokenBucket(per_minute, default_burst(per_minute, burst), now)
         return s.reads
-
-    def _cap(self, s: TenantState, est: Estimate, cap: int, now: float) -> int:
-        """The concurrency cap in force: the tenant's (with several replicas, this replica's slice) —
-        stretched by how much longer its requests now run than its norm, up to :data:`MAX_STRETCH`, where the
-        cap may be exceeded (``over_limit``: best effort), its tier is lagging under shed parity
-        (``FairQueue.lagging``) and its requests run slowed (``_slowed``). A cap is sized as the tenant's rate
-        times its requests' duration on a healthy fleet: a slowed fleet holds each request longer, so the
-        same traffic hits it (Little's law) — demand the fleet caused, which refused whole made its tier
-        the one an overload refused (the families' batch tenants: up to 1,095 concurrency 429s a run where
-        shedding at 90% KV served 93% of them). Only while the tier is lagging, so the tiers above keep
-        their turns wherever the tier is refused no more than they are; only in a single replica's count
-        (with a shared store the fleet-wide cap stays exact); only where its 429 would be the fleet's doing
-        in this pool (``_fleet_caused``: slowed, inside its budgets, its slots held in this pool alone —
-        review91 M5). Rounded down: a cap of 1 stretches only at twice its norm. A per-model budget's cap
-        never stretches (no norm is kept for it). The requests it admits are ordinary admissions of the
-        tenant's tier (charged, its priority and KV reserve), not best effort."""
-        if s.slots is not None:
-            return min(s.slots, cap)
-        if s.inflight < cap or s.mean_seconds is None or s.norm_seconds is None or \
-                not self._may_exceed(s, "concurrency"):
-            return cap
-        q = self.queue_of(est.pool)
-        if q.parity_gap is None or not self._fleet_caused(s, est, now):
-            return cap
-        q.refresh(now)
-        if not q.lagging(s.config.tier):
-            return cap
-        return int(cap * min(MAX_STRETCH, s.mean_seconds / s.norm_seconds))
 
     def tally(self, d: Decision, pool: str, now: float) -> None:
         """Shed parity's ledger (``FairQueue.tally``): a final decision of a request routed to ``pool`` —

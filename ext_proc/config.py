@@ -322,9 +322,7 @@ class Queue(_Strict):
         "503s and the quota 429s the fleet caused, of tenants with a protective limit) more than this share more "
         "often than the tiers above it together is lagging: its turn comes after each release from above (not "
         "after starvation_guard of them), without its KV reserve as the guard's own, until it is back within "
-        "half the gap, and meanwhile its tenants' "
-        "concurrency caps that over_limit lets be exceeded stretch with their slowdown (at most twice; one "
-        "replica's count). Priority decides who waits, not who is refused; null: off"
+        "half the gap. Priority decides who waits, not who is refused; null: off"
     )
     inject_priority: bool = Field(
         default=False, description="write the tier's vllm_priority into each request body (for vLLM servers "

@@ -32,8 +32,7 @@ where the order can be decided:
   A tier below the top refused more than ``parity_gap`` more often than the tiers above it together is
   *lagging*: its turn in the order comes after one release from above instead of ``starvation_guard``
   (by size, as the guard counts; without its KV reserve, as the guard's own release), until its share is
-  back within half the gap (:meth:`lagging`; the admission stretches its tenants' concurrency caps
-  meanwhile). Without it
+  back within half the gap (:meth:`lagging`). Without it
   the families' overloads refused a batch tier several times as often as the tiers above (mixed seed
   3: 21% against 2%, where shedding at 90% KV refused 9%); kv-shed refuses about evenly;
 * **bounded**: the caller asks ``victim`` for the entry to evict (the newest of the most-served tenant
@@ -327,7 +326,7 @@ class FairQueue:
         """The tiers lagging as of ``now``: each tier below the top with :data:`PARITY_MIN_OFFERED` decisions
         in the window whose refused share is past the gap over the tiers above it together (which need as
         many decisions: one served chat request is no baseline, review91 M3) — or, already lagging, past
-        half the gap (hysteresis: without it the guard, and a stretched cap, flipped on nearly every decision
+        half the gap (hysteresis: without it the guard flipped on nearly every decision
         near the line). One pass over the tiers by rank, O(tiers); after every counted decision. Pure."""
         gap = self._parity_gap
         if gap is None:
