@@ -975,10 +975,10 @@ class Admission:
     def tally(self, d: Decision, pool: str, now: float) -> None:
         """Shed parity's ledger (``FairQueue.tally``): a final decision of a request routed to ``pool`` —
         served (a lease: admitted, best effort or shadow), or refused for capacity or by a quota the fleet
-        caused. A tenant's own excess (a 429 it was not slowed into), a bad request and a contract's 429
-        are not counted: a tier is not owed turns for what its tenants asked beyond their quotas. Nor is
-        anything of a tenant without a protective limit (``max_concurrent``, ``requests_per_minute``,
-        ``tokens_per_minute``): its demand has no bound, and counted, a lower tier's tenant that floods the
+        caused. Not counted: a tenant's own excess (a 429 it was not slowed into), a bad request, a
+        contract's 429, a ``queue-full`` where the arrival's own tier holds half the queue (its own flood),
+        and anything of a tenant without a protective limit (``max_concurrent``, ``requests_per_minute``,
+        ``tokens_per_minute``) — its demand has no bound, and counted, a lower tier's tenant that floods the
         fleet made its own tier lagging and took the turns of the tiers above (attack14's flood of batch
         prompts: the interactive tier predicted late 26% against 18%). ``model_budgets`` alone do not make
         a tenant bounded: they bound its requests for some models, not what it sends to the others."""

@@ -28,7 +28,8 @@ where the order can be decided:
   it; the caller rejects early rather than let it wait in vain;
 * **shed parity** (``parity_gap``): strict priority decides who *waits*; it must not decide who is
   *refused* wholesale. The queue keeps, per tier, the share of its requests refused over about the last
-  minute (:meth:`tally`: capacity 503s and the quota 429s the fleet caused — never a tenant's own excess).
+  minute (:meth:`tally`: capacity 503s and the quota 429s the fleet caused — never a tenant's own excess,
+  nor anything of a tenant without a protective limit, nor a ``queue-full`` its own tier's flood met).
   A tier below the top refused more than ``parity_gap`` more often than the tiers above it together is
   *lagging*: its turn in the order comes after one release from above instead of ``starvation_guard``
   (by size, as the guard counts; without its KV reserve, as the guard's own release), until its share is
@@ -250,10 +251,10 @@ class FairQueue:
         """The releases from above after which ``t`` is owed one: the starvation guard, or one while the tier
         is :meth:`lagging`. Such a turn goes without the tier's KV reserve, as the guard's own does: the
         tiers above fill each node to their own, higher limit, and with its reserve the turn found no room —
-        kept, shed parity moved the families' misses 27 -> 27 (mixed seed 3's batch tier 75.9% -> 79.6%
-        against kv-shed's 91.0%); without it 27 -> 24 (88.4%), at -1.3 points of interactive SLO summed
-        over seeds 1-12. A lower tier's tenant can take these turns only where it is bounded and refused
-        for capacity (attack90 F2/F3: ``Admission.tally``)."""
+        kept, shed parity moved none of the families' checks over seeds 1-12; without it kvgate's misses
+        went 27 -> 24 (mixed seed 3's batch tier 75.9% -> 90.5% against kv-shed's 91.0%), at -0.8 points
+        of interactive SLO summed (``docs/benchmarks/families.md``). A lower tier's tenant can take these
+        turns only where it is bounded and refused for capacity (attack90 F2/F3: ``Admission.tally``)."""
         return 1.0 if t.spec.name in self._lagging else self.starvation_guard
 
     @property
@@ -293,7 +294,8 @@ class FairQueue:
     def refresh(self, now: float) -> None:
         """Read the lagging tiers again as of ``now``: the ledger fades while nothing is decided (a quiet
         pool's last overload must not keep a tier lagging; attack90 F1). The admission calls it before each
-        pass of the pump and before a concurrency cap is read."""
+        pass of the pump (a pool with nothing queued is not pumped: there the set waits for the next
+        decision, and nothing reads it but the gauge, which reads :meth:`lagging_at`)."""
         if self._parity_gap is not None and self._ledger and (self._t_lag is None or now > self._t_lag):
             self._t_lag = now
             self._lagging = self._lag(now)
