@@ -86,9 +86,6 @@ class TenantState:
     tokens: Bucket | None
     inflight: int = 0
     """Charged requests in flight or queued: what ``max_concurrent`` caps."""
-    bounded: bool = False
-    """It has a protective limit (a concurrency cap, a per-minute budget): shed parity counts its requests
-    (``Admission.tally``)."""
     slots: int | None = None
     """With several replicas: this replica's slice of ``max_concurrent`` (``share.py``); None: all of it."""
     fleet_free: int = 0
@@ -128,6 +125,13 @@ class TenantState:
     @property
     def name(self) -> str:
         return self.config.name
+
+    @property
+    def bounded(self) -> bool:
+        """It has a protective limit (a concurrency cap, a per-minute budget): shed parity counts its requests
+        (``Admission.tally``)."""
+        c = self.config
+        return c.max_concurrent is not None or c.requests_per_minute is not None or c.tokens_per_minute is not None
 
 
 @dataclass(slots=True, eq=False)
@@ -339,7 +343,6 @@ class Admission:
                 state.requests = _retuned(quota, state.requests, t.requests_per_minute, t.request_burst, now)
                 state.tokens = _retuned(quota, state.tokens, t.tokens_per_minute, t.token_burst, now)
             state.model = model
-            state.bounded = any(x is not None for x in (t.max_concurrent, t.requests_per_minute, t.tokens_per_minute))
             (tenants if model is None else budgets)[t.name] = state
         unknown = old.get(_UNKNOWN_SLOT)
         if unknown is None:

@@ -280,14 +280,10 @@ class FairQueue:
         v = self._ledger.get(tier)
         if v is None:
             v = self._ledger[tier] = [0.0, 0.0, now]
-        if now > v[2]:
-            f = math.exp(-(now - v[2]) / SHARE_TAU_S)
-            v[0] *= f
-            v[1] *= f
-            v[2] = now
-        v[0] += 1.0
-        if refused:
-            v[1] += 1.0
+        f = _faded(now, v[2])
+        v[0] = v[0] * f + 1.0
+        v[1] = v[1] * f + (1.0 if refused else 0.0)
+        v[2] = max(v[2], now)
         self._t_lag = now
         self._lagging = self._lag(now)
 
@@ -321,8 +317,7 @@ class FairQueue:
         v = self._ledger.get(tier)
         if v is None or v[0] <= 0:
             return None
-        f = math.exp(-(now - v[2]) / SHARE_TAU_S) if now > v[2] else 1.0
-        return v[1] / v[0] if v[0] * f >= PARITY_MIN_OFFERED else None
+        return v[1] / v[0] if v[0] * _faded(now, v[2]) >= PARITY_MIN_OFFERED else None
 
     def _lag(self, now: float) -> frozenset[str]:
         """The tiers lagging as of ``now``: each tier below the top with :data:`PARITY_MIN_OFFERED` decisions
@@ -343,7 +338,7 @@ class FairQueue:
                 continue
             if t.spec.rank != rank:
                 decided, refused, rank_d, rank_r, rank = decided + rank_d, refused + rank_r, 0.0, 0.0, t.spec.rank
-            f = math.exp(-(now - v[2]) / SHARE_TAU_S) if now > v[2] else 1.0
+            f = _faded(now, v[2])
             d, r = v[0] * f, v[1] * f
             rank_d += d
             rank_r += r
@@ -367,9 +362,7 @@ class FairQueue:
         if v is None:
             return 0.0
         at = now if now is not None else self._t
-        if at is None or at <= v[1]:
-            return v[0]
-        return v[0] * math.exp(-(at - v[1]) / SHARE_TAU_S)
+        return v[0] if at is None else v[0] * _faded(at, v[1])
 
     def waiting_at_or_above(self, tier: str) -> int:
         """Requests queued in this tier or a more important one: a new arrival must not pass them."""
@@ -389,8 +382,8 @@ class FairQueue:
         self._counter[tenant] = self._counter.get(tenant, 0.0) + w
         if self.share_lower:
             at = now if now is not None else (self._t if self._t is not None else 0.0)
-            if given is not None and at > given:
-                w *= math.exp(-(at - given) / SHARE_TAU_S)
+            if given is not None:
+                w *= _faded(at, given)
             self._recent[tenant] = (max(0.0, self.recent(tenant, at) + w), at)
         for t in self._order:
             if t.n.get(tenant):
@@ -842,6 +835,12 @@ class FairQueue:
 
 _CutFn = Callable[[_Tier, float, bool, "str | None", float], float]
 """``FairQueue._cut``'s signature: (tier, x, by recent service, tenant left out, start) -> work."""
+
+
+def _faded(now: float, then: float) -> float:
+    """How much of what was counted at ``then`` is left at ``now``: decayed with :data:`SHARE_TAU_S` (a tenant's
+    recent service, a tier's shed-parity ledger); all of it for a ``now`` not after ``then``."""
+    return math.exp(-(now - then) / SHARE_TAU_S) if now > then else 1.0
 
 
 def _owed(waiting: _Tier, cost: float) -> float:
