@@ -11,6 +11,10 @@ the node's baseline however big its batch, and runs away only when the node itse
 closed → open (trip) → half-open after ``recovery_window`` → closed once ``half_open_requests`` real
 requests succeeded *and* the node reads healthy again (KV < ``close_kv``, prefill <
 ``close_latency_multiplier`` x baseline); any failure or a bad reading while half-open re-opens it.
+A breaker opened by a full KV cache alone goes half-open sooner, at the first reading below ``close_kv``:
+a full cache is the node's load, which ends as its requests finish, and waiting out the window then
+wasted a whole node's capacity for it (families ``bursty-onoff`` seed 10, kvgate+scaler: one node of four
+took nothing for 30 s of a burst while the others refused 15% of the demand).
 A latency trip compares a node with its own past, so it cannot tell a sick node from a fleet that is
 simply loaded: the fleet lets it open only while few enough breakers are open
 (``max_open_fraction``, like Envoy's outlier-detection ``max_ejection_percent``) — never the last
@@ -74,12 +78,15 @@ class Breaker:
         self._trial_ok = 0
         self._healthy = True
         self._slow_readings = 0
+        self._kv_only = False
+        """Whether the breaker is open for a full KV cache alone (it goes half-open once the cache drained)."""
         self._on_transition = on_transition
 
-    def _go(self, new: State, why: str, now: float) -> None:
+    def _go(self, new: State, why: str, now: float, kv_only: bool = False) -> None:
         old, self.state = self.state, new
         if new is State.OPEN:
             self.opened_at = now
+            self._kv_only = kv_only
         if new is State.HALF_OPEN:
             self._trials_left, self._trial_ok = self.s.half_open_requests, 0
         if self._on_transition is not None:
@@ -100,6 +107,8 @@ class Breaker:
                 self._go(State.CLOSED, "breakers disabled", now)
             return
         self._tick(now)
+        if self.state is State.OPEN and self._kv_only and kv is not None and kv < s.close_kv:
+            self._go(State.HALF_OPEN, f"kv {kv:.2f} < {s.close_kv}: drained", now)
         bar = None if self.baseline is None or self._samples < s.min_baseline_samples else (
             self.baseline if reference is None else max(self.baseline, reference))
         slow = prefill_s is not None and bar is not None and prefill_s > s.latency_multiplier * bar
@@ -117,14 +126,14 @@ class Breaker:
                 against = "baseline" if reference is None or bar == self.baseline else "the peers'"
                 self._go(State.OPEN, f"kv {kv:.2f} > {s.kv_threshold}" if full else
                          f"step time {prefill_s:.2f}x its model > {s.latency_multiplier} x {against} "
-                         f"{bar:.2f}x", now)
+                         f"{bar:.2f}x", now, kv_only=full and not slow)
             elif prefill_s is not None and kv_ok and (
                     bar is None or prefill_s < s.close_latency_multiplier * (self.baseline or bar)):
                 self._samples += 1
                 self.baseline = prefill_s if self.baseline is None else (
                     self.baseline + s.baseline_alpha * (prefill_s - self.baseline))
         elif self.state is State.HALF_OPEN and (full or slow):
-            self._go(State.OPEN, "still unhealthy while half-open", now)
+            self._go(State.OPEN, "still unhealthy while half-open", now, kv_only=full and not slow)
 
     def forget_baseline(self) -> None:
         """The latency signal changed meaning (a new performance prior): learn the baseline again."""

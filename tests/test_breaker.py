@@ -96,3 +96,36 @@ def test_half_open_reopens_on_failure_or_bad_reading_or_still_unhealthy() -> Non
     b.result(True, 104)
     b.result(True, 105)
     assert b.state is State.OPEN
+
+
+def test_a_breaker_opened_by_a_full_kv_cache_alone_goes_half_open_once_it_drained() -> None:
+    """A full cache is the node's load: once a reading shows it below ``close_kv`` the node gets its trials at
+    once instead of after the whole recovery window (a node of four took nothing for 30 s of a burst while
+    the others refused 15% of the demand). A latency trip, a failed trial and a KV reading still above
+    ``close_kv`` keep the window."""
+    b, log = learned()
+    b.observe(0.99, 0.1, 10)
+    b.observe(0.90, 0.1, 11)  # below the trip line, above close_kv: still full enough
+    assert b.state is State.OPEN and not b.allows(11)
+    b.observe(0.80, 0.1, 12)
+    assert b.state is State.HALF_OPEN and b.allows(12) and log[-1][2] == "kv 0.80 < 0.85: drained"
+    b.observe(0.97, 0.1, 13)  # full again while half-open: open, and again only for its KV
+    assert b.state is State.OPEN
+    b.observe(0.5, 0.1, 14)
+    assert b.state is State.HALF_OPEN
+    b.result(False, 15)  # a failed trial is not load: the window
+    b.observe(0.5, 0.1, 16)
+    assert b.state is State.OPEN and not b.allows(44.9) and b.allows(45)
+
+    slow, _ = learned()
+    for t in (10, 11, 12):
+        slow.observe(0.3, 0.31, t)
+    assert slow.state is State.OPEN
+    slow.observe(0.1, 0.1, 13)  # a latency trip with an empty cache: the window all the same
+    assert slow.state is State.OPEN and not slow.allows(41.9) and slow.allows(42)
+    both, _ = learned()
+    for t in (10, 11):
+        both.observe(0.3, 0.31, t)
+    both.observe(0.99, 0.31, 12)  # full and slow at once: not the KV alone
+    both.observe(0.5, 0.1, 13)
+    assert both.state is State.OPEN

@@ -65,7 +65,7 @@ def test_open_breaker_filters_the_node() -> None:
     feed(f, 0, 0.3, 0.3)
     feed(f, 0.1, 0.96, 0.3)  # node 0 trips (kv > 0.95)
     assert f.nodes["10.0.0.0:8000"].breaker.state is State.OPEN
-    feed(f, 1, 0.1, 0.3)  # still open although it reads fine now: recovery window first
+    feed(f, 1, 0.9, 0.3)  # still open: its cache has not drained below close_kv (0.85)
     assert {f.choose(1, 1).node.address for _ in range(20)} == {"10.0.0.1:8000"}  # type: ignore[union-attr]
     f.on_snapshot("10.0.0.1:8000", snap(0.97), 1)
     assert f.nodes["10.0.0.1:8000"].breaker.state is State.CLOSED  # the last closed node stays closed
@@ -78,6 +78,19 @@ def test_open_breaker_filters_the_node() -> None:
     c = b.choose(1, 1)
     assert c.node is None and c.reason == "fleet-breakers-open"
     assert 28 < c.retry_after <= 30  # type: ignore[operator]  # until the first recovery window ends
+
+
+def test_a_node_opened_by_its_full_cache_gets_its_trials_once_the_cache_drained() -> None:
+    """Its full cache was its load, not sickness: once a reading shows it below close_kv, node choice sends it
+    its half-open trials at once, not a recovery window (30 s) later while its peers refuse work."""
+    f = fleet(3)
+    feed(f, 0, 0.3, 0.3, 0.3)
+    feed(f, 0.1, 0.96, 0.5, 0.5)
+    assert f.nodes["10.0.0.0:8000"].breaker.state is State.OPEN
+    feed(f, 2, 0.5, 0.9, 0.9)  # drained; its peers are nearly full
+    assert f.nodes["10.0.0.0:8000"].breaker.state is State.HALF_OPEN
+    c = f.choose(1, 2)
+    assert c.node is not None and c.node.address == "10.0.0.0:8000"
 
 
 def test_stale_nodes_are_a_fallback_and_dead_ones_get_nothing() -> None:

@@ -645,6 +645,65 @@ def _behind_hpa(law: ControlLaw, hpa: _Hpa, needed: int, until: float, kv: float
     return out
 
 
+@pytest.mark.parametrize(("after", "spec"), [
+    pytest.param(0.6, 2, id="the load holds: the HPA applies the scale-down its window later"),
+    pytest.param(1.2, 3, id="the load doubles while the HPA waits: withdrawn, never applied"),
+    pytest.param(0.7, 2, id="it grows within the bound (2 at 35%, 39% a cold start ahead): applied all the same"),
+])
+def test_a_scale_down_the_hpa_has_not_applied_is_withdrawn_once_it_no_longer_fits(after: float, spec: int) -> None:
+    """3 replicas at 0.6 replicas' worth of KV cache in use: after a cooldown (120 s) the law asks 2 (30% each,
+    under 45%), and the chart's HPA applies it only once every count asked over its stabilisation window (as
+    long as the cooldown) is 2 or fewer. Asked all along whatever the load became, the scale-down reached the
+    pods when the two left could no longer carry it (families shared-prefix seed 11: asked at 37% for the two,
+    applied at 80%, then 23% of requests refused until the replica came back). From 150 s the load is
+    ``after``: where the two would run above the scale-down's bound, the law withdraws the scale-down (the
+    level back to the 3 running, a hold) and counts it a flap; the HPA never applies it."""
+    law = ControlLaw(LawSettings(min_replicas=1, max_replicas=8, step=2, cooldown_s=120))
+    hpa = _Hpa(3, window_s=120)
+    specs = []
+    verdicts = []
+    t = 0.0
+    while t <= 600:
+        up = hpa.ready(t)
+        load = 0.6 if t < 150 else after
+        v = law.decide(window(AB, replicas=up, at=t, kv=load / up), t)
+        hpa.apply(v.desired, t)
+        verdicts.append((t, v))
+        specs.append(hpa.spec)
+        t += 15
+    assert [(t, v.desired) for t, v in verdicts if v.action == "down"] == [(120.0, 2)]
+    assert min(specs) == specs[-1] == spec
+    withdrawn = [(t, v) for t, v in verdicts if "no longer fits" in v.reason]
+    if spec == 3:
+        (at, v), = withdrawn
+        assert at == 150.0 and v.action == "hold" and v.desired == 3, v
+        assert "the 2 replica(s) left beyond the warm pool would run at" in v.reason and "KV usage > 45%" in v.reason
+        assert "undoes the scale-down of 30s ago" in v.reason and law.flap_level == 2 and law.backoff == 2
+        assert all(v.desired == 3 for t, v in verdicts if t >= 150)
+    else:
+        assert not withdrawn and law.flap_level is None
+
+
+@pytest.mark.parametrize(("slope", "downs"), [
+    pytest.param(0.004, [], id="rising: fits at its peak (39% on 2), not a cold start ahead (51%): held"),
+    pytest.param(0.0, [120.0], id="flat at 0.3 replicas' worth: down after a cooldown"),
+    pytest.param(-0.002, [120.0], id="falling: not projected below its peak, down as without a trend"),
+])
+def test_a_scale_down_fits_the_load_a_cold_start_ahead_on_its_rising_trend(slope: float, downs: list[float]) -> None:
+    """KV load in replicas' worth from 0.3 (falling: from 0.8) with ``slope`` per second, 3 replicas, no unmet
+    demand. A scale-down is undone only a cold start (60 s) after the fleet runs short, so it must fit the load
+    that far ahead on its rising trend (families shared-prefix seed 8: chat histories growing, 3 -> 2 at 31% KV
+    for the two, which ran at 86% three minutes later)."""
+    law = ControlLaw(LawSettings(min_replicas=1, max_replicas=8, step=2, cooldown_s=120, scale_down_window_s=0))
+    start = 0.8 if slope < 0 else 0.3
+    verdicts = _drive(law, lambda t, n: window(AB, replicas=n, kv=(start + slope * t) / n), 120, start=3)
+    assert [t for t, v in verdicts if v.action == "down"] == downs
+    if not downs:
+        held = verdicts[-1][1]
+        assert "or 60s ahead on its trend the 2 replica(s) left beyond the warm pool would run at 51% KV usage" \
+            in held.reason, held.reason
+
+
 def test_a_large_pool_keeps_scaling_behind_an_hpas_tolerance() -> None:
     """12 replicas, one of them the warm pool, at 60% KV usage (7.2 replicas' worth): the warm pool carries
     demand, so one more replica. The law assumes no tolerance (``hpa_tolerance`` 0) where the HPA has
