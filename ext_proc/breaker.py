@@ -11,10 +11,13 @@ the node's baseline however big its batch, and runs away only when the node itse
 closed → open (trip) → half-open after ``recovery_window`` → closed once ``half_open_requests`` real
 requests succeeded *and* the node reads healthy again (KV < ``close_kv``, prefill <
 ``close_latency_multiplier`` x baseline); any failure or a bad reading while half-open re-opens it.
-A breaker opened by a full KV cache alone goes half-open sooner, at the first reading below ``close_kv``:
-a full cache is the node's load, which ends as its requests finish, and waiting out the window then
-wasted a whole node's capacity for it (families ``bursty-onoff`` seed 10, kvgate+scaler: one node of four
-took nothing for 30 s of a burst while the others refused 15% of the demand).
+A breaker a full KV cache alone opened from closed goes half-open sooner, at the first reading below
+``close_kv``: a full cache is the node's load, which ends as its requests finish, and waiting out the window
+then wasted a whole node's capacity for it (families ``bursty-onoff`` seed 10, kvgate+scaler: one node of four
+took nothing for 30 s of a burst while the others refused 15% of the demand). Once: re-opened while
+half-open, it waits the window (readings alternating about the two lines flapped it open and half-open on
+every reading, attack95 F4). Only its trials' results close it: the requests running when it tripped,
+finishing once its cache drained, said nothing of how it serves now (attack95 F3).
 A latency trip compares a node with its own past, so it cannot tell a sick node from a fleet that is
 simply loaded: the fleet lets it open only while few enough breakers are open
 (``max_open_fraction``, like Envoy's outlier-detection ``max_ejection_percent``) — never the last
@@ -133,7 +136,7 @@ class Breaker:
                 self.baseline = prefill_s if self.baseline is None else (
                     self.baseline + s.baseline_alpha * (prefill_s - self.baseline))
         elif self.state is State.HALF_OPEN and (full or slow):
-            self._go(State.OPEN, "still unhealthy while half-open", now, kv_only=full and not slow)
+            self._go(State.OPEN, "still unhealthy while half-open", now)
 
     def forget_baseline(self) -> None:
         """The latency signal changed meaning (a new performance prior): learn the baseline again."""
@@ -162,12 +165,16 @@ class Breaker:
         if self.state is State.HALF_OPEN:
             self._trials_left = min(self.s.half_open_requests - self._trial_ok, self._trials_left + 1)
 
-    def result(self, ok: bool, now: float) -> None:
-        """A request sent to this node ended; only half-open trials change the state."""
+    def result(self, ok: bool, now: float, trial: bool = True) -> None:
+        """A request sent to this node ended; only while half-open does it change the state: a trial's result,
+        or any failure (``trial``: whether it was one of the half-open trials, ``dispatched``)."""
         if self.state is not State.HALF_OPEN:
             return
         if not ok:
-            self._go(State.OPEN, "a half-open trial request failed", now)
+            self._go(State.OPEN, "a half-open trial request failed" if trial else "a request failed while half-open",
+                     now)
+            return
+        if not trial:
             return
         self._trial_ok += 1
         if self._trial_ok >= self.s.half_open_requests:

@@ -801,8 +801,8 @@ class NodeBook:
         if ok is None:
             if trial:  # no verdict (the client left, the lease was reclaimed): another request may try
                 n.breaker.trial_unused()
-        else:
-            n.breaker.result(ok, now)  # (a transition re-judges its room: ``_hook``)
+        else:  # (only a trial's success counts: attack95 F3; a transition re-judges its room: ``_hook``)
+            n.breaker.result(ok, now, trial)
         if not n.requests:
             self.room.update(n)  # idle now: a request too large for the threshold alone may go there
         if ok is None:

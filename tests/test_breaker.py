@@ -109,13 +109,23 @@ def test_a_breaker_opened_by_a_full_kv_cache_alone_goes_half_open_once_it_draine
     assert b.state is State.OPEN and not b.allows(11)
     b.observe(0.80, 0.1, 12)
     assert b.state is State.HALF_OPEN and b.allows(12) and log[-1][2] == "kv 0.80 < 0.85: drained"
-    b.observe(0.97, 0.1, 13)  # full again while half-open: open, and again only for its KV
-    assert b.state is State.OPEN
-    b.observe(0.5, 0.1, 14)
+    b.result(True, 12.5, trial=False)  # a request running since before the trip: says nothing of the node now
     assert b.state is State.HALF_OPEN
-    b.result(False, 15)  # a failed trial is not load: the window
-    b.observe(0.5, 0.1, 16)
-    assert b.state is State.OPEN and not b.allows(44.9) and b.allows(45)
+    b.observe(0.97, 0.1, 13)  # full again while half-open: open, and this time for the window (attack95 F4)
+    b.observe(0.5, 0.1, 14)
+    assert b.state is State.OPEN and not b.allows(42.9) and b.allows(43)
+    b.result(False, 44, trial=False)  # any failure while half-open re-opens it, for the window
+    b.observe(0.5, 0.1, 45)
+    assert b.state is State.OPEN and log[-1][2] == "a request failed while half-open" and b.allows(74)
+    for t in (75, 76):  # its trials' results close it
+        assert b.dispatched()
+        b.result(True, t)
+    assert b.state is State.CLOSED
+
+    flap, flips = learned()
+    for i in range(40):  # readings alternating about the two lines: one quick half-open, then the window
+        flap.observe(0.97 if i % 2 == 0 else 0.84, 0.1, 10 + 0.25 * i)
+    assert sum(1 for old, new, _ in flips if new is State.OPEN) == 2
 
     slow, _ = learned()
     for t in (10, 11, 12):

@@ -206,7 +206,7 @@ POLICIES = (Policy("none", 2), Policy("kv-shed", 2, "kv-shed"), Policy("kvgate",
             Policy("autoscale-only", 1, autoscale="queue", max_nodes=4),
             Policy("kvgate+scaler", 1, "kvgate", autoscale="scaler", max_nodes=4))
 PINNED = {"none": ("0c4d544868a956f5", 600, 0, 0), "kv-shed": ("f9130b06724b3a9f", 203, 397, 0),
-          "kvgate": ("a4700e2cff6f1c3a", 192, 382, 26), "autoscale-only": ("20b78234ecef11bc", 600, 0, 0),
+          "kvgate": ("05b13b38938a5993", 217, 357, 26), "autoscale-only": ("20b78234ecef11bc", 600, 0, 0),
           "kvgate+scaler": ("6335265b9cbf3bc2", 125, 475, 0)}
 """What the driver before model pools gave for ``small_trace`` (digest, admitted, 503, 429): every
 request's status, reason, TTFT, e2e, node and decision time, the node timeline, GPU-seconds, breaker
@@ -219,7 +219,7 @@ to the fullest node even past its max wait: 236/320/44, the chat tenant served 2
 target; bounded by the max wait, as before, 187/387/26, 181 and 13 — kept: an 11 s first token where
 another node gave 0.5 s, review68 H1, is no placement to pay for the top tier with. Again when a breaker
 opened by a full KV cache alone began to go half-open once the cache drained instead of after its recovery
-window: 187/387/26 before.)"""
+window, and only its trials' results to close it: 187/387/26 before.)"""
 
 
 def small_trace(model: str | None = None) -> list[TraceRequest]:
