@@ -61,7 +61,8 @@ class BreakerSettings:
 
 def open_cause(why: str) -> str:
     """The cause of a transition to open, from its reason: ``kv`` | ``latency`` | ``trial`` (a half-open
-    node that failed its trial or still read unhealthy). Results and metrics count opens by it."""
+    node that failed its trial, had any request fail, or still read unhealthy). Results and metrics count
+    opens by it."""
     if why.startswith("kv"):
         return "kv"
     if why.startswith(("prefill", "step time")):
@@ -110,7 +111,7 @@ class Breaker:
                 self._go(State.CLOSED, "breakers disabled", now)
             return
         self._tick(now)
-        if self.state is State.OPEN and self._kv_only and kv is not None and kv < s.close_kv:
+        if self.drains and kv is not None and kv < s.close_kv:
             self._go(State.HALF_OPEN, f"kv {kv:.2f} < {s.close_kv}: drained", now)
         bar = None if self.baseline is None or self._samples < s.min_baseline_samples else (
             self.baseline if reference is None else max(self.baseline, reference))
@@ -137,6 +138,11 @@ class Breaker:
                     self.baseline + s.baseline_alpha * (prefill_s - self.baseline))
         elif self.state is State.HALF_OPEN and (full or slow):
             self._go(State.OPEN, "still unhealthy while half-open", now)
+
+    @property
+    def drains(self) -> bool:
+        """Open for a full KV cache alone: it goes half-open at the first reading below ``close_kv``."""
+        return self.state is State.OPEN and self._kv_only
 
     def forget_baseline(self) -> None:
         """The latency signal changed meaning (a new performance prior): learn the baseline again."""

@@ -686,13 +686,18 @@ class Picker(NodeBook):
 
     def _retry_after(self, tokens: int, now: float) -> float:
         """When the first node is expected to have room: its excess KV over its drain rate; or when
-        the first open breaker goes half-open."""
+        the first open breaker goes half-open (one its full cache alone opened: once that drained below
+        ``close_kv``, when the drain rate says so sooner — review96 #3)."""
         best: float | None = None
         for n in self.nodes.values():
             if self.status(n, now) == "dead":
                 continue
-            if n.breaker.state is State.OPEN:
-                wait = n.breaker.opened_at + n.breaker.s.recovery_window_s - now
+            br = n.breaker
+            if br.state is State.OPEN:
+                wait = br.opened_at + br.s.recovery_window_s - now
+                kv, cap = n.snapshot.kv_usage if n.snapshot is not None else None, n.capacity_tokens()
+                if br.drains and kv is not None and cap is not None and n.drain_tokens_per_s:
+                    wait = min(wait, (kv - br.s.close_kv) * cap / n.drain_tokens_per_s)
             else:
                 kv, cap = n.projected_kv(tokens), n.capacity_tokens()
                 if kv is None or cap is None or not n.drain_tokens_per_s:

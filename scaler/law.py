@@ -95,16 +95,18 @@ Per evaluation, over the signal window:
   8, chat histories growing: 3 -> 2 at 31% KV for the two, which ran at 86% three minutes later);
 * a scale-down asked that the replicas running do not show yet (behind the chart's HPA it reaches the pods a
   stabilisation window late) is checked against those bounds at every evaluation within two cooldowns of it,
-  for the level it leaves, and withdrawn once it no longer fits them on two evaluations in a row — the level
-  back to what runs, a hold, and a flap (``shared-prefix`` seed 11: asked at 37% KV for the two, which ran at 80%
-  when the HPA applied it; then 23% of requests refused).
-  On the families' seeds 1-12 the withdrawal took issue 30's misses 71 -> 59 of 895, the trend 60 -> 55 (all
-  kvgate+scaler's against kvgate: shared-prefix seeds 4, 5, 7, 8, 10 and 11 no longer pay for a scale-down);
+  for the level it leaves, and withdrawn once it no longer fits them on two evaluations in a row — or on unmet
+  demand in the band below, as within a cooldown of any scale-down: the level back to what runs, a hold, and a
+  flap, the next scale-down waiting its cooldown from then (``shared-prefix`` seed 11: asked at 37% KV for the
+  two, which ran at 80% when the HPA applied it; then 23% of requests refused). On the families' seeds 1-12 the
+  withdrawal took kvgate+scaler's misses against static kvgate 47 -> 35 (shared-prefix seeds 5, 10 and 11 no
+  longer pay for a scale-down), the trend 2 more (shared-prefix 4 and 7);
 * in between → hold (and the cooldown starts again), except within a cooldown of a scale-down with
-  no scale-up since: the unmet rate or its projection at ``scale_down_threshold`` or above then puts
-  the replica removed back (+1; a flap, as above). The fleet had no unmet demand before it; one
-  replica short, the hold band would keep the shortfall for good (families ``mixed`` seed 2: 4 → 3
-  replicas as the prompt mix lengthened, then 5-15% unmet demand to the end, all inside the band).
+  no scale-up since (two, while the replicas running do not show it yet): the unmet rate or its projection
+  at ``scale_down_threshold`` or above then puts the replica removed back (+1; a flap, as above). The fleet
+  had no unmet demand before it; one replica short, the hold band would keep the shortfall for good
+  (families ``mixed`` seed 2: 4 → 3 replicas as the prompt mix lengthened, then 5-15% unmet demand to the
+  end, all inside the band).
   Where the replicas running show the scale-down was never applied (an HPA ignores one within its
   tolerance: 19 of 20), the level comes back to them, a hold — and still a flap: the scale-down was wrong
   whether or not a pod moved (attack80 F5, review82 #1);
@@ -405,13 +407,13 @@ class ControlLaw:
             self._last_down = (now, self.desired)
         return v
 
-    def _undone(self, now: float) -> str:
+    def _undone(self, now: float, within: float | None = None) -> str:
         """A verdict that undoes the last scale-down (a scale-up, or the level back to the replicas running where
         the HPA never applied it): within a cooldown of it, a flap — that scale-down was wrong, so the next one
         there waits longer, whether or not a pod moved (undamped, the law went down and back every cooldown:
         review82 #1). What the reason adds."""
         last, self._last_down = self._last_down, None
-        if last is None or now - last[0] >= self.s.cooldown_s:
+        if last is None or now - last[0] >= (self.s.cooldown_s if within is None else within):
             return ""
         at, level = last
         self.flap_level = level
@@ -422,6 +424,7 @@ class ControlLaw:
     def _decide(self, sig: Signals | None, now: float) -> Verdict:
         s = self.s
         self._now = now
+        streak, self._unfit_streak = self._unfit_streak, 0  # (kept only by the check of a pending scale-down)
         if sig is not None and sig.replicas is not None:
             self.observed = sig.replicas
         observed = sig.replicas if sig is not None else None
@@ -514,13 +517,16 @@ class ControlLaw:
         if max(rate or 0.0, projected or 0.0) >= s.scale_down_threshold:
             self._low_since = None
             last = self._last_down
-            if last is not None and now - last[0] < s.cooldown_s and current == last[1]:
+            if last is not None and current == last[1] and (now - last[0] < s.cooldown_s or self._pending(
+                    current, observed, now)):
+                # (within two cooldowns while the replicas running do not show it yet: the HPA holds it one, and
+                # kept asking it would apply it whatever the unmet demand — review96 #1)
                 if observed is not None and self._total(current + 1) <= observed:
                     # the HPA kept what runs (the scale-down was within its tolerance): nothing to put back — a hold
                     # back to what runs, not an "up" to it (attack80 F5, review81 L-9, review82 #4); still a flap
                     return self._out(observed - s.warm_pool, "hold", f"{what} >= {s.scale_down_threshold:.0%} within a "
                                      f"cooldown of a scale-down the {observed} running show was not applied: the "
-                                     f"level comes back to them{self._undone(now)}", v)
+                                     f"level comes back to them{self._undone(now, 2 * s.cooldown_s)}", v)
                 level, past = self._clear(current + 1, observed)
                 return self._out(level, "up", f"{what} >= {s.scale_down_threshold:.0%} within a cooldown "
                                  "of a scale-down: +1 replica, the one removed" + past, v)
@@ -533,20 +539,18 @@ class ControlLaw:
             peak = max(peak, usage * observed)  # the reading now, too: the window's mean lags a rise
         low_for = now - self._low_since
         span = "the cooldown" + (f" and the last {s.scale_down_window_s:.0f}s" if s.scale_down_window_s > 0 else "")
+        kv_span = pf_span = span
         # and the load a cold start ahead on its rising trend: a scale-down is undone only a cold start after the
         # fleet ran short, so it must fit what the load is about to be, not only what it was (families
         # shared-prefix seed 8: chat histories growing, 3 -> 2 at 31% KV for the two, which ran at 86% three
         # minutes later; the replica came back after 15% of requests were refused)
         kv_ahead, prefill_ahead = self._ahead(now)
+        ahead = f" or {s.cold_start_s:.0f}s ahead on its trend"
         if peak is not None and kv_ahead is not None and kv_ahead > peak:
-            peak, span = kv_ahead, span + f" or {s.cold_start_s:.0f}s ahead on its trend"
+            peak, kv_span = kv_ahead, span + ahead
         if prefill_ahead > prefill:
-            prefill = prefill_ahead
-            if "ahead" not in span:
-                span += f" or {s.cold_start_s:.0f}s ahead on its trend"
-        last = self._last_down
-        if (last is not None and current == last[1] and now - last[0] < 2 * s.cooldown_s and observed is not None
-                and observed - s.warm_pool > current):
+            prefill, pf_span = prefill_ahead, span + ahead
+        if self._pending(current, observed, now):
             # a scale-down asked that the replicas running do not show yet: behind the chart's HPA it reaches the
             # pods a stabilisation window late, and the law asking it all along made the HPA apply it whatever the
             # load had become by then (families ``shared-prefix`` seed 11: 3 -> 2 asked at 37% KV for the two, which
@@ -556,15 +560,14 @@ class ControlLaw:
             # one (and a poll or two); not shown by then, the HPA ignored it (its tolerance), and withdrawn hours
             # later it would read as a flap (attack95 F5). On two evaluations in a row: one noisy reading, or a
             # trend fitted on a few, withdrew scale-downs that fit (attack95 F1)
-            unfit = self._unfit(current, peak, prefill, sig, span)
-            self._unfit_streak = self._unfit_streak + 1 if unfit is not None else 0
-            if unfit is not None and self._unfit_streak >= 2:  # (two in a row: one noisy reading is no reason)
-                self._unfit_streak = 0
+            assert observed is not None  # (``_pending``)
+            unfit = self._unfit(current, peak, prefill, sig, kv_span, pf_span)
+            if unfit is not None and streak >= 1:  # (two in a row: one noisy reading is no reason)
+                self._low_since = now  # (the next scale-down waits its cooldown from here, not from the one undone)
                 return self._out(observed - s.warm_pool, "hold", f"{what}: the scale-down to {self._total(current)} "
                                  f"replica(s) the {observed} running do not show yet no longer fits ({unfit}): the "
-                                 f"level comes back to them{self._undone(now)}", v)
-        else:
-            self._unfit_streak = 0
+                                 f"level comes back to them{self._undone(now, 2 * s.cooldown_s)}", v)
+            self._unfit_streak = streak + 1 if unfit is not None else 0
         cooldown = s.cooldown_s * (self.backoff if self.flap_level is not None and current - 1 <= self.flap_level
                                    else 1.0)
         if low_for < cooldown:
@@ -575,7 +578,7 @@ class ControlLaw:
         # be left (review74 L3); replicas asked for that never came (a Pending pod) are not counted as running
         # either, so the level comes down to what runs (review75 L1)
         rest = min(observed, self._total(current - 1)) - s.warm_pool if observed is not None else 0
-        unfit = self._unfit(rest, peak, prefill, sig, span)
+        unfit = self._unfit(rest, peak, prefill, sig, kv_span, pf_span)
         if unfit is not None:
             return self._out(current, "hold", f"{what}: low for {low_for:.0f}s, but {unfit}", v)
         after_kv = None if peak is None or rest <= 0 else peak / rest
@@ -591,7 +594,16 @@ class ControlLaw:
             load += f"; they would spend {after_prefill:.0%} of their time prefilling"
         return self._out(current - 1, "down", f"{what} < {s.scale_down_threshold:.0%} for {low_for:.0f}s{load}", v)
 
-    def _unfit(self, rest: int, peak: float | None, prefill: float, sig: Signals, span: str) -> str | None:
+    def _pending(self, current: int, observed: int | None, now: float) -> bool:
+        """Whether the last scale-down (to ``current``, within two cooldowns) is one the replicas running do not
+        show yet: the chart's HPA holds a scale-down one cooldown (and a poll or two); not shown by then, the HPA
+        ignored it (its tolerance), and whatever came hours later would not be about it (attack95 F5)."""
+        last = self._last_down
+        return (last is not None and current == last[1] and now - last[0] < 2 * self.s.cooldown_s
+                and observed is not None and observed - self.s.warm_pool > current)
+
+    def _unfit(self, rest: int, peak: float | None, prefill: float, sig: Signals, kv_span: str,
+               pf_span: str) -> str | None:
         """Why ``rest`` replicas beyond the warm pool would not carry the pool's load (None: they would): the
         scale-down's bounds, also what a scale-down asked but not yet applied must still fit. ``peak``/``prefill``:
         the KV and prefill load to fit (``_peaks``, with the KV reading now), in replicas' worth."""
@@ -605,11 +617,11 @@ class ControlLaw:
                     f"(>= {s.scale_down_threshold:.0%})")
         after_kv = None if peak is None or rest <= 0 else peak / rest
         if after_kv is not None and after_kv > s.scale_down_kv_usage:
-            return (f"at its peak over {span} the {rest} replica(s) left beyond the warm pool would run at "
+            return (f"at its peak over {kv_span} the {rest} replica(s) left beyond the warm pool would run at "
                     f"{after_kv:.0%} KV usage > {s.scale_down_kv_usage:.0%}")
         after_prefill = None if rest <= 0 else prefill / rest
         if after_prefill is not None and after_prefill > s.scale_down_prefill_usage:
-            return (f"at its peak over {span} the {rest} replica(s) left beyond the warm pool would spend "
+            return (f"at its peak over {pf_span} the {rest} replica(s) left beyond the warm pool would spend "
                     f"{after_prefill:.0%} of their time prefilling > {s.scale_down_prefill_usage:.0%}")
         return None
 

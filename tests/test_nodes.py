@@ -93,6 +93,39 @@ def test_a_node_opened_by_its_full_cache_gets_its_trials_once_the_cache_drained(
     assert c.node is not None and c.node.address == "10.0.0.0:8000"
 
 
+def test_only_trials_close_a_half_open_breaker_and_a_drained_cache_says_when_it_will_be_one() -> None:
+    """Requests sent to a node before its breaker opened, ending once it is half-open, say nothing of how it
+    serves now: they do not close it, its trials do (attack95 F3). While it is open for its full cache alone, the
+    Retry-After of a fleet with no room counts the time that cache takes to drain below close_kv, not the whole
+    recovery window (review96 #3)."""
+    b = fleet(2)
+    m = b.nodes["10.0.0.0:8000"]
+    feed(b, 0, 0.3, 0.3)
+    for i in range(5):
+        b.dispatched(m.address, f"old{i}", 1, 1, 0.05)
+    feed(b, 0.1, 0.96, 0.3)
+    assert m.breaker.state is State.OPEN
+    feed(b, 0.2, 0.5, 0.3)
+    assert m.breaker.state is State.HALF_OPEN
+    for i in range(5):
+        b.completed(m.address, f"old{i}", 1, True, 0.3 + i * 0.01)
+    assert m.breaker.state is State.HALF_OPEN  # five old successes: not five trials
+    for i in range(5):
+        b.dispatched(m.address, f"trial{i}", 1, 1, 0.4)
+    for i in range(5):
+        b.completed(m.address, f"trial{i}", 1, True, 0.5 + i * 0.01)
+    assert m.breaker.state is State.CLOSED
+
+    d = fleet(2)
+    feed(d, 0, 0.3, 0.3)
+    feed(d, 0.1, 0.96, 0.97)  # the second stays closed (the last), but full: nothing has room
+    o = d.nodes["10.0.0.0:8000"]
+    assert o.breaker.state is State.OPEN and o.breaker.drains
+    o.drain_tokens_per_s = 1000.0  # 16,000 tokens of KV: 0.96 -> 0.85 is 1,760 tokens, 1.76 s
+    c = d.choose(1, 0.2)
+    assert c.node is None and c.retry_after is not None and c.retry_after < 5
+
+
 def test_stale_nodes_are_a_fallback_and_dead_ones_get_nothing() -> None:
     f = fleet(stale_after_seconds=2, dead_after_seconds=10)
     feed(f, 0, 0.1, 0.1)

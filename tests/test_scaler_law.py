@@ -5,11 +5,13 @@ from __future__ import annotations
 import itertools
 import math
 import random
+from collections import deque
 from collections.abc import Callable
 from dataclasses import replace
 
 import pytest
 
+from scaler import law as law_module
 from scaler.law import CAUSES, ControlLaw, LawSettings, Signals, Verdict
 
 
@@ -727,6 +729,117 @@ def test_noise_around_a_flat_load_neither_withdraws_a_scale_down_nor_blocks_one(
             downs.append(t)
         t += 15
     assert len(downs) == 1 and hpa.spec == 2 and law.backoff == 1
+
+
+def _behind(load: Callable[[float], float], until: float, window_s: float = 120.0,
+            unmet: Callable[[float], float] = lambda t: 0.0) -> tuple[ControlLaw, _Hpa, list[tuple[float, Verdict]]]:
+    """3 pods behind an HPA holding scale-downs ``window_s``, a law with a 120 s cooldown; every 15 s ``load(t)``
+    replicas' worth of KV in use and ``unmet(t)`` of the demand refused for capacity."""
+    law = ControlLaw(LawSettings(min_replicas=1, max_replicas=8, step=2, cooldown_s=120))
+    hpa = _Hpa(3, window_s=window_s)
+    verdicts = []
+    t = 0.0
+    while t <= until:
+        up = hpa.ready(t)
+        r = unmet(t)
+        v = law.decide(window(AB, capacity={"a": 100 * r / (1 - r)} if r else None, replicas=up, at=t,
+                              kv=load(t) / up), t)
+        hpa.apply(v.desired, t)
+        verdicts.append((t, v))
+        t += 15
+    return law, hpa, verdicts
+
+
+@pytest.mark.parametrize(("step_at", "withdrawn_at", "flap"), [
+    pytest.param(180.0, 195.0, True, id="at 1.5 cooldowns (the HPA holds it two): withdrawn, a flap"),
+    pytest.param(375.0, None, False, id="past two cooldowns: the HPA ignored it, it is left alone"),
+])
+def test_a_pending_scale_down_is_checked_for_two_cooldowns(step_at: float, withdrawn_at: float | None,
+                                                           flap: bool) -> None:
+    """Down 3 -> 2 at 120 s (0.6 replicas' worth: 30% each) behind an HPA that holds it 240 s; the load doubles at
+    ``step_at``. Within two cooldowns of the scale-down the law withdraws it on the second failing evaluation, a
+    flap even past the first cooldown (review96 #2), and the next scale-down waits its (doubled) cooldown from
+    the withdrawal (review96 #6); past two cooldowns a scale-down the pods do not show was ignored (attack95 F5)."""
+    law, hpa, verdicts = _behind(lambda t: 0.6 if t < step_at else 1.2, 600, window_s=240 if withdrawn_at else 1e9)
+    assert [t for t, v in verdicts if v.action == "down"][:1] == [120.0]
+    got = [t for t, v in verdicts if "no longer fits" in v.reason]
+    assert got == ([withdrawn_at] if withdrawn_at else [])
+    assert (law.flap_level == 2 and law.backoff == 2) is flap
+    if withdrawn_at:
+        assert hpa.spec == 3 and "undoes the scale-down of 75s ago" in dict(verdicts)[withdrawn_at].reason
+        later = [v.reason for t, v in verdicts if withdrawn_at < t <= withdrawn_at + 15]
+        assert "low for 15s of a 240s cooldown" in later[0], later  # from the withdrawal, doubled
+
+
+def test_unmet_demand_between_the_thresholds_puts_back_a_pending_scale_down_for_two_cooldowns() -> None:
+    """review96 #1: down 3 -> 2 at 120 s, the HPA holding it 240 s; from 250 s 10% of the demand is refused
+    (between the thresholds). Past the first cooldown the law held at 2 and the HPA applied it into the refusals;
+    while the pods do not show it, it comes back to them (a flap)."""
+    law, hpa, verdicts = _behind(lambda t: 0.6, 500, window_s=240, unmet=lambda t: 0.1 if t >= 250 else 0.0)
+    back = [(t, v) for t, v in verdicts if t >= 250 and v.desired == 3]
+    assert back and back[0][0] == 255.0 and back[0][1].action == "hold", back[:1]
+    assert "undoes the scale-down" in back[0][1].reason and law.flap_level == 2
+    assert hpa.spec == 3
+
+
+@pytest.mark.parametrize(("loads", "withdrawn"), [
+    pytest.param([1.2, 0.6] * 8, False, id="failing every other evaluation: never two in a row, never withdrawn"),
+    pytest.param([0.6, 1.2, 0.6, 1.2, 1.2, 0.6], True, id="two in a row: withdrawn"),
+])
+def test_a_pending_scale_down_is_withdrawn_on_two_failing_evaluations_in_a_row(loads: list[float],
+                                                                            withdrawn: bool) -> None:
+    """From 135 s, just after the scale-down, the KV reading alternates as ``loads`` (1.2 replicas' worth: 60%
+    on the two left)."""
+    def load(t: float) -> float:
+        i = int((t - 135) // 15)
+        return 0.6 if t < 135 else loads[i] if i < len(loads) else 0.6
+
+    _, _, verdicts = _behind(load, 135 + 15 * len(loads), window_s=1e9)
+    assert any("no longer fits" in v.reason for _, v in verdicts) is withdrawn
+
+
+def test_a_rising_trend_is_a_clear_line_not_a_noisy_reading() -> None:
+    """``_rising``: the least-squares line's value now and slope, where it rises clearly — at least four points
+    and a slope above three standard errors; a flat noisy load, a fall, three points or one step are none."""
+    rise = deque((float(t), 0.3 + 0.01 * t) for t in range(0, 60, 15))
+    assert law_module._rising(rise, 60.0) == pytest.approx((0.9, 0.01))
+    assert law_module._rising(deque(list(rise)[:3]), 60.0) is None
+    assert law_module._rising(deque((t, 1.0 - v) for t, v in rise), 60.0) is None
+    noisy = deque((float(t), 0.72 + d) for t, d in zip(range(0, 75, 15), (0.05, -0.06, 0.04, -0.05, 0.08),
+                                                        strict=True))
+    assert law_module._rising(noisy, 75.0) is None
+    rough = [0.30, 0.42, 0.40, 0.55, 0.58]  # a rise with noise: 5.2 standard errors, a trend
+    line = law_module._rising(deque((15.0 * i, v) for i, v in enumerate(rough)), 60.0)
+    assert line is not None and line[1] == pytest.approx(0.0046)
+    rougher = [0.30, 0.45, 0.40, 0.60, 0.55]  # 2.9 standard errors: none
+    assert law_module._rising(deque((15.0 * i, v) for i, v in enumerate(rougher)), 60.0) is None
+    step = deque((float(t), 0.5 if t < 60 else 0.75) for t in range(0, 75, 15))
+    assert law_module._rising(step, 75.0) is None
+    # the line's value now, not the last reading (a high last reading above a clear rise reads the line)
+    bumped = deque([*list(rise)[:-1], (45.0, 0.8)])
+    line = law_module._rising(bumped, 45.0)
+    assert line is not None and line[0] < 0.8
+
+
+def test_a_scale_down_fits_the_prefill_a_cold_start_ahead_too() -> None:
+    """The prefill kvgate sends rising steadily (no KV readings): 18 s a minute at 135 s is 0.3 replicas' worth,
+    15% on the two left; a cold start (60 s) ahead on its line it is past 30% for them: held, and said so."""
+    law = ControlLaw(LawSettings(min_replicas=1, max_replicas=8, step=2, cooldown_s=120, scale_down_window_s=0))
+    verdicts = _drive(law, lambda t, n: window(AB, replicas=n, prefill=0.2 * t), 150, start=3)
+    assert not [t for t, v in verdicts if v.action == "down"]
+    held = verdicts[-1][1].reason
+    assert "or 60s ahead on its trend the 2 replica(s) left beyond the warm pool would spend" in held, held
+
+
+def test_a_trend_below_the_peak_does_not_loosen_the_bound() -> None:
+    """A burst's KV peak held in the window (1.2 replicas' worth) and a small clear rise since, ending far below
+    it: the bound reads the peak, not the lower projection."""
+    law = ControlLaw(LawSettings(min_replicas=1, max_replicas=8, step=2, cooldown_s=120, scale_down_window_s=300))
+    verdicts = _drive(law, lambda t, n: window(AB, replicas=n, kv=(1.2 if t < 30 else 0.2 + 0.001 * t) / n), 240,
+                      start=3)
+    assert not [t for t, v in verdicts if v.action == "down"]
+    held = verdicts[-1][1].reason
+    assert "at its peak over the cooldown and the last 300s the 2 replica(s)" in held and "ahead" not in held, held
 
 
 def test_a_large_pool_keeps_scaling_behind_an_hpas_tolerance() -> None:
