@@ -696,7 +696,10 @@ class Picker(NodeBook):
             if br.state is State.OPEN:
                 wait = br.opened_at + br.s.recovery_window_s - now
                 kv, cap = n.snapshot.kv_usage if n.snapshot is not None else None, n.capacity_tokens()
-                if br.drains and kv is not None and cap is not None and n.drain_tokens_per_s:
+                fresh = n.fresh_at is not None and now - n.fresh_at <= self.cfg.stale_after_seconds
+                if br.drains and fresh and kv is not None and cap is not None and n.drain_tokens_per_s:
+                    # (from a fresh reading only: a stale one would promise the same drain again and again —
+                    # review97 #7)
                     wait = min(wait, (kv - br.s.close_kv) * cap / n.drain_tokens_per_s)
             else:
                 kv, cap = n.projected_kv(tokens), n.capacity_tokens()

@@ -124,6 +124,9 @@ def test_only_trials_close_a_half_open_breaker_and_a_drained_cache_says_when_it_
     o.drain_tokens_per_s = 1000.0  # 16,000 tokens of KV: 0.96 -> 0.85 is 1,760 tokens, 1.76 s
     c = d.choose(1, 0.2)
     assert c.node is None and c.retry_after is not None and c.retry_after < 5
+    stale = d.cfg.stale_after_seconds + 0.5  # a stale reading promises nothing: the window (review97 #7)
+    c = d.choose(1, stale)
+    assert c.node is None and c.retry_after is not None and c.retry_after > 20
 
 
 def test_stale_nodes_are_a_fallback_and_dead_ones_get_nothing() -> None:

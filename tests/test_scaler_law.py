@@ -751,7 +751,8 @@ def _behind(load: Callable[[float], float], until: float, window_s: float = 120.
 
 
 @pytest.mark.parametrize(("step_at", "withdrawn_at", "flap"), [
-    pytest.param(180.0, 195.0, True, id="at 1.5 cooldowns (the HPA holds it two): withdrawn, a flap"),
+    pytest.param(180.0, 195.0, True, id="60 s after it (the HPA holds it two cooldowns): withdrawn, a flap"),
+    pytest.param(255.0, 270.0, True, id="150 s after it, past the first cooldown: withdrawn, still a flap"),
     pytest.param(375.0, None, False, id="past two cooldowns: the HPA ignored it, it is left alone"),
 ])
 def test_a_pending_scale_down_is_checked_for_two_cooldowns(step_at: float, withdrawn_at: float | None,
@@ -766,7 +767,8 @@ def test_a_pending_scale_down_is_checked_for_two_cooldowns(step_at: float, withd
     assert got == ([withdrawn_at] if withdrawn_at else [])
     assert (law.flap_level == 2 and law.backoff == 2) is flap
     if withdrawn_at:
-        assert hpa.spec == 3 and "undoes the scale-down of 75s ago" in dict(verdicts)[withdrawn_at].reason
+        assert hpa.spec == 3 and f"undoes the scale-down of {withdrawn_at - 120:.0f}s ago" in \
+            dict(verdicts)[withdrawn_at].reason
         later = [v.reason for t, v in verdicts if withdrawn_at < t <= withdrawn_at + 15]
         assert "low for 15s of a 240s cooldown" in later[0], later  # from the withdrawal, doubled
 
@@ -796,6 +798,21 @@ def test_a_pending_scale_down_is_withdrawn_on_two_failing_evaluations_in_a_row(l
 
     _, _, verdicts = _behind(load, 135 + 15 * len(loads), window_s=1e9)
     assert any("no longer fits" in v.reason for _, v in verdicts) is withdrawn
+
+
+def test_an_evaluation_without_data_breaks_the_run_of_failing_ones() -> None:
+    """The streak of failing checks of a pending scale-down is kept only from one check to the next: a failing
+    evaluation, one without data, a failing one is not two in a row (review97 #2); one more is."""
+    law = ControlLaw(LawSettings(min_replicas=1, max_replicas=8, step=2, cooldown_s=120))
+    t = 0.0
+    while t <= 120:
+        v = law.decide(window(AB, replicas=3, at=t, kv=0.6 / 3), t)
+        t += 15
+    assert v.action == "down" and v.desired == 2
+    assert "no longer fits" not in law.decide(window(AB, replicas=3, at=135, kv=1.2 / 3), 135).reason
+    assert law.decide(None, 150).missing_data
+    assert "no longer fits" not in law.decide(window(AB, replicas=3, at=165, kv=1.2 / 3), 165).reason
+    assert "no longer fits" in law.decide(window(AB, replicas=3, at=180, kv=1.2 / 3), 180).reason
 
 
 def test_a_rising_trend_is_a_clear_line_not_a_noisy_reading() -> None:
