@@ -135,6 +135,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Literal
 
@@ -527,12 +528,11 @@ class ControlLaw:
                 if observed is not None and self._total(current + 1) <= observed:
                     # the HPA kept what runs (the scale-down was within its tolerance): nothing to put back — a hold
                     # back to what runs, not an "up" to it (attack80 F5, review81 L-9, review82 #4); still a flap
-                    shown = ("show was not applied" if now - last[0] < s.cooldown_s else
-                             "do not show yet (the HPA holds it)")
+                    ago, shown = (("a cooldown", "show was not applied") if now - last[0] < s.cooldown_s else
+                                  ("two cooldowns", "do not show yet (the HPA holds it)"))
                     return self._out(observed - s.warm_pool, "hold", f"{what} >= {s.scale_down_threshold:.0%} within "
-                                     f"{'a cooldown' if now - last[0] < s.cooldown_s else 'two cooldowns'} of a "
-                                     f"scale-down the {observed} running {shown}: the level comes back to them"
-                                     f"{self._undone(now, 2 * s.cooldown_s)}", v)
+                                     f"{ago} of a scale-down the {observed} running {shown}: the level comes back "
+                                     f"to them{self._undone(now, 2 * s.cooldown_s)}", v)
                 level, past = self._clear(current + 1, observed)
                 return self._out(level, "up", f"{what} >= {s.scale_down_threshold:.0%} within a cooldown "
                                  "of a scale-down: +1 replica, the one removed" + past, v)
@@ -717,8 +717,8 @@ class ControlLaw:
         withdrew every scale-down)."""
         s = self.s
         since = now - s.trend_window_s
-        kv: deque[tuple[float, float]] = deque()
-        pf: deque[tuple[float, float]] = deque()
+        kv: list[tuple[float, float]] = []
+        pf: list[tuple[float, float]] = []
         for _, t, _kv, p, reading in self._loads:
             if t >= since:
                 pf.append((t, p))
@@ -898,19 +898,29 @@ def _past(n: int, tolerance: float) -> int:
     return math.floor(n * (1.0 + tolerance) + 1e-9) + 1
 
 
-def _rising(series: deque[tuple[float, float]], now: float) -> tuple[float, float] | None:
-    """The least-squares line of (time, value) points as (its value at ``now``, its slope), where it rises
-    clearly: at least ``TREND_MIN_POINTS`` points and a slope above ``TREND_SIGNIFICANCE`` times its standard
-    error (noise around a flat load, or one step, is not a trend); else None."""
+def _fit(series: Sequence[tuple[float, float]]) -> tuple[float, float, float, float] | None:
+    """The least-squares line of (time, value) points: (mean time, mean value, the times' sum of squared
+    deviations, slope); None with no spread in time."""
     n = len(series)
-    if n < TREND_MIN_POINTS:
+    if n == 0:
         return None
     mt = sum(t for t, _ in series) / n
     mv = sum(v for _, v in series) / n
     var = sum((t - mt) ** 2 for t, _ in series)
     if var <= 0:
         return None
-    slope = sum((t - mt) * (v - mv) for t, v in series) / var
+    return mt, mv, var, sum((t - mt) * (v - mv) for t, v in series) / var
+
+
+def _rising(series: Sequence[tuple[float, float]], now: float) -> tuple[float, float] | None:
+    """The least-squares line of (time, value) points as (its value at ``now``, its slope), where it rises
+    clearly: at least ``TREND_MIN_POINTS`` points and a slope above ``TREND_SIGNIFICANCE`` times its standard
+    error (noise around a flat load, or one step, is not a trend); else None."""
+    n = len(series)
+    line = _fit(series) if n >= TREND_MIN_POINTS else None
+    if line is None:
+        return None
+    mt, mv, var, slope = line
     if slope <= 0:
         return None
     resid = sum((v - (mv + slope * (t - mt))) ** 2 for t, v in series)
@@ -920,12 +930,7 @@ def _rising(series: deque[tuple[float, float]], now: float) -> tuple[float, floa
     return mv + slope * (now - mt), slope
 
 
-def _slope(series: deque[tuple[float, float]]) -> float:
+def _slope(series: Sequence[tuple[float, float]]) -> float:
     """Least-squares slope of (time, value) points; 0 with fewer than three."""
-    n = len(series)
-    if n < 3:
-        return 0.0
-    mt = sum(t for t, _ in series) / n
-    mv = sum(v for _, v in series) / n
-    var = sum((t - mt) ** 2 for t, _ in series)
-    return 0.0 if var <= 0 else sum((t - mt) * (v - mv) for t, v in series) / var
+    line = _fit(series) if len(series) >= 3 else None
+    return 0.0 if line is None else line[3]
