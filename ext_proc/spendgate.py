@@ -74,8 +74,8 @@ class SpendGate:
         tenant, model, pool, prompt, cap = hold.request
         now = time.time()
         try:
-            got = await asyncio.wait_for(
-                self.store.reserve(lease.ticket, tenant, model, pool, prompt, cap, now), self.timeout_s)
+            async with asyncio.timeout(self.timeout_s):
+                got = await self.store.reserve(lease.ticket, tenant, model, pool, prompt, cap, now)
         except (TimeoutError, RedisError, OSError) as e:
             log.warning("spend_store_unreachable", error=str(e) or type(e).__name__, tenant=tenant)
             r = reject("quota-unavailable", "This gateway could not check the tenant's spend budget with its shared "
@@ -124,7 +124,8 @@ class SpendGate:
         todo, self._retry = self._retry, deque()
         for held, used, when in todo:
             try:
-                await asyncio.wait_for(self.store.settle(held, used, when), self.timeout_s)
+                async with asyncio.timeout(self.timeout_s):
+                    await self.store.settle(held, used, when)
             except (TimeoutError, RedisError, OSError):
                 self._retry.append((held, used, when))
         horizon = time.time() - ENDED_KEEP_S

@@ -215,7 +215,8 @@ class SharedStore:
         trip (redis-py's Script objects check SCRIPT EXISTS before every pipeline)."""
         sha = {}
         for name, src in SCRIPTS.items():
-            sha[name] = await asyncio.wait_for(self.client.script_load(src), self.cfg.timeout_ms / 1000.0)
+            async with asyncio.timeout(self.cfg.timeout_ms / 1000.0):
+                sha[name] = await self.client.script_load(src)
         self._sha = sha  # all or none: a call never finds one missing
 
     def _call(self, pipe: Any, name: str, keys: list[str], args: list[Any]) -> None:
@@ -315,8 +316,8 @@ class SharedStore:
             pipe.lpop(self._k_inbox(self.me), ENDS_PER_BATCH)
             calls.append(("inbox", "", ""))
             try:
-                results = await asyncio.wait_for(pipe.execute(raise_on_error=False),
-                                                 timeout=2 * self.cfg.timeout_ms / 1000.0)
+                async with asyncio.timeout(2 * self.cfg.timeout_ms / 1000.0):
+                    results = await pipe.execute(raise_on_error=False)
             except (TimeoutError, RedisError, OSError) as e:
                 # completions to forward go again (END is idempotent per ticket; an event twice is
                 # released once); credit given back is lost to the fleet, never spent twice
@@ -643,7 +644,8 @@ class SharedStore:
         for tenant, dim, rate, capacity, amount in adm.leased.debits(spent):
             self._bucket_call(pipe, tenant, dim, rate, capacity, amount, partial=True)
         try:
-            await asyncio.wait_for(pipe.execute(raise_on_error=False), timeout=2 * self.cfg.timeout_ms / 1000.0)
+            async with asyncio.timeout(2 * self.cfg.timeout_ms / 1000.0):
+                await pipe.execute(raise_on_error=False)
         except (TimeoutError, RedisError, OSError):
             self.errors.labels("rejoin").inc()
         finally:
@@ -801,7 +803,8 @@ class SharedStore:
                 pipe.hset(self._k_slots(name), mapping={f"h:{self.me}": inflight, f"i:{self.me}": inflight,
                                                        f"a:{self.me}": inflight})
             pipe.zrem(self.k_replicas, self.me)
-            await asyncio.wait_for(pipe.execute(raise_on_error=False), timeout=self.cfg.timeout_ms / 1000.0)
+            async with asyncio.timeout(self.cfg.timeout_ms / 1000.0):
+                await pipe.execute(raise_on_error=False)
         except (TimeoutError, RedisError, OSError):
             pass
         await self.client.aclose()

@@ -133,7 +133,8 @@ class Probe:
             while not self._closing.is_set():
                 if not changed.is_set():
                     try:
-                        await asyncio.wait_for(changed.wait(), max(0.0, last + heartbeat - loop.time()))
+                        async with asyncio.timeout(max(0.0, last + heartbeat - loop.time())):
+                            await changed.wait()
                     except TimeoutError:
                         await resp.write(b"{}\n")
                         last = loop.time()
@@ -143,7 +144,8 @@ class Probe:
                 wait = last + interval - loop.time()
                 if wait > 0:  # at most one line per interval: the latest reading when it is due
                     with contextlib.suppress(TimeoutError):
-                        await asyncio.wait_for(self._closing.wait(), wait)
+                        async with asyncio.timeout(wait):
+                            await self._closing.wait()
                     if self._closing.is_set():
                         break
                 changed = self._changed

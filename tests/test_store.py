@@ -716,6 +716,42 @@ def test_a_small_cap_sent_in_pairs_across_replicas_is_not_refused_while_within_i
     asyncio.run(run())
 
 
+def test_a_sync_loop_cancelled_as_redis_answers_stops(server: RedisServer) -> None:
+    """A CI run hung for its whole 90 minutes in the test above, awaiting the cancelled sync loops: on
+    Python 3.11 ``asyncio.wait_for`` returns the result and drops a cancel that lands as the awaited call
+    completes (cpython gh-86296), so a loop whose round trip Redis had just answered ran on, and so would
+    kvgate's shutdown. The deadlines are ``asyncio.timeout`` blocks now (ruff bans ``wait_for``). Here the
+    cancel lands exactly there, at every round trip, until the loop stops."""
+
+    async def run() -> None:
+        rep = Replica(config(server.url, max_concurrent=2))
+        task = asyncio.create_task(rep.store.run())
+        pipeline = rep.store.client.pipeline
+
+        def cancelled_as_answered(*args: Any, **kw: Any) -> Any:
+            pipe = pipeline(*args, **kw)
+            execute = pipe.execute
+
+            async def answered(*a: Any, **k: Any) -> Any:
+                results = await execute(*a, **k)
+                task.cancel()  # the shutdown's cancel, as Redis's answer arrives
+                return results
+
+            pipe.execute = answered
+            return pipe
+
+        rep.store.client.pipeline = cancelled_as_answered
+        try:
+            await asyncio.wait({task}, timeout=20)  # (it never stopped before: a bound, not a latency claim)
+            assert task.done(), "the sync loop ran on after its cancel"
+            assert task.cancelled()
+        finally:
+            rep.store.client.pipeline = pipeline
+            await close_all([rep])
+
+    asyncio.run(run())
+
+
 def _admitted(answers: list[Answer | Held]) -> int:
     return sum(1 for a in answers if isinstance(a, Answer) and a.decision.admitted)
 

@@ -388,7 +388,8 @@ async def _follow(ports: list[int], period: float, warmup: float, seconds: float
     finally:
         task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
-            await asyncio.wait_for(task, 30)  # (a follower that does not stop is an error, not a hang)
+            async with asyncio.timeout(30):  # (a follower that does not stop is an error, not a hang)
+                await task
     fleet = core.fleet
     assert fleet is not None
     now = time.monotonic()
