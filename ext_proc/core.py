@@ -559,7 +559,9 @@ class Core:
             self.stats.queue_wait.labels(d.tier, "admitted" if d.admitted else "rejected", o.pool).observe(o.waited)
             if d.admitted and o.for_room:
                 self.stats.queue_waited_for_room.labels(d.tier, o.pool).inc()
-            if d.rejection is not None:
+            if d.rejection is not None and d.rejection.status == 503:
+                # (a best-effort request that waited for room in vain gets its 429: the tenant's excess,
+                # not the queue's refusal)
                 self.stats.queue_rejections.labels(d.tier, d.rejection.reason, o.pool).inc()
             w = self._waiting.pop(o.ticket, None)
             if w is None:

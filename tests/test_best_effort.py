@@ -141,24 +141,134 @@ def test_over_a_hard_budget_too_it_is_refused() -> None:
     assert b.tokens.available(0.0) == before, "a best-effort admission debits no bucket"
 
 
-def test_no_room_no_best_effort() -> None:
-    """A node too full for the lowest tier (its KV reserve): the tenant over its cap gets its 429."""
+def test_no_room_waits_for_it_then_429() -> None:
+    """A node too full for the lowest tier (its KV reserve): the tenant over its cap waits behind the
+    queue for room, up to the lowest tier's hold, and gets its 429 when none comes."""
     core, clock = make()
     answer(ask(core, "r1"))
     idle(core, clock, 0.88)  # under the admit threshold (0.92), above it minus batch's 10% reserve
-    r = answer(ask(core, "r2")).decision.rejection
-    assert r is not None and (r.status, r.reason) == (429, "tenant-concurrency")
+    held = ask(core, "r2")
+    assert isinstance(held, Held)
+    b = core.admission.tenant_state("b")
+    assert b is not None and b.inflight == 1, "waiting, it takes none of its tenant's slots"
+    assert core.admission.inflight == 1, "nor a fleet slot"
+    clock.advance(1.0)
+    idle(core, clock, 0.88)
+    assert core.answers() == [], "still within its hold: it waits"
+    clock.advance(30.0)
+    core.tick()
+    [a] = core.answers()
+    r = a.decision.rejection
+    assert a.held == held.ticket and r is not None and (r.status, r.reason) == (429, "tenant-concurrency")
+    assert core.admission.queued == 0 and core.admission.inflight == 1
+    text = generate_latest(core.stats.registry).decode()
+    assert 'kvgate_queue_rejections_total{' not in text, "a 429 is the tenant's excess, not the queue's 503"
+    assert ('kvgate_requests_total{class="policy",decision="reject",pool="default",reason="tenant-concurrency",'
+            'tenant="b",tier="batch"} 1.0') in text
+
+
+def test_room_that_comes_within_the_hold_serves_a_waiting_best_effort_request() -> None:
+    core, clock = make()
+    answer(ask(core, "r1"))
+    idle(core, clock, 0.88)
+    held = ask(core, "r2")
+    assert isinstance(held, Held)
+    clock.advance(0.5)
+    idle(core, clock, 0.2)  # room for the lowest tier
+    [a] = core.answers()
+    d = a.decision
+    assert a.held == held.ticket and d.admitted and d.best_effort is not None
+    assert d.best_effort.reason == "tenant-concurrency"
+    assert d.lease is not None and d.lease.best_effort and not d.lease.charged and d.lease.node == NODE
+    assert a.metadata["best_effort"] is True
+    b = core.admission.tenant_state("b")
+    assert b is not None and b.inflight == 1 and core.admission.inflight == 2
+    assert d.waited == pytest.approx(0.5)
+    reading = parse_kvgate(generate_latest(core.stats.registry).decode())
+    assert ("policy", "b") not in reading.totals, "never scaling demand, waited or not"
+    assert core.ended(Ended(d.lease.ticket, "r2", 200, Usage(100, 10), upstream_answered=True)) is not None
+    assert core.ended(Ended(d.lease.ticket, "r2", 200, Usage(100, 10), upstream_answered=True)) is None
+    assert core.admission.inflight == 1 and b.inflight == 1
 
 
 def test_nobody_within_quota_waits_behind_best_effort() -> None:
-    """A request within quota waiting in the gateway queue: best effort is refused, not sent ahead of it."""
+    """A request within quota waiting in the gateway queue: best effort waits behind it, and goes only
+    once nothing within quota waits — never ahead of it."""
     core, clock = make()
     answer(ask(core, "r1"))
     idle(core, clock, 0.95)  # full: the interactive request within quota waits
-    assert isinstance(ask(core, "w", key="ki"), Held)
+    w = ask(core, "w", key="ki")
+    assert isinstance(w, Held)
     idle(core, clock, 0.95)
+    be = ask(core, "r2")
+    assert isinstance(be, Held), "over its cap with a request within quota waiting: it waits behind it"
+    assert core.admission.queued == 2
+    clock.advance(0.05)
+    idle(core, clock, 0.2)
+    first, second = core.answers()
+    assert first.held == w.ticket and first.decision.admitted, "the request within quota goes first"
+    assert second.held == be.ticket and second.decision.best_effort is not None, "then, with the queue empty"
+
+
+def test_best_effort_waits_while_the_pool_refuses_requests_within_quota_for_room() -> None:
+    """A request within quota refused for capacity (a 503) never waits in the queue: an empty queue right
+    after it does not mean nobody within quota needs the room. Best effort stays off the pool for
+    ``ROOM_QUIET_S`` after such a refusal."""
+    from ext_proc.admission import ROOM_QUIET_S
+
+    core, clock = make()
+    answer(ask(core, "r1"))
+    idle(core, clock, 0.95)
+    w = ask(core, "w", key="ki")
+    assert isinstance(w, Held)
+    clock.advance(60.0)
+    core.tick()
+    [refused] = core.answers()
+    assert refused.decision.rejection is not None and refused.decision.rejection.status == 503
+    idle(core, clock, 0.2)  # room again, the queue empty
+    held = ask(core, "r2")
+    assert isinstance(held, Held), "within ROOM_QUIET_S of a 503 within quota: it waits"
+    clock.advance(ROOM_QUIET_S / 2)
+    idle(core, clock, 0.2)
+    assert core.answers() == []
+    clock.advance(ROOM_QUIET_S / 2)
+    idle(core, clock, 0.2)
+    [a] = core.answers()
+    assert a.held == held.ticket and a.decision.best_effort is not None and a.decision.admitted
+
+
+def test_a_waiting_best_effort_request_cancelled_gives_back_its_spend_reservation() -> None:
+    budget = {"name": "daily", "window": "day", "limit": 1.0, "mode": "hard"}
+    core, clock = make(tenant={"budgets": [budget]}, extra={"prices": {"default": {"prompt": 1.0, "completion": 1.0}}})
+    answer(ask(core, "r1"))
+    acc = core.admission.spend.accounts["b"][0]
+    idle(core, clock, 0.88)
+    held = ask(core, "r2")
+    assert isinstance(held, Held)
+    assert acc.reserved == pytest.approx(0.000_22), "reserved while it waits, as any admission"
+    core.cancel(held.ticket)
+    assert core.admission.queued == 0 and acc.reserved == pytest.approx(0.000_11)
+    clock.advance(60.0)
+    core.tick()
+    assert core.answers() == [], "cancelled: no answer, nothing left to time out"
+
+
+def test_best_effort_waiting_is_bounded_by_the_queue_size() -> None:
+    core, clock = make(extra={"queue": {"inject_priority": True, "max_size": 3}})
+    answer(ask(core, "r1"))
+    idle(core, clock, 0.88)
+    held = [ask(core, f"w{i}") for i in range(3)]
+    assert all(isinstance(h, Held) for h in held)
+    r = answer(ask(core, "over")).decision.rejection
+    assert r is not None and (r.status, r.reason) == (429, "tenant-concurrency"), "no room to wait: its 429 at once"
+
+
+def test_with_the_queue_off_best_effort_never_waits() -> None:
+    core, clock = make(extra={"queue": {"enabled": False}})
+    answer(ask(core, "r1"))
+    idle(core, clock, 0.88)
     r = answer(ask(core, "r2")).decision.rejection
-    assert r is not None and r.status == 429
+    assert r is not None and (r.status, r.reason) == (429, "tenant-concurrency")
 
 
 def test_precheck_lets_a_best_effort_tenant_at_its_cap_be_read() -> None:
@@ -190,13 +300,41 @@ def test_best_effort_goes_only_where_the_lowest_tiers_target_is_predicted_to_be_
     up to its max wait (30 s for batch), which would pile best effort onto a busy node."""
     tiers = {"interactive": {"priority": 0, "max_queue_wait_ms": 1000, "ttft_target_ms": 200},
              "batch": {"priority": 2, "max_queue_wait_ms": 30000, "ttft_target_ms": 300}}
-    core, _ = make(extra={"tiers": tiers})
+    core, clock = make(extra={"tiers": tiers})
     answer(ask(core, "r1"))
     assert answer(ask(core, "idle")).decision.best_effort is not None, "an idle node: room"
     busy = answer(ask(core, "long", key="ki", prompt=6000)).decision  # ~1-2 s of prefill booked ahead
     assert busy.admitted
-    r = answer(ask(core, "r2")).decision
-    assert r.best_effort is None and r.rejection is not None and r.rejection.status == 429
+    held = ask(core, "r2")
+    assert isinstance(held, Held), "not sent behind the long prefill: it waits for room"
+    clock.advance(0.1)
+    core.tick()
+    assert core.answers() == []
+    clock.advance(31.0)
+    core.tick()
+    [a] = core.answers()
+    assert a.decision.best_effort is None and a.decision.rejection is not None
+    assert a.decision.rejection.status == 429
+
+
+def test_best_effort_goes_only_where_it_would_start_as_soon_as_a_top_tier_request() -> None:
+    """Within the lowest tier's 5 s target is not spare room: sent with a first token a second away it
+    would sit in vLLM's queue, ahead of every top-tier request arriving after it (first come, first
+    served without priority injection). It waits in kvgate instead, and goes once a node is that free."""
+    tiers = {"interactive": {"priority": 0, "max_queue_wait_ms": 1000, "ttft_target_ms": 200},
+             "batch": {"priority": 2, "max_queue_wait_ms": 30000, "ttft_target_ms": 5000}}
+    core, clock = make(extra={"tiers": tiers})
+    answer(ask(core, "r1"))
+    busy = answer(ask(core, "long", key="ki", prompt=6000)).decision  # ~1-2 s of prefill booked ahead
+    assert busy.admitted and busy.lease is not None
+    held = ask(core, "r2")
+    assert isinstance(held, Held), "a first token predicted within 5 s but not within 200 ms: it waits"
+    core.ended(Ended(busy.lease.ticket, "long", 200, Usage(6000, 10), upstream_answered=True))
+    clock.advance(0.5)
+    idle(core, clock, 0.1)
+    [a] = core.answers()
+    assert a.held == held.ticket and a.decision.best_effort is not None and a.decision.lease is not None
+    assert a.decision.lease.predicted_ttft is not None and a.decision.lease.predicted_ttft <= 0.2
 
 
 @pytest.mark.parametrize(("best_effort", "named"), [(True, ("", "")), (False, ("acme", "acme/llama-70b"))])
