@@ -73,9 +73,11 @@ the tenant's duration on a healthy fleet. Rising as fast as it falls, a fleet sl
 the tenant's requests became its norm — a bursty trace where slow, busy nodes held every request longer
 refused 14% as concurrency 429s that no longer counted as the fleet's doing, and the scaler never
 scaled (issue 30 §4)."""
-SPARE_TRIES = 4
-"""Node choices one pump spends on the best-effort requests waiting in one pool (``_pump_spare``): at most
-``max_size`` may wait, and a flood of them must not cost a node choice each at every event."""
+SPARE_TRIES = 8
+"""Refused node choices one pump spends on the best-effort requests waiting in one pool (``_pump_spare``), half
+of them at most on one tenant's: at most ``max_size`` may wait, and a flood of them must not cost a node choice
+each at every event (as many as :data:`BACKFILL_TRIES`; 4 missed one more of issue 30's checks over the
+families' seeds 1-12: 57 against 56)."""
 ROOM_QUIET_S = 1.0
 """How long after a request of a pool was refused for capacity (a 503) best effort stays off that pool: a
 request refused at the door for want of room (a ``queue-deadline`` on arrival) never waits in the queue,
@@ -193,7 +195,8 @@ class Decision:
     lease: Lease | None
     rejection: Rejection | None
     queued: bool = False
-    """Not decided yet: held in the gateway queue (``lease`` is the held request); ``pump`` decides it."""
+    """Not decided yet: held in the gateway queue, or waiting behind it as best effort (``best_effort`` set;
+    ``lease`` is the held request); ``pump`` decides it."""
     borrow: bool = False
     """Not decided yet: this replica's slice of the tenant's limits cannot pay for it but the fleet's
     may; the shell borrows from the store (one round trip) and decides again."""
@@ -204,7 +207,8 @@ class Decision:
     """False for a request refused before any tenant was found (no known key, a malformed
     ``Authorization``): ``tenant`` is then ``unknown`` and ``tier`` only the lowest, a placeholder."""
     best_effort: Rejection | None = None
-    """Admitted as best effort: the 429 it would have had (which protective limit the tenant is over)."""
+    """Admitted as best effort, or waiting for room as such (``queued``): the 429 it would have had (which
+    protective limit the tenant is over)."""
 
     @property
     def admitted(self) -> bool:
@@ -226,7 +230,8 @@ class Decision:
 
 @dataclass(frozen=True, slots=True)
 class Outcome:
-    """The end of a queued request's wait: ``decision`` admits it or rejects it (503)."""
+    """The end of a queued request's wait: ``decision`` admits it or rejects it (503; a best-effort request
+    that waited for room in vain: its 429)."""
 
     ticket: str
     decision: Decision
@@ -543,7 +548,8 @@ class Admission:
         lease = Lease(ticket, s, request_id, est.total, est.prompt_tokens, now, False, s.config.tier,
                       None, pool=est.pool or DEFAULT_POOL, best_effort=True)
         q = self.queue_of(est.pool)
-        if self._spare_ok(lease.pool, q, now):
+        if not self._spare_per_pool[lease.pool] and self._spare_ok(lease.pool, now):
+            # (not while others of the pool wait: they go first, at the pump this decision is followed by)
             # placed as if it had already waited (``_spare_waited``): only where its first token is predicted
             # within the top tier's target — a new arrival of the lowest tier may go up to its max wait (30 s
             # for batch), and even seconds within its target is no spare room
@@ -569,25 +575,39 @@ class Admission:
         return Decision(s.name, s.config.tier, lease, None, queued=True, best_effort=rejection)
 
     def _pump_spare(self, now: float, out: list[Outcome]) -> None:
-        """Best-effort requests waiting (``_best_effort``): past its hold, its 429; oldest first, while its
-        pool's gateway queue is empty (nobody within quota waits), sent where a node takes it as the lowest
-        tier within that tier's target (counting the time it waited) — at most :data:`SPARE_TRIES` refused
-        node choices per pool and pump."""
+        """Best-effort requests waiting (``_best_effort``): past its hold — or no longer allowed best
+        effort (a reload: the switch, the tenant's ``over_limit``, its pool, the queue; or the tenant now
+        over a limit it may not exceed) — its 429; oldest first, while ``_spare_ok``, sent where a node
+        takes it as the lowest tier within the top tier's target (``_spare_waited``) — at most
+        :data:`SPARE_TRIES` refused node choices per pool and pump, half of them for one tenant."""
         due = self._spare_due
         while due and due[0][0] <= now:
             _, ticket = heapq.heappop(due)
             if ticket in self._spare:
                 self._drop_spare(ticket, now, out)
         refused: Counter[str] = Counter()
+        tried: Counter[tuple[str, str]] = Counter()
+        ok: dict[str, bool] = {}  # (a dispatch changes neither a queue nor when a pool last refused)
+        full = False  # ``fleet.max_inflight`` reached: no pool's can go
         for ticket in list(self._spare):
             w = self._spare[ticket]
             lease = w.lease
-            if refused[lease.pool] >= SPARE_TRIES or not self._spare_ok(lease.pool, self.queue_of(lease.pool), now):
+            if not self._still_best_effort(w, now):
+                self._drop_spare(ticket, now, out)
+                continue
+            pool, tenant = lease.pool, lease.tenant.name
+            if full or refused[pool] >= SPARE_TRIES or 2 * tried[pool, tenant] >= SPARE_TRIES:
+                continue
+            if pool not in ok:
+                ok[pool] = self._spare_ok(pool, now)
+            if not ok[pool]:
                 continue
             waited = self._spare_waited(now - lease.started)
             placed, capacity = self._place(w.estimate, ticket, self.config.lowest_tier, now, waited)
             if capacity is not None:
-                refused[lease.pool] += SPARE_TRIES if capacity.reason == "fleet-inflight" else 1
+                full = capacity.reason == "fleet-inflight"
+                refused[pool] += 1
+                tried[pool, tenant] += 1
                 continue
             self._unspare(ticket)
             lease.node, lease.started = placed.node, now
@@ -596,10 +616,24 @@ class Admission:
             d = Decision(lease.tenant.name, lease.tier, lease, None, best_effort=w.over)
             out.append(Outcome(ticket, d, now - (lease.queued_at or now), lease.pool))
 
-    def _spare_ok(self, pool: str, q: FairQueue, now: float) -> bool:
+    def _still_best_effort(self, w: _Spare, now: float) -> bool:
+        """Whether a waiting best-effort request may still be served so under the config now in force."""
+        s = w.lease.tenant
+        kind = PROTECTIVE.get(w.over.reason)
+        return (kind is not None and self.config.queue.enabled and w.lease.pool in self._pools
+                and self._tenants.get(s.name) is s and self._may_exceed(s, kind)
+                and not self._over_hard(s, w.estimate, now))
+
+    def _spare_ok(self, pool: str, now: float) -> bool:
         """Whether best effort may look for room in ``pool`` now: nobody within quota waits in its gateway
-        queue, and none was refused for capacity in the last ``ROOM_QUIET_S``."""
-        return not len(q) and now - self._room_refused.get(pool, -math.inf) >= ROOM_QUIET_S
+        queue, and none of its requests was refused for capacity in the last ``ROOM_QUIET_S``. With
+        ``fleet.max_inflight`` (one cap over every pool) the same of every pool: another pool's request
+        within quota needs that room as much."""
+        pools = self.queues if self.config.fleet.max_inflight is not None else (pool,)
+        for name in pools:
+            if len(self.queue_of(name)) or now - self._room_refused.get(name, -math.inf) < ROOM_QUIET_S:
+                return False
+        return True
 
     def _spare_waited(self, waited: float) -> float:
         """What a best-effort request is placed as having waited: node choice then asks its first token
@@ -618,13 +652,25 @@ class Admission:
         self._spare_per_pool[w.lease.pool] -= 1
         return w
 
-    def _drop_spare(self, ticket: str, now: float, out: list[Outcome] | None) -> None:
-        """A waiting best-effort request's answer: the 429 it would have had on arrival."""
+    def _drop_spare(self, ticket: str, now: float, out: list[Outcome]) -> None:
+        """A waiting best-effort request's answer: the 429 it would have had on arrival, its Retry-After
+        less the time it waited (at least a second)."""
         w = self._unspare(ticket)
         self.spend.release(ticket)
-        d = Decision(w.lease.tenant.name, w.lease.tier, None, w.over)
-        (self._outbox if out is None else out).append(
-            Outcome(ticket, d, now - (w.lease.queued_at or now), w.lease.pool))
+        waited = now - (w.lease.queued_at or now)
+        over = w.over
+        if over.retry_after is not None:
+            over = replace(over, retry_after=max(1.0, over.retry_after - waited))
+        out.append(Outcome(ticket, Decision(w.lease.tenant.name, w.lease.tier, None, over), waited, w.lease.pool))
+
+    def spare_waiting(self) -> Mapping[str, int]:
+        """Best-effort requests waiting for room, per pool (``kvgate_best_effort_waiting_requests``)."""
+        return self._spare_per_pool
+
+    def spare_deadline(self, ticket: str) -> float | None:
+        """When a waiting best-effort request gets its answer at the latest (None: not one)."""
+        w = self._spare.get(ticket)
+        return None if w is None else w.deadline
 
     def _crowds_top(self, est: Estimate) -> bool:
         """Whether the request's prefill alone, on the fastest node, is longer than the top tier's TTFT
@@ -899,6 +945,8 @@ class Admission:
         h = self._held.pop(e.key)
         s = h.lease.tenant
         self._refund(h.lease, now)
+        self._room_refused[h.lease.pool] = now  # (``tally`` books it too, after the pump: best effort must
+        # not take the room in this same pump)
         if reason == "queue-timeout":
             # it waited its whole hold and was not served: by another hold the queue ahead of it has turned
             # over (the prediction already proved too hopeful for it). The hold, not the tier's max wait:

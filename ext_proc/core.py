@@ -330,6 +330,9 @@ class Core:
                            queued=self.admission.queued)
             self._pump()  # an eviction it caused
             tier = self.config.tiers.get(d.tier)
+            until = self.admission.spare_deadline(ticket)
+            if until is not None:  # best effort waiting: answered by its hold (the lowest tier's), not its tier's
+                return Held(ticket, req.request_id, d.tier, max(0.0, until - self._clock()))
             return Held(ticket, req.request_id, d.tier, tier.max_queue_wait_ms / 1000.0 if tier else 5.0)
         return self._read_refused(req, tenant, size, self._final(d, req.request_id, est, req.envoy))
 

@@ -117,7 +117,8 @@ class Stats:
         self.node_transitions = Counter("kvgate_node_breaker_transitions_total", "Breaker transitions per node",
                                         ["node", "from", "to", "pool"], registry=r)
         self.queue_wait = Histogram(
-            "kvgate_queue_wait_seconds", "Time queued requests waited, per tier and outcome (admitted | rejected)",
+            "kvgate_queue_wait_seconds", "Time queued requests waited, per tier and outcome (admitted | rejected); "
+            "best-effort requests that waited for room too, under their tenant's tier",
             ["tier", "outcome", "pool"], buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60),
             registry=r)
         self.prefill_seconds = Counter(
@@ -137,7 +138,8 @@ class Stats:
             "deadline: rejected early), queue-timeout, queue-evicted (made room for a higher tier), queue-full",
             ["tier", "reason", "pool"], registry=r)
         self.queue_cancelled = Counter("kvgate_queue_cancelled_total",
-                                       "Queued requests whose client went away before they were served",
+                                       "Queued requests whose client went away before they were served (best-effort "
+                                       "requests waiting for room included)",
                                        ["tier", "pool"], registry=r)
         self.service = Counts(
             "kvgate_tenant_service_tokens_total",
@@ -274,7 +276,11 @@ class _StateCollector(Collector):
         fleet = GaugeMetricFamily("kvgate_fleet_inflight_requests", "Requests holding a fleet slot "
                                   "(fleet.max_inflight counts them all), per pool", labels=["pool"])
         depth = GaugeMetricFamily("kvgate_queue_depth_requests", "Requests held in kvgate's gateway queue, per tier "
-                                  "and pool", labels=["tier", "pool"])
+                                  "and pool (not best-effort requests waiting behind it: "
+                                  "kvgate_best_effort_waiting_requests)", labels=["tier", "pool"])
+        spare = GaugeMetricFamily("kvgate_best_effort_waiting_requests", "Requests of tenants over a protective limit "
+                                  "waiting behind the gateway queue for room nobody within quota needs (served as "
+                                  "best effort, or their 429 at the lowest tier's hold), per pool", labels=["pool"])
         lagging = GaugeMetricFamily("kvgate_queue_tier_lagging", "1 while a tier is lagging under shed parity "
                                     "(queue.shed_parity_gap: refused more than the gap more often than the tiers "
                                     "above it over the last minute; it then goes after each release from above), "
@@ -333,7 +339,9 @@ class _StateCollector(Collector):
             for pool, count in sent.items():
                 fleet.add_metric([pool], count)
             now = st.now()
+            waiting = a.spare_waiting()
             for pool, q in a.queues.items():
+                spare.add_metric([pool], waiting.get(pool, 0))
                 behind = q.lagging_at(now)
                 for tier in q.tiers():
                     depth.add_metric([tier, pool], q.depth(tier))
@@ -369,5 +377,5 @@ class _StateCollector(Collector):
                         by[mode] = by.get(mode, 0) + 1
                     for mode, count in by.items():
                         follow.add_metric([mode, pool], count)
-        yield from (inflight, fleet, depth, lagging, refused, total, kv, capacity, profile, projected, node_inflight,
-                    age, breaker, hit, follow, tombstones, blocks)
+        yield from (inflight, fleet, depth, spare, lagging, refused, total, kv, capacity, profile, projected,
+                    node_inflight, age, breaker, hit, follow, tombstones, blocks)

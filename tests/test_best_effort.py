@@ -237,6 +237,143 @@ def test_best_effort_waits_while_the_pool_refuses_requests_within_quota_for_room
     assert a.held == held.ticket and a.decision.best_effort is not None and a.decision.admitted
 
 
+def test_envoy_waits_for_a_waiting_best_effort_request_as_long_as_kvgate_holds_it() -> None:
+    """attack98 F1: an interactive tenant over its cap waits up to the *lowest* tier's hold (~5 s), but its
+    Held said its own tier's max wait (1 s): Envoy gave up first, with its own error. The Held carries
+    the hold the request really has."""
+    core, clock = make(tenant={"tier": "interactive"})
+    answer(ask(core, "r1"))
+    idle(core, clock, 0.88)
+    held = ask(core, "r2")
+    assert isinstance(held, Held)
+    deadline = core.admission.spare_deadline(held.ticket)
+    assert deadline is not None and held.max_wait_s == pytest.approx(deadline - clock())
+    assert held.max_wait_s > core.config.tiers["interactive"].max_queue_wait_ms / 1000.0
+    clock.advance(held.max_wait_s - 0.01)
+    core.tick()
+    assert core.answers() == [], "still waiting within what Envoy was told"
+    clock.advance(0.02)
+    core.tick()
+    [a] = core.answers()
+    assert a.decision.rejection is not None and a.decision.rejection.status == 429, "answered by then"
+    assert a.reply is not None and ("retry-after", "1") in a.reply.headers, "Retry-After less what it waited"
+
+
+def test_a_503_within_quota_keeps_best_effort_off_the_room_in_the_same_pump() -> None:
+    """review99 M1: a request within quota timed out of the queue and the room it waited for went to best
+    effort in the same pump (the refusal was booked only after the pump)."""
+    core, clock = make()
+    answer(ask(core, "r1"))
+    idle(core, clock, 0.95)
+    w = ask(core, "w", key="ki")
+    be = ask(core, "r2")
+    assert isinstance(w, Held) and isinstance(be, Held)
+    clock.advance(1.001)  # past the interactive request's hold (its 1 s max wait)
+    idle(core, clock, 0.2)  # room, in the pump that times it out
+    answers = core.answers()
+    assert [(a.held, a.decision.rejection and a.decision.rejection.status) for a in answers] == [(w.ticket, 503)]
+    assert core.admission.queued == 1, "best effort still waits"
+
+
+def test_waiting_best_effort_goes_oldest_first_when_pumps_are_put_off() -> None:
+    """review99 M2: with the live server's put-off pumps, a new over-limit request took the room before the
+    pump that would have sent the older one. While any wait, a new one waits behind them."""
+    core, clock = make()
+    later: list[Any] = []
+    core.pump_once_per_turn(later.append)
+    answer(ask(core, "r1"))
+    idle(core, clock, 0.88)
+    old = ask(core, "old")
+    assert isinstance(old, Held)
+    clock.advance(0.1)
+    idle(core, clock, 0.2)  # room: the pump is put off to the end of the turn
+    new = ask(core, "new")
+    assert isinstance(new, Held), "not placed ahead of the one already waiting"
+    while later:
+        later.pop(0)()
+    first = core.answers()[0]
+    assert first.held == old.ticket and first.decision.best_effort is not None
+
+
+@pytest.mark.parametrize(("change", "label"), [
+    ({"best_effort": {"enabled": False}}, "the switch off"),
+    ({"tenant": {"over_limit": "refuse"}}, "the tenant's over_limit: refuse"),
+    ({"queue": {"enabled": False}}, "the queue off"),
+    ({"drop_tenant": True}, "the tenant removed"),
+])
+def test_a_reload_that_takes_best_effort_away_answers_those_waiting_with_their_429(change: dict[str, Any],
+                                                                                   label: str) -> None:
+    """review99 M3 / attack98 F4: a reload did not reach best-effort requests already waiting: they were
+    still sent as best effort after it was switched off for them."""
+    core, clock = make()
+    answer(ask(core, "r1"))
+    idle(core, clock, 0.88)
+    held = ask(core, "r2")
+    assert isinstance(held, Held)
+    t = {"name": "b", "tier": "batch", "api_key_sha256": [hash_key("kb")], "max_concurrent": 1,
+         "over_limit": "best-effort", **change.get("tenant", {})}
+    tenants = [] if change.get("drop_tenant") else [t]
+    core.reconfigure(parse_config({
+        "nodes": {"static": [{"address": NODE, "probe": "http://p"}], "performance": {"profile": "34b-a100"}},
+        "queue": {"inject_priority": True, **change.get("queue", {})},
+        "best_effort": change.get("best_effort", {"enabled": True}),
+        "tenants": [*tenants, {"name": "i", "tier": "interactive", "api_key_sha256": [hash_key("ki")]}]}))
+    clock.advance(0.5)
+    idle(core, clock, 0.2)  # room: it would have gone
+    [a] = core.answers()
+    r = a.decision.rejection
+    assert a.held == held.ticket and r is not None and (r.status, r.reason) == (429, "tenant-concurrency"), label
+    assert core.admission.queued == 0 and core.admission.inflight == 1
+
+
+def test_with_one_fleet_cap_over_every_pool_best_effort_waits_while_another_pool_refuses() -> None:
+    """attack98 F2: ``fleet.max_inflight`` is one cap over every pool; best effort of pool a took the slot
+    pool b had just refused a request within quota for."""
+    a_node, b_node = "10.1.0.1:8000", "10.2.0.1:8000"
+    clock = FakeClock()
+
+    def nodes(addr: str) -> dict[str, Any]:
+        return {"static": [{"address": addr, "probe": f"http://{addr}"}], "performance": {"profile": "34b-a100"}}
+
+    cfg = parse_config({
+        "pools": [{"name": "a", "models": ["ma"], "nodes": nodes(a_node)},
+                  {"name": "b", "models": ["mb"], "nodes": nodes(b_node)}],
+        "fleet": {"max_inflight": 2}, "queue": {"inject_priority": True},
+        "tenants": [{"name": "be", "tier": "batch", "api_key_sha256": [hash_key("kb")], "max_concurrent": 1,
+                     "over_limit": "best-effort"},
+                    {"name": "s", "tier": "standard", "api_key_sha256": [hash_key("ks")]}]})
+    core = Core(cfg, clock, random.Random(1), log=null_logger())
+
+    def idle_all() -> None:
+        for n in (a_node, b_node):
+            core.snapshot(n, Snapshot(node=n, at=clock(), ok=True, kv_usage=0.0, blocks_total=2537, block_size=16,
+                                      running=0, waiting=0))
+
+    def ask_pool(rid: str, key: str, model: str) -> Answer | Held:
+        return core.decide(Request("/v1/chat/completions", rid, f"Bearer {key}",
+                                   estimate=Estimate(100, 10, True, model=model), body_bytes=400))
+
+    idle_all()
+    r1 = answer(ask_pool("r1", "kb", "ma")).decision
+    assert r1.lease is not None and answer(ask_pool("s1", "ks", "mb")).decision.admitted
+    be = ask_pool("r2", "kb", "ma")
+    w = ask_pool("w", "ks", "mb")
+    assert isinstance(be, Held) and isinstance(w, Held)
+    clock.advance(1.0)  # past the standard request's hold (~0.9 s), within the best-effort one's (~4.9 s)
+    core.tick()
+    [refused] = core.answers()
+    assert refused.held == w.ticket and refused.decision.rejection is not None
+    assert refused.decision.rejection.status == 503
+    clock.advance(0.1)
+    core.ended(Ended(r1.lease.ticket, "r1", 200, Usage(100, 10), upstream_answered=True))  # a fleet slot frees
+    idle_all()
+    assert core.answers() == [], "pool b refused a request within quota for that slot 0.1 s ago"
+    clock.advance(1.0)
+    idle_all()
+    [a] = core.answers()
+    assert a.held == be.ticket and a.decision.best_effort is not None and a.decision.admitted
+
+
 def test_a_waiting_best_effort_request_cancelled_gives_back_its_spend_reservation() -> None:
     budget = {"name": "daily", "window": "day", "limit": 1.0, "mode": "hard"}
     core, clock = make(tenant={"budgets": [budget]}, extra={"prices": {"default": {"prompt": 1.0, "completion": 1.0}}})
@@ -251,6 +388,47 @@ def test_a_waiting_best_effort_request_cancelled_gives_back_its_spend_reservatio
     clock.advance(60.0)
     core.tick()
     assert core.answers() == [], "cancelled: no answer, nothing left to time out"
+
+
+def test_clients_that_send_and_leave_at_once_leave_nothing_behind() -> None:
+    """A tenant over its cap sending and cancelling without end: the deadlines kept for those gone are
+    compacted, the gauge follows the requests waiting, and each one gone is a cancelled queue wait."""
+    core, clock = make()
+    answer(ask(core, "r1"))
+    idle(core, clock, 0.88)
+    keep = ask(core, "keep")
+    assert isinstance(keep, Held)
+    for i in range(500):
+        h = ask(core, f"c{i}")
+        assert isinstance(h, Held)
+        core.cancel(h.ticket)
+    a = core.admission
+    assert a.queued == 1 and len(a._spare_due) <= 2 * len(a._spare) + 64
+    text = generate_latest(core.stats.registry).decode()
+    assert 'kvgate_best_effort_waiting_requests{pool="default"} 1.0' in text
+    assert 'kvgate_queue_cancelled_total{pool="default",tier="batch"} 500.0' in text
+    assert 'kvgate_queue_depth_requests{pool="default",tier="batch"} 0.0' in text
+
+
+def test_a_pass_tries_few_waiting_requests_no_node_takes() -> None:
+    """A flood waiting for room costs a few node choices per pass, not one per request at every event."""
+    from ext_proc.admission import SPARE_TRIES
+
+    core, clock = make()
+    answer(ask(core, "r1"))
+    idle(core, clock, 0.88)
+    for i in range(50):
+        assert isinstance(ask(core, f"w{i}"), Held)
+    calls: list[str] = []
+    place = core.admission._place
+
+    def counted(*args: Any, **kw: Any) -> Any:
+        calls.append(args[1])
+        return place(*args, **kw)
+
+    core.admission._place = counted  # type: ignore[method-assign]
+    idle(core, clock, 0.88)
+    assert 0 < len(calls) <= SPARE_TRIES // 2, "one tenant: half the pass's tries"
 
 
 def test_best_effort_waiting_is_bounded_by_the_queue_size() -> None:

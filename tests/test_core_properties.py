@@ -102,7 +102,8 @@ class CoreMachine(RuleBasedStateMachine):
     def _answer(self, a: Answer) -> None:
         lease = a.decision.lease
         if a.decision.best_effort is not None:
-            assert lease is not None and lease.best_effort and not lease.charged and a.held is None
+            assert lease is not None and lease.best_effort and not lease.charged
+            assert (a.held is None) == (lease.queued_at is None), "sent at once, or after waiting for room"
             assert a.decision.best_effort.reason in ("tenant-concurrency", "tenant-requests", "tenant-tokens")
             assert a.decision.tenant != "chat", "a tenant whose limits refuse is never served as best effort"
             assert a.decision.best_effort.reason == "tenant-concurrency" or a.decision.tenant == "batch"
@@ -275,7 +276,8 @@ class CoreMachine(RuleBasedStateMachine):
             assert m[("kvgate_fleet_inflight_requests", (("pool", pool),))] == sent
         assert sum(v for (n, _), v in m.items() if n == "kvgate_fleet_inflight_requests") == a.inflight
         depth = sum(v for (n, _), v in m.items() if n == "kvgate_queue_depth_requests")
-        assert depth == a.queued
+        waiting = sum(v for (n, _), v in m.items() if n == "kvgate_best_effort_waiting_requests")
+        assert depth + waiting == a.queued
         assert self.core.fleets
         for pool, fleet in self.core.fleets.items():
             for n in fleet.nodes.values():

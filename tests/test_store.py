@@ -717,7 +717,7 @@ def test_a_small_cap_sent_in_pairs_across_replicas_is_not_refused_while_within_i
 
 
 def test_a_sync_loop_cancelled_as_redis_answers_stops(server: RedisServer) -> None:
-    """A CI run hung for its whole 90 minutes in the test above, awaiting the cancelled sync loops: on
+    """A CI run hung in the test above until its 90-minute limit, awaiting the cancelled sync loops: on
     Python 3.11 ``asyncio.wait_for`` returns the result and drops a cancel that lands as the awaited call
     completes (cpython gh-86296), so a loop whose round trip Redis had just answered ran on, and so would
     kvgate's shutdown. The deadlines are ``asyncio.timeout`` blocks now (ruff bans ``wait_for``). Here the

@@ -387,9 +387,13 @@ async def _follow(ports: list[int], period: float, warmup: float, seconds: float
         r1, c1, th1, w1 = readings[0], _cpu(), time.thread_time(), time.perf_counter()
     finally:
         task.cancel()
+        # (asyncio.wait, not a timeout around the await: a follower that ignored its cancel would hold that
+        # await too; one that does not stop within 30 s is an error, not a hang)
+        done, _ = await asyncio.wait({task}, timeout=30)
+        if not done:
+            raise RuntimeError("the probe follower did not stop within 30 s of its cancel")
         with contextlib.suppress(asyncio.CancelledError):
-            async with asyncio.timeout(30):  # (a follower that does not stop is an error, not a hang)
-                await task
+            task.result()
     fleet = core.fleet
     assert fleet is not None
     now = time.monotonic()
