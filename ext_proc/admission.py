@@ -73,6 +73,8 @@ the tenant's duration on a healthy fleet. Rising as fast as it falls, a fleet sl
 the tenant's requests became its norm — a bursty trace where slow, busy nodes held every request longer
 refused 14% as concurrency 429s that no longer counted as the fleet's doing, and the scaler never
 scaled (issue 30 §4)."""
+FLEET_CAP = "\x00fleet.max_inflight"
+"""``_room_refused``'s key for refusals by the cap over every pool (no pool's name: names are DNS labels)."""
 SPARE_TRIES = 8
 """Refused node choices one pump spends on the best-effort requests waiting in one pool (``_pump_spare``), half
 of them at most on one tenant's: at most ``max_size`` may wait, and a flood of them must not cost a node choice
@@ -316,7 +318,10 @@ class Admission:
         """Their deadlines, a heap (a cancelled one stays until it comes up, then is skipped)."""
         self._spare_per_pool: Counter[str] = Counter()
         self._room_refused: dict[str, float] = {}
-        """When each pool last refused a request for capacity (``tally``): best effort waits ``ROOM_QUIET_S``."""
+        """When each pool last refused a request for capacity (``tally``, and ``_drop`` within a pump), and
+        when any was refused for ``fleet.max_inflight`` (:data:`FLEET_CAP`): best effort waits ``ROOM_QUIET_S``."""
+        self._spare_config: Config | None = None
+        """The config ``_pump_spare`` last checked the waiting best-effort requests against."""
         self._outbox: list[Outcome] = []
         self._seq = 0
         self._boot = f"{self._rng.getrandbits(32):08x}"
@@ -589,10 +594,11 @@ class Admission:
         tried: Counter[tuple[str, str]] = Counter()
         ok: dict[str, bool] = {}  # (a dispatch changes neither a queue nor when a pool last refused)
         full = False  # ``fleet.max_inflight`` reached: no pool's can go
+        reloaded, self._spare_config = self._spare_config is not self.config, self.config
         for ticket in list(self._spare):
             w = self._spare[ticket]
             lease = w.lease
-            if not self._still_best_effort(w, now):
+            if reloaded and not self._still_best_effort(w):
                 self._drop_spare(ticket, now, out)
                 continue
             pool, tenant = lease.pool, lease.tenant.name
@@ -601,6 +607,9 @@ class Admission:
             if pool not in ok:
                 ok[pool] = self._spare_ok(pool, now)
             if not ok[pool]:
+                continue
+            if self._over_hard(lease.tenant, w.estimate, now):  # (checked only for those tried: the hot path)
+                self._drop_spare(ticket, now, out)
                 continue
             waited = self._spare_waited(now - lease.started)
             placed, capacity = self._place(w.estimate, ticket, self.config.lowest_tier, now, waited)
@@ -616,24 +625,28 @@ class Admission:
             d = Decision(lease.tenant.name, lease.tier, lease, None, best_effort=w.over)
             out.append(Outcome(ticket, d, now - (lease.queued_at or now), lease.pool))
 
-    def _still_best_effort(self, w: _Spare, now: float) -> bool:
-        """Whether a waiting best-effort request may still be served so under the config now in force."""
+    def _still_best_effort(self, w: _Spare) -> bool:
+        """Whether a waiting best-effort request may still be served so under the config now in force
+        (asked once after each reload)."""
         s = w.lease.tenant
         kind = PROTECTIVE.get(w.over.reason)
         return (kind is not None and self.config.queue.enabled and w.lease.pool in self._pools
-                and self._tenants.get(s.name) is s and self._may_exceed(s, kind)
-                and not self._over_hard(s, w.estimate, now))
+                and self._tenants.get(s.name) is s and self._may_exceed(s, kind) and not self._crowds_top(w.estimate))
 
     def _spare_ok(self, pool: str, now: float) -> bool:
         """Whether best effort may look for room in ``pool`` now: nobody within quota waits in its gateway
         queue, and none of its requests was refused for capacity in the last ``ROOM_QUIET_S``. With
         ``fleet.max_inflight`` (one cap over every pool) the same of every pool: another pool's request
         within quota needs that room as much."""
-        pools = self.queues if self.config.fleet.max_inflight is not None else (pool,)
-        for name in pools:
-            if len(self.queue_of(name)) or now - self._room_refused.get(name, -math.inf) < ROOM_QUIET_S:
-                return False
-        return True
+        if len(self.queue_of(pool)) or now - self._room_refused.get(pool, -math.inf) < ROOM_QUIET_S:
+            return False
+        cap = self.config.fleet.max_inflight
+        if cap is None:
+            return True
+        # one cap over every pool: the fleet slots left must outnumber what waits in the other pools' queues,
+        # and no request was refused for that cap lately (another pool's own full nodes are its own affair)
+        others = sum(len(q) for name, q in self.queues.items() if name != pool)
+        return cap - self.inflight > others and now - self._room_refused.get(FLEET_CAP, -math.inf) >= ROOM_QUIET_S
 
     def _spare_waited(self, waited: float) -> float:
         """What a best-effort request is placed as having waited: node choice then asks its first token
@@ -947,6 +960,9 @@ class Admission:
         self._refund(h.lease, now)
         self._room_refused[h.lease.pool] = now  # (``tally`` books it too, after the pump: best effort must
         # not take the room in this same pump)
+        cap = self.config.fleet.max_inflight
+        if cap is not None and self.inflight >= cap:
+            self._room_refused[FLEET_CAP] = now  # (refused while the cap over every pool was reached)
         if reason == "queue-timeout":
             # it waited its whole hold and was not served: by another hold the queue ahead of it has turned
             # over (the prediction already proved too hopeful for it). The hold, not the tier's max wait:
@@ -1152,6 +1168,8 @@ class Admission:
         a tenant bounded: they bound its requests for some models, not what it sends to the others."""
         if d.lease is None and (r := d.rejection) is not None and r.klass == "capacity":
             self._room_refused[pool] = now
+            if r.reason == "fleet-inflight":
+                self._room_refused[FLEET_CAP] = now
         q = self.queues.get(pool)
         if q is None or q.parity_gap is None:
             return

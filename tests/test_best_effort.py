@@ -326,9 +326,9 @@ def test_a_reload_that_takes_best_effort_away_answers_those_waiting_with_their_4
     assert core.admission.queued == 0 and core.admission.inflight == 1
 
 
-def test_with_one_fleet_cap_over_every_pool_best_effort_waits_while_another_pool_refuses() -> None:
-    """attack98 F2: ``fleet.max_inflight`` is one cap over every pool; best effort of pool a took the slot
-    pool b had just refused a request within quota for."""
+def two_pools(cap: int) -> tuple[Core, FakeClock, Any, Any]:
+    """Pools a and b, one node each, under one ``fleet.max_inflight``; a batch tenant over its cap of 1
+    (best effort) and a standard tenant within quota."""
     a_node, b_node = "10.1.0.1:8000", "10.2.0.1:8000"
     clock = FakeClock()
 
@@ -338,15 +338,15 @@ def test_with_one_fleet_cap_over_every_pool_best_effort_waits_while_another_pool
     cfg = parse_config({
         "pools": [{"name": "a", "models": ["ma"], "nodes": nodes(a_node)},
                   {"name": "b", "models": ["mb"], "nodes": nodes(b_node)}],
-        "fleet": {"max_inflight": 2}, "queue": {"inject_priority": True},
+        "fleet": {"max_inflight": cap}, "queue": {"inject_priority": True},
         "tenants": [{"name": "be", "tier": "batch", "api_key_sha256": [hash_key("kb")], "max_concurrent": 1,
                      "over_limit": "best-effort"},
                     {"name": "s", "tier": "standard", "api_key_sha256": [hash_key("ks")]}]})
     core = Core(cfg, clock, random.Random(1), log=null_logger())
 
-    def idle_all() -> None:
-        for n in (a_node, b_node):
-            core.snapshot(n, Snapshot(node=n, at=clock(), ok=True, kv_usage=0.0, blocks_total=2537, block_size=16,
+    def idle_all(b_kv: float = 0.0) -> None:
+        for n, kv in ((a_node, 0.0), (b_node, b_kv)):
+            core.snapshot(n, Snapshot(node=n, at=clock(), ok=True, kv_usage=kv, blocks_total=2537, block_size=16,
                                       running=0, waiting=0))
 
     def ask_pool(rid: str, key: str, model: str) -> Answer | Held:
@@ -354,6 +354,13 @@ def test_with_one_fleet_cap_over_every_pool_best_effort_waits_while_another_pool
                                    estimate=Estimate(100, 10, True, model=model), body_bytes=400))
 
     idle_all()
+    return core, clock, idle_all, ask_pool
+
+
+def test_with_one_fleet_cap_over_every_pool_best_effort_waits_while_another_pool_refuses() -> None:
+    """attack98 F2: ``fleet.max_inflight`` is one cap over every pool; best effort of pool a took the slot
+    pool b had just refused a request within quota for."""
+    core, clock, idle_all, ask_pool = two_pools(2)
     r1 = answer(ask_pool("r1", "kb", "ma")).decision
     assert r1.lease is not None and answer(ask_pool("s1", "ks", "mb")).decision.admitted
     be = ask_pool("r2", "kb", "ma")
@@ -372,6 +379,17 @@ def test_with_one_fleet_cap_over_every_pool_best_effort_waits_while_another_pool
     idle_all()
     [a] = core.answers()
     assert a.held == be.ticket and a.decision.best_effort is not None and a.decision.admitted
+
+
+def test_another_pools_own_full_nodes_do_not_stop_best_effort_under_a_loose_fleet_cap() -> None:
+    """review100 N1: with ``fleet.max_inflight`` far from reached, pool b's queue (its own nodes full) is
+    pool b's affair: pool a's spare room still serves best effort."""
+    _, _, idle_all, ask_pool = two_pools(100)
+    assert answer(ask_pool("r1", "kb", "ma")).decision.admitted
+    idle_all(b_kv=0.95)
+    assert isinstance(ask_pool("w", "ks", "mb"), Held), "pool b's node is full: its request waits"
+    d = answer(ask_pool("r2", "kb", "ma")).decision
+    assert d.admitted and d.best_effort is not None
 
 
 def test_a_waiting_best_effort_request_cancelled_gives_back_its_spend_reservation() -> None:
