@@ -254,6 +254,9 @@ class _Held:
     short_at: int = 0
     """Its queue's ``short_passes`` of its tier when it was queued: a pass that left its tier (or every tier)
     without a node since then means it waited for room too (``Outcome.for_room``)."""
+    capped: bool = False
+    """``fleet.max_inflight`` refused it while it waited: dropped, it keeps best effort off every pool
+    (``FLEET_CAP``)."""
 
 
 @dataclass(slots=True, eq=False)
@@ -392,6 +395,7 @@ class Admission:
         self._tenants = tenants
         self._model_budgets = budgets
         self.config = config
+        self._spare_config = None  # (the best-effort requests waiting are checked against it at the next pump)
         self.spend.configure(config.prices, {t.name: t.budgets for t in config.tenants if t.budgets}, self._wall())
         if isinstance(self.quota, SplitQuota):
             self.quota.split(now)  # new limits, split the same way
@@ -608,7 +612,9 @@ class Admission:
                 ok[pool] = self._spare_ok(pool, now)
             if not ok[pool]:
                 continue
-            if self._over_hard(lease.tenant, w.estimate, now):  # (checked only for those tried: the hot path)
+            if self._over_hard(lease.tenant, w.estimate, now) or self._crowds_top(w.estimate):
+                # (checked only for those tried: the hot path; the fastest node's prefill time moves with
+                # the nodes, no reload needed)
                 self._drop_spare(ticket, now, out)
                 continue
             waited = self._spare_waited(now - lease.started)
@@ -622,6 +628,8 @@ class Admission:
             lease.node, lease.started = placed.node, now
             lease.predicted_ttft = placed.ttft
             self._dispatch(lease, w.estimate, now)
+            if self.config.fleet.max_inflight is not None:
+                ok.clear()  # (under one cap over every pool, a slot taken changes what the others may leave)
             d = Decision(lease.tenant.name, lease.tier, lease, None, best_effort=w.over)
             out.append(Outcome(ticket, d, now - (lease.queued_at or now), lease.pool))
 
@@ -631,7 +639,7 @@ class Admission:
         s = w.lease.tenant
         kind = PROTECTIVE.get(w.over.reason)
         return (kind is not None and self.config.queue.enabled and w.lease.pool in self._pools
-                and self._tenants.get(s.name) is s and self._may_exceed(s, kind) and not self._crowds_top(w.estimate))
+                and self._tenants.get(s.name) is s and self._may_exceed(s, kind))
 
     def _spare_ok(self, pool: str, now: float) -> bool:
         """Whether best effort may look for room in ``pool`` now: nobody within quota waits in its gateway
@@ -798,7 +806,8 @@ class Admission:
         # due by its TTFT target (where kvgate does not choose nodes the hold is the longer max wait: sharing
         # the lower tiers held a standard request 2.6 s of its 5 s before it went first, attack56 F1)
         entry = Entry(ticket, s.name, tier, cost, now, now + max_wait, due=now + allowed)
-        self._held[ticket] = _Held(lease, est, entry, refused=placed is not None, short_at=q.short_passes(tier))
+        self._held[ticket] = _Held(lease, est, entry, refused=placed is not None, short_at=q.short_passes(tier),
+                                   capped=placed is not None and placed.reason == "fleet-inflight")
         q.push(entry, now)
         return Decision(s.name, tier, lease, None, queued=True)
 
@@ -882,6 +891,7 @@ class Admission:
             if capacity is not None:
                 h.refused = True
                 if capacity.reason == "fleet-inflight":
+                    h.capped = True
                     q.short_pass(None)
                     break  # no tier can go
                 if placed.reason == "fleet-queue" and placed.ttft is not None:
@@ -940,6 +950,7 @@ class Admission:
                 return e, h, placed
             h.refused = True
             if capacity.reason == "fleet-inflight":
+                h.capped = True
                 return None
             if capacity.reason == "fleet-kv":
                 size = h.estimate.total
@@ -961,8 +972,8 @@ class Admission:
         self._room_refused[h.lease.pool] = now  # (``tally`` books it too, after the pump: best effort must
         # not take the room in this same pump)
         cap = self.config.fleet.max_inflight
-        if cap is not None and self.inflight >= cap:
-            self._room_refused[FLEET_CAP] = now  # (refused while the cap over every pool was reached)
+        if cap is not None and (h.capped or self.inflight >= cap):
+            self._room_refused[FLEET_CAP] = now  # (it waited for a slot under the cap over every pool)
         if reason == "queue-timeout":
             # it waited its whole hold and was not served: by another hold the queue ahead of it has turned
             # over (the prediction already proved too hopeful for it). The hold, not the tier's max wait:

@@ -381,6 +381,48 @@ def test_with_one_fleet_cap_over_every_pool_best_effort_waits_while_another_pool
     assert a.held == be.ticket and a.decision.best_effort is not None and a.decision.admitted
 
 
+def test_one_pass_leaves_the_fleet_slots_another_pools_queue_needs() -> None:
+    """attack101 F1: under one fleet cap, whether another pool's queue leaves room changes with every slot
+    best effort takes; judged once per pass, one pass filled the cap and pool b's request timed out."""
+    core, clock, _, ask_pool = two_pools(3)
+    a = core.admission
+    assert answer(ask_pool("r1", "kb", "ma")).decision.admitted
+    full(core, clock, "10.2.0.1:8000")
+    w = ask_pool("w", "ks", "mb")
+    assert isinstance(w, Held), "pool b's own node is full: its request waits"
+    full(core, clock, "10.1.0.1:8000")
+    assert isinstance(ask_pool("r2", "kb", "ma"), Held) and isinstance(ask_pool("r3", "kb", "ma"), Held)
+    clock.advance(0.05)
+    full(core, clock, "10.1.0.1:8000", 0.0)  # pool a has room again
+    sent = [x for x in core.answers() if x.decision.admitted]
+    assert len(sent) == 1 and a.inflight == 2, "one slot left for pool b's waiting request"
+    clock.advance(0.05)
+    full(core, clock, "10.2.0.1:8000", 0.0)
+    [served] = core.answers()
+    assert served.held == w.ticket and served.decision.admitted
+
+
+def test_a_request_that_waited_out_the_fleet_cap_keeps_best_effort_off_the_slot_it_frees() -> None:
+    """attack101 F2: a request that waited for a slot under the cap and timed out, dropped by the pump a
+    completion triggers (no tick in between), kept nothing off: best effort took the slot it freed."""
+    core, clock, _, ask_pool = two_pools(2)
+    r1 = answer(ask_pool("r1", "kb", "ma")).decision
+    assert r1.lease is not None and answer(ask_pool("s1", "ks", "mb")).decision.admitted
+    be = ask_pool("r2", "kb", "ma")
+    w = ask_pool("w", "ks", "mb")
+    assert isinstance(be, Held) and isinstance(w, Held)
+    clock.advance(1.0)  # past the standard request's hold, no pump since
+    core.ended(Ended(r1.lease.ticket, "r1", 200, Usage(100, 10), upstream_answered=True))
+    [refused] = core.answers()
+    assert refused.held == w.ticket and refused.decision.rejection is not None
+    assert core.admission.queued == 1, "best effort still waits"
+
+
+def full(core: Core, clock: FakeClock, node: str, kv: float = 0.95) -> None:
+    core.snapshot(node, Snapshot(node=node, at=clock(), ok=True, kv_usage=kv, blocks_total=2537, block_size=16,
+                                 running=0, waiting=0))
+
+
 def test_another_pools_own_full_nodes_do_not_stop_best_effort_under_a_loose_fleet_cap() -> None:
     """review100 N1: with ``fleet.max_inflight`` far from reached, pool b's queue (its own nodes full) is
     pool b's affair: pool a's spare room still serves best effort."""
