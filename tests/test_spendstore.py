@@ -273,6 +273,10 @@ async def test_best_effort_is_reserved_and_settled_on_the_fleets_ledger(clients:
         cfg = parse_config({
             "nodes": {"static": [{"address": node, "probe": "http://p"}], "performance": {"profile": "34b-a100"}},
             "prices": {"m": PRICE.model_dump()},
+            # one tier: best effort goes wherever that tier's first token is predicted in time (with a top tier
+            # above it, within the top tier's target: a replica's third would wait for room, which this test of
+            # the ledger does not drive)
+            "tiers": {"batch": {"priority": 0, "max_queue_wait_ms": 30000, "ttft_target_ms": 5000}},
             "tenants": [{"name": "t", "tier": "batch", "api_key_sha256": [hash_key("k-t")], "max_concurrent": 1,
                          "over_limit": "best-effort", "budgets": [{"name": "month", "limit": 0.05}]}]})
         core = Core(cfg, clock, random.Random(seed), log=null_logger(), wall=lambda: NOW)
