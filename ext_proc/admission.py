@@ -644,8 +644,8 @@ class Admission:
     def _spare_ok(self, pool: str, now: float) -> bool:
         """Whether best effort may look for room in ``pool`` now: nobody within quota waits in its gateway
         queue, and none of its requests was refused for capacity in the last ``ROOM_QUIET_S``. With
-        ``fleet.max_inflight`` (one cap over every pool) the same of every pool: another pool's request
-        within quota needs that room as much."""
+        ``fleet.max_inflight`` (one cap over every pool), also: the fleet slots left outnumber the requests
+        waiting in the other pools' queues, and none was refused for that cap in the last ``ROOM_QUIET_S``."""
         if len(self.queue_of(pool)) or now - self._room_refused.get(pool, -math.inf) < ROOM_QUIET_S:
             return False
         cap = self.config.fleet.max_inflight
