@@ -564,10 +564,7 @@ class Admission:
             # for batch), and even seconds within its target is no spare room
             placed, capacity = self._place(est, ticket, self.config.lowest_tier, now, self._spare_waited(0.0))
             if capacity is None:
-                lease.node = placed.node
-                lease.predicted_ttft = placed.ttft
-                self._dispatch(lease, est, now)
-                return Decision(s.name, s.config.tier, lease, None, best_effort=rejection)
+                return self._send_spare(lease, est, placed, rejection, now)
         if not self.config.queue.enabled or self._spare_per_pool[lease.pool] >= q.max_size:
             self.spend.release(ticket)  # (no hold: nothing)
             return None
@@ -625,13 +622,17 @@ class Admission:
                 tried[pool, tenant] += 1
                 continue
             self._unspare(ticket)
-            lease.node, lease.started = placed.node, now
-            lease.predicted_ttft = placed.ttft
-            self._dispatch(lease, w.estimate, now)
+            waited = now - (lease.queued_at or now)
+            d = self._send_spare(lease, w.estimate, placed, w.over, now)
             if self.config.fleet.max_inflight is not None:
                 ok.clear()  # (under one cap over every pool, a slot taken changes what the others may leave)
-            d = Decision(lease.tenant.name, lease.tier, lease, None, best_effort=w.over)
-            out.append(Outcome(ticket, d, now - (lease.queued_at or now), lease.pool))
+            out.append(Outcome(ticket, d, waited, lease.pool))
+
+    def _send_spare(self, lease: Lease, est: Estimate, placed: Placed, over: Rejection, now: float) -> Decision:
+        """Send a best-effort request to the node ``placed`` chose, at once or after waiting for room."""
+        lease.node, lease.started, lease.predicted_ttft = placed.node, now, placed.ttft
+        self._dispatch(lease, est, now)
+        return Decision(lease.tenant.name, lease.tier, lease, None, best_effort=over)
 
     def _still_best_effort(self, w: _Spare) -> bool:
         """Whether a waiting best-effort request may still be served so under the config now in force

@@ -20,6 +20,8 @@ from scaler.signals import parse_kvgate
 from tests.helpers import FakeClock
 
 NODE = "10.0.0.1:8000"
+A_NODE, B_NODE = "10.1.0.1:8000", "10.2.0.1:8000"
+"""``two_pools``' nodes: pool a's, pool b's."""
 
 
 def make(over_limit: Any = "best-effort", *, enabled: bool = True, tenant: dict[str, Any] | None = None,
@@ -38,8 +40,8 @@ def make(over_limit: Any = "best-effort", *, enabled: bool = True, tenant: dict[
     return core, clock
 
 
-def idle(core: Core, clock: FakeClock, kv: float, waiting: int = 0) -> None:
-    core.snapshot(NODE, Snapshot(node="n", at=clock(), ok=True, kv_usage=kv, blocks_total=2537, block_size=16,
+def idle(core: Core, clock: FakeClock, kv: float, waiting: int = 0, node: str = NODE) -> None:
+    core.snapshot(node, Snapshot(node="n", at=clock(), ok=True, kv_usage=kv, blocks_total=2537, block_size=16,
                                  running=0, waiting=waiting))
 
 
@@ -329,7 +331,7 @@ def test_a_reload_that_takes_best_effort_away_answers_those_waiting_with_their_4
 def two_pools(cap: int) -> tuple[Core, FakeClock, Any, Any]:
     """Pools a and b, one node each, under one ``fleet.max_inflight``; a batch tenant over its cap of 1
     (best effort) and a standard tenant within quota."""
-    a_node, b_node = "10.1.0.1:8000", "10.2.0.1:8000"
+    a_node, b_node = A_NODE, B_NODE
     clock = FakeClock()
 
     def nodes(addr: str) -> dict[str, Any]:
@@ -345,9 +347,8 @@ def two_pools(cap: int) -> tuple[Core, FakeClock, Any, Any]:
     core = Core(cfg, clock, random.Random(1), log=null_logger())
 
     def idle_all(b_kv: float = 0.0) -> None:
-        for n, kv in ((a_node, 0.0), (b_node, b_kv)):
-            core.snapshot(n, Snapshot(node=n, at=clock(), ok=True, kv_usage=kv, blocks_total=2537, block_size=16,
-                                      running=0, waiting=0))
+        idle(core, clock, 0.0, node=a_node)
+        idle(core, clock, b_kv, node=b_node)
 
     def ask_pool(rid: str, key: str, model: str) -> Answer | Held:
         return core.decide(Request("/v1/chat/completions", rid, f"Bearer {key}",
@@ -357,15 +358,23 @@ def two_pools(cap: int) -> tuple[Core, FakeClock, Any, Any]:
     return core, clock, idle_all, ask_pool
 
 
-def test_with_one_fleet_cap_over_every_pool_best_effort_waits_while_another_pool_refuses() -> None:
-    """attack98 F2: ``fleet.max_inflight`` is one cap over every pool; best effort of pool a took the slot
-    pool b had just refused a request within quota for."""
+def both_waiting_at_the_cap() -> tuple[Core, FakeClock, Any, Any, Held, Held]:
+    """``two_pools`` under a cap of 2, both slots taken (pool a's tenant within its cap, pool b's): a
+    best-effort request of pool a and a request within quota of pool b wait. Returns the core, its clock,
+    ``idle_all``, pool a's admitted decision, the best-effort Held and pool b's Held."""
     core, clock, idle_all, ask_pool = two_pools(2)
     r1 = answer(ask_pool("r1", "kb", "ma")).decision
     assert r1.lease is not None and answer(ask_pool("s1", "ks", "mb")).decision.admitted
     be = ask_pool("r2", "kb", "ma")
     w = ask_pool("w", "ks", "mb")
     assert isinstance(be, Held) and isinstance(w, Held)
+    return core, clock, idle_all, r1, be, w
+
+
+def test_with_one_fleet_cap_over_every_pool_best_effort_waits_while_another_pool_refuses() -> None:
+    """attack98 F2: ``fleet.max_inflight`` is one cap over every pool; best effort of pool a took the slot
+    pool b had just refused a request within quota for."""
+    core, clock, idle_all, r1, be, w = both_waiting_at_the_cap()
     clock.advance(1.0)  # past the standard request's hold (~0.9 s), within the best-effort one's (~4.9 s)
     core.tick()
     [refused] = core.answers()
@@ -387,17 +396,17 @@ def test_one_pass_leaves_the_fleet_slots_another_pools_queue_needs() -> None:
     core, clock, _, ask_pool = two_pools(3)
     a = core.admission
     assert answer(ask_pool("r1", "kb", "ma")).decision.admitted
-    full(core, clock, "10.2.0.1:8000")
+    idle(core, clock, 0.95, node=B_NODE)
     w = ask_pool("w", "ks", "mb")
     assert isinstance(w, Held), "pool b's own node is full: its request waits"
-    full(core, clock, "10.1.0.1:8000")
+    idle(core, clock, 0.95, node=A_NODE)
     assert isinstance(ask_pool("r2", "kb", "ma"), Held) and isinstance(ask_pool("r3", "kb", "ma"), Held)
     clock.advance(0.05)
-    full(core, clock, "10.1.0.1:8000", 0.0)  # pool a has room again
+    idle(core, clock, 0.0, node=A_NODE)  # pool a has room again
     sent = [x for x in core.answers() if x.decision.admitted]
     assert len(sent) == 1 and a.inflight == 2, "one slot left for pool b's waiting request"
     clock.advance(0.05)
-    full(core, clock, "10.2.0.1:8000", 0.0)
+    idle(core, clock, 0.0, node=B_NODE)
     [served] = core.answers()
     assert served.held == w.ticket and served.decision.admitted
 
@@ -405,22 +414,12 @@ def test_one_pass_leaves_the_fleet_slots_another_pools_queue_needs() -> None:
 def test_a_request_that_waited_out_the_fleet_cap_keeps_best_effort_off_the_slot_it_frees() -> None:
     """attack101 F2: a request that waited for a slot under the cap and timed out, dropped by the pump a
     completion triggers (no tick in between), kept nothing off: best effort took the slot it freed."""
-    core, clock, _, ask_pool = two_pools(2)
-    r1 = answer(ask_pool("r1", "kb", "ma")).decision
-    assert r1.lease is not None and answer(ask_pool("s1", "ks", "mb")).decision.admitted
-    be = ask_pool("r2", "kb", "ma")
-    w = ask_pool("w", "ks", "mb")
-    assert isinstance(be, Held) and isinstance(w, Held)
+    core, clock, _, r1, _, w = both_waiting_at_the_cap()
     clock.advance(1.0)  # past the standard request's hold, no pump since
     core.ended(Ended(r1.lease.ticket, "r1", 200, Usage(100, 10), upstream_answered=True))
     [refused] = core.answers()
     assert refused.held == w.ticket and refused.decision.rejection is not None
     assert core.admission.queued == 1, "best effort still waits"
-
-
-def full(core: Core, clock: FakeClock, node: str, kv: float = 0.95) -> None:
-    core.snapshot(node, Snapshot(node=node, at=clock(), ok=True, kv_usage=kv, blocks_total=2537, block_size=16,
-                                 running=0, waiting=0))
 
 
 def test_another_pools_own_full_nodes_do_not_stop_best_effort_under_a_loose_fleet_cap() -> None:
