@@ -266,37 +266,53 @@ def test_a_verdict_names_the_numbers_it_acted_on() -> None:
         assert part in v.reason, v.reason
 
 
-def _rising(rates: list[float], cold_start_s: float) -> list[tuple[float, str]]:
+def _rising(rates: list[float], cold_start_s: float, replicas: int = 8) -> list[tuple[float, str]]:
     """One evaluation every 15 s with the capacity reject rate of ``rates``; (time, action) of each."""
-    law = ControlLaw(LawSettings(min_replicas=1, max_replicas=8, step=2, cold_start_s=cold_start_s))
+    law = ControlLaw(LawSettings(min_replicas=1, max_replicas=16, step=2, cold_start_s=cold_start_s))
     out: list[tuple[float, str]] = []
     for i, r in enumerate(rates):
         t = 15.0 * i
         rejected = 100 * r / (1 - r)
-        out.append((t, law.decide(window(AB, capacity={"a": rejected}, at=t), t).action))
+        out.append((t, law.decide(window(AB, capacity={"a": rejected}, at=t, replicas=replicas), t).action))
     return out
 
 
-@pytest.mark.parametrize(("cold_start_s", "first_up"), [
-    pytest.param(60.0, 30.0, id="a 60 s cold start: 12% rising 0.4%/s projects 36% -> up before 25%"),
-    pytest.param(20.0, 45.0, id="a 20 s cold start: 18% + 8% projected crosses later"),
-    pytest.param(0.0, 75.0, id="no cold start: only once the rate itself is over 25%"),
+@pytest.mark.parametrize(("cold_start_s", "replicas", "first_up"), [
+    pytest.param(60.0, 8, 30.0, id="a 60 s cold start: 12% rising 0.4%/s projects 36% -> up before 25%"),
+    pytest.param(20.0, 8, 45.0, id="a 20 s cold start: 18% + 8% projected crosses later"),
+    pytest.param(0.0, 8, 75.0, id="no cold start: only once the rate itself is over 25%"),
+    pytest.param(60.0, 2, 75.0, id="2 replicas: 12-24% unmet is under one replica's worth, the projection waits"),
 ])
-def test_the_trend_is_projected_over_a_cold_start(cold_start_s: float, first_up: float) -> None:
-    got = _rising([0.0, 0.06, 0.12, 0.18, 0.24, 0.30], cold_start_s)
+def test_the_trend_is_projected_over_a_cold_start(cold_start_s: float, replicas: int, first_up: float) -> None:
+    """The projection acts early where what is unmet now is already a replica's worth: 12% of 8 replicas' demand
+    is 1.1 replicas (8 / 88% - 8); of 2 replicas' it is 0.27, and the replica would idle until the rise came."""
+    got = _rising([0.0, 0.06, 0.12, 0.18, 0.24, 0.30], cold_start_s, replicas)
     assert next(t for t, a in got if a == "up") == first_up
 
 
 def test_a_scale_up_on_the_projection_alone_adds_the_shortfall_not_the_step() -> None:
-    """The trend says when, not how much: 12% unmet on 2 replicas, rising to a projected 36%, needs 3
-    (2 / 88% served), so +1, not the step's +2; once the rate itself is over 25%, the step applies."""
-    law = ControlLaw(LawSettings(min_replicas=1, max_replicas=8, step=2, cold_start_s=60.0))
+    """The trend says when, not how much: 12% unmet on 8 replicas, rising to a projected 36%, is 1.1 replicas
+    short (8 / 88% served = 9.1), so +1 — the whole replicas unmet, not the step's 4 (nor 2 by rounding 1.1 up);
+    once the rate itself is over 25%, the step applies."""
+    law = ControlLaw(LawSettings(min_replicas=1, max_replicas=16, step=4, cold_start_s=60.0))
     verdicts = []
     for i, r in enumerate([0.0, 0.06, 0.12]):
         t = 15.0 * i
-        verdicts.append(law.decide(window(AB, capacity={"a": 100 * r / (1 - r)}, at=t), t))
-    assert [(v.action, v.desired) for v in verdicts] == [("hold", 2), ("hold", 2), ("up", 3)], verdicts[-1].reason
-    assert "+1 replica(s) (max(step 1" in verdicts[-1].reason
+        verdicts.append(law.decide(window(AB, capacity={"a": 100 * r / (1 - r)}, at=t, replicas=8), t))
+    assert [(v.action, v.desired) for v in verdicts] == [("hold", 8), ("hold", 8), ("up", 9)], verdicts[-1].reason
+    assert "+1 replica(s) (max(step 1" in verdicts[-1].reason and "9 needed" in verdicts[-1].reason
+
+
+def test_a_projection_with_less_than_a_replica_unmet_waits() -> None:
+    """12% unmet on 2 replicas, projected to 36%: 0.27 of a replica is unmet now — a third would idle until the
+    rise came (a burst is over before it is up); the law holds and says why, and scales once the rate itself
+    is over the threshold."""
+    law = ControlLaw(LawSettings(min_replicas=1, max_replicas=8, step=2, cold_start_s=60.0))
+    verdicts = [law.decide(window(AB, capacity={"a": 100 * r / (1 - r)}, at=15.0 * i), 15.0 * i)
+                for i, r in enumerate([0.0, 0.06, 0.12, 0.3])]
+    assert [(v.action, v.desired) for v in verdicts] == [("hold", 2), ("hold", 2), ("hold", 2), ("up", 4)]
+    assert "projected 36% in 60s" in verdicts[2].reason and "what is unmet now is 0.27 of a replica" \
+        in verdicts[2].reason, verdicts[2].reason
     v = ControlLaw(LawSettings(min_replicas=1, max_replicas=8, step=2)).decide(window(AB, capacity={"a": 40}), 0)
     assert (v.action, v.desired) == ("up", 4), v.reason  # 29% seen: max(step 2, 3 needed - 2 up)
 
@@ -901,14 +917,15 @@ def test_a_scale_up_clears_the_hpas_tolerance_at_once() -> None:
 
 @pytest.mark.parametrize(("tolerance", "asked"), [(0.1, 23), (0.0, 21)])
 def test_a_scale_up_on_the_projection_clears_the_hpas_tolerance(tolerance: float, asked: int) -> None:
-    """A projection-only scale-up of a large pool is sized on the rate seen: 4% unmet on 20 replicas needs
-    21, within the HPA's 10% of 20 — asked as 23, the least count past it (as 21 with no tolerance assumed);
+    """A projection-only scale-up of a large pool is sized on the rate seen: 6% unmet on 20 replicas is 1.3
+    replicas short: 21, within the HPA's 10% of 20 — asked as 23, the least count past it (as 21 with no
+    tolerance assumed);
     and the scale-down undone within a cooldown (the one removed, +1) clears it too."""
     law = ControlLaw(LawSettings(min_replicas=1, max_replicas=32, step=2, cold_start_s=180.0,
                                  hpa_tolerance=tolerance))
     law.desired = 20
     v = None
-    for i, r in enumerate([0.0, 0.02, 0.04]):
+    for i, r in enumerate([0.0, 0.03, 0.06]):
         t = 15.0 * i
         v = law.decide(window(AB, capacity={"a": 100 * r / (1 - r)}, replicas=20, at=t), t)
     assert v is not None and (v.action, v.desired) == ("up", asked), v.reason
