@@ -111,7 +111,9 @@ Per evaluation, over the signal window:
   longer pay for a scale-down); with the breaker's change below static kvgate's rows moved (37), and the trend
   took 2 more (35);
 * in between → hold (and the cooldown starts again), except within a cooldown of a scale-down with
-  no scale-up since (two, while the replicas running do not show it yet): the unmet rate or its projection
+  no scale-up since (two, while the replicas running do not show it yet; the cooldown counted from when they
+  do — behind the chart's HPA that is a stabilisation window after it was asked, and counted from the ask the
+  window closed as the pods went: families ``shared-prefix`` seed 8): the unmet rate or its projection
   at ``scale_down_threshold`` or above then puts the replica removed back (+1; a flap, as above). The fleet
   had no unmet demand before it; one replica short, the hold band would keep the shortfall for good
   (families ``mixed`` seed 2: 4 → 3 replicas as the prompt mix lengthened, then 5-15% unmet demand to the
@@ -388,6 +390,9 @@ class ControlLaw:
         """The time of the evaluation under way (``_out`` books a flap at it)."""
         self._unfit_streak = 0
         """Evaluations in a row that found a scale-down not yet applied no longer fits (withdrawn at two)."""
+        self._down_shown = False
+        """Whether the replicas running have shown the last scale-down (``_last_down``'s time is then when they
+        did: its cooldown for a flap runs from there)."""
 
     @property
     def ready(self) -> bool:
@@ -396,6 +401,15 @@ class ControlLaw:
 
     def decide(self, sig: Signals | None, now: float) -> Verdict:
         before = self._total(self.desired) if self.desired is not None else None
+        last = self._last_down
+        if (last is not None and not self._down_shown and sig is not None and sig.replicas is not None
+                and sig.replicas - self.s.warm_pool <= last[1]):
+            # the replicas running show the scale-down now: what it costs shows only from here, so the cooldown
+            # within which unmet demand undoes it (a flap) runs from now, not from when it was asked — behind the
+            # chart's HPA that was a stabilisation window earlier, and the replica removed never came back
+            # (families shared-prefix seed 8: 3 -> 2 asked at 135 s, applied at 258 s, up to 23% of requests
+            # refused from 375 s on, never past the scale-up threshold)
+            self._last_down, self._down_shown = (now, last[1]), True
         v = self._decide(sig, now)
         up = sig.replicas if sig is not None else None
         if up is not None and not v.missing_data:
@@ -414,7 +428,7 @@ class ControlLaw:
             last = self._last_down
             if last is not None and self.flap_level is not None and last[1] <= self.flap_level:
                 self.backoff = max(1.0, self.backoff / 2)  # the previous scale-down there held
-            self._last_down = (now, self.desired)
+            self._last_down, self._down_shown = (now, self.desired), False
         return v
 
     def _undone(self, now: float, within: float | None = None) -> str:
