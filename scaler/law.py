@@ -27,17 +27,20 @@ Per evaluation, over the signal window:
   least one when only its projection is (a rise not there yet is not sized as one: a +2 on a 13%
   rate left the replicas added half idle); nothing when replicas that came up during the window
   cover it. The projection alone adds a replica only where the demand unmet now already comes to a whole
-  replica's worth (that / (1 - u) less the replicas up is at least one: u at least 1/(N+1) of N replicas),
-  and adds the whole replicas unmet (1.06 short is +1, not +2): a replica added for a rise that has not come
-  idles until it does, and a burst that ends within a cold start is gone before the replica is up (families
-  ``bursty-mmpp`` seed 1: 14% unmet on 4 replicas projected to 25% in 90 s, +1 that bought 0.9 point of SLO
-  for 15% more GPU-hours — the rate never passed 15%; over the families' seeds 1-12, kvgate+scaler's misses
-  against static kvgate's rows went 34 -> 18, GPU-hours -3.0 summed over the 22 runs it changed, for 23 points
-  of all-tier SLO summed). On a large pool, where one replica is a small share, the projection still acts early (9% of
-  10 replicas). Any scale-up (the warm pool's one more and a flap's too) asks at least the least count past
-  ``hpa_tolerance`` of the replicas running (12 of 10 at 10%: 11 is within it, and the HPA would ignore
-  it — for good before the give-up below, ``give_up_s`` late after it: attack75 F4, review76 M4). One
-  that ``max_replicas`` bounds within that tolerance is a hold: the HPA would ignore it too (attack80 F3);
+  replica's worth (that / (1 - u) less the replicas up is at least one: u at least 1/(N+1) of N replicas — 10%
+  of 10, 20% of 4, 25% of 3, so on 1 or 2 replicas the default 25% threshold leaves the projection nothing to
+  do), and adds the whole replicas unmet (1.06 short is +1, not +2); short of that the window goes on to the
+  rules below, as if the projection were under the threshold (the warm pool's one more, a scale-down undone or
+  withdrawn: attack102 F3/F4): a replica added for a rise that has not come idles until it does, and a burst
+  that ends within a cold start is gone before the replica is up (families ``bursty-mmpp`` seed 1: 14% unmet
+  on 4 replicas projected to 25% in 90 s, +1 that bought 0.9 point of SLO for 15% more GPU-hours — the rate
+  never passed 15%; over the families' seeds 1-12, kvgate+scaler's misses against static kvgate's rows went 34
+  -> 18, GPU-hours -3.0 summed over the 22 runs it changed, for 23 points of all-tier SLO summed). On a large
+  pool, where one replica is a small share, the projection still acts early. Any scale-up (the warm pool's one
+  more and a flap's too) asks at least the least count past ``hpa_tolerance`` of the replicas running (12 of
+  10 at 10%: 11 is within it, and the HPA would ignore it — for good before the give-up below, ``give_up_s``
+  late after it: attack75 F4, review76 M4). One that ``max_replicas`` bounds within that tolerance is a hold:
+  the HPA would ignore it too (attack80 F3);
 * a scale-up is not repeated while the replicas it asked for are not there yet (models take 30-90 s
   to load): unmet demand during a cold start is expected and must not compound — for ``give_up_s`` (two
   cold starts and a signal window, at least 5 minutes: a new pod may wait for a node and an image pull
@@ -393,6 +396,8 @@ class ControlLaw:
         self._down_shown = False
         """Whether the replicas running have shown the last scale-down (``_last_down``'s time is then when they
         did: its cooldown for a flap runs from there)."""
+        self._down_asked = 0.0
+        """When the last scale-down was asked (``_last_down``'s time until the replicas running show it)."""
 
     @property
     def ready(self) -> bool:
@@ -402,14 +407,18 @@ class ControlLaw:
     def decide(self, sig: Signals | None, now: float) -> Verdict:
         before = self._total(self.desired) if self.desired is not None else None
         last = self._last_down
-        if (last is not None and not self._down_shown and sig is not None and sig.replicas is not None
-                and sig.replicas - self.s.warm_pool <= last[1]):
+        if (last is not None and sig is not None and sig.replicas is not None and sig.complete
+                and now - sig.at <= self.s.stale_after_s and now - self._down_asked < 2 * self.s.cooldown_s):
             # the replicas running show the scale-down now: what it costs shows only from here, so the cooldown
             # within which unmet demand undoes it (a flap) runs from now, not from when it was asked — behind the
             # chart's HPA that was a stabilisation window earlier, and the replica removed never came back
             # (families shared-prefix seed 8: 3 -> 2 asked at 135 s, applied at 258 s, up to 23% of requests
-            # refused from 375 s on, never past the scale-up threshold)
-            self._last_down, self._down_shown = (now, last[1]), True
+            # refused from 375 s on, never past the scale-up threshold). Only within ``_pending``'s two cooldowns
+            # of the ask (not shown by then, the HPA ignored it: a node dying hours later is no flap), and a
+            # dip that ends before then (a node restarting) was not it: the ask's time again (attack102 F1/F2)
+            shows = sig.replicas - self.s.warm_pool <= last[1]
+            if shows != self._down_shown:
+                self._last_down, self._down_shown = (now if shows else self._down_asked, last[1]), shows
         v = self._decide(sig, now)
         up = sig.replicas if sig is not None else None
         if up is not None and not v.missing_data:
@@ -428,7 +437,7 @@ class ControlLaw:
             last = self._last_down
             if last is not None and self.flap_level is not None and last[1] <= self.flap_level:
                 self.backoff = max(1.0, self.backoff / 2)  # the previous scale-down there held
-            self._last_down, self._down_shown = (now, self.desired), False
+            self._last_down, self._down_shown, self._down_asked = (now, self.desired), False, now
         return v
 
     def _undone(self, now: float, within: float | None = None) -> str:
@@ -442,7 +451,9 @@ class ControlLaw:
         at, level = last
         self.flap_level = level
         self.backoff = min(MAX_BACKOFF, self.backoff * 2)
-        return (f"; this undoes the scale-down of {now - at:.0f}s ago: the next to {level + self.s.warm_pool} "
+        when = f"{now - self._down_asked:.0f}s ago" + (f" (the replicas running showed it {now - at:.0f}s ago)"
+                                                       if at > self._down_asked else "")
+        return (f"; this undoes the scale-down of {when}: the next to {level + self.s.warm_pool} "
                 f"replica(s) or fewer waits {self.backoff:g} cooldowns")
 
     def _decide(self, sig: Signals | None, now: float) -> Verdict:
@@ -479,7 +490,16 @@ class ControlLaw:
             what += f"; projected {projected:.0%} in {s.cold_start_s:.0f}s (trend {slope * 100:+.2f}%/s)"
         v = _Ctx(u, projected, quota, rate, kv)
         thr = s.scale_up_threshold
-        over = max(rate or 0.0, projected or 0.0) > thr
+        over = (rate or 0.0) > thr
+        if not over and (projected or 0.0) > thr:
+            # the projection alone counts only where what is unmet now is a whole replica: short of that, the
+            # window goes on to the rules below (the warm pool's one more, a scale-down undone or not yet applied
+            # — a hold in the scale-up's place kept asking a scale-down the HPA then applied mid-ramp: attack102)
+            short = self._short(rate or 0.0, observed, mean_up, current)
+            over = short >= 1.0 - 1e-9
+            if not over:
+                what += (f", but what is unmet now is {max(short, 0.0):.2f} of a replica: a replica added would idle "
+                         "until the rise comes")
         waiting = observed is not None and observed < self._total(current)
         # asked for long ago and still not there: where the law would wait for them (a scale-up, the warm
         # pool's one more) it re-decides from what runs (``_give_up``); elsewhere its level holds. (With no
@@ -683,26 +703,21 @@ class ControlLaw:
             ctx: _Ctx, step: int, gave_up: _GiveUp | None = None) -> Verdict:
         """Scale up by the shortfall: the window's fleet (``mean_up`` replicas, time-weighted) served 1 - u
         of its demand (u: the unmet rate seen, not its projection: the trend says when, not how much), so
-        it needed mean_up / (1 - u); add what the replicas up now lack, at least ``step`` (``s.step``, or
-        1 when only the projection is over the threshold — and then nothing unless what the replicas up lack
-        is a whole replica)."""
+        it needed mean_up / (1 - u); add what the replicas up now lack, at least ``step`` (``s.step``) — or,
+        when only the projection is over the threshold (``_decide`` asks that only with a whole replica unmet),
+        the whole replicas unmet."""
         total = self._total(current)
         if observed is not None and observed < total:
             return self._out(current, "hold", f"{why}, but waiting for the {total - observed} replica(s) already "
                              "asked for to come up", ctx)
-        projection_only = share <= self.s.scale_up_threshold  # (called only when rate or projection is over it)
+        # (only the projection over the threshold — ``_decide`` asks that with a whole replica unmet — adds the
+        # whole replicas unmet now: 1.06 short is +1, not +2; bursty-onoff seed 12)
+        projection_only = share <= self.s.scale_up_threshold
         share = min(MAX_SIZING_SHARE, share)
         up = observed if observed is not None else total
         base = mean_up if mean_up is not None else float(up)
-        short = base / (1.0 - share) - up
-        if projection_only and short < 1.0 - 1e-9:
-            # only the projection is over the threshold, and what is unmet now is less than a replica's worth: a
-            # replica added would idle until the rise comes — and a burst is over before it is up
-            return self._out(current, "hold", f"{why}, but what is unmet now is {max(short, 0.0):.2f} of a replica "
-                             f"({base:.1f} up over the window / {1 - share:.0%} served): a replica added would idle "
-                             "until the rise comes", ctx)
-        # (the projection's replicas are the whole ones unmet now: 1.06 short is +1, not +2 — bursty-onoff seed 12)
-        need = up + math.floor(short + 1e-9) if projection_only else math.ceil(base / (1.0 - share) - 1e-9)
+        need = up + max(1, math.floor(self._short(share, observed, mean_up, current) + 1e-9)) if projection_only \
+            else math.ceil(base / (1.0 - share) - 1e-9)
         if need <= up and base < up:
             return self._out(current, "hold", f"{why}, but the {up} replica(s) up now cover it (the window saw "
                              f"{base:.1f} on average, short by {share:.0%}: {need} needed)", ctx)
@@ -716,6 +731,14 @@ class ControlLaw:
             desired, floor = max(plain, gave_up.floor - self.s.warm_pool), gave_up.floor_note(plain + self.s.warm_pool)
         return self._out(desired, "up", f"{why}: +{add} replica(s) (max(step {step}, {base:.1f} up over the "
                          f"window / {1 - share:.0%} served = {need} needed, {up} up)){floor}", ctx)
+
+    def _short(self, share: float, observed: int | None, mean_up: float | None, current: int) -> float:
+        """Replicas' worth of demand unmet now: the window's fleet (``mean_up``, time-weighted) served 1 - u of
+        its demand, so it needed mean_up / (1 - u); less the replicas up now."""
+        share = min(MAX_SIZING_SHARE, share)
+        up = observed if observed is not None else self._total(current)
+        base = mean_up if mean_up is not None else float(up)
+        return base / (1.0 - share) - up
 
     def _clear(self, level: int, observed: int | None) -> tuple[int, str]:
         """A scale-up's demand level, raised where its count would be within ``hpa_tolerance`` of the replicas

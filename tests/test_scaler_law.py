@@ -393,7 +393,65 @@ def test_a_scale_down_the_hpa_applies_late_is_undone_within_a_cooldown_of_it_sho
     assert [(t, v.action, v.desired) for t, v in out if v.action != "hold"] == [(600.0, "down", 3),
                                                                                 (1260.0, "up", 4)]
     v = dict(out)[1260.0]
-    assert "within a cooldown of a scale-down" in v.reason and "undoes the scale-down of 60s ago" in v.reason, \
+    assert "within a cooldown of a scale-down" in v.reason, v.reason
+    assert "undoes the scale-down of 660s ago (the replicas running showed it 60s ago)" in v.reason, v.reason
+
+
+def _run(law: ControlLaw, running: Callable[[float], int], slo: Callable[[float], float], until: float,
+         kv: float = 1.2) -> list[tuple[float, Verdict]]:
+    """Evaluate every 15 s with ``running(t)`` replicas up (the HPA's doing, not the law's) and ``slo(t)``
+    predicted SLO misses per 100 admitted; KV in use ``kv`` replicas' worth."""
+    out = []
+    for i in range(int(until // 15) + 1):
+        t = 15.0 * i
+        n, miss = running(t), slo(t)
+        out.append((t, law.decide(window(AB, slo={"a": miss} if miss else None, replicas=n, kv=kv / n, at=t), t)))
+    return out
+
+
+@pytest.mark.parametrize("dip", [False, True])
+def test_a_dip_before_the_hpa_applies_a_scale_down_does_not_start_its_window(dip: bool) -> None:
+    """A node restarting a minute after the ask (3 running for 30 s) is not the scale-down: its window still
+    runs from when the HPA applies it (1200 s), so unmet demand 100 s later undoes it (attack102 F2)."""
+    def running(t: float) -> int:
+        if dip and 660 <= t < 690:
+            return 3
+        return 4 if t < 1200 else 3
+    out = _run(ControlLaw(DOWN), running, lambda t: 8 if t >= 1305 else 0, 1400)
+    assert [(t, v.action, v.desired) for t, v in out if v.action != "hold"] == [(600.0, "down", 3), (1305.0, "up", 4)]
+
+
+def test_a_scale_down_the_hpa_ignored_is_no_flap_when_a_node_dies_later() -> None:
+    """10 -> 9 is within the HPA's 10% tolerance: never applied. A node dying an hour later brings the running
+    count to 9: that is not the scale-down showing (past two cooldowns of the ask, the HPA ignored it), so the
+    unmet demand it leaves is no flap — no doubled backoff, no "undoes the scale-down" (attack102 F1)."""
+    law = ControlLaw(LawSettings(min_replicas=1, max_replicas=16, step=2, cooldown_s=600))
+    out = _run(law, lambda t: 10 if t < 5000 else 9, lambda t: 8 if t >= 5015 else 0, 5400, kv=4.0)
+    assert [(t, v.action) for t, v in out if v.action != "hold"][:1] == [(600.0, "down")]
+    assert law.backoff == 1 and all("undoes" not in v.reason for _, v in out)
+
+
+def test_a_projection_short_of_a_replica_leaves_a_pending_scale_down_to_the_band() -> None:
+    """4 -> 3 asked, 4 still running (the HPA holds it), then unmet demand jumps to 13%, projected past 25%:
+    less than a replica unmet, so the projection does not count — and the rules below it do: unmet demand within
+    a cooldown of the scale-down withdraws it (the level back to the 4 running), where a hold in the scale-up's
+    place kept asking 3 and the HPA removed a replica mid-ramp (attack102 F3)."""
+    law = ControlLaw(LawSettings(min_replicas=1, max_replicas=8, step=2, cooldown_s=600, cold_start_s=180))
+    out = _run(law, lambda t: 4, lambda t: 15 if t >= 645 else 0, 700, kv=1.2)
+    v = dict(out)[645.0]
+    assert dict(out)[600.0].action == "down" and v.desired == 4, v.reason
+    assert "of a replica: a replica added would idle" in v.reason, v.reason
+
+
+def test_a_projection_short_of_a_replica_leaves_the_warm_pools_one_more() -> None:
+    """Warm pool 1, 3 running, the 2 beyond it at 68% KV and 12% unmet projected to 41%: the warm pool's +1
+    (above 55%) as without the projection, not a hold (attack102 F4)."""
+    law = ControlLaw(LawSettings(max_replicas=8, cold_start_s=180, warm_pool=1))
+    v = None
+    for i, (r, kv) in enumerate([(0.0, 0.3)] * 8 + [(0.12, 0.9)]):
+        t = 15.0 * i
+        v = law.decide(window(AB, capacity={"a": 100 * r / (1 - r)} if r else None, replicas=3, kv=kv, at=t), t)
+    assert v is not None and (v.action, v.desired) == ("up", 4) and "warm pool is carrying demand" in v.reason, \
         v.reason
 
 
