@@ -408,17 +408,20 @@ class ControlLaw:
         before = self._total(self.desired) if self.desired is not None else None
         last = self._last_down
         if (last is not None and sig is not None and sig.replicas is not None and sig.complete
-                and now - sig.at <= self.s.stale_after_s and now - self._down_asked < 2 * self.s.cooldown_s):
+                and now - sig.at <= self.s.stale_after_s):
             # the replicas running show the scale-down now: what it costs shows only from here, so the cooldown
             # within which unmet demand undoes it (a flap) runs from now, not from when it was asked — behind the
             # chart's HPA that was a stabilisation window earlier, and the replica removed never came back
             # (families shared-prefix seed 8: 3 -> 2 asked at 135 s, applied at 258 s, up to 23% of requests
             # refused from 375 s on, never past the scale-up threshold). Only within ``_pending``'s two cooldowns
             # of the ask (not shown by then, the HPA ignored it: a node dying hours later is no flap), and a
-            # dip that ends before then (a node restarting) was not it: the ask's time again (attack102 F1/F2)
+            # dip that ends (a node restarting) was not it: the ask's time again, whenever it ends (attack102 F1/F2,
+            # attack104 N1/N2: a count flapping around the level re-marked it past the two cooldowns)
             shows = sig.replicas - self.s.warm_pool <= last[1]
-            if shows != self._down_shown:
-                self._last_down, self._down_shown = (now if shows else self._down_asked, last[1]), shows
+            if shows and not self._down_shown and now - self._down_asked < 2 * self.s.cooldown_s:
+                self._last_down, self._down_shown = (now, last[1]), True
+            elif not shows and self._down_shown:
+                self._last_down, self._down_shown = (self._down_asked, last[1]), False
         v = self._decide(sig, now)
         up = sig.replicas if sig is not None else None
         if up is not None and not v.missing_data:
@@ -498,8 +501,8 @@ class ControlLaw:
             short = self._short(rate or 0.0, observed, mean_up, current)
             over = short >= 1.0 - 1e-9
             if not over:
-                what += (f", but what is unmet now is {max(short, 0.0):.2f} of a replica: a replica added would idle "
-                         "until the rise comes")
+                what += (f" (but what is unmet now is {max(short, 0.0):.2f} of a replica: a replica added would idle "
+                         "until the rise comes)")
         waiting = observed is not None and observed < self._total(current)
         # asked for long ago and still not there: where the law would wait for them (a scale-up, the warm
         # pool's one more) it re-decides from what runs (``_give_up``); elsewhere its level holds. (With no

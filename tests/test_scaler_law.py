@@ -421,6 +421,18 @@ def test_a_dip_before_the_hpa_applies_a_scale_down_does_not_start_its_window(dip
     assert [(t, v.action, v.desired) for t, v in out if v.action != "hold"] == [(600.0, "down", 3), (1305.0, "up", 4)]
 
 
+@pytest.mark.parametrize("until", [1200.0, 3000.0])
+def test_a_count_flapping_around_the_level_does_not_keep_a_scale_down_shown(until: float) -> None:
+    """4 -> 3 asked at 600 s and never applied, while a crash-looping pod flaps the count 3, 4, 3, 4 until
+    ``until``: each 4 un-marks it, and no mark comes past two cooldowns of the ask, so unmet demand at 2300 s
+    (past a cooldown from any mark) books no flap (attack104 N1/N2)."""
+    law = ControlLaw(DOWN)
+    out = _run(law, lambda t: (3 if int(t // 15) % 2 else 4) if 615 <= t < until else 4,
+               lambda t: 8 if t >= 2300 else 0, 2600)
+    assert law.backoff == 1 and all("undoes" not in v.reason for _, v in out), \
+        [v.reason for _, v in out if "undoes" in v.reason][:1]
+
+
 def test_a_scale_down_the_hpa_ignored_is_no_flap_when_a_node_dies_later() -> None:
     """10 -> 9 is within the HPA's 10% tolerance: never applied. A node dying an hour later brings the running
     count to 9: that is not the scale-down showing (past two cooldowns of the ask, the HPA ignored it), so the
