@@ -234,7 +234,7 @@ class Room:
       its next reading, :meth:`dead`) and one whose breaker is open with its recovery window not over
       (``allows`` stays false until then; the earliest end of an open breaker's window is kept, and
       from it on every question says "might");
-    * unbounded (+inf) for a half-open breaker, a node without a KV reading, and an idle node with
+    * unbounded (+inf) for a node without a KV reading, and an idle node with
       enough free KV that a request too large for the threshold alone could go there
       (``Picker._alone_fits``);
     * else what its projected KV leaves below its threshold less ``r``, in tokens.
@@ -360,8 +360,11 @@ class Room:
             return (-math.inf,) * len(reserves)  # until its window ends (``might_fit``)
         s = n.snapshot
         cap = n.capacity_tokens()
-        if state is not State.CLOSED or s is None or s.kv_usage is None or cap is None:
+        if s is None or s.kv_usage is None or cap is None:
             return (math.inf,) * len(reserves)
+        # (a half-open breaker's node is judged as a closed one's: node choice filters it on KV all the same, and
+        # its trial slots only make it stricter. Unbounded, one half-open node in a full fleet sent every question
+        # to node choice, which then filtered the whole fleet: review103 M5)
         thr, usage = n.threshold, s.kv_usage
         room = (thr - usage) * cap - n.waiting_tokens - n.pending_tokens  # (``ROOM_SLACK`` covers the rounding)
         if n.inflight or n.pending or n.waiting():

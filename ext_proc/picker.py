@@ -219,14 +219,15 @@ class Picker(NodeBook):
         return Choice(best) if best is not None else Choice(None, "fleet-no-healthy-node", 1.0)
 
     def _none_fit(self, tokens: int, now: float, retry: bool = True) -> Choice:
-        """``_choose``'s answer when ``room`` says no node passes: every live node with a closed breaker
-        fails on KV (``fleet-kv``), else a live one is open (``fleet-breakers-open``), else none is live."""
+        """``_choose``'s answer when ``room`` says no node passes: every live node whose breaker lets a request
+        through (closed, or half-open with a trial left) fails on KV (``fleet-kv``), else a live one is open or
+        out of trials (``fleet-breakers-open``), else none is live."""
         dead_s = self.cfg.dead_after_seconds
         reason = "fleet-no-healthy-node"
         for n in self._order:
             if n.fresh_at is None or now - n.fresh_at > dead_s:
                 continue  # (``room`` already judges it: it passes nothing)
-            if n.breaker.state is State.CLOSED:
+            if n.breaker.allows(now):
                 reason = "fleet-kv"
                 break
             reason = "fleet-breakers-open"
