@@ -255,15 +255,14 @@ def test_a_fleet_that_asks_its_room_first_chooses_as_one_that_filters_every_node
 def test_a_full_fleet_with_a_half_open_node_answers_without_filtering(trials_left: bool) -> None:
     """A half-open breaker's node is filtered on KV as a closed one's is: in a full fleet its room is what its
     KV leaves, not unbounded, so the room says no by itself (one half-open node had sent every question to
-    node choice, which filtered the whole fleet: review103 M5) — with the answer filtering gives: ``fleet-kv``
-    while its trial is left, ``fleet-breakers-open`` once spent (every other node open)."""
+    node choice, which filtered the whole fleet: review103 M5) — with the answer filtering gives, every other
+    node open: ``fleet-kv`` while its trial is left (its KV refused it), ``fleet-breakers-open`` once spent."""
     f = _fleet(4, 1)
     now = 100.0
     for i, a in enumerate(f.nodes):
         f.on_snapshot(a, Snapshot(a, now, True, kv_usage=0.95, blocks_total=4000, block_size=16, running=2.0,
                                   waiting=0.0), now)
-        f.nodes[a].breaker._go(State.HALF_OPEN if i == 0 else (State.CLOSED if trials_left else State.OPEN),
-                               "test", now)
+        f.nodes[a].breaker._go(State.HALF_OPEN if i == 0 else State.OPEN, "test", now)
     half = f.nodes[next(iter(f.nodes))].breaker
     if not trials_left:
         while half.allows(now):
