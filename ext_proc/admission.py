@@ -614,8 +614,8 @@ class Admission:
                 # the nodes, no reload needed)
                 self._drop_spare(ticket, now, out)
                 continue
-            waited = self._spare_waited(now - lease.started)
-            placed, capacity = self._place(w.estimate, ticket, self.config.lowest_tier, now, waited)
+            as_held = self._spare_waited(now - lease.started)
+            placed, capacity = self._place(w.estimate, ticket, self.config.lowest_tier, now, as_held)
             if capacity is not None:
                 full = capacity.reason == "fleet-inflight"
                 refused[pool] += 1

@@ -533,11 +533,10 @@ class ControlLaw:
         if over:  # (from zero too, when the replicas up are short: sized like any other scale-up)
             self._low_since = None
             why = f"{what} > {thr:.0%}"
-            step = s.step if (rate or 0.0) > thr else 1
             if observed is not None and waited is not None and stale:
                 g = self._give_up(current, observed, waited)
-                return g.settle(self._up(g.level, observed, mean_up, rate or 0.0, why + g.text, v, step, g))
-            return self._up(current, observed, mean_up, rate or 0.0, why, v, step)
+                return g.settle(self._up(g.level, observed, mean_up, rate or 0.0, why + g.text, v, g))
+            return self._up(current, observed, mean_up, rate or 0.0, why, v)
         beyond = observed - s.warm_pool if observed is not None else 0
         # (the window's mean and the reading now, whichever is lower: the mean still holds the readings from before
         # the replicas asked for came, and read alone it asked one more a window after they did — attack80 F2)
@@ -703,10 +702,10 @@ class ControlLaw:
         return g
 
     def _up(self, current: int, observed: int | None, mean_up: float | None, share: float, why: str,
-            ctx: _Ctx, step: int, gave_up: _GiveUp | None = None) -> Verdict:
+            ctx: _Ctx, gave_up: _GiveUp | None = None) -> Verdict:
         """Scale up by the shortfall: the window's fleet (``mean_up`` replicas, time-weighted) served 1 - u
         of its demand (u: the unmet rate seen, not its projection: the trend says when, not how much), so
-        it needed mean_up / (1 - u); add what the replicas up now lack, at least ``step`` (``s.step``) — or,
+        it needed mean_up / (1 - u); add what the replicas up now lack, at least ``s.step`` — or,
         when only the projection is over the threshold (``_decide`` asks that only with a whole replica unmet),
         the whole replicas unmet."""
         total = self._total(current)
@@ -716,11 +715,12 @@ class ControlLaw:
         # (only the projection over the threshold — ``_decide`` asks that with a whole replica unmet — adds the
         # whole replicas unmet now: 1.06 short is +1, not +2; bursty-onoff seed 12)
         projection_only = share <= self.s.scale_up_threshold
+        step = 1 if projection_only else self.s.step
         share = min(MAX_SIZING_SHARE, share)
         up = observed if observed is not None else total
         base = mean_up if mean_up is not None else float(up)
-        need = up + max(1, math.floor(self._short(share, observed, mean_up, current) + 1e-9)) if projection_only \
-            else math.ceil(base / (1.0 - share) - 1e-9)
+        needed = base / (1.0 - share)
+        need = up + max(1, math.floor(needed - up + 1e-9)) if projection_only else math.ceil(needed - 1e-9)
         if need <= up and base < up:
             return self._out(current, "hold", f"{why}, but the {up} replica(s) up now cover it (the window saw "
                              f"{base:.1f} on average, short by {share:.0%}: {need} needed)", ctx)
