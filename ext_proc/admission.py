@@ -91,6 +91,9 @@ AS_HELD_S = 1e-6
 the lowest tier's TTFT target, not within its max wait (``core.Core._pick``); ``_spare_waited`` asks more."""
 SLOWED = 1.5
 """Recent mean over norm at which a tenant's concurrency-cap 429s count as the fleet's doing."""
+STRETCH_RATE_TAU_S = 10.0
+"""Time constant of a tenant's arrival rate (``max_concurrent_stretch``): whether it sends faster than its cap
+allows at its usual request duration is judged over about the last ten seconds."""
 
 
 @dataclass(slots=True, eq=False)
@@ -101,6 +104,18 @@ class TenantState:
     tokens: Bucket | None
     inflight: int = 0
     """Charged requests in flight or queued: what ``max_concurrent`` caps."""
+    stretched: int = 0
+    """Charged requests in flight or queued past ``max_concurrent`` on its stretch (``Lease.stretched``): they
+    hold no slot (not in ``inflight``, never reported to the shared store)."""
+    arrival_rate: float = 0.0
+    arrival_at: float | None = None
+    """Requests per second decided for the tenant (an exponentially decayed count, ``STRETCH_RATE_TAU_S``),
+    and when it last changed; kept only for a tenant with a ``max_concurrent_stretch``."""
+    mean_pace: float | None = None
+    norm_pace: float | None = None
+    """Seconds per output token of its answered requests (whole duration over completion tokens), recent and
+    usual, as ``mean_seconds`` / ``norm_seconds``: how much slower the fleet serves the tenant now, whatever
+    the size of its requests (``max_concurrent_stretch``)."""
     slots: int | None = None
     """With several replicas: this replica's slice of ``max_concurrent`` (``share.py``); None: all of it."""
     fleet_free: int = 0
@@ -183,6 +198,11 @@ class Lease:
     quota needs): it holds a fleet slot but no quota — nothing taken from any bucket or slot, its own
     tenant's or another's — runs at the lowest tier's vLLM priority and is never scaling demand. Always
     ``charged`` False."""
+
+    stretched: bool = False
+    """Admitted past its tenant's ``max_concurrent`` on the cap's stretch (``tenants[i].max_concurrent_stretch``:
+    the fleet holds the tenant's requests longer than usual): an ordinary request of its tier, its budgets
+    charged, that counts in ``TenantState.stretched`` instead of taking a slot."""
 
     @property
     def holds_slot(self) -> bool:
@@ -450,6 +470,8 @@ class Admission:
         else:
             state = self._tenants.get(tenant.name) or self._tenants[_UNKNOWN_SLOT]
             state.last_seen = now
+            if not borrowed and state.config.max_concurrent_stretch > 1.0:
+                _arrived(state, now)
             # shadow mode admits anyway: a round trip would only change what its counters say
             may_borrow = self.shared and not borrowed and state.mode == "enforce"
             rejection = refused or self._check(state, estimate, body_bytes, now, may_borrow)
@@ -999,7 +1021,7 @@ class Admission:
                 continue
             if lease.on_split:
                 self.quota.refunded(s, lease.reserved_tokens)
-            s.inflight -= 1
+            _untake(s, lease)
             if s.requests is not None:
                 s.requests.give(1, now)
             if s.tokens is not None:
@@ -1075,18 +1097,20 @@ class Admission:
             wait = self._slot_free(s, now)
             if short == "unknown":
                 return self._unknown(s, "slots", wait)
-            if isinstance(self.quota, LeasedQuota) and self.quota.idle_elsewhere(s):
-                # every slot is held, but the store's word is that fewer than the cap run fleet-wide: a
-                # slot sits idle at another replica — not over quota (a 429 would be a false claim)
-                return reject("quota-unavailable", f"All {cap} concurrent slots of this tenant{on} are held "
-                              f"by kvgate replicas, {s.inflight} of them in use here; the tenant is within its "
-                              "limit: a slot idle at another replica moves to where the requests are within "
-                              "about a sync of the shared store. Retry after the indicated time.",
-                              self.jittered(self.config.store.redis.sync_interval_ms / 1000.0
-                                            if self.config.store.redis is not None else wait))
-            message = f"Too many concurrent requests for this tenant{on} (limit {cap})."
-            r = self._policy(s, "tenant-concurrency", message, wait, est, now)
-            return replace(r, fleet_caused=True) if self._fleet_caused(s, est, now) else r
+            if s.stretched >= self._stretch_room(s, cap):
+                if isinstance(self.quota, LeasedQuota) and self.quota.idle_elsewhere(s):
+                    # every slot is held, but the store's word is that fewer than the cap run fleet-wide: a
+                    # slot sits idle at another replica — not over quota (a 429 would be a false claim)
+                    return reject("quota-unavailable", f"All {cap} concurrent slots of this tenant{on} are held "
+                                  f"by kvgate replicas, {s.inflight} of them in use here; the tenant is within "
+                                  "its limit: a slot idle at another replica moves to where the requests are "
+                                  "within about a sync of the shared store. Retry after the indicated time.",
+                                  self.jittered(self.config.store.redis.sync_interval_ms / 1000.0
+                                                if self.config.store.redis is not None else wait))
+                message = f"Too many concurrent requests for this tenant{on} (limit {cap})."
+                r = self._policy(s, "tenant-concurrency", message, wait, est, now)
+                return replace(r, fleet_caused=True) if self._fleet_caused(s, est, now) else r
+            # within the cap's stretch: on to the budgets (``_grant`` counts it in ``stretched``)
         budgets: tuple[tuple[Limit, Bucket | None, float], ...] = (
             ("requests", s.requests, 1.0), ("tokens", s.tokens, float(est.total)))
         for limit, b, need in budgets:
@@ -1211,6 +1235,33 @@ class Admission:
             return False
         return s.tokens is None or s.tokens.seconds_until(est.total, now) <= 0
 
+    @staticmethod
+    def _stretch_room(s: TenantState, cap: int) -> int:
+        """Requests ``s`` may have past its slots now on its cap's stretch (``tenants[i].max_concurrent_stretch``).
+
+        A cap sized by Little's law (rate x usual duration) refuses the same traffic once the fleet holds
+        every request longer; that 429 is the fleet's doing, not the tenant's excess. So while the fleet serves
+        the tenant more than ``SLOWED`` x slower than usual — its *pace*, seconds per output token, against
+        its norm: not its requests' duration, which also grows when the tenant sends longer requests (its own
+        doing: on the ``mixed`` family, whose tenants' long share shifts, the duration stretched caps of
+        tenants whose fleet was not slower, at the interactive tier's cost) — *and* it sends no faster than
+        the cap allows at its usual duration (arrival rate x ``norm_seconds`` below the cap: a tenant whose
+        own burst is over its cap gets no more of the stretch), the cap grows by the slowdown, up to the
+        configured factor. Only the tenant's own cap (a per-model budget's does not stretch); with several
+        replicas, this replica's slice of it, so the fleet-wide stretch stays within the factor. What goes on
+        the stretch is an ordinary request of its tier — queued, placed, refused for capacity (503) when the
+        fleet cannot serve it, so it is scaling demand as the fleet-caused 429 was. On the families, a cap
+        refused a batch tenant's requests in slowed bursts that shedding at 90% KV served (bursty-onoff seed
+        2: 54 concurrency 429s, batch SLO 98.0% against kv-shed's 100%; with a stretch of 2: 3, 99.9%)."""
+        factor = s.config.max_concurrent_stretch
+        if factor <= 1.0 or s.model is not None or s.mean_pace is None or s.norm_pace is None or \
+                s.norm_seconds is None or s.mean_pace <= SLOWED * s.norm_pace:
+            return 0
+        if s.arrival_rate * s.norm_seconds >= cap:
+            return 0
+        limit = cap if s.slots is None else min(s.slots, cap)
+        return int(limit * (min(factor, s.mean_pace / s.norm_pace) - 1.0))
+
     def _policy(
         self, s: TenantState, reason: str, message: str, wait: float, est: Estimate, now: float
     ) -> Rejection:
@@ -1265,9 +1316,11 @@ class Admission:
         if charged:
             lease.on_split = isinstance(self.quota, SplitQuota)
             lease.budget = self._budget_of(s, est.model) if self._model_budgets else None
+            # past its slots only as ``_check`` let it be, on the cap's stretch: counted apart, holding no slot
+            lease.stretched = _over_slots(s)
             for b in (s, lease.budget):
                 if b is not None:
-                    self._take(b, est.total, now)
+                    self._take(b, est.total, now, lease.stretched and b is s)
         if not queued:
             self._dispatch(lease, est, now)
         return lease
@@ -1276,9 +1329,13 @@ class Admission:
         """The tier whose vLLM priority a lease runs at: the lowest for best effort, else its own."""
         return self.config.lowest_tier if lease.best_effort else lease.tier
 
-    def _take(self, s: TenantState, tokens: int, now: float) -> None:
-        """Charge one request of ``tokens`` to a tenant (or a per-model budget)."""
-        s.inflight += 1
+    def _take(self, s: TenantState, tokens: int, now: float, stretched: bool = False) -> None:
+        """Charge one request of ``tokens`` to a tenant (or a per-model budget); ``stretched``: on its cap's
+        stretch, no slot."""
+        if stretched:
+            s.stretched += 1
+        else:
+            s.inflight += 1
         if s.requests is not None:
             s.requests.take(1, now)
         if s.tokens is not None:
@@ -1334,7 +1391,7 @@ class Admission:
             for b in (s, lease.budget):
                 if b is None:
                     continue
-                b.inflight -= 1
+                _untake(b, lease)
                 b.leases.pop(ticket, None)
                 if b.tokens is not None:
                     b.tokens.give(lease.reserved_tokens - charged_tokens, now)
@@ -1348,6 +1405,11 @@ class Admission:
             if lease.budget is not None:  # its Retry-After when its own cap refuses
                 lease.budget.mean_seconds = _ewma(lease.budget.mean_seconds, seconds)
             self._mean_seconds = _ewma(self._mean_seconds, seconds)
+            if usage is not None and usage.completion_tokens > 0 and s.config.max_concurrent_stretch > 1.0:
+                pace = seconds / usage.completion_tokens
+                s.mean_pace = _ewma(s.mean_pace, pace)
+                s.norm_pace = _ewma(s.norm_pace, pace, NORM_RISE_ALPHA if s.norm_pace is not None and
+                                    pace > s.norm_pace else NORM_ALPHA)
         w_out = self.config.queue.output_token_weight
         if usage is not None:
             served = usage.prompt_tokens + w_out * usage.completion_tokens
@@ -1453,6 +1515,30 @@ _NOTHING = Estimate(0, 0, parsed=True)
 def _slowed(s: TenantState) -> bool:
     """The tenant's requests now last clearly longer than its own norm (a slower fleet holds each longer)."""
     return s.mean_seconds is not None and s.norm_seconds is not None and s.mean_seconds > SLOWED * s.norm_seconds
+
+
+def _over_slots(s: TenantState) -> bool:
+    """Whether every slot the tenant may use here is taken: its ``max_concurrent``, or this replica's slice of
+    it with several replicas."""
+    cap = s.config.max_concurrent
+    return cap is not None and s.inflight >= (cap if s.slots is None else min(s.slots, cap))
+
+
+def _untake(s: TenantState, lease: Lease) -> None:
+    """Give back what ``Admission._take`` counted for ``lease`` in ``s``: a slot, or its place on the stretch
+    (the tenant's own state only: a per-model budget's cap does not stretch)."""
+    if lease.stretched and s is lease.tenant:
+        s.stretched -= 1
+    else:
+        s.inflight -= 1
+
+
+def _arrived(s: TenantState, now: float) -> None:
+    """Count one request in the tenant's arrival rate (``STRETCH_RATE_TAU_S``)."""
+    if s.arrival_at is not None:
+        s.arrival_rate *= math.exp(-max(0.0, now - s.arrival_at) / STRETCH_RATE_TAU_S)
+    s.arrival_rate += 1.0 / STRETCH_RATE_TAU_S
+    s.arrival_at = now
 
 
 class Placed(NamedTuple):

@@ -119,6 +119,12 @@ class Tenant(Quota):
         "at the lowest priority when the fleet has room nobody within quota needs); one word for all "
         "three, or per limit ({concurrency: best-effort, tokens: refuse}; a limit left out: "
         "best_effort.default); None: best_effort.default")
+    max_concurrent_stretch: Annotated[float, Field(ge=1, le=4)] = Field(
+        default=1.0, description="how far max_concurrent stretches while the fleet holds this tenant's requests "
+        "longer than usual (its recent mean duration at least 1.5x its norm) and it sends no faster than the cap "
+        "allows at its usual duration: the cap times the slowdown, up to this factor. A cap sized on a healthy "
+        "fleet's durations (docs/guides/tenants.md, Sizing max_concurrent) otherwise refuses the same traffic "
+        "once the fleet slows. Requests past the cap on the stretch hold no slot of the shared store; 1: never")
     budgets: list[SpendBudget] = Field(
         default_factory=list, description="spend budgets (money or weighted tokens per window): see "
         "docs/guides/budgets.md")

@@ -160,6 +160,11 @@ class Stats:
             "Requests of a tenant over a protective limit served as best effort (tenants[i].over_limit): the "
             "fleet had room nobody within quota needed; limit: the one it was over (concurrency | requests | "
             "tokens). Never scaling demand", ["tenant", "tier", "limit", "pool"])
+        self.stretched = Counts(
+            "kvgate_concurrency_stretched_admissions_total",
+            "Requests admitted past their tenant's max_concurrent on the cap's stretch "
+            "(tenants[i].max_concurrent_stretch): the fleet held the tenant's requests longer than usual while it "
+            "sent no faster than its cap allows; ordinary requests of its tier otherwise", ["tenant", "tier", "pool"])
         self._allowed: frozenset[str] = frozenset()
         self._max = max_tenant_labels
         self._state: _State | None = None
@@ -167,7 +172,8 @@ class Stats:
         """Node address → how its probe is followed (``follow.Follower.modes``); None while nothing
         follows the probes (Envoy picks the node, or a core driven in virtual time)."""
         r.register(_CountsCollector([self.requests, self.tokens, self.completions, self.service, self.fleet_caused,
-                                     self.slo_misses, self.best_effort], [self.decision_seconds, self.request_seconds]))
+                                     self.slo_misses, self.best_effort, self.stretched],
+                                    [self.decision_seconds, self.request_seconds]))
         r.register(_StateCollector(self))
         r.register(BudgetCollector(lambda: self._state.admission.spend if self._state is not None else None,
                                    self.label,
@@ -210,6 +216,8 @@ class Stats:
             self.best_effort.inc((t, tier, PROTECTIVE.get(d.best_effort.reason, "other"), pool))
         elif r is None:
             self.requests.inc((t, tier, "admit", "ok", "none", pool))
+            if d.lease is not None and d.lease.stretched:
+                self.stretched.inc((t, tier, pool))
         else:
             self.requests.inc((t, tier, "shadow_reject" if d.admitted else "reject", r.reason, r.klass, pool))
         if d.lease is not None:

@@ -33,12 +33,13 @@ What every seed of the first four draws (``family``):
   fleet's estimated capacity (``node_capacity_rps``), averaged over the run (bursts go above it);
 * kvgate's config: the tenants with their tiers; every batch tenant a ``max_concurrent`` sized as
   ``docs/concepts/tenants.md``'s "Sizing ``max_concurrent``" says (its peak request rate x its requests'
-  duration on a healthy node x 1.5-2.5, at least 4); half the standard tenants ``tokens_per_minute`` of 1.5-3x
-  their mean demand (two significant figures); no vLLM priority in the bodies (``queue.inject_priority``
-  at its default, false: ``docs/guides/vllm-settings.md`` says why); every protective
-  limit best effort (``best_effort: {default: best-effort}``, the same for every seed: a quota protects,
-  it does not refuse what the fleet has spare room for — ``docs/guides/best-effort.md``); the nodes placeholder
-  (``PLACEHOLDER_NODES``).
+  duration on a healthy node x 1.5-2.5, at least 4) that stretches with the fleet's slowdown up to
+  ``STRETCH`` (``tenants[i].max_concurrent_stretch``: the cap is sized on a healthy fleet); half the
+  standard tenants ``tokens_per_minute`` of 1.5-3x their mean demand (two significant figures); no vLLM
+  priority in the bodies (``queue.inject_priority`` at its default, false: ``docs/guides/vllm-settings.md``
+  says why); every protective limit best effort (``best_effort: {default: best-effort}``, the same for
+  every seed: a quota protects, it does not refuse what the fleet has spare room for —
+  ``docs/guides/best-effort.md``); the nodes placeholder (``PLACEHOLDER_NODES``).
 
 What a ``shared-prefix`` seed draws (``_shared_prefix``): the profile, the fleet, the run and the offered
 load as above, then ``SharedPrefixes``' parameters:
@@ -115,6 +116,10 @@ LONG_SHARE = {"interactive": (0.0, 0.1), "standard": (0.1, 0.5), "batch": (0.4, 
 """Range of a tenant's share of long requests, by tier (``mixed``: the range its share moves in)."""
 LONG_MAX_TOKENS = 1024
 SCALER = ScalerSettings(cooldown_s=120.0)
+STRETCH = 2.0
+"""Every batch tenant's ``max_concurrent_stretch`` (the same for every seed): its cap is sized on a healthy fleet's
+durations, as ``docs/concepts/tenants.md`` advises, so while the fleet serves it slower (and it sends no faster
+than its cap allows) the cap follows, up to twice."""
 GRID_S = 0.25
 """Step of the grid rates are integrated and their peak found on (piecewise-constant segments last
 at least ``MIN_SEGMENT_S``, so none falls between two points)."""
@@ -492,7 +497,8 @@ def family(name: str, seed: int, policies: Sequence[PolicyName] = POLICIES) -> F
             tokens = (1 - la) * (s_m.prompt + s_m.output) + la * (l_m.prompt + (reserve or l_m.output))
             quota.append(("tokens_per_minute", _two_figures(60.0 * k * share * tokens * rng.uniform(1.5, 3.0))))
         plan.append(TenantPlan(tname, tier, share, la, desc, tuple(quota)))
-        entries.append({"name": tname, "tier": tier, **dict(quota)})
+        stretch = {"max_concurrent_stretch": STRETCH} if tier == "batch" else {}
+        entries.append({"name": tname, "tier": tier, **dict(quota), **stretch})
     config: dict[str, Any] = {"tenants": entries, "best_effort": {"default": "best-effort"},
                               "nodes": PLACEHOLDER_NODES}
     bench = BenchConfig(profile=profile, nodes=nodes, min_nodes=1, max_nodes=min(16, 3 * nodes), kvgate=config,

@@ -1,0 +1,242 @@
+"""A concurrency cap's stretch (``tenants[i].max_concurrent_stretch``): while the fleet holds a tenant's requests
+longer than usual and the tenant sends no faster than its cap allows at its usual duration, the cap grows by the
+slowdown up to the factor; what goes on the stretch holds no slot and is given back exactly once."""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from prometheus_client import generate_latest
+
+from ext_proc.admission import Admission, Usage
+from ext_proc.config import ConfigError, parse_config
+from ext_proc.core import Core, Held, Request, null_logger
+from ext_proc.estimate import Estimate
+from ext_proc.identity import hash_key
+from tests.helpers import FakeClock
+
+
+def E(prompt: int = 10, out: int = 10) -> Estimate:
+    return Estimate(prompt_tokens=prompt, output_tokens=out, parsed=True, stream=False)
+
+
+def history(a: Admission, clock: FakeClock, t: Any, durations: list[float], gap: float = 1.0) -> None:
+    """Requests one at a time, each lasting its duration, ``gap`` seconds apart."""
+    for i, d in enumerate(durations):
+        lease = a.decide(t, f"w{i}", E(), 10).lease
+        assert lease is not None
+        clock.advance(d)
+        a.complete(lease.ticket, Usage(10, 10), responded=True)
+        clock.advance(gap)
+
+
+STEADY = [1.0] * 20
+SLOWED = STEADY + [3.0] * 5
+"""1 s each, then 3 s: the recent mean about 2.3x the norm (a stretch of 2 reaches its factor)."""
+
+
+def admission(stretch: float | None, cap: int = 4, queue: bool = False, **tenant: Any) -> tuple[Admission, FakeClock]:
+    clock = FakeClock()
+    extra = {} if stretch is None else {"max_concurrent_stretch": stretch}
+    cfg = parse_config({"tenants": [{"name": "t", "max_concurrent": cap, **extra, **tenant}],
+                        "queue": {"enabled": queue}})
+    return Admission(cfg, clock, random.Random(1)), clock
+
+
+def fill(a: Admission, t: Any, prefix: str, n: int) -> list[Any]:
+    out = []
+    for i in range(n):
+        d = a.decide(t, f"{prefix}{i}", E(), 10)
+        assert d.lease is not None, d.rejection
+        out.append(d.lease)
+    return out
+
+
+def test_a_slowed_fleet_stretches_the_cap_by_the_slowdown_up_to_the_factor() -> None:
+    a, clock = admission(2.0)
+    t = a.config.tenant("t")
+    history(a, clock, t, SLOWED, gap=4.0)
+    state = a.tenant_state("t")
+    assert state is not None and state.mean_seconds is not None and state.norm_seconds is not None
+    assert state.mean_seconds > 2 * state.norm_seconds
+    held = fill(a, t, "h", 4)  # its slots
+    assert [x.stretched for x in held] == [False] * 4 and state.inflight == 4
+    over = fill(a, t, "s", 4)  # the stretch: 4 x (2 - 1)
+    assert all(x.stretched for x in over) and state.inflight == 4 and state.stretched == 4
+    refused = a.decide(t, "x", E(), 10)
+    assert refused.rejection is not None and refused.rejection.reason == "tenant-concurrency"
+    assert refused.rejection.fleet_caused  # past the stretch, still the fleet's doing: scaling demand
+    for x in held + over:
+        assert a.complete(x.ticket, Usage(10, 10), responded=True) is not None
+        assert a.complete(x.ticket, Usage(10, 10), responded=True) is None  # exactly once
+    assert (state.inflight, state.stretched, a.inflight) == (0, 0, 0)
+
+
+def test_the_stretch_follows_the_slowdown_below_the_factor() -> None:
+    a, clock = admission(4.0, cap=10)
+    t = a.config.tenant("t")
+    history(a, clock, t, STEADY + [1.8] * 8, gap=4.0)
+    state = a.tenant_state("t")
+    assert state is not None and state.mean_seconds is not None and state.norm_seconds is not None
+    ratio = state.mean_seconds / state.norm_seconds
+    assert 1.5 < ratio < 2.0
+    fill(a, t, "h", 10)
+    stretched = 0
+    while a.decide(t, f"s{stretched}", E(), 10).lease is not None:
+        stretched += 1
+    assert stretched == int(10 * (ratio - 1.0))
+
+
+def test_no_stretch_on_a_healthy_fleet_or_without_the_switch() -> None:
+    for stretch, durations in ((2.0, STEADY), (None, SLOWED), (1.0, SLOWED)):
+        a, clock = admission(stretch)
+        t = a.config.tenant("t")
+        history(a, clock, t, durations, gap=4.0)
+        held = fill(a, t, "h", 4)
+        d = a.decide(t, "x", E(), 10)
+        assert d.rejection is not None and d.rejection.reason == "tenant-concurrency", (stretch, durations)
+        state = a.tenant_state("t")
+        assert state is not None and state.stretched == 0
+        for x in held:
+            a.complete(x.ticket, Usage(10, 10), responded=True)
+
+
+def test_a_tenant_sending_faster_than_its_cap_allows_gets_no_more_stretch() -> None:
+    """Its own burst: once its arrival rate x its usual duration reaches the cap, the 429 is its excess — the
+    stretch takes only what came before the rate got there, never the whole factor."""
+    a, clock = admission(2.0, cap=4)
+    t = a.config.tenant("t")
+    history(a, clock, t, SLOWED, gap=4.0)
+    state = a.tenant_state("t")
+    assert state is not None and state.norm_seconds is not None
+    fill(a, t, "h", 4)
+    answers = []
+    for i in range(60):  # 60 within 3 s: 20/s against a cap that allows 4 / ~1 s
+        d = a.decide(t, f"b{i}", E(), 10)
+        answers.append(d.lease is not None)
+        if d.lease is not None:  # (ended at once, unanswered: its place on the stretch is free again)
+            a.complete(d.lease.ticket, None, responded=False)
+        clock.advance(0.05)
+    assert state.arrival_rate * state.norm_seconds >= 4
+    assert any(answers[:10]) and not any(answers[-20:])  # (without the rate test: every one of them)
+    assert state.stretched == 0
+    # the stretch the slowdown allows is 4; what came while its rate was still within the cap took part of it
+    slowed_alone, clock2 = admission(2.0, cap=4)
+    history(slowed_alone, clock2, t, SLOWED, gap=4.0)
+    fill(slowed_alone, t, "h", 4)
+    assert len(fill(slowed_alone, t, "s", 4)) == 4
+
+
+def test_a_queued_request_on_the_stretch_gives_its_place_back_when_cancelled() -> None:
+    a, clock = admission(2.0, queue=True)
+    t = a.config.tenant("t")
+    history(a, clock, t, SLOWED, gap=4.0)
+    state = a.tenant_state("t")
+    assert state is not None
+    fill(a, t, "h", 4)
+    d = a.decide(t, "s", E(), 10)  # no node choice: admitted at once, or queued — either way on the stretch
+    assert d.lease is not None and d.lease.stretched and state.stretched == 1
+    if d.queued:
+        assert a.cancel(d.lease.ticket) and state.stretched == 0
+    else:
+        a.complete(d.lease.ticket, None, responded=False)
+        assert state.stretched == 0
+    assert state.inflight == 4
+
+
+def test_a_model_budgets_cap_does_not_stretch() -> None:
+    a, clock = admission(2.0, cap=50, model_budgets={"big": {"max_concurrent": 2}})
+    t = a.config.tenant("t")
+    for i, d in enumerate(SLOWED):  # slowed on the model
+        lease = a.decide(t, f"w{i}", E(), 10, ).lease
+        assert lease is not None
+        clock.advance(d)
+        a.complete(lease.ticket, Usage(10, 10), responded=True)
+        clock.advance(4.0)
+
+    def ask(rid: str) -> Any:
+        return a.decide(t, rid, Estimate(prompt_tokens=10, output_tokens=10, parsed=True, stream=False, model="big"),
+                        10)
+
+    assert ask("a").lease is not None and ask("b").lease is not None
+    d = ask("c")
+    assert d.rejection is not None and d.rejection.reason == "tenant-concurrency"
+
+
+def test_the_factor_is_bounded_and_named_in_errors() -> None:
+    for bad in (0.5, 5.0, "x"):
+        try:
+            parse_config({"tenants": [{"name": "t", "max_concurrent": 2, "max_concurrent_stretch": bad}]})
+        except ConfigError as e:
+            assert "max_concurrent_stretch" in str(e)
+        else:
+            raise AssertionError(f"{bad!r} accepted")
+
+
+def test_the_counter_of_stretched_admissions_moves() -> None:
+    clock = FakeClock()
+    cfg = parse_config({"tenants": [{"name": "t", "api_key_sha256": [hash_key("k")], "max_concurrent": 2,
+                                     "max_concurrent_stretch": 2}], "queue": {"enabled": False}})
+    core = Core(cfg, clock, random.Random(1), log=null_logger())
+
+    def ask(rid: str) -> Any:
+        a = core.decide(Request("/v1/chat/completions", rid, "Bearer k", estimate=E(), body_bytes=10))
+        assert not isinstance(a, Held)
+        return a.decision
+
+    from ext_proc.core import Ended
+
+    for i, d in enumerate(SLOWED):
+        lease = ask(f"w{i}").lease
+        assert lease is not None
+        clock.advance(d)
+        core.ended(Ended(lease.ticket, f"w{i}", 200, Usage(10, 10), upstream_answered=True))
+        clock.advance(4.0)
+    leases = [ask(f"h{i}").lease for i in range(4)]
+    assert all(x is not None for x in leases) and [x.stretched for x in leases] == [False, False, True, True]
+    refused = ask("x")
+    assert refused.rejection is not None and refused.rejection.status == 429
+    text = generate_latest(core.stats.registry).decode()
+    assert 'kvgate_concurrency_stretched_admissions_total{pool="default",tenant="t",tier="standard"} 2.0' in text
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["ask", "end", "drop", "cancel", "wait"]), st.integers(0, 30)),
+                max_size=80),
+       st.sampled_from([1.0, 1.5, 2.0, 3.0]), st.booleans())
+def test_slots_and_the_stretch_are_given_back_exactly_once(ops: list[tuple[str, int]], stretch: float,
+                                                           queue: bool) -> None:
+    """Whatever the order of arrivals, completions, drops and cancels: at most the cap holds slots, at most
+    the cap x the factor (less one part) run, and when everything has ended both counters are 0."""
+    a, clock = admission(stretch, cap=4, queue=queue)
+    t = a.config.tenant("t")
+    history(a, clock, t, SLOWED, gap=4.0)
+    state = a.tenant_state("t")
+    assert state is not None
+    live: list[Any] = []
+    n = 0
+    for op, k in ops:
+        if op == "ask":
+            n += 1
+            d = a.decide(t, f"r{n}", E(), 10)
+            if d.lease is not None:
+                live.append(d.lease)
+        elif op == "wait":
+            clock.advance(k / 10)
+        elif live:
+            lease = live.pop(k % len(live))
+            if op == "cancel":
+                if not a.cancel(lease.ticket):
+                    a.complete(lease.ticket, None, responded=False)
+            else:
+                a.complete(lease.ticket, Usage(10, 10) if op == "end" else None, responded=op == "end")
+        assert 0 <= state.inflight <= 4
+        assert 0 <= state.stretched <= int(4 * (stretch - 1.0))
+        assert state.inflight + state.stretched == len(live)
+    for lease in live:
+        if not a.cancel(lease.ticket):
+            a.complete(lease.ticket, Usage(10, 10), responded=True)
+    assert (state.inflight, state.stretched, a.inflight) == (0, 0, 0)
