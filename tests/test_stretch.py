@@ -240,3 +240,26 @@ def test_slots_and_the_stretch_are_given_back_exactly_once(ops: list[tuple[str, 
         if not a.cancel(lease.ticket):
             a.complete(lease.ticket, Usage(10, 10), responded=True)
     assert (state.inflight, state.stretched, a.inflight) == (0, 0, 0)
+
+
+def test_precheck_reads_a_request_that_may_go_on_the_stretch() -> None:
+    """The live server peeks at the cap before it reads a body (``precheck``): a tenant at its cap with room on
+    its stretch is read and decided, not refused unread. Here its requests last as long as ever (not
+    ``_slowed``: the duration is its norm) but carry a tenth of the output — a pace 10x slower."""
+    a, clock = admission(2.0)
+    t = a.config.tenant("t")
+    for i in range(20):
+        lease = a.decide(t, f"w{i}", E(), 10).lease
+        assert lease is not None
+        clock.advance(1.0)
+        a.complete(lease.ticket, Usage(10, 100 if i < 15 else 10), responded=True)
+        clock.advance(4.0)
+    state = a.tenant_state("t")
+    assert state is not None and state.mean_pace is not None and state.norm_pace is not None
+    assert state.mean_pace > 1.5 * state.norm_pace
+    assert state.mean_seconds is not None and state.norm_seconds is not None
+    assert state.mean_seconds <= 1.5 * state.norm_seconds
+    fill(a, t, "h", 4)
+    assert a.precheck(t, 100) is None
+    d = a.decide(t, "s", E(), 10)
+    assert d.lease is not None and d.lease.stretched
