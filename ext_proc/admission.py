@@ -94,6 +94,9 @@ SLOWED = 1.5
 STRETCH_RATE_TAU_S = 10.0
 """Time constant of a tenant's arrival rate (``max_concurrent_stretch``): whether it sends faster than its cap
 allows at its usual request duration is judged over about the last ten seconds."""
+STRETCH_STALE_S = 60.0
+"""A tenant's slowdown (``max_concurrent_stretch``) older than this — no answered request since — is no evidence
+of the fleet now: a tenant back after an hour starts on its cap, not on last hour's stretch."""
 
 
 @dataclass(slots=True, eq=False)
@@ -104,18 +107,19 @@ class TenantState:
     tokens: Bucket | None
     inflight: int = 0
     """Charged requests in flight or queued: what ``max_concurrent`` caps."""
-    stretched: int = 0
-    """Charged requests in flight or queued past ``max_concurrent`` on its stretch (``Lease.stretched``): they
-    hold no slot (not in ``inflight``, never reported to the shared store)."""
+    on_stretch: dict[str, Lease] = field(default_factory=dict)
+    """Charged requests in flight or queued past ``max_concurrent`` on its stretch (``Lease.stretched``), by
+    ticket: they hold no slot (not in ``inflight``, never reported to the shared store)."""
     arrival_rate: float = 0.0
     arrival_at: float | None = None
     """Requests per second decided for the tenant (an exponentially decayed count, ``STRETCH_RATE_TAU_S``),
     and when it last changed; kept only for a tenant with a ``max_concurrent_stretch``."""
     mean_pace: float | None = None
     norm_pace: float | None = None
+    paced_at: float = -math.inf
     """Seconds per output token of its answered requests (whole duration over completion tokens), recent and
-    usual, as ``mean_seconds`` / ``norm_seconds``: how much slower the fleet serves the tenant now, whatever
-    the size of its requests (``max_concurrent_stretch``)."""
+    usual, as ``mean_seconds`` / ``norm_seconds``, and when it last moved: with the duration, whether the fleet
+    serves the tenant slower than usual (``max_concurrent_stretch``)."""
     slots: int | None = None
     """With several replicas: this replica's slice of ``max_concurrent`` (``share.py``); None: all of it."""
     fleet_free: int = 0
@@ -155,6 +159,11 @@ class TenantState:
     @property
     def name(self) -> str:
         return self.config.name
+
+    @property
+    def stretched(self) -> int:
+        """Requests on its cap's stretch (``on_stretch``)."""
+        return len(self.on_stretch)
 
     @property
     def bounded(self) -> bool:
@@ -202,7 +211,8 @@ class Lease:
     stretched: bool = False
     """Admitted past its tenant's ``max_concurrent`` on the cap's stretch (``tenants[i].max_concurrent_stretch``:
     the fleet holds the tenant's requests longer than usual): an ordinary request of its tier, its budgets
-    charged, that counts in ``TenantState.stretched`` instead of taking a slot."""
+    charged, that is in ``TenantState.on_stretch`` instead of taking a slot — until a slot of the tenant frees
+    (``_untake``: it takes that one over)."""
 
     @property
     def holds_slot(self) -> bool:
@@ -1097,7 +1107,7 @@ class Admission:
             wait = self._slot_free(s, now)
             if short == "unknown":
                 return self._unknown(s, "slots", wait)
-            if s.stretched >= self._stretch_room(s, cap):
+            if not self._may_stretch(s, cap, now):
                 if isinstance(self.quota, LeasedQuota) and self.quota.idle_elsewhere(s):
                     # every slot is held, but the store's word is that fewer than the cap run fleet-wide: a
                     # slot sits idle at another replica — not over quota (a 429 would be a false claim)
@@ -1110,7 +1120,7 @@ class Admission:
                 message = f"Too many concurrent requests for this tenant{on} (limit {cap})."
                 r = self._policy(s, "tenant-concurrency", message, wait, est, now)
                 return replace(r, fleet_caused=True) if self._fleet_caused(s, est, now) else r
-            # within the cap's stretch: on to the budgets (``_grant`` counts it in ``stretched``)
+            # within the cap's stretch: on to the budgets (``_grant`` puts it in ``on_stretch``)
         budgets: tuple[tuple[Limit, Bucket | None, float], ...] = (
             ("requests", s.requests, 1.0), ("tokens", s.tokens, float(est.total)))
         for limit, b, need in budgets:
@@ -1172,7 +1182,12 @@ class Admission:
         cap = s.config.max_concurrent
         if cap is not None and s.inflight >= cap:
             # (a tenant that may be served as best effort over it is read and decided: the fleet may have room)
-            return None if _slowed(s) or self._may_exceed(s, "concurrency") else self._check(s, _NOTHING, 0, now)
+            if _slowed(s) or self._may_exceed(s, "concurrency"):
+                return None
+            refused = self._check(s, _NOTHING, 0, now)
+            if refused is not None and s.config.max_concurrent_stretch > 1.0:
+                _arrived(s, now)  # (refused unread, it never reaches ``decide``: its rate counts it here)
+            return refused
         if isinstance(self.quota, LocalQuota) and s.requests is not None and s.requests.seconds_until(1, now) > 0:
             return None if self._may_exceed(s, "requests") else self._check(s, _NOTHING, 0, now)
         if reads is not None and (wait := reads.seconds_until(1, now)) > 0:
@@ -1236,31 +1251,41 @@ class Admission:
         return s.tokens is None or s.tokens.seconds_until(est.total, now) <= 0
 
     @staticmethod
-    def _stretch_room(s: TenantState, cap: int) -> int:
-        """Requests ``s`` may have past its slots now on its cap's stretch (``tenants[i].max_concurrent_stretch``).
+    def _may_stretch(s: TenantState, cap: int, now: float) -> bool:
+        """Whether one more request of ``s`` may go past its slots on its cap's stretch
+        (``tenants[i].max_concurrent_stretch``).
 
         A cap sized by Little's law (rate x usual duration) refuses the same traffic once the fleet holds
-        every request longer; that 429 is the fleet's doing, not the tenant's excess. So while the fleet serves
-        the tenant more than ``SLOWED`` x slower than usual — its *pace*, seconds per output token, against
-        its norm: not its requests' duration, which also grows when the tenant sends longer requests (its own
-        doing: on the ``mixed`` family, whose tenants' long share shifts, the duration stretched caps of
-        tenants whose fleet was not slower, at the interactive tier's cost) — *and* it sends no faster than
-        the cap allows at its usual duration (arrival rate x ``norm_seconds`` below the cap: a tenant whose
-        own burst is over its cap gets no more of the stretch), the cap grows by the slowdown, up to the
-        configured factor. Only the tenant's own cap (a per-model budget's does not stretch); with several
-        replicas, this replica's slice of it, so the fleet-wide stretch stays within the factor. What goes on
-        the stretch is an ordinary request of its tier — queued, placed, refused for capacity (503) when the
-        fleet cannot serve it, so it is scaling demand as the fleet-caused 429 was. On the families, a cap
-        refused a batch tenant's requests in slowed bursts that shedding at 90% KV served (bursty-onoff seed
-        2: 54 concurrency 429s, batch SLO 98.0% against kv-shed's 100%; with a stretch of 2: 3, 99.9%)."""
+        every request longer; that 429 is the fleet's doing, not the tenant's excess. So while the fleet
+        serves the tenant more than ``SLOWED`` x slower than usual, and the tenant sends no faster than its
+        cap allows at its usual duration, the cap grows by the slowdown, up to the configured factor.
+
+        *Slower* is judged on two signals that must agree, each recent over its norm: the request duration
+        (``_slowed``'s) and the *pace*, seconds per output token. Duration alone also grows when the tenant
+        sends longer requests (its own doing: on the ``mixed`` family, whose tenants' long share shifts, it
+        stretched caps where the fleet was not slower, at the interactive tier's cost); pace alone also
+        grows when the tenant asks for shorter answers (one answered 1-token request made it 10x,
+        attack106 F1). The slowdown is the smaller of the two, and none counts that no answered request
+        has renewed for ``STRETCH_STALE_S``. *No faster*: its arrival rate (about the last 10 s) x its usual
+        duration below the cap — or this replica's slice of it, with several replicas, each of which sees
+        only its own arrivals (attack106 F4): a tenant whose own burst is over its cap gets no more of it.
+
+        The bound is on all it runs here, slots and stretch together (a reload that lowered the cap below
+        what runs gives no stretch until that drains). Only the tenant's own cap stretches, not a per-model
+        budget's. What goes on the stretch is an ordinary request of its tier — queued, placed, refused for
+        capacity (503) when the fleet cannot serve it, so it is scaling demand as the fleet-caused 429 was.
+        On the families, a cap refused a batch tenant's requests in slowed bursts that shedding at 90% KV
+        served (bursty-onoff seed 2: 54 concurrency 429s, batch SLO 98.0% against kv-shed's 100%)."""
         factor = s.config.max_concurrent_stretch
-        if factor <= 1.0 or s.model is not None or s.mean_pace is None or s.norm_pace is None or \
-                s.norm_seconds is None or s.mean_pace <= SLOWED * s.norm_pace:
-            return 0
-        if s.arrival_rate * s.norm_seconds >= cap:
-            return 0
+        if factor <= 1.0 or s.model is not None or now - s.paced_at > STRETCH_STALE_S:
+            return False
+        if s.mean_pace is None or s.norm_pace is None or s.mean_seconds is None or s.norm_seconds is None:
+            return False
+        slowdown = min(s.mean_pace / s.norm_pace, s.mean_seconds / s.norm_seconds)
         limit = cap if s.slots is None else min(s.slots, cap)
-        return int(limit * (min(factor, s.mean_pace / s.norm_pace) - 1.0))
+        if slowdown <= SLOWED or _arrival_rate(s, now) * s.norm_seconds >= limit:
+            return False
+        return s.inflight + s.stretched < int(limit * min(factor, slowdown))
 
     def _policy(
         self, s: TenantState, reason: str, message: str, wait: float, est: Estimate, now: float
@@ -1320,7 +1345,9 @@ class Admission:
             lease.stretched = _over_slots(s)
             for b in (s, lease.budget):
                 if b is not None:
-                    self._take(b, est.total, now, lease.stretched and b is s)
+                    self._take(b, est.total, now, slot=not (lease.stretched and b is s))
+            if lease.stretched:
+                s.on_stretch[ticket] = lease
         if not queued:
             self._dispatch(lease, est, now)
         return lease
@@ -1329,12 +1356,10 @@ class Admission:
         """The tier whose vLLM priority a lease runs at: the lowest for best effort, else its own."""
         return self.config.lowest_tier if lease.best_effort else lease.tier
 
-    def _take(self, s: TenantState, tokens: int, now: float, stretched: bool = False) -> None:
-        """Charge one request of ``tokens`` to a tenant (or a per-model budget); ``stretched``: on its cap's
-        stretch, no slot."""
-        if stretched:
-            s.stretched += 1
-        else:
+    def _take(self, s: TenantState, tokens: int, now: float, slot: bool = True) -> None:
+        """Charge one request of ``tokens`` to a tenant (or a per-model budget); ``slot`` False: on its cap's
+        stretch (the caller notes it in ``on_stretch``)."""
+        if slot:
             s.inflight += 1
         if s.requests is not None:
             s.requests.take(1, now)
@@ -1410,6 +1435,7 @@ class Admission:
                 s.mean_pace = _ewma(s.mean_pace, pace)
                 s.norm_pace = _ewma(s.norm_pace, pace, NORM_RISE_ALPHA if s.norm_pace is not None and
                                     pace > s.norm_pace else NORM_ALPHA)
+                s.paced_at = now
         w_out = self.config.queue.output_token_weight
         if usage is not None:
             served = usage.prompt_tokens + w_out * usage.completion_tokens
@@ -1525,19 +1551,31 @@ def _over_slots(s: TenantState) -> bool:
 
 
 def _untake(s: TenantState, lease: Lease) -> None:
-    """Give back what ``Admission._take`` counted for ``lease`` in ``s``: a slot, or its place on the stretch
-    (the tenant's own state only: a per-model budget's cap does not stretch)."""
-    if lease.stretched and s is lease.tenant:
-        s.stretched -= 1
-    else:
-        s.inflight -= 1
+    """Give back what ``Admission._take`` counted for ``lease`` in ``s``: its place on the stretch, or its slot —
+    which a request on the tenant's stretch then takes over, if one runs or waits: the stretch drains first,
+    and no slot goes back to the shared store (for another replica to stretch in turn) while requests beyond
+    it still run here (attack106 F2). Only the tenant's own state stretches, not a per-model budget."""
+    if s is lease.tenant:
+        if lease.stretched:
+            del s.on_stretch[lease.ticket]
+            return
+        if s.on_stretch:
+            _, heir = s.on_stretch.popitem()
+            heir.stretched = False
+            return
+    s.inflight -= 1
+
+
+def _arrival_rate(s: TenantState, now: float) -> float:
+    """The tenant's arrival rate now (``STRETCH_RATE_TAU_S``): its count decayed to ``now``."""
+    if s.arrival_at is None:
+        return 0.0
+    return s.arrival_rate * math.exp(-max(0.0, now - s.arrival_at) / STRETCH_RATE_TAU_S)
 
 
 def _arrived(s: TenantState, now: float) -> None:
-    """Count one request in the tenant's arrival rate (``STRETCH_RATE_TAU_S``)."""
-    if s.arrival_at is not None:
-        s.arrival_rate *= math.exp(-max(0.0, now - s.arrival_at) / STRETCH_RATE_TAU_S)
-    s.arrival_rate += 1.0 / STRETCH_RATE_TAU_S
+    """Count one request in the tenant's arrival rate."""
+    s.arrival_rate = _arrival_rate(s, now) + 1.0 / STRETCH_RATE_TAU_S
     s.arrival_at = now
 
 

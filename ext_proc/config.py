@@ -119,12 +119,13 @@ class Tenant(Quota):
         "at the lowest priority when the fleet has room nobody within quota needs); one word for all "
         "three, or per limit ({concurrency: best-effort, tokens: refuse}; a limit left out: "
         "best_effort.default); None: best_effort.default")
-    max_concurrent_stretch: Annotated[float, Field(ge=1, le=4)] = Field(
-        default=1.0, description="how far max_concurrent stretches while the fleet holds this tenant's requests "
-        "longer than usual (its recent mean duration at least 1.5x its norm) and it sends no faster than the cap "
-        "allows at its usual duration: the cap times the slowdown, up to this factor. A cap sized on a healthy "
-        "fleet's durations (docs/guides/tenants.md, Sizing max_concurrent) otherwise refuses the same traffic "
-        "once the fleet slows. Requests past the cap on the stretch hold no slot of the shared store; 1: never")
+    max_concurrent_stretch: Annotated[float, Field(ge=1, le=4, allow_inf_nan=False, strict=True)] = Field(
+        default=1.0, description="how far max_concurrent stretches while the fleet serves this tenant slower than "
+        "usual (its recent request duration and seconds per output token both more than 1.5x their norms) and "
+        "it sends no faster than the cap allows at its usual duration: the cap times the slowdown, up to this "
+        "factor. A cap sized on a healthy fleet's durations (docs/concepts/tenants.md, Sizing max_concurrent) "
+        "otherwise refuses the same traffic once the fleet slows. Requests on the stretch hold no slot of the "
+        "shared store; needs max_concurrent; 1: never")
     budgets: list[SpendBudget] = Field(
         default_factory=list, description="spend budgets (money or weighted tokens per window): see "
         "docs/guides/budgets.md")
@@ -138,6 +139,12 @@ class Tenant(Quota):
                 raise ValueError(f"budget {b.name!r} is defined twice; each budget of a tenant needs its own name")
             seen.add(b.name)
         return v
+
+    @model_validator(mode="after")
+    def _stretch_needs_a_cap(self) -> Tenant:
+        if self.max_concurrent_stretch != 1.0 and self.max_concurrent is None:
+            raise ValueError("max_concurrent_stretch stretches max_concurrent, which this tenant does not set")
+        return self
 
     @field_validator("over_limit", mode="before")
     @classmethod

@@ -426,6 +426,8 @@ class Core:
             meta["buffered"] = True  # the answer comes whole: Envoy's longer first-byte timeout applies
         if lease.best_effort:
             meta["best_effort"] = True
+        elif lease.stretched:
+            meta["stretched"] = True  # on its tenant's cap's stretch: it holds no slot of the tenant's
         if lease.node is not None:
             meta["endpoint"] = lease.node  # the Lua helper turns it into the ORIGINAL_DST header
         if self.admission.spend.accounts and (left := self.admission.budget_left(d.tenant)) is not None:
