@@ -626,8 +626,8 @@ def test_kvgate_counts_fleet_caused_rejections_and_predicted_misses() -> None:
     gw = Gateway(parse_config({"tenants": [{"name": "a"}, {"name": "b"}]}))
     fleet = Rejection(429, "tenant-concurrency", "policy", "", fleet_caused=True)
     own = Rejection(429, "tenant-concurrency", "policy", "")
-    late = cast(Lease, SimpleNamespace(reserved_tokens=10, slo_miss=True))
-    fine = cast(Lease, SimpleNamespace(reserved_tokens=10, slo_miss=False))
+    late = cast(Lease, SimpleNamespace(reserved_tokens=10, slo_miss=True, stretched=False))
+    fine = cast(Lease, SimpleNamespace(reserved_tokens=10, slo_miss=False, stretched=False))
     for d in (Decision("a", "standard", None, fleet), Decision("a", "standard", None, own),
               Decision("b", "interactive", late, None), Decision("b", "interactive", fine, None)):
         gw.stats.decision(d, "default")
