@@ -1100,7 +1100,7 @@ class Admission:
                 f"token budget{on} of {int(whole)}; it can never be admitted as it is.",
             )
         cap = cfg.max_concurrent
-        if cap is not None and s.inflight >= (cap if s.slots is None else min(s.slots, cap)):
+        if cap is not None and s.inflight >= _slot_limit(s, cap):
             short = self.quota.short(s, "slots", 1.0, now, may_borrow)
             if short == "borrow":
                 return BORROW
@@ -1282,7 +1282,7 @@ class Admission:
         if s.mean_pace is None or s.norm_pace is None or s.mean_seconds is None or s.norm_seconds is None:
             return False
         slowdown = min(s.mean_pace / s.norm_pace, s.mean_seconds / s.norm_seconds)
-        limit = cap if s.slots is None else min(s.slots, cap)
+        limit = _slot_limit(s, cap)
         if slowdown <= SLOWED or _arrival_rate(s, now) * s.norm_seconds >= limit:
             return False
         return s.inflight + s.stretched < int(limit * min(factor, slowdown))
@@ -1543,11 +1543,16 @@ def _slowed(s: TenantState) -> bool:
     return s.mean_seconds is not None and s.norm_seconds is not None and s.mean_seconds > SLOWED * s.norm_seconds
 
 
+def _slot_limit(s: TenantState, cap: int) -> int:
+    """The slots the tenant may use here: its ``max_concurrent``, or this replica's slice of it with several
+    replicas."""
+    return cap if s.slots is None else min(s.slots, cap)
+
+
 def _over_slots(s: TenantState) -> bool:
-    """Whether every slot the tenant may use here is taken: its ``max_concurrent``, or this replica's slice of
-    it with several replicas."""
+    """Whether every slot the tenant may use here is taken (``_slot_limit``)."""
     cap = s.config.max_concurrent
-    return cap is not None and s.inflight >= (cap if s.slots is None else min(s.slots, cap))
+    return cap is not None and s.inflight >= _slot_limit(s, cap)
 
 
 def _untake(s: TenantState, lease: Lease) -> None:

@@ -497,8 +497,9 @@ def family(name: str, seed: int, policies: Sequence[PolicyName] = POLICIES) -> F
             tokens = (1 - la) * (s_m.prompt + s_m.output) + la * (l_m.prompt + (reserve or l_m.output))
             quota.append(("tokens_per_minute", _two_figures(60.0 * k * share * tokens * rng.uniform(1.5, 3.0))))
         plan.append(TenantPlan(tname, tier, share, la, desc, tuple(quota)))
-        stretch = {"max_concurrent_stretch": STRETCH} if tier == "batch" else {}
-        entries.append({"name": tname, "tier": tier, **dict(quota), **stretch})
+        limits = dict(quota)
+        stretch = {"max_concurrent_stretch": STRETCH} if "max_concurrent" in limits else {}
+        entries.append({"name": tname, "tier": tier, **limits, **stretch})
     config: dict[str, Any] = {"tenants": entries, "best_effort": {"default": "best-effort"},
                               "nodes": PLACEHOLDER_NODES}
     bench = BenchConfig(profile=profile, nodes=nodes, min_nodes=1, max_nodes=min(16, 3 * nodes), kvgate=config,
