@@ -110,6 +110,10 @@ class TenantState:
     on_stretch: dict[str, Lease] = field(default_factory=dict)
     """Charged requests in flight or queued past ``max_concurrent`` on its stretch (``Lease.stretched``), by
     ticket: they hold no slot (not in ``inflight``, never reported to the shared store)."""
+    promoted: int = 0
+    """Slot holders (in ``inflight``) that took a slot over from the stretch after their dispatch told Envoy they
+    were on it (``Lease.tagged``): another replica forwarding their completion for this one, dead, gives back no
+    slot of the tenant's, so they are not what stays taken if it dies (``unorphaned``) — review108 N1."""
     arrival_rate: float = 0.0
     arrival_at: float | None = None
     """Requests per second decided for the tenant (an exponentially decayed count, ``STRETCH_RATE_TAU_S``),
@@ -166,6 +170,12 @@ class TenantState:
         return len(self.on_stretch)
 
     @property
+    def orphanable(self) -> int:
+        """Of ``inflight``, what stays taken in the shared store if this replica dies, until completions
+        forwarded by the others give it back: all but the ``promoted`` (whose completions give back none)."""
+        return self.inflight - self.promoted
+
+    @property
     def bounded(self) -> bool:
         """It has a protective limit (a concurrency cap, a per-minute budget): shed parity counts its requests
         (``Admission.tally``)."""
@@ -213,6 +223,9 @@ class Lease:
     the fleet holds the tenant's requests longer than usual): an ordinary request of its tier, its budgets
     charged, that is in ``TenantState.on_stretch`` instead of taking a slot — until a slot of the tenant frees
     (``_untake``: it takes that one over)."""
+    tagged: bool = False
+    """Dispatched while ``stretched``: Envoy's access log carries ``stretched: true`` for it (``core.py``), which
+    no later promotion can change (``TenantState.promoted``)."""
 
     @property
     def holds_slot(self) -> bool:
@@ -1564,9 +1577,15 @@ def _untake(s: TenantState, lease: Lease) -> None:
         if lease.stretched:
             del s.on_stretch[lease.ticket]
             return
+        if lease.tagged:
+            s.promoted -= 1
         if s.on_stretch:
-            _, heir = s.on_stretch.popitem()
+            # an heir not dispatched yet first: its access log will say it holds the slot (review108 N1)
+            ticket = next((t for t, h in s.on_stretch.items() if not h.tagged), None)
+            heir = s.on_stretch.pop(ticket) if ticket is not None else s.on_stretch.popitem()[1]
             heir.stretched = False
+            if heir.tagged:
+                s.promoted += 1
             return
     s.inflight -= 1
 

@@ -428,6 +428,7 @@ class Core:
             meta["best_effort"] = True
         elif lease.stretched:
             meta["stretched"] = True  # on its tenant's cap's stretch: it holds no slot of the tenant's
+            lease.tagged = True  # what the access log will say, whatever slot it takes over later
         if lease.node is not None:
             meta["endpoint"] = lease.node  # the Lua helper turns it into the ORIGINAL_DST header
         if self.admission.spend.accounts and (left := self.admission.budget_left(d.tenant)) is not None:

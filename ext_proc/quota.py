@@ -71,14 +71,17 @@ class ShareReport:
     requests: tuple[float, float, float] | None
     """(per minute, bucket size, amount to lease (+) or give back (-)) for its request budget."""
     tokens: tuple[float, float, float] | None
+    stays: int | None = None
+    """Of ``inflight``, what stays taken if this replica dies (``TenantState.orphanable``; None: all of it)."""
 
 
 @dataclass(frozen=True, slots=True)
 class Need:
-    """What a borrow asks the store for one tenant: a slot (its cap, the slots it holds, in flight), and
-    the credit each budget lacks as (budget, rate per second, bucket size, amount)."""
+    """What a borrow asks the store for one tenant: a slot (its cap, the slots it holds, in flight, what of that
+    stays taken if this replica dies), and the credit each budget lacks as (budget, rate per second, bucket
+    size, amount)."""
 
-    slot: tuple[int, int, int] | None
+    slot: tuple[int, int, int, int] | None
     credit: tuple[tuple[str, float, float, float], ...]
 
 
@@ -238,7 +241,7 @@ class LeasedQuota:
                     b.level += amount
                 amounts.append((b.rate * 60.0, b.capacity, amount))
             out.append(ShareReport(s.name, q.max_concurrent, s.slots or 0, s.inflight, demand, spare,
-                                   amounts[0], amounts[1]))
+                                   amounts[0], amounts[1], s.orphanable))
             s.peak, s.refused = s.inflight, 0
             s.spent_requests = s.spent_tokens = 0.0
             s.largest = 0.0 if idle else s.largest * LARGEST_DECAY
@@ -280,7 +283,7 @@ class LeasedQuota:
         slice is full, and what each budget's credit here lacks."""
         cap = s.config.max_concurrent
         held = s.slots or 0
-        slot = (cap, held, s.inflight) if cap is not None and s.inflight >= held else None
+        slot = (cap, held, s.inflight, s.orphanable) if cap is not None and s.inflight >= held else None
         credit = []
         for dim, b, need in (("requests", s.requests, 1.0), ("tokens", s.tokens, tokens)):
             if isinstance(b, Credit) and b.lacks(need) > 0:
@@ -299,8 +302,9 @@ class LeasedQuota:
         return out
 
     def held(self) -> list[tuple[str, int]]:
-        """(name, in flight) of every budget holding slots here: what a clean stop keeps taken."""
-        return [(s.name, s.inflight) for s in self._states() if s.slots]
+        """(name, in flight) of every budget holding slots here: what a clean stop keeps taken (less the slots
+        whose completions give none back, ``TenantState.orphanable``)."""
+        return [(s.name, s.orphanable) for s in self._states() if s.slots]
 
 
 class SplitQuota(LeasedQuota):

@@ -223,13 +223,13 @@ class SharedStore:
         pipe.evalsha(self._sha[name], len(keys), *keys, *args)
 
     def _slots_call(self, pipe: Any, tenant: str, cap: int, enforced: int, inflight: int, demand: int,
-                    spare: bool, borrow: bool) -> None:
+                    spare: bool, borrow: bool, stays: int | None = None) -> None:
         self._sent_cap[tenant] = cap
         self._call(pipe, "slots",
                    [self.k_replicas, self._k_slots(tenant), self.k_learning, self.k_over, self.k_epoch,
                     self.k_version],
                    [self.me, cap, enforced, inflight, demand, int(spare), int(self.cfg.lease_ttl_seconds * 1000),
-                    int(borrow), tenant, self.epoch, self.orphan_ttl_ms])
+                    int(borrow), tenant, self.epoch, self.orphan_ttl_ms, inflight if stays is None else stays])
 
     def _bucket_call(self, pipe: Any, tenant: str, dim: str, rate: float, capacity: float, amount: float,
                      partial: bool) -> None:
@@ -289,7 +289,8 @@ class SharedStore:
             for r in reports:
                 if r.cap is not None and r.demand is not None and self._claim(r.tenant):
                     claimed.append(r.tenant)
-                    self._slots_call(pipe, r.tenant, r.cap, r.slots, r.inflight, r.demand, r.spare, borrow=False)
+                    self._slots_call(pipe, r.tenant, r.cap, r.slots, r.inflight, r.demand, r.spare, borrow=False,
+                                     stays=r.stays)
                     calls.append(("slots", r.tenant, ""))
                 for dim, op in (("requests", r.requests), ("tokens", r.tokens)):
                     if op is not None and op[2] != 0:
@@ -735,8 +736,9 @@ class SharedStore:
             calls: list[tuple[str, str, int]] = []
             for s, need in needs:
                 if need.slot is not None:
-                    cap, held, inflight = need.slot
-                    self._slots_call(pipe, s.name, cap, held, inflight, max(held, inflight) + 1, True, borrow=True)
+                    cap, held, inflight, stays = need.slot
+                    self._slots_call(pipe, s.name, cap, held, inflight, max(held, inflight) + 1, True, borrow=True,
+                                     stays=stays)
                     calls.append((s.name, "slots", held))
                 for dim, rate, capacity, amount in need.credit:
                     self._bucket_call(pipe, s.name, dim, rate, capacity, amount, partial=False)

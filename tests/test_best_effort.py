@@ -574,10 +574,12 @@ def test_best_effort_goes_only_where_it_would_start_as_soon_as_a_top_tier_reques
     assert a.decision.lease.predicted_ttft is not None and a.decision.lease.predicted_ttft <= 0.2
 
 
-@pytest.mark.parametrize(("best_effort", "named"), [(True, ("", "")), (False, ("acme", "acme/llama-70b"))])
-def test_another_replicas_best_effort_end_gives_back_no_slot(best_effort: bool, named: tuple[str, str]) -> None:
+@pytest.mark.parametrize(("flag", "named"), [("best_effort", ("", "")), ("stretched", ("", "acme/llama-70b")),
+                                             (None, ("acme", "acme/llama-70b"))])
+def test_another_replicas_best_effort_end_gives_back_no_slot(flag: str | None, named: tuple[str, str]) -> None:
     """With several replicas an end reaching the wrong replica is forwarded with the tenant whose slot it
-    held (given back if its owner died): a best-effort request held none, so it names none."""
+    held (given back if its owner died): a best-effort request held none, so it names none; one sent on its
+    tenant's cap's stretch held its per-model budget's slot but none of the tenant's own."""
     from envoy.data.accesslog.v3 import accesslog_pb2
 
     from ext_proc.server import META_NS, Gateway
@@ -597,8 +599,8 @@ def test_another_replicas_best_effort_end_gives_back_no_slot(best_effort: bool, 
     entry.request.request_id = "r"
     fields = entry.common_properties.metadata.filter_metadata[META_NS]
     fields.update({"ticket": "elsewhere-1", "tenant": "acme", "budget": "acme/llama-70b"})
-    if best_effort:
-        fields.update({"best_effort": True})
+    if flag is not None:
+        fields.update({flag: True})
     gw.on_access_log(entry)
     assert store.sent == [named]
 

@@ -298,6 +298,44 @@ def test_a_dead_replicas_running_requests_keep_their_slots_until_their_completio
     asyncio.run(run())
 
 
+def test_a_dead_replicas_requests_sent_on_the_stretch_leave_no_slot_taken(server: RedisServer) -> None:
+    """A request sent on its tenant's cap's stretch is forwarded, when it ends at another replica, naming no slot
+    of the tenant's (its access log says ``stretched``) — even once it took over a slot of one that ended. What
+    the store keeps taken for a dead replica is therefore only what such completions can give back: the dead
+    replica's heirs are not orphaned (review108 N1: they were, for up to the lease timeout)."""
+    async def run() -> None:
+        cfg = config(server.url, max_concurrent=2, max_concurrent_stretch=2)
+        a, b = Replica(cfg), Replica(cfg)
+        await sync_all([a, b], 2)
+        state = a.tenant
+        # the fleet serves the tenant three times slower than usual, renewed just now
+        state.mean_seconds, state.norm_seconds, state.mean_pace, state.norm_pace = 3.0, 1.0, 0.3, 0.1
+        state.paced_at = time.monotonic()
+        for i in range(4):
+            got = await a.ask(f"r{i}")
+            assert isinstance(got, Answer) and got.decision.admitted, got
+        assert (state.inflight, state.stretched) == (2, 2)
+        # the two slot holders end at their own replica: the two sent on the stretch take their slots over
+        for ticket in a.admitted[:2]:
+            assert a.core.ended(Ended(ticket, "", 200, Usage(5, 5), upstream_answered=True)) is not None
+        assert (state.inflight, state.stretched, state.promoted, state.orphanable) == (2, 0, 2, 0)
+        await sync_all([a, b], 2)
+        a.alive = False  # killed -9 with the two heirs running
+        await asyncio.sleep(1.2)  # its lease TTL
+        await sync_all([b], 2)
+        assert not b.store.holdings["a"].get("~orphaned"), "the heirs' completions will give no slot back"
+        for i, ticket in enumerate(a.admitted[2:]):
+            b.store.forward(Ended(ticket, str(i), 200, None, upstream_answered=True), "")  # as server.py does
+        await sync_all([b], 2)
+        for rid in ("x", "y"):
+            assert (await b.ask(rid)).decision.admitted, "the cap is whole again"  # type: ignore[union-attr]
+        refused = await b.ask("z")
+        assert isinstance(refused, Answer) and refused.reply is not None, "and no more than the cap"
+        await b.store.close()
+
+    asyncio.run(run())
+
+
 def test_redis_down_falls_back_to_a_safe_local_split_and_rejoins_without_double_counting(
         tmp_path: Path) -> None:
     srv = RedisServer(tmp_path).start()

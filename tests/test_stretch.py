@@ -234,6 +234,8 @@ def test_slots_and_the_stretch_are_given_back_exactly_once(ops: list[tuple[str, 
             d = a.decide(t, f"r{n}", E(), 10)
             if d.lease is not None:
                 live.append(d.lease)
+                # sent at once on the stretch: its access log says so for good (as ``core.py`` marks it)
+                d.lease.tagged = d.lease.stretched and d.lease.queued_at is None
         elif op == "wait":
             clock.advance(k / 10)
         elif live:
@@ -246,10 +248,50 @@ def test_slots_and_the_stretch_are_given_back_exactly_once(ops: list[tuple[str, 
         assert 0 <= state.inflight <= 4
         assert 0 <= state.stretched <= int(4 * (stretch - 1.0))
         assert state.inflight + state.stretched == len(live)
+        # what a dead replica leaves taken is exactly the slot holders whose access logs give a slot back
+        assert state.promoted == sum(x.tagged and not x.stretched for x in live)
+        assert 0 <= state.orphanable <= state.inflight
     for lease in live:
         if not a.cancel(lease.ticket):
             a.complete(lease.ticket, Usage(10, 10), responded=True)
-    assert (state.inflight, state.stretched, a.inflight) == (0, 0, 0)
+    assert (state.inflight, state.stretched, state.promoted, a.inflight) == (0, 0, 0, 0)
+
+
+def test_a_freed_slot_goes_to_a_request_not_sent_yet_before_one_already_sent_on_the_stretch() -> None:
+    """The access log of a request sent on the stretch says it holds no slot of the tenant's, whatever it takes
+    over later: a queued heir is preferred (its metadata, made when it goes, will be right), and one already sent
+    is counted apart (``promoted``): not what stays taken in the shared store if this replica dies, since its
+    forwarded completion would give nothing back (review108 N1)."""
+    clock = FakeClock()
+    cfg = parse_config({"tenants": [{"name": "t", "max_concurrent": 4, "max_concurrent_stretch": 2}],
+                        "fleet": {"max_inflight": 6}})
+    a = Admission(cfg, clock, random.Random(1))
+    t = cfg.tenant("t")
+    history(a, clock, t, SLOWED, gap=4.0)
+    state = a.tenant_state("t")
+    assert state is not None
+    held = fill(a, t, "h", 4)
+    sent = fill(a, t, "s", 2)  # on the stretch, sent
+    for x in sent:
+        x.tagged = True  # as core.py marks what it sends on the stretch
+    waiting = fill(a, t, "q", 2)  # on the stretch, queued
+    assert all(x.queued_at is not None for x in waiting)
+    a.complete(held[0].ticket, Usage(10, 10), responded=True)
+    assert [x.stretched for x in waiting] == [False, True] or [x.stretched for x in waiting] == [True, False]
+    assert all(x.stretched for x in sent) and state.promoted == 0 and state.orphanable == 4
+    a.complete(held[1].ticket, Usage(10, 10), responded=True)
+    assert not any(x.stretched for x in waiting) and state.promoted == 0
+    a.complete(held[2].ticket, Usage(10, 10), responded=True)  # only sent ones left on the stretch
+    assert sum(x.stretched for x in sent) == 1 and state.promoted == 1
+    assert (state.inflight, state.orphanable) == (4, 3)
+    heir = next(x for x in sent if not x.stretched)
+    a.complete(heir.ticket, Usage(10, 10), responded=True)  # an heir ends: its slot goes to the last one
+    assert not any(x.stretched for x in sent) and state.promoted == 1 and state.stretched == 0
+    rest = [held[3], *waiting, next(x for x in sent if x is not heir)]
+    for x in rest:
+        if not a.cancel(x.ticket):
+            a.complete(x.ticket, Usage(10, 10), responded=True)
+    assert (state.inflight, state.stretched, state.promoted) == (0, 0, 0)
 
 
 def test_shorter_answers_alone_give_no_stretch() -> None:

@@ -3,7 +3,8 @@
 -- flight and a borrow's request just admitted (what stays taken if it dies); per dead
 -- replica o: its orphaned slots, e: their expiry), learning, over, epoch, version counter.
 -- ARGV: 1 replica, 2 cap, 3 slots it enforces now, 4 in flight, 5 demand, 6 spare 0|1, 7 ttl ms,
---       8 borrow 0|1, 9 tenant, 10 known epoch, 11 orphan ttl ms.
+--       8 borrow 0|1, 9 tenant, 10 known epoch, 11 orphan ttl ms, 12 of those in flight, what stays taken if it
+--       dies (requests whose completions give a slot back; absent: all of them).
 -- Returns {-1} for a call made for another epoch, else {slots, free, version, orphaned slots, slots of its
 -- own given back while it was taken for dead, requests in flight fleet-wide (every live replica's last
 -- report, this one's now, and the orphans), replica, record, replica, record, ...}.
@@ -36,6 +37,7 @@ for f, v in pairs(fields) do
   end
 end
 enforced = math.max(0, enforced - given)
+local stays = math.max(0, math.min(inflight, tonumber(ARGV[12] or ARGV[4])) - given)
 inflight = math.max(0, inflight - given)
 -- then the replicas that died since: the requests they admitted still run and stay taken until
 -- completions come in for them (END) or the lease timeout passes — what they last reported in flight
@@ -89,10 +91,11 @@ end
 if redis.call('EXISTS', KEYS[3]) == 1 and target > mine then target = mine end
 -- never below what the replica admits on until it says it lowered it
 local record = math.max(target, enforced, inflight)
--- a: what stays taken if this replica dies — in flight, and a borrow granted is for a request admitted
+-- a: what stays taken if this replica dies — in flight (less what the replica says no completion of gives a
+-- slot back: ARGV[12]), and a borrow granted is for a request admitted
 -- at once, before the replica's next report (i: stays what it reported: the fleet's running count)
-local admitted = inflight
-if ARGV[8] == '1' and target > math.max(enforced, inflight) then admitted = inflight + 1 end
+local admitted = stays
+if ARGV[8] == '1' and target > math.max(enforced, inflight) then admitted = stays + 1 end
 redis.call('HSET', KEYS[2], 'h:' .. me, record, 'w:' .. me, demand[me], 'x:' .. me, ARGV[6], 'i:' .. me, inflight,
            'a:' .. me, admitted)
 redis.call('PEXPIRE', KEYS[2], math.max(tonumber(ARGV[7]) * 20, tonumber(ARGV[11]) + 60000))
