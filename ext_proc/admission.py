@@ -110,20 +110,19 @@ class TenantState:
     on_stretch: dict[str, Lease] = field(default_factory=dict)
     """Charged requests in flight or queued past ``max_concurrent`` on its stretch (``Lease.stretched``), by
     ticket: they hold no slot (not in ``inflight``, never reported to the shared store)."""
-    promoted: int = 0
-    """Slot holders (in ``inflight``) that took a slot over from the stretch after their dispatch told Envoy they
-    were on it (``Lease.tagged``): another replica forwarding their completion for this one, dead, gives back no
-    slot of the tenant's, so they are not what stays taken if it dies (``unorphaned``) — review108 N1."""
     arrival_rate: float = 0.0
     arrival_at: float | None = None
     """Requests per second decided for the tenant (an exponentially decayed count, ``STRETCH_RATE_TAU_S``),
     and when it last changed; kept only for a tenant with a ``max_concurrent_stretch``."""
-    mean_pace: float | None = None
-    norm_pace: float | None = None
+    paced: tuple[float, float] | None = None
+    norm_paced: tuple[float, float] | None = None
     paced_at: float = -math.inf
-    """Seconds per output token of its answered requests (whole duration over completion tokens), recent and
-    usual, as ``mean_seconds`` / ``norm_seconds``, and when it last moved: with the duration, whether the fleet
-    serves the tenant slower than usual (``max_concurrent_stretch``)."""
+    """(seconds, output tokens) of its answered requests, each an average, recent and usual (the alphas of
+    ``mean_seconds`` / ``norm_seconds``), and when they last moved: their ratio is its *pace* (``mean_pace``,
+    ``norm_pace``), with the duration whether the fleet serves the tenant slower than usual
+    (``max_concurrent_stretch``). A ratio of averages, not an average of each request's ratio: one short answer
+    moved that by its own pace (a 1-token answer lasting 0.5 s is 0.5 s a token), and on a healthy fleet answers
+    of 1-200 tokens opened the stretch after one completion in nine (recheck108 F1)."""
     slots: int | None = None
     """With several replicas: this replica's slice of ``max_concurrent`` (``share.py``); None: all of it."""
     fleet_free: int = 0
@@ -170,10 +169,28 @@ class TenantState:
         return len(self.on_stretch)
 
     @property
+    def mean_pace(self) -> float | None:
+        """Recent seconds per output token (``paced``)."""
+        return None if self.paced is None else self.paced[0] / self.paced[1]
+
+    @property
+    def norm_pace(self) -> float | None:
+        """Usual seconds per output token (``norm_paced``)."""
+        return None if self.norm_paced is None else self.norm_paced[0] / self.norm_paced[1]
+
+    @property
     def orphanable(self) -> int:
-        """Of ``inflight``, what stays taken in the shared store if this replica dies, until completions
-        forwarded by the others give it back: all but the ``promoted`` (whose completions give back none)."""
-        return self.inflight - self.promoted
+        """Of ``inflight``, what stays taken in the shared store if this replica dies, until the completions other
+        replicas forward give it back: the slot holders sent to a node. One still queued here dies with the
+        replica — no completion will ever name it (attack109 M1)."""
+        return sum(1 for x in self.leases.values() if not (x.stretched and x.tenant is self))
+
+    @property
+    def heirs(self) -> tuple[str, ...]:
+        """Tickets of the slot holders sent while on the cap's stretch (``Lease.tagged``): their access logs say
+        ``stretched``, so a completion forwarded for this replica, dead, gives their slot back only if the shared
+        store lists them as heirs (``store.py``, review108 N1 / attack109 H1)."""
+        return tuple(t for t, x in self.leases.items() if x.tagged and not x.stretched)
 
     @property
     def bounded(self) -> bool:
@@ -224,8 +241,8 @@ class Lease:
     charged, that is in ``TenantState.on_stretch`` instead of taking a slot — until a slot of the tenant frees
     (``_untake``: it takes that one over)."""
     tagged: bool = False
-    """Dispatched while ``stretched``: Envoy's access log carries ``stretched: true`` for it (``core.py``), which
-    no later promotion can change (``TenantState.promoted``)."""
+    """Sent while ``stretched``: Envoy's access log carries ``stretched: true`` for it (``core.py``), which no
+    later handover of a slot can change (``TenantState.heirs``)."""
 
     @property
     def holds_slot(self) -> bool:
@@ -1444,10 +1461,15 @@ class Admission:
                 lease.budget.mean_seconds = _ewma(lease.budget.mean_seconds, seconds)
             self._mean_seconds = _ewma(self._mean_seconds, seconds)
             if usage is not None and usage.completion_tokens > 0 and s.config.max_concurrent_stretch > 1.0:
-                pace = seconds / usage.completion_tokens
-                s.mean_pace = _ewma(s.mean_pace, pace)
-                s.norm_pace = _ewma(s.norm_pace, pace, NORM_RISE_ALPHA if s.norm_pace is not None and
-                                    pace > s.norm_pace else NORM_ALPHA)
+                tokens = float(usage.completion_tokens)
+                norm = s.norm_pace
+                if now - s.paced_at > STRETCH_STALE_S:
+                    # back after a quiet spell: what was recent then says nothing of the fleet now — one answer
+                    # at the usual speed reopened last hour's slowdown (attack106 F7)
+                    s.paced = s.norm_paced
+                s.paced = _ewma2(s.paced, seconds, tokens, EWMA_ALPHA)
+                s.norm_paced = _ewma2(s.norm_paced, seconds, tokens, NORM_RISE_ALPHA if norm is not None and
+                                      seconds > norm * tokens else NORM_ALPHA)
                 s.paced_at = now
         w_out = self.config.queue.output_token_weight
         if usage is not None:
@@ -1577,15 +1599,12 @@ def _untake(s: TenantState, lease: Lease) -> None:
         if lease.stretched:
             del s.on_stretch[lease.ticket]
             return
-        if lease.tagged:
-            s.promoted -= 1
         if s.on_stretch:
-            # an heir not dispatched yet first: its access log will say it holds the slot (review108 N1)
+            # an heir not sent yet first: its access log will say it holds the slot, so no list of heirs in the
+            # shared store has to (``TenantState.heirs``)
             ticket = next((t for t, h in s.on_stretch.items() if not h.tagged), None)
             heir = s.on_stretch.pop(ticket) if ticket is not None else s.on_stretch.popitem()[1]
             heir.stretched = False
-            if heir.tagged:
-                s.promoted += 1
             return
     s.inflight -= 1
 
@@ -1638,6 +1657,11 @@ def _service_key(pool: str, tenant: str) -> str:
 
 def _ewma(prev: float | None, x: float, alpha: float = EWMA_ALPHA) -> float:
     return x if prev is None else prev + alpha * (x - prev)
+
+
+def _ewma2(prev: tuple[float, float] | None, x: float, y: float, alpha: float) -> tuple[float, float]:
+    """Two averages moved together by one observation (a ratio of averages: ``TenantState.paced``)."""
+    return (x, y) if prev is None else (prev[0] + alpha * (x - prev[0]), prev[1] + alpha * (y - prev[1]))
 
 
 def _retuned(quota: Quota, b: Bucket | None, per_minute: float | None, burst: int | None,

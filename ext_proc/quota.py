@@ -33,7 +33,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal, Protocol
+from typing import TYPE_CHECKING, Literal, NamedTuple, Protocol
 
 from .config import Tenant
 from .limits import Credit, TokenBucket, default_burst
@@ -73,15 +73,28 @@ class ShareReport:
     tokens: tuple[float, float, float] | None
     stays: int | None = None
     """Of ``inflight``, what stays taken if this replica dies (``TenantState.orphanable``; None: all of it)."""
+    heirs: tuple[str, ...] = ()
+    """Tickets of the slot holders sent on the cap's stretch (``TenantState.heirs``): a completion forwarded for
+    one gives its slot back."""
+
+
+class SlotNeed(NamedTuple):
+    """A borrow's slot: the tenant's cap, the slots it holds here, in flight, what of that stays taken if this
+    replica dies, and its heirs (as in :class:`ShareReport`)."""
+
+    cap: int
+    held: int
+    inflight: int
+    stays: int
+    heirs: tuple[str, ...]
 
 
 @dataclass(frozen=True, slots=True)
 class Need:
-    """What a borrow asks the store for one tenant: a slot (its cap, the slots it holds, in flight, what of that
-    stays taken if this replica dies), and the credit each budget lacks as (budget, rate per second, bucket
-    size, amount)."""
+    """What a borrow asks the store for one tenant: a slot, and the credit each budget lacks as (budget, rate per
+    second, bucket size, amount)."""
 
-    slot: tuple[int, int, int, int] | None
+    slot: SlotNeed | None
     credit: tuple[tuple[str, float, float, float], ...]
 
 
@@ -241,7 +254,7 @@ class LeasedQuota:
                     b.level += amount
                 amounts.append((b.rate * 60.0, b.capacity, amount))
             out.append(ShareReport(s.name, q.max_concurrent, s.slots or 0, s.inflight, demand, spare,
-                                   amounts[0], amounts[1], s.orphanable))
+                                   amounts[0], amounts[1], s.orphanable, s.heirs))
             s.peak, s.refused = s.inflight, 0
             s.spent_requests = s.spent_tokens = 0.0
             s.largest = 0.0 if idle else s.largest * LARGEST_DECAY
@@ -283,7 +296,8 @@ class LeasedQuota:
         slice is full, and what each budget's credit here lacks."""
         cap = s.config.max_concurrent
         held = s.slots or 0
-        slot = (cap, held, s.inflight, s.orphanable) if cap is not None and s.inflight >= held else None
+        short = cap is not None and s.inflight >= held
+        slot = SlotNeed(cap, held, s.inflight, s.orphanable, s.heirs) if cap is not None and short else None
         credit = []
         for dim, b, need in (("requests", s.requests, 1.0), ("tokens", s.tokens, tokens)):
             if isinstance(b, Credit) and b.lacks(need) > 0:
@@ -301,10 +315,10 @@ class LeasedQuota:
                     out.append((s.name, dim, b.rate, b.capacity, amount))
         return out
 
-    def held(self) -> list[tuple[str, int]]:
-        """(name, in flight) of every budget holding slots here: what a clean stop keeps taken (less the slots
-        whose completions give none back, ``TenantState.orphanable``)."""
-        return [(s.name, s.orphanable) for s in self._states() if s.slots]
+    def held(self) -> list[tuple[str, int, tuple[str, ...]]]:
+        """(name, requests sent, the heirs among them) of every budget holding slots here: what a clean stop keeps
+        taken until their completions come (``TenantState.orphanable``, ``TenantState.heirs``)."""
+        return [(s.name, s.orphanable, s.heirs) for s in self._states() if s.slots]
 
 
 class SplitQuota(LeasedQuota):

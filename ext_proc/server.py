@@ -472,10 +472,12 @@ class Gateway:
         if self.store is not None and ticket and not self.core.owns(ticket):
             # another replica's: Envoy's access log may reach any replica
             # a best-effort request held none of its tenant's slots: none to give back if its owner died; one
-            # on its tenant's cap's stretch held none of the tenant's own (its per-model budget's, it did)
+            # sent on its tenant's cap's stretch holds the tenant's own only if it took one over since (the
+            # store's list of heirs says; its per-model budget's, it held all along)
             quota = not (be := kf.get("best_effort")) or not be.bool_value
-            own = quota and (not (st := kf.get("stretched")) or not st.bool_value)
-            self.store.forward(e, _text(kf.get("tenant")) if own else "", _text(kf.get("budget")) if quota else "")
+            stretched = quota and (st := kf.get("stretched")) is not None and st.bool_value
+            self.store.forward(e, _text(kf.get("tenant")) if quota else "", _text(kf.get("budget")) if quota else "",
+                               stretched=stretched)
             return
         done = self.core.ended(e)
         if done is None and self.store is not None and not ticket and self.core.tombstoned(e.request_id):

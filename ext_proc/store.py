@@ -63,6 +63,9 @@ BORROW_BUDGET_S = 0.6
 """A decision that borrows (and perhaps waits for a slot idle at another replica) is answered within
 this, whatever ``timeout_ms`` says: well under the ext_proc ``message_timeout`` of the generated Envoy
 config (1 s), past which Envoy answers 503 itself — or, fail-open, lets the request through undecided."""
+Forward = tuple[str, str, str, str, bool, bytes]
+"""A completion to forward through END: (owner, ticket, tenant or "-", per-model budget, sent on the tenant's cap's
+stretch, the event)."""
 MAX_ENDS = 20_000
 """Completions waiting to be forwarded while Redis is away; beyond it the oldest are dropped (their
 slots come back by reclaim)."""
@@ -166,7 +169,7 @@ class SharedStore:
         self._ends: list[list[Any]] = []
         """Completions without a ticket, for every replica: [owner '*', '', request id, status, prompt,
         completion, upstream answered, disconnected]."""
-        self._forward: list[tuple[str, str, str, str, bytes]] = []
+        self._forward: list[Forward] = []
         """(owner, ticket, tenant, event) of completions for another replica's tickets: the END script
         hands each to its owner, or, when the owner died, gives one of its slots back."""
         self._failing_since: float | None = None
@@ -202,6 +205,11 @@ class SharedStore:
     def _k_slots(self, tenant: str) -> str:
         return f"{self._prefix}:c:{tenant}"
 
+    def _k_heirs(self, tenant: str, replica: str) -> str:
+        """The tickets of ``replica``'s heirs of ``tenant`` (``TenantState.heirs``): END gives the slot of a
+        completion forwarded with ``stretched`` back only for one of them."""
+        return f"{self._prefix}:heirs:{tenant}:{replica}"
+
     def _k_inbox(self, replica: str) -> str:
         """Completions forwarded to ``replica`` (``end.lua``): kept until it reads them, unlike the
         stream, which is trimmed after ``EVENTS_KEEP_MS``."""
@@ -223,13 +231,14 @@ class SharedStore:
         pipe.evalsha(self._sha[name], len(keys), *keys, *args)
 
     def _slots_call(self, pipe: Any, tenant: str, cap: int, enforced: int, inflight: int, demand: int,
-                    spare: bool, borrow: bool, stays: int | None = None) -> None:
+                    spare: bool, borrow: bool, stays: int | None = None, heirs: tuple[str, ...] = ()) -> None:
         self._sent_cap[tenant] = cap
         self._call(pipe, "slots",
                    [self.k_replicas, self._k_slots(tenant), self.k_learning, self.k_over, self.k_epoch,
-                    self.k_version],
+                    self.k_version, self._k_heirs(tenant, self.me)],
                    [self.me, cap, enforced, inflight, demand, int(spare), int(self.cfg.lease_ttl_seconds * 1000),
-                    int(borrow), tenant, self.epoch, self.orphan_ttl_ms, inflight if stays is None else stays])
+                    int(borrow), tenant, self.epoch, self.orphan_ttl_ms, inflight if stays is None else stays,
+                    *heirs])
 
     def _bucket_call(self, pipe: Any, tenant: str, dim: str, rate: float, capacity: float, amount: float,
                      partial: bool) -> None:
@@ -290,19 +299,19 @@ class SharedStore:
                 if r.cap is not None and r.demand is not None and self._claim(r.tenant):
                     claimed.append(r.tenant)
                     self._slots_call(pipe, r.tenant, r.cap, r.slots, r.inflight, r.demand, r.spare, borrow=False,
-                                     stays=r.stays)
+                                     stays=r.stays, heirs=r.heirs)
                     calls.append(("slots", r.tenant, ""))
                 for dim, op in (("requests", r.requests), ("tokens", r.tokens)):
                     if op is not None and op[2] != 0:
                         per_minute, capacity, amount = op
                         self._bucket_call(pipe, r.tenant, dim, per_minute / 60.0, capacity, amount, partial=True)
                         calls.append(("bucket", r.tenant, dim))
-            for owner, ticket, tenant, budget, event in forward:
+            for owner, ticket, tenant, budget, stretched, event in forward:
                 keys = [self.k_replicas, self.k_events, self._k_slots(tenant), f"{self._prefix}:ended:{owner}",
-                        self._k_inbox(owner)]
+                        self._k_inbox(owner), self._k_heirs(tenant, owner)]
                 if budget:
                     keys.append(self._k_slots(budget))
-                self._call(pipe, "end", keys, [owner, ticket, event, self.orphan_ttl_ms])
+                self._call(pipe, "end", keys, [owner, ticket, event, self.orphan_ttl_ms, int(stretched)])
                 calls.append(("end", tenant, ""))
             batch = self._next_batch()
             if batch is not None:
@@ -392,7 +401,7 @@ class SharedStore:
         return f"{max(0, ms - EVENTS_KEEP_MS)}-0"
 
     def _apply(self, results: list[Any], calls: list[tuple[str, str, str]],
-               forward: list[tuple[str, str, str, str, bytes]], rejoining: bool, t0: float) -> bool:
+               forward: list[Forward], rejoining: bool, t0: float) -> bool:
         adm = self.core.admission
         if isinstance(results[0], BaseException):
             if isinstance(results[0], NoScriptError):
@@ -491,7 +500,7 @@ class SharedStore:
             live = set(self.live)
             held = {f[2:]: int(v) for f, v in fields.items() if f.startswith("h:") and f[2:] in live}
             # a dead replica's slots, still taken by what it admitted (until a slots call orphans them):
-            # what it last reported in flight, never more than it held (as slots.lua orphans them)
+            # what it last reported sent to a node (a:, else i:), never more than it held (as slots.lua orphans them)
             orphaned = sum(int(v) for f, v in fields.items() if f[:2] in ("o:", "p:")) + sum(
                 min(int(v), int(fields.get(f"a:{f[2:]}", fields.get(f"i:{f[2:]}", v)))) for f, v in fields.items()
                 if f.startswith("h:") and f[2:] not in live)
@@ -736,10 +745,10 @@ class SharedStore:
             calls: list[tuple[str, str, int]] = []
             for s, need in needs:
                 if need.slot is not None:
-                    cap, held, inflight, stays = need.slot
-                    self._slots_call(pipe, s.name, cap, held, inflight, max(held, inflight) + 1, True, borrow=True,
-                                     stays=stays)
-                    calls.append((s.name, "slots", held))
+                    n = need.slot
+                    self._slots_call(pipe, s.name, n.cap, n.held, n.inflight, max(n.held, n.inflight) + 1, True,
+                                     borrow=True, stays=n.stays, heirs=n.heirs)
+                    calls.append((s.name, "slots", n.held))
                 for dim, rate, capacity, amount in need.credit:
                     self._bucket_call(pipe, s.name, dim, rate, capacity, amount, partial=False)
                     calls.append((s.name, dim, 0))
@@ -771,10 +780,11 @@ class SharedStore:
             self.borrows.labels("granted" if ok else "refused").inc()
         return all(granted.values()), answered
 
-    def forward(self, e: Ended, tenant: str = "", budget: str = "") -> None:
+    def forward(self, e: Ended, tenant: str = "", budget: str = "", stretched: bool = False) -> None:
         """A completion for a ticket another replica owns (the END script, at the next sync, hands it
-        to its owner, or gives one of the owner's slots of ``tenant`` back if it died), or, without a
-        ticket, one this replica does not know (to every replica: Envoy gave up on a decision)."""
+        to its owner, or gives one of the owner's slots of ``tenant`` back if it died — for a request sent on
+        the tenant's cap's stretch, ``stretched``, only if it took a slot over since: one of the owner's heirs),
+        or, without a ticket, one this replica does not know (to every replica: Envoy gave up on a decision)."""
         u = e.usage
         event = [e.ticket.split("-", 1)[0] if e.ticket else "*", e.ticket or "", e.request_id, e.status,
                  u.prompt_tokens if u else None, u.completion_tokens if u else None, e.upstream_answered,
@@ -783,7 +793,7 @@ class SharedStore:
             self._ends.append(event)
             return
         owner = e.ticket.split("-", 1)[0]
-        if self.core.admission.share_adopt((tenant, budget), e.ticket):
+        if self.core.admission.share_adopt(("" if stretched else tenant, budget), e.ticket):
             # the store is away: its owner learns of it only when the store answers; the slot is
             # taken over here meanwhile, so a tenant far under its cap is not refused by full splits
             self._changed()
@@ -792,18 +802,22 @@ class SharedStore:
             # spend budgets price cached prompt and reasoning tokens apart; a key of its own, which a
             # replica of an older version ignores (an event of another length it would drop)
             doc["u"] = [u.cached_tokens, u.reasoning_tokens]
-        self._forward.append((owner, e.ticket, tenant or "-", budget, orjson.dumps(doc)))
+        self._forward.append((owner, e.ticket, tenant or "-", budget, stretched, orjson.dumps(doc)))
 
     async def close(self) -> None:
         """A clean stop: leave at once (the others need not wait for its TTL), giving back every slot
-        but those of requests still running."""
+        but those of requests sent to a node (what is still queued here ends with it)."""
         try:
             pipe = self.client.pipeline(transaction=False)
-            # per-model budgets' slices too: what still runs stays taken (orphaned) until it ends; the rest
-            # goes back now
-            for name, inflight in self.core.admission.leased.held():
-                pipe.hset(self._k_slots(name), mapping={f"h:{self.me}": inflight, f"i:{self.me}": inflight,
-                                                       f"a:{self.me}": inflight})
+            # per-model budgets' slices too: what still runs stays taken (orphaned) until its completion, which
+            # another replica forwards, gives it back — for an heir, by the list of heirs; the rest goes back now
+            for name, sent, heirs in self.core.admission.leased.held():
+                pipe.hset(self._k_slots(name), mapping={f"h:{self.me}": sent, f"i:{self.me}": sent,
+                                                       f"a:{self.me}": sent})
+                pipe.delete(self._k_heirs(name, self.me))
+                if heirs:
+                    pipe.sadd(self._k_heirs(name, self.me), *heirs)
+                    pipe.pexpire(self._k_heirs(name, self.me), self.orphan_ttl_ms + 60_000)
             pipe.zrem(self.k_replicas, self.me)
             async with asyncio.timeout(self.cfg.timeout_ms / 1000.0):
                 await pipe.execute(raise_on_error=False)

@@ -574,12 +574,14 @@ def test_best_effort_goes_only_where_it_would_start_as_soon_as_a_top_tier_reques
     assert a.decision.lease.predicted_ttft is not None and a.decision.lease.predicted_ttft <= 0.2
 
 
-@pytest.mark.parametrize(("flag", "named"), [("best_effort", ("", "")), ("stretched", ("", "acme/llama-70b")),
-                                             (None, ("acme", "acme/llama-70b"))])
-def test_another_replicas_best_effort_end_gives_back_no_slot(flag: str | None, named: tuple[str, str]) -> None:
+@pytest.mark.parametrize(("flag", "named"), [("best_effort", ("", "", False)),
+                                             ("stretched", ("acme", "acme/llama-70b", True)),
+                                             (None, ("acme", "acme/llama-70b", False))])
+def test_another_replicas_best_effort_end_gives_back_no_slot(flag: str | None, named: tuple[str, str, bool]) -> None:
     """With several replicas an end reaching the wrong replica is forwarded with the tenant whose slot it
     held (given back if its owner died): a best-effort request held none, so it names none; one sent on its
-    tenant's cap's stretch held its per-model budget's slot but none of the tenant's own."""
+    tenant's cap's stretch is forwarded as such — it holds the tenant's slot only if it took one over since
+    (the store's list of heirs), its per-model budget's all along."""
     from envoy.data.accesslog.v3 import accesslog_pb2
 
     from ext_proc.server import META_NS, Gateway
@@ -589,8 +591,8 @@ def test_another_replicas_best_effort_end_gives_back_no_slot(flag: str | None, n
         def __init__(self) -> None:
             self.sent: list[tuple[str, str]] = []
 
-        def forward(self, e: Ended, tenant: str = "", budget: str = "") -> None:
-            self.sent.append((tenant, budget))
+        def forward(self, e: Ended, tenant: str = "", budget: str = "", stretched: bool = False) -> None:
+            self.sent.append((tenant, budget, stretched))
 
     gw = Gateway(pools_config())
     store = Store()

@@ -298,39 +298,128 @@ def test_a_dead_replicas_running_requests_keep_their_slots_until_their_completio
     asyncio.run(run())
 
 
-def test_a_dead_replicas_requests_sent_on_the_stretch_leave_no_slot_taken(server: RedisServer) -> None:
-    """A request sent on its tenant's cap's stretch is forwarded, when it ends at another replica, naming no slot
-    of the tenant's (its access log says ``stretched``) — even once it took over a slot of one that ended. What
-    the store keeps taken for a dead replica is therefore only what such completions can give back: the dead
-    replica's heirs are not orphaned (review108 N1: they were, for up to the lease timeout)."""
+def slowed(r: Replica, factor: float = 3.0) -> None:
+    """The fleet serves the replica's tenant ``factor`` times slower than usual, renewed just now."""
+    s = r.tenant
+    s.mean_seconds, s.norm_seconds, s.paced, s.norm_paced = factor, 1.0, (factor, 10.0), (1.0, 10.0)
+    s.paced_at = time.monotonic()
+
+
+def test_a_dead_replicas_heirs_keep_their_slots_until_their_own_completions_come(server: RedisServer) -> None:
+    """A request sent on its tenant's cap's stretch is forwarded, when it ends at another replica, as such (its
+    access log says ``stretched``); it holds a slot of the tenant's only if it took one over since. The owner lists
+    those heirs in the store: when it dies they stay taken, and exactly their completions give their slots back
+    (review108 N1: they stayed taken up to the lease timeout; attack109 H1: not counted at all, the fleet ran past
+    its cap)."""
+    async def run() -> None:
+        cfg = config(server.url, max_concurrent=2, max_concurrent_stretch=3)
+        a, b = Replica(cfg), Replica(cfg)
+        await sync_all([a, b], 2)
+        slowed(a, 4.0)
+        for i in range(6):  # 2 slots, 4 on the stretch (2 x 3)
+            got = await a.ask(f"r{i}")
+            assert isinstance(got, Answer) and got.decision.admitted, got
+        state = a.tenant
+        assert (state.inflight, state.stretched) == (2, 4)
+        # the two slot holders end at their own replica: two sent on the stretch take their slots over
+        for ticket in a.admitted[:2]:
+            assert a.core.ended(Ended(ticket, "", 200, Usage(5, 5), upstream_answered=True)) is not None
+        heirs = [t for t in a.admitted[2:] if t in state.heirs]
+        others = [t for t in a.admitted[2:] if t not in state.heirs]
+        assert (state.inflight, state.stretched, len(heirs), state.orphanable) == (2, 2, 2, 2)
+        await sync_all([a, b], 2)
+        a.alive = False  # killed -9 with its two heirs and two more on the stretch running
+        await asyncio.sleep(1.2)  # its lease TTL
+        await sync_all([b], 2)
+        assert b.store.holdings["a"].get("~orphaned") == 2, "the heirs run on the tenant's slots"
+        refused = await b.ask("x")
+        assert isinstance(refused, Answer) and refused.reply is not None, "the cap is taken by the heirs"
+        for i, ticket in enumerate(others):  # what ran on the stretch held no slot: none comes back
+            b.store.forward(Ended(ticket, str(i), 200, None, upstream_answered=True), "a", stretched=True)
+        await sync_all([b], 2)
+        assert b.store.holdings["a"].get("~orphaned") == 2
+        for i, ticket in enumerate(heirs):
+            b.store.forward(Ended(ticket, str(i), 200, None, upstream_answered=True), "a", stretched=True)
+        await sync_all([b], 2)
+        assert not b.store.holdings["a"].get("~orphaned")
+        for rid in ("y", "z"):
+            assert (await b.ask(rid)).decision.admitted, "the cap is whole again"  # type: ignore[union-attr]
+        refused = await b.ask("w")
+        assert isinstance(refused, Answer) and refused.reply is not None, "and no more than the cap"
+        await b.store.close()
+
+    asyncio.run(run())
+
+
+def test_a_clean_stop_keeps_its_heirs_slots_taken_until_they_end(server: RedisServer) -> None:
     async def run() -> None:
         cfg = config(server.url, max_concurrent=2, max_concurrent_stretch=2)
         a, b = Replica(cfg), Replica(cfg)
         await sync_all([a, b], 2)
-        state = a.tenant
-        # the fleet serves the tenant three times slower than usual, renewed just now
-        state.mean_seconds, state.norm_seconds, state.mean_pace, state.norm_pace = 3.0, 1.0, 0.3, 0.1
-        state.paced_at = time.monotonic()
+        slowed(a)
         for i in range(4):
-            got = await a.ask(f"r{i}")
-            assert isinstance(got, Answer) and got.decision.admitted, got
-        assert (state.inflight, state.stretched) == (2, 2)
-        # the two slot holders end at their own replica: the two sent on the stretch take their slots over
+            assert (await a.ask(f"r{i}")).decision.admitted  # type: ignore[union-attr]
         for ticket in a.admitted[:2]:
-            assert a.core.ended(Ended(ticket, "", 200, Usage(5, 5), upstream_answered=True)) is not None
-        assert (state.inflight, state.stretched, state.promoted, state.orphanable) == (2, 0, 2, 0)
+            a.core.ended(Ended(ticket, "", 200, Usage(5, 5), upstream_answered=True))
+        assert len(a.tenant.heirs) == 2
         await sync_all([a, b], 2)
-        a.alive = False  # killed -9 with the two heirs running
-        await asyncio.sleep(1.2)  # its lease TTL
-        await sync_all([b], 2)
-        assert not b.store.holdings["a"].get("~orphaned"), "the heirs' completions will give no slot back"
+        await a.store.close()
+        a.alive = False
+        await sync_all([b], 3)
+        refused = await b.ask("x")
+        assert isinstance(refused, Answer) and refused.reply is not None, "the heirs still run on the cap"
         for i, ticket in enumerate(a.admitted[2:]):
-            b.store.forward(Ended(ticket, str(i), 200, None, upstream_answered=True), "")  # as server.py does
+            b.store.forward(Ended(ticket, str(i), 200, None, upstream_answered=True), "a", stretched=True)
         await sync_all([b], 2)
-        for rid in ("x", "y"):
-            assert (await b.ask(rid)).decision.admitted, "the cap is whole again"  # type: ignore[union-attr]
-        refused = await b.ask("z")
-        assert isinstance(refused, Answer) and refused.reply is not None, "and no more than the cap"
+        for rid in ("y", "z"):
+            assert (await b.ask(rid)).decision.admitted, "the heirs ended"  # type: ignore[union-attr]
+        await b.store.close()
+
+    asyncio.run(run())
+
+
+def test_a_dead_replicas_queued_request_leaves_no_slot_taken(server: RedisServer) -> None:
+    """A request still queued at a replica that dies never runs, and no completion will name it: its slot is not
+    what stays taken (attack109 M1: taken for the lease timeout)."""
+    async def run() -> None:
+        cfg = config(server.url, max_concurrent=4)
+        cfg = cfg.model_copy(update={"fleet": cfg.fleet.model_copy(update={"max_inflight": 1})})
+        a, b = Replica(cfg), Replica(cfg)
+        await sync_all([a, b], 2)
+        assert (await a.ask("r0")).decision.admitted  # type: ignore[union-attr]
+        assert isinstance(await a.ask("r1"), Held)
+        assert (a.tenant.inflight, a.tenant.orphanable) == (2, 1)
+        await sync_all([a, b], 2)
+        a.alive = False
+        await asyncio.sleep(1.2)
+        await sync_all([b], 2)
+        assert b.store.holdings["a"].get("~orphaned") == 1
+        b.store.forward(Ended(a.admitted[0], "r0", 200, None, upstream_answered=True), "a")
+        await sync_all([b], 2)
+        assert not b.store.holdings["a"].get("~orphaned")
+        await b.store.close()
+
+    asyncio.run(run())
+
+
+def test_completions_of_a_dead_replica_before_any_call_orphans_it_are_not_lost(server: RedisServer) -> None:
+    """A completion forwarded for a dead replica that no slots call has orphaned yet takes one off what it held
+    and off what stays taken: the call then orphans the lesser (attack109 M2: only the first, and a slot stayed
+    taken though nothing ran)."""
+    async def run() -> None:
+        cfg = config(server.url, max_concurrent=4)
+        a, b = Replica(cfg), Replica(cfg)
+        await sync_all([a, b], 2)
+        for i in range(2):
+            assert (await a.ask(f"r{i}")).decision.admitted  # type: ignore[union-attr]
+        await sync_all([a, b], 3)
+        a.alive = False
+        await asyncio.sleep(1.2)
+        for i, ticket in enumerate(a.admitted):  # both end at b, before any slots call for the tenant
+            b.store.forward(Ended(ticket, f"r{i}", 200, None, upstream_answered=True), "a")
+        await sync_all([b])
+        got = [await b.ask(f"x{i}") for i in range(4)]
+        assert all(isinstance(g, Answer) and g.decision.admitted for g in got), "nothing of the dead replica runs"
         await b.store.close()
 
     asyncio.run(run())

@@ -1,10 +1,11 @@
 -- One tenant's concurrency slots (fair.lua is prepended: ``fair`` is defined above this line).
--- KEYS: replicas, the tenant's slots hash (per replica h: held, w: demand, x: spare, i: in flight, a: in
--- flight and a borrow's request just admitted (what stays taken if it dies); per dead
--- replica o: its orphaned slots, e: their expiry), learning, over, epoch, version counter.
+-- KEYS: replicas, the tenant's slots hash (per replica h: held, w: demand, x: spare, i: in flight, a: what
+-- stays taken if it dies — its requests sent to a node, and a borrow's request just admitted; per dead
+-- replica o: its orphaned slots, e: their expiry), learning, over, epoch, version counter[, this replica's
+-- heirs of the tenant: tickets sent on the cap's stretch that took a slot over since, which END gives back].
 -- ARGV: 1 replica, 2 cap, 3 slots it enforces now, 4 in flight, 5 demand, 6 spare 0|1, 7 ttl ms,
---       8 borrow 0|1, 9 tenant, 10 known epoch, 11 orphan ttl ms, 12 of those in flight, what stays taken if it
---       dies (requests whose completions give a slot back; absent: all of them).
+--       8 borrow 0|1, 9 tenant, 10 known epoch, 11 orphan ttl ms, 12 of those in flight, the ones sent to a node
+--       (absent: all of them), 13... its heirs' tickets.
 -- Returns {-1} for a call made for another epoch, else {slots, free, version, orphaned slots, slots of its
 -- own given back while it was taken for dead, requests in flight fleet-wide (every live replica's last
 -- report, this one's now, and the orphans), replica, record, replica, record, ...}.
@@ -91,14 +92,22 @@ end
 if redis.call('EXISTS', KEYS[3]) == 1 and target > mine then target = mine end
 -- never below what the replica admits on until it says it lowered it
 local record = math.max(target, enforced, inflight)
--- a: what stays taken if this replica dies — in flight (less what the replica says no completion of gives a
--- slot back: ARGV[12]), and a borrow granted is for a request admitted
+-- a: what stays taken if this replica dies — sent to a node (ARGV[12]: what is queued dies with it, no completion
+-- ever names it), and a borrow granted is for a request admitted
 -- at once, before the replica's next report (i: stays what it reported: the fleet's running count)
 local admitted = stays
 if ARGV[8] == '1' and target > math.max(enforced, inflight) then admitted = stays + 1 end
 redis.call('HSET', KEYS[2], 'h:' .. me, record, 'w:' .. me, demand[me], 'x:' .. me, ARGV[6], 'i:' .. me, inflight,
            'a:' .. me, admitted)
-redis.call('PEXPIRE', KEYS[2], math.max(tonumber(ARGV[7]) * 20, tonumber(ARGV[11]) + 60000))
+local keep = math.max(tonumber(ARGV[7]) * 20, tonumber(ARGV[11]) + 60000)
+redis.call('PEXPIRE', KEYS[2], keep)
+if KEYS[7] then
+  redis.call('DEL', KEYS[7])
+  if #ARGV > 12 then
+    for i = 13, #ARGV, 1000 do redis.call('SADD', KEYS[7], unpack(ARGV, i, math.min(i + 999, #ARGV))) end
+    redis.call('PEXPIRE', KEYS[7], keep)
+  end
+end
 local version = redis.call('INCR', KEYS[6])
 local even = math.floor(cap / n)
 local uneven = record > even or orphans > 0
