@@ -73,20 +73,19 @@ class ShareReport:
     tokens: tuple[float, float, float] | None
     stays: int | None = None
     """Of ``inflight``, what stays taken if this replica dies (``TenantState.orphanable``; None: all of it)."""
-    heirs: tuple[str, ...] = ()
+    heirs: frozenset[str] = frozenset()
     """Tickets of the slot holders sent on the cap's stretch (``TenantState.heirs``): a completion forwarded for
     one gives its slot back."""
 
 
 class SlotNeed(NamedTuple):
-    """A borrow's slot: the tenant's cap, the slots it holds here, in flight, what of that stays taken if this
-    replica dies, and its heirs (as in :class:`ShareReport`)."""
+    """A borrow's slot: the tenant's cap, the slots it holds here, in flight, and what of that stays taken if
+    this replica dies (as in :class:`ShareReport`; its heirs go with the next sync)."""
 
     cap: int
     held: int
     inflight: int
     stays: int
-    heirs: tuple[str, ...]
 
 
 @dataclass(frozen=True, slots=True)
@@ -297,7 +296,7 @@ class LeasedQuota:
         cap = s.config.max_concurrent
         held = s.slots or 0
         short = cap is not None and s.inflight >= held
-        slot = SlotNeed(cap, held, s.inflight, s.orphanable, s.heirs) if cap is not None and short else None
+        slot = SlotNeed(cap, held, s.inflight, s.orphanable) if cap is not None and short else None
         credit = []
         for dim, b, need in (("requests", s.requests, 1.0), ("tokens", s.tokens, tokens)):
             if isinstance(b, Credit) and b.lacks(need) > 0:
@@ -315,7 +314,7 @@ class LeasedQuota:
                     out.append((s.name, dim, b.rate, b.capacity, amount))
         return out
 
-    def held(self) -> list[tuple[str, int, tuple[str, ...]]]:
+    def held(self) -> list[tuple[str, int, frozenset[str]]]:
         """(name, requests sent, the heirs among them) of every budget holding slots here: what a clean stop keeps
         taken until their completions come (``TenantState.orphanable``, ``TenantState.heirs``)."""
         return [(s.name, s.orphanable, s.heirs) for s in self._states() if s.slots]

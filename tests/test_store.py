@@ -351,6 +351,40 @@ def test_a_dead_replicas_heirs_keep_their_slots_until_their_own_completions_come
     asyncio.run(run())
 
 
+def test_an_heir_that_ended_at_its_own_replica_is_no_longer_listed(server: RedisServer) -> None:
+    """The list of heirs follows what runs: one that ended where it was admitted leaves it at the next sync, so a
+    late duplicate of its access log, forwarded once its replica died, gives back no slot that another request
+    still holds (attack110 L2)."""
+    async def run() -> None:
+        cfg = config(server.url, max_concurrent=2, max_concurrent_stretch=2)
+        a, b = Replica(cfg), Replica(cfg)
+        await sync_all([a, b], 2)
+        slowed(a)
+        for i in range(4):
+            assert (await a.ask(f"r{i}")).decision.admitted  # type: ignore[union-attr]
+        for ticket in a.admitted[:2]:
+            a.core.ended(Ended(ticket, "", 200, Usage(5, 5), upstream_answered=True))
+        await sync_all([a, b], 2)
+        first, second = sorted(a.tenant.heirs)
+        a.core.ended(Ended(first, "", 200, Usage(5, 5), upstream_answered=True))  # ends at home
+        await sync_all([a, b], 2)
+        assert (await a.ask("r4")).decision.admitted  # type: ignore[union-attr]  (its slot, taken again)
+        await sync_all([a, b], 2)
+        a.alive = False
+        await asyncio.sleep(1.2)
+        await sync_all([b], 2)
+        assert b.store.holdings["a"].get("~orphaned") == 2
+        b.store.forward(Ended(first, "d", 200, None, upstream_answered=True), "a", stretched=True)  # a duplicate
+        await sync_all([b], 2)
+        assert b.store.holdings["a"].get("~orphaned") == 2, "r4 and the other heir still run"
+        b.store.forward(Ended(second, "s", 200, None, upstream_answered=True), "a", stretched=True)
+        await sync_all([b], 2)
+        assert b.store.holdings["a"].get("~orphaned") == 1
+        await b.store.close()
+
+    asyncio.run(run())
+
+
 def test_a_clean_stop_keeps_its_heirs_slots_taken_until_they_end(server: RedisServer) -> None:
     async def run() -> None:
         cfg = config(server.url, max_concurrent=2, max_concurrent_stretch=2)

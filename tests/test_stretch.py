@@ -254,7 +254,7 @@ def test_slots_and_the_stretch_are_given_back_exactly_once(ops: list[tuple[str, 
     for lease in live:
         if not a.cancel(lease.ticket):
             a.complete(lease.ticket, Usage(10, 10), responded=True)
-    assert (state.inflight, state.stretched, state.heirs, a.inflight) == (0, 0, (), 0)
+    assert (state.inflight, state.stretched, state.heirs, a.inflight) == (0, 0, frozenset(), 0)
 
 
 def test_a_freed_slot_goes_to_a_request_not_sent_yet_before_one_already_sent_on_the_stretch() -> None:
@@ -278,21 +278,21 @@ def test_a_freed_slot_goes_to_a_request_not_sent_yet_before_one_already_sent_on_
     assert all(x.queued_at is not None for x in waiting)
     a.complete(held[0].ticket, Usage(10, 10), responded=True)
     assert [x.stretched for x in waiting] == [False, True] or [x.stretched for x in waiting] == [True, False]
-    assert all(x.stretched for x in sent) and state.heirs == () and state.orphanable == 3  # (one heir queued)
+    assert all(x.stretched for x in sent) and not state.heirs and state.orphanable == 3  # (one heir queued)
     a.complete(held[1].ticket, Usage(10, 10), responded=True)
-    assert not any(x.stretched for x in waiting) and state.heirs == () and state.orphanable == 2
+    assert not any(x.stretched for x in waiting) and not state.heirs and state.orphanable == 2
     a.complete(held[2].ticket, Usage(10, 10), responded=True)  # only sent ones left on the stretch
     heir = next(x for x in sent if not x.stretched)
-    assert sum(x.stretched for x in sent) == 1 and state.heirs == (heir.ticket,)
+    assert sum(x.stretched for x in sent) == 1 and state.heirs == {heir.ticket}
     assert (state.inflight, state.orphanable) == (4, 2)
     a.complete(heir.ticket, Usage(10, 10), responded=True)  # an heir ends: its slot goes to the last one
     last = next(x for x in sent if x is not heir)
-    assert not last.stretched and state.heirs == (last.ticket,) and state.stretched == 0
+    assert not last.stretched and state.heirs == {last.ticket} and state.stretched == 0
     rest = [held[3], *waiting, next(x for x in sent if x is not heir)]
     for x in rest:
         if not a.cancel(x.ticket):
             a.complete(x.ticket, Usage(10, 10), responded=True)
-    assert (state.inflight, state.stretched, state.heirs) == (0, 0, ())
+    assert (state.inflight, state.stretched, state.heirs) == (0, 0, frozenset())
 
 
 def test_shorter_answers_alone_give_no_stretch() -> None:
@@ -476,4 +476,4 @@ def test_what_stays_taken_and_the_heirs_follow_every_handover(seed: int) -> None
     for tk in list(live):
         if not a.cancel(tk):
             a.complete(tk, Usage(10, 10), responded=True)
-    assert (state.inflight, state.stretched, state.heirs, state.orphanable) == (0, 0, (), 0)
+    assert (state.inflight, state.stretched, state.heirs, state.orphanable) == (0, 0, frozenset(), 0)

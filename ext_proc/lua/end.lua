@@ -4,8 +4,9 @@
 -- ARGV: the owner, its ticket, the completion (JSON), orphan ttl ms, 1 if it was sent on its tenant's cap's
 -- stretch (it holds the tenant's slot only if it took one over since: it is among the owner's heirs). For a
 -- live owner, an event it reads; for a dead one, one of its slots back (once per ticket) — decided here, on
--- the store's own view of who is alive. The event goes to the stream (trimmed after 30 s) and to the owner's inbox, which it empties
--- at each sync: an owner cut off for longer still gets it (until the orphan ttl; once per ticket).
+-- the store's own view of who is alive. The event goes to the stream (trimmed after 30 s) and to the owner's
+-- inbox, which it empties at each sync: an owner cut off for longer still gets it (until the orphan ttl; once
+-- per ticket).
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local score = tonumber(redis.call('ZSCORE', KEYS[1], ARGV[1]) or 0)
@@ -23,7 +24,7 @@ redis.call('PEXPIRE', KEYS[4], tonumber(ARGV[4]))
 -- the owner may only have been taken for dead: if it comes back it ends the lease (and its next slots
 -- call takes the slot given back here off what it holds)
 deliver()
--- the tenant's slots (KEYS[3]) and, for a request under a per-model budget, the budget's (KEYS[6])
+-- the tenant's slots (KEYS[3]) and, for a request under a per-model budget, the budget's (KEYS[7])
 -- (not yet orphaned — no slots call since it died — h: and a: both: the call orphans the lesser, attack109 M2)
 local out = 3
 for k = 3, #KEYS do

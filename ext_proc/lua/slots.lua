@@ -5,7 +5,7 @@
 -- heirs of the tenant: tickets sent on the cap's stretch that took a slot over since, which END gives back].
 -- ARGV: 1 replica, 2 cap, 3 slots it enforces now, 4 in flight, 5 demand, 6 spare 0|1, 7 ttl ms,
 --       8 borrow 0|1, 9 tenant, 10 known epoch, 11 orphan ttl ms, 12 of those in flight, the ones sent to a node
---       (absent: all of them), 13... its heirs' tickets.
+--       (absent: all of them), 13... its heirs' tickets (none: it has none; '=': as it last wrote them).
 -- Returns {-1} for a call made for another epoch, else {slots, free, version, orphaned slots, slots of its
 -- own given back while it was taken for dead, requests in flight fleet-wide (every live replica's last
 -- report, this one's now, and the orphans), replica, record, replica, record, ...}.
@@ -101,7 +101,9 @@ redis.call('HSET', KEYS[2], 'h:' .. me, record, 'w:' .. me, demand[me], 'x:' .. 
            'a:' .. me, admitted)
 local keep = math.max(tonumber(ARGV[7]) * 20, tonumber(ARGV[11]) + 60000)
 redis.call('PEXPIRE', KEYS[2], keep)
-if KEYS[7] then
+if KEYS[7] and ARGV[13] == '=' then
+  redis.call('PEXPIRE', KEYS[7], keep)  -- as the replica last wrote them
+elseif KEYS[7] then
   redis.call('DEL', KEYS[7])
   if #ARGV > 12 then
     for i = 13, #ARGV, 1000 do redis.call('SADD', KEYS[7], unpack(ARGV, i, math.min(i + 999, #ARGV))) end
