@@ -113,7 +113,8 @@ class TenantState:
     sent: int = 0
     """Of ``inflight``, the slot holders sent to a node (``orphanable``)."""
     heir_set: set[str] = field(default_factory=set)
-    """Tickets of ``heirs``."""
+    """The slot holders sent while on the cap's stretch, by ticket (``heirs``; kept as slots change hands in
+    ``_untake``; always empty for a per-model budget, whose cap does not stretch)."""
     arrival_rate: float = 0.0
     arrival_at: float | None = None
     """Requests per second decided for the tenant (an exponentially decayed count, ``STRETCH_RATE_TAU_S``),

@@ -176,7 +176,9 @@ class SharedStore:
         """Completions for another replica's tickets (``Forward``): the END script hands each to its owner, or,
         when the owner died, gives one of its slots back."""
         self._heirs_sent: dict[str, tuple[frozenset[str], float]] = {}
-        """Per tenant, the heirs the last slots call wrote, and when (``_slots_call``)."""
+        self._heirs_asked: dict[str, tuple[frozenset[str], float]] = {}
+        """Per tenant, the heirs the store last confirmed it wrote, and when; and those a slots call on its way
+        writes (``_slots_call``): a call that failed or was refused leaves the next to write them all again."""
         self._failing_since: float | None = None
         self._sync_started = 0.0
         self._tasks: set[asyncio.Task[None]] = set()
@@ -237,14 +239,15 @@ class SharedStore:
 
     def _slots_call(self, pipe: Any, tenant: str, cap: int, enforced: int, inflight: int, demand: int,
                     spare: bool, borrow: bool, stays: int | None = None, heirs: frozenset[str] | None = None) -> None:
-        """``heirs``: the tenant's heirs here (``TenantState.heirs``), written only when they changed or went
-        unwritten for ``HEIRS_REWRITE_S`` (attack110 M3: at 10,000 the whole list cost 8 ms of Redis time a
-        sync); None: as they are (a borrow: the next sync writes them)."""
+        """``heirs``: the tenant's heirs here (``TenantState.heirs``), written only when they differ from what
+        the store last confirmed or that is ``HEIRS_REWRITE_S`` old (attack110 M3: at 10,000 unchanged heirs the
+        whole list cost 8 ms of Redis time a sync); None: as they are."""
         self._sent_cap[tenant] = cap
         now = time.monotonic()
         last = self._heirs_sent.get(tenant)
+        self._heirs_asked.pop(tenant, None)
         if heirs is not None and (last is None or last[0] != heirs or now - last[1] >= HEIRS_REWRITE_S):
-            self._heirs_sent[tenant] = (heirs, now)
+            self._heirs_asked[tenant] = (heirs, now)  # confirmed by the answer (``_slots_result``)
             listed: tuple[str, ...] = tuple(heirs)
         else:
             listed = ("=",)  # (no ticket is '=')
@@ -348,6 +351,7 @@ class SharedStore:
                 # released once); credit given back is lost to the fleet, never spent twice
                 self._forward[:0] = forward
                 self._heirs_sent.clear()  # (maybe never written: all again at the next sync)
+                self._heirs_asked.clear()
                 self._failed(e)
                 return False
             finally:
@@ -423,6 +427,8 @@ class SharedStore:
             if isinstance(results[0], NoScriptError):
                 self._sha.clear()  # Redis restarted: load them again
             self._forward[:0] = forward
+            self._heirs_sent.clear()  # (the slots calls after it may have failed too: all again next time)
+            self._heirs_asked.clear()
             self._failed(results[0])
             return False
         self.sync_seconds.observe(time.perf_counter() - t0)
@@ -443,6 +449,7 @@ class SharedStore:
                 self.errors.labels(kind).inc()
                 if kind == "slots":
                     self._heirs_sent.pop(tenant, None)  # (written again at the next sync)
+                    self._heirs_asked.pop(tenant, None)
                 if isinstance(res, NoScriptError):
                     self._sha.clear()
                 else:
@@ -507,6 +514,7 @@ class SharedStore:
             self._versions.clear()
             self._seen.clear()
             self._heirs_sent.clear()
+            self._heirs_asked.clear()
         self.epoch = epoch
         self.learning = bool(int(res[1]))
         self.live = sorted({_str(r) for r in res[2]} | {self.me})
@@ -531,8 +539,12 @@ class SharedStore:
     def _slots_result(self, tenant: str, res: list[Any]) -> bool:
         """Apply a slots answer; False when it was not applied (another epoch, another cap, or older
         than one already applied)."""
+        asked = self._heirs_asked.pop(tenant, None)
         if int(res[0]) < 0:
+            self._heirs_sent.pop(tenant, None)
             return False  # made for another epoch: the next sync asks again
+        if asked is not None:
+            self._heirs_sent[tenant] = asked  # the script wrote them
         s = self.core.admission.tenant_state(tenant)
         if s is None or s.config.max_concurrent != self._sent_cap.get(tenant):
             return False  # asked for another cap (a reload came in between): the next sync asks again
@@ -766,7 +778,7 @@ class SharedStore:
                 if need.slot is not None:
                     n = need.slot
                     self._slots_call(pipe, s.name, n.cap, n.held, n.inflight, max(n.held, n.inflight) + 1, True,
-                                     borrow=True, stays=n.stays)
+                                     borrow=True, stays=n.stays, heirs=s.heirs)
                     calls.append((s.name, "slots", n.held))
                 for dim, rate, capacity, amount in need.credit:
                     self._bucket_call(pipe, s.name, dim, rate, capacity, amount, partial=False)
@@ -786,6 +798,9 @@ class SharedStore:
                     # not answered: an error, or a call made for another epoch (Redis restarted empty)
                     if isinstance(res, NoScriptError):
                         self._sha.clear()
+                    if kind == "slots":
+                        self._heirs_sent.pop(name, None)
+                        self._heirs_asked.pop(name, None)
                     granted[name] = answered = False
                     continue
                 if kind == "slots":

@@ -216,8 +216,11 @@ def test_a_second_turn_goes_home_unless_home_is_overloaded(stack: Stack) -> None
         t.finish()
     homes = [c.home for c in convs]
     print("first turns' nodes:", homes)
-    # not all on one node: the second arrived while the first decoded on its node, and went to the idle one
-    assert homes[1] != homes[0], homes
+    # not all on one node — each arrived while the ones before it decoded, and the load spread them — so that
+    # second turns going home below is not one node preferred. (Which of them first goes to the other node
+    # depends on timing: on a busy 2-core machine the second went where the first still decoded, its prefill
+    # done, and the fourth went to the idle node — homes [0, 0, 0, 1].)
+    assert set(homes) == {0, 1}, homes
     wait_idle(st)
 
     for c in convs:
