@@ -351,19 +351,26 @@ def test_a_dead_replicas_heirs_keep_their_slots_until_their_own_completions_come
     asyncio.run(run())
 
 
+async def two_heirs(server: RedisServer) -> tuple[Replica, Replica]:
+    """Replicas a and b, cap 2 stretched to 4 at a (the fleet slowed): a's two slot holders ended at a and the two
+    sent on the stretch took their slots over — a's heirs."""
+    cfg = config(server.url, max_concurrent=2, max_concurrent_stretch=2)
+    a, b = Replica(cfg), Replica(cfg)
+    await sync_all([a, b], 2)
+    slowed(a)
+    for i in range(4):
+        assert (await a.ask(f"r{i}")).decision.admitted  # type: ignore[union-attr]
+    for ticket in a.admitted[:2]:
+        a.core.ended(Ended(ticket, "", 200, Usage(5, 5), upstream_answered=True))
+    return a, b
+
+
 def test_an_heir_that_ended_at_its_own_replica_is_no_longer_listed(server: RedisServer) -> None:
     """The list of heirs follows what runs: one that ended where it was admitted leaves it at the next sync, so a
     late duplicate of its access log, forwarded once its replica died, gives back no slot that another request
     still holds (attack110 L2)."""
     async def run() -> None:
-        cfg = config(server.url, max_concurrent=2, max_concurrent_stretch=2)
-        a, b = Replica(cfg), Replica(cfg)
-        await sync_all([a, b], 2)
-        slowed(a)
-        for i in range(4):
-            assert (await a.ask(f"r{i}")).decision.admitted  # type: ignore[union-attr]
-        for ticket in a.admitted[:2]:
-            a.core.ended(Ended(ticket, "", 200, Usage(5, 5), upstream_answered=True))
+        a, b = await two_heirs(server)
         await sync_all([a, b], 2)
         first, second = sorted(a.tenant.heirs)
         a.core.ended(Ended(first, "", 200, Usage(5, 5), upstream_answered=True))  # ends at home
@@ -387,14 +394,7 @@ def test_an_heir_that_ended_at_its_own_replica_is_no_longer_listed(server: Redis
 
 def test_a_clean_stop_keeps_its_heirs_slots_taken_until_they_end(server: RedisServer) -> None:
     async def run() -> None:
-        cfg = config(server.url, max_concurrent=2, max_concurrent_stretch=2)
-        a, b = Replica(cfg), Replica(cfg)
-        await sync_all([a, b], 2)
-        slowed(a)
-        for i in range(4):
-            assert (await a.ask(f"r{i}")).decision.admitted  # type: ignore[union-attr]
-        for ticket in a.admitted[:2]:
-            a.core.ended(Ended(ticket, "", 200, Usage(5, 5), upstream_answered=True))
+        a, b = await two_heirs(server)
         assert len(a.tenant.heirs) == 2
         await sync_all([a, b], 2)
         await a.store.close()

@@ -257,11 +257,8 @@ def test_slots_and_the_stretch_are_given_back_exactly_once(ops: list[tuple[str, 
     assert (state.inflight, state.stretched, state.heirs, a.inflight) == (0, 0, frozenset(), 0)
 
 
-def test_a_freed_slot_goes_to_a_request_not_sent_yet_before_one_already_sent_on_the_stretch() -> None:
-    """The access log of a request sent on the stretch says it holds no slot of the tenant's, whatever it takes
-    over later: a queued heir is preferred (its metadata, made when it goes, will be right), and one already sent
-    is listed as an heir (``heirs``), for the shared store to give its slot back when another replica forwards
-    its completion for this one, dead (review108 N1). What stays taken then is what was sent to a node."""
+def six_on_a_slowed_fleet() -> tuple[Admission, Any, Any]:
+    """Cap 4 stretched by 2 on a slowed fleet of 6 slots (``fleet.max_inflight``): past 6, requests queue."""
     clock = FakeClock()
     cfg = parse_config({"tenants": [{"name": "t", "max_concurrent": 4, "max_concurrent_stretch": 2}],
                         "fleet": {"max_inflight": 6}})
@@ -270,6 +267,15 @@ def test_a_freed_slot_goes_to_a_request_not_sent_yet_before_one_already_sent_on_
     history(a, clock, t, SLOWED, gap=4.0)
     state = a.tenant_state("t")
     assert state is not None
+    return a, t, state
+
+
+def test_a_freed_slot_goes_to_a_request_not_sent_yet_before_one_already_sent_on_the_stretch() -> None:
+    """The access log of a request sent on the stretch says it holds no slot of the tenant's, whatever it takes
+    over later: a queued heir is preferred (its metadata, made when it goes, will be right), and one already sent
+    is listed as an heir (``heirs``), for the shared store to give its slot back when another replica forwards
+    its completion for this one, dead (review108 N1). What stays taken then is what was sent to a node."""
+    a, t, state = six_on_a_slowed_fleet()
     held = fill(a, t, "h", 4)
     sent = fill(a, t, "s", 2)  # on the stretch, sent
     for x in sent:
@@ -360,14 +366,7 @@ def test_a_slot_freed_goes_to_a_request_on_the_stretch_and_a_queued_one_gives_it
     """The stretch drains first: a slot freed while requests on the stretch run or wait is taken over by one of
     them, so no slot goes back to the shared store while more than the cap runs here (attack106 F2); a queued
     request on the stretch that is cancelled gives its place back."""
-    clock = FakeClock()
-    cfg = parse_config({"tenants": [{"name": "t", "max_concurrent": 4, "max_concurrent_stretch": 2}],
-                        "fleet": {"max_inflight": 6}})
-    a = Admission(cfg, clock, random.Random(1))
-    t = cfg.tenant("t")
-    history(a, clock, t, SLOWED, gap=4.0)
-    state = a.tenant_state("t")
-    assert state is not None
+    a, t, state = six_on_a_slowed_fleet()
     held = fill(a, t, "h", 4)
     running = fill(a, t, "s", 2)  # on the stretch, sent (6 fleet slots)
     assert all(x.stretched for x in running) and state.stretched == 2
