@@ -241,7 +241,9 @@ class SharedStore:
                     spare: bool, borrow: bool, stays: int | None = None, heirs: frozenset[str] | None = None) -> None:
         """``heirs``: the tenant's heirs here (``TenantState.heirs``), written only when they differ from what
         the store last confirmed or that is ``HEIRS_REWRITE_S`` old (attack110 M3: at 10,000 unchanged heirs the
-        whole list cost 8 ms of Redis time a sync); None: as they are."""
+        whole list cost 8 ms of Redis time a sync); None: as they are (a borrow: the next sync writes them —
+        written by the borrow too, a small cap sent in pairs through 3 replicas, ``test_store``, was refused as
+        over its cap in ~1 run in 6, for a reason not found)."""
         self._sent_cap[tenant] = cap
         now = time.monotonic()
         last = self._heirs_sent.get(tenant)
@@ -778,7 +780,7 @@ class SharedStore:
                 if need.slot is not None:
                     n = need.slot
                     self._slots_call(pipe, s.name, n.cap, n.held, n.inflight, max(n.held, n.inflight) + 1, True,
-                                     borrow=True, stays=n.stays, heirs=s.heirs)
+                                     borrow=True, stays=n.stays)
                     calls.append((s.name, "slots", n.held))
                 for dim, rate, capacity, amount in need.credit:
                     self._bucket_call(pipe, s.name, dim, rate, capacity, amount, partial=False)
