@@ -295,8 +295,7 @@ class LeasedQuota:
         slice is full, and what each budget's credit here lacks."""
         cap = s.config.max_concurrent
         held = s.slots or 0
-        short = cap is not None and s.inflight >= held
-        slot = SlotNeed(cap, held, s.inflight, s.orphanable) if cap is not None and short else None
+        slot = SlotNeed(cap, held, s.inflight, s.orphanable) if cap is not None and s.inflight >= held else None
         credit = []
         for dim, b, need in (("requests", s.requests, 1.0), ("tokens", s.tokens, tokens)):
             if isinstance(b, Credit) and b.lacks(need) > 0:

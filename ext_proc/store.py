@@ -217,6 +217,15 @@ class SharedStore:
         completion forwarded with ``stretched`` back only for one of them."""
         return f"{self._prefix}:heirs:{tenant}:{replica}"
 
+    def _forget_heirs(self, tenant: str | None = None) -> None:
+        """What the store wrote of ``tenant``'s heirs (every tenant's: None) is not known: the next slots call
+        writes them all."""
+        for d in (self._heirs_sent, self._heirs_asked):
+            if tenant is None:
+                d.clear()
+            else:
+                d.pop(tenant, None)
+
     def _k_inbox(self, replica: str) -> str:
         """Completions forwarded to ``replica`` (``end.lua``): kept until it reads them, unlike the
         stream, which is trimmed after ``EVENTS_KEEP_MS``."""
@@ -352,8 +361,7 @@ class SharedStore:
                 # completions to forward go again (END is idempotent per ticket; an event twice is
                 # released once); credit given back is lost to the fleet, never spent twice
                 self._forward[:0] = forward
-                self._heirs_sent.clear()  # (maybe never written: all again at the next sync)
-                self._heirs_asked.clear()
+                self._forget_heirs()  # (maybe never written: all again at the next sync)
                 self._failed(e)
                 return False
             finally:
@@ -429,8 +437,7 @@ class SharedStore:
             if isinstance(results[0], NoScriptError):
                 self._sha.clear()  # Redis restarted: load them again
             self._forward[:0] = forward
-            self._heirs_sent.clear()  # (the slots calls after it may have failed too: all again next time)
-            self._heirs_asked.clear()
+            self._forget_heirs()  # (the slots calls after it may have failed too: all again next time)
             self._failed(results[0])
             return False
         self.sync_seconds.observe(time.perf_counter() - t0)
@@ -450,8 +457,7 @@ class SharedStore:
                 # an orphaned slot is given back next time, the rest is asked again at the next sync
                 self.errors.labels(kind).inc()
                 if kind == "slots":
-                    self._heirs_sent.pop(tenant, None)  # (written again at the next sync)
-                    self._heirs_asked.pop(tenant, None)
+                    self._forget_heirs(tenant)  # (written again at the next sync)
                 if isinstance(res, NoScriptError):
                     self._sha.clear()
                 else:
@@ -515,8 +521,7 @@ class SharedStore:
             self.last_id = "0-0"  # a new stream: read it from its start
             self._versions.clear()
             self._seen.clear()
-            self._heirs_sent.clear()
-            self._heirs_asked.clear()
+            self._forget_heirs()
         self.epoch = epoch
         self.learning = bool(int(res[1]))
         self.live = sorted({_str(r) for r in res[2]} | {self.me})
@@ -801,8 +806,7 @@ class SharedStore:
                     if isinstance(res, NoScriptError):
                         self._sha.clear()
                     if kind == "slots":
-                        self._heirs_sent.pop(name, None)
-                        self._heirs_asked.pop(name, None)
+                        self._forget_heirs(name)
                     granted[name] = answered = False
                     continue
                 if kind == "slots":
