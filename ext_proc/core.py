@@ -144,6 +144,10 @@ class Ended:
     credentials: tuple[str | None, str | None] | None = field(default=None, repr=False)
     """(Authorization, trusted header) of the request as Envoy's access log saw them; None: not known
     (an Envoy config that does not log them, an end another replica forwarded)."""
+    tail_s: float = 0.0
+    """Seconds between the node's last byte and the client's (Envoy's time to its last byte sent downstream less
+    its time to the last byte received upstream): a client that reads its stream slowly, or holds it open,
+    lengthens its own request, not the fleet's time the tenant's durations and pace read (attack110 M1)."""
 
 
 @dataclass(slots=True)
@@ -619,7 +623,7 @@ class Core:
                 self._tombstones.add(e.request_id, self._clock())
         if ticket is None:
             return None
-        c = self._release(ticket, e.usage if e.ticket else None, responded, outcome, verdict)
+        c = self._release(ticket, e.usage if e.ticket else None, responded, outcome, verdict, e.tail_s)
         if c is not None:
             self.log.debug("complete", ticket=ticket, tenant=c.lease.tenant.name, outcome=outcome,
                            tokens=c.charged_tokens, seconds=round(c.seconds, 4), status=e.status)
@@ -642,8 +646,8 @@ class Core:
         return request_id in self._tombstones
 
     def _release(self, ticket: str, usage: Usage | None, responded: bool, outcome: str,
-                 verdict: bool | None) -> Completion | None:
-        c = self.admission.complete(ticket, usage, responded)
+                 verdict: bool | None, tail_s: float = 0.0) -> Completion | None:
+        c = self.admission.complete(ticket, usage, responded, tail_s)
         if c is None:
             return None
         self._settle(c, outcome, verdict)

@@ -84,6 +84,16 @@ def trusted_attr(header: str) -> str:
 _NO_FIELDS: dict[str, Any] = {}
 
 
+def _tail(common: Any) -> float:
+    """``Ended.tail_s`` from an access log's timings: its last byte sent downstream less its last byte received
+    upstream, both from the request's start (0 where either is missing: a stream the node never finished)."""
+    if not (common.HasField("time_to_last_downstream_tx_byte") and common.HasField("time_to_last_upstream_rx_byte")):
+        return 0.0
+    down, up = common.time_to_last_downstream_tx_byte, common.time_to_last_upstream_rx_byte
+    tail: float = (down.seconds - up.seconds) + (down.nanos - up.nanos) * 1e-9
+    return max(0.0, tail)
+
+
 def _text(v: Any) -> str:
     return v.string_value if v is not None else ""
 
@@ -468,6 +478,7 @@ class Gateway:
             upstream_answered=common.HasField("time_to_first_upstream_rx_byte"),
             disconnected=common.response_flags.downstream_connection_termination,
             credentials=self._credentials(entry, logged) if not ticket else None,
+            tail_s=_tail(common) if ticket else 0.0,
         )
         if self.store is not None and ticket and not self.core.owns(ticket):
             # another replica's: Envoy's access log may reach any replica

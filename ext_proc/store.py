@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import math
 import secrets
 import time
 from collections.abc import Callable
@@ -605,9 +606,13 @@ class SharedStore:
                     if isinstance(d, list) and len(d) == 4]
             fwd = [e for e in doc.get("e") or [] if isinstance(e, list) and len(e) == 8
                    and e[0] in (self.me, "*")]
-            parts = doc.get("u")
-            if isinstance(parts, list) and len(parts) == 2 and len(fwd) == 1:  # (one forwarded completion)
-                fwd = [[*fwd[0], int(parts[0]), int(parts[1])]]
+            got = doc.get("u")
+            parts = got if isinstance(got, list) and len(got) == 2 else None
+            tail = doc.get("t")
+            if len(fwd) == 1 and (parts is not None or isinstance(tail, int | float)):
+                # (one forwarded completion: its cached and reasoning tokens, its client's tail)
+                cached, reasoning = (int(parts[0]), int(parts[1])) if parts is not None else (0, 0)
+                fwd = [[*fwd[0], cached, reasoning, float(tail) if isinstance(tail, int | float) else 0.0]]
             gone = [str(g) for g in doc.get("g") or [] if isinstance(g, str)]
         except (TypeError, ValueError, IndexError, AttributeError):
             log.warning("store_event_unreadable", entry=eid)
@@ -618,10 +623,11 @@ class SharedStore:
         try:
             owner, ticket, request_id, status, prompt, completion, answered, disconnected = e[:8]
             cached, reasoning = (int(e[8]), int(e[9])) if len(e) >= 10 else (0, 0)
+            tail = float(e[10]) if len(e) >= 11 else 0.0
             usage = (Usage(int(prompt), int(completion), cached, reasoning)
                      if prompt is not None and completion is not None else None)
             done = self.core.ended(Ended(ticket or None, str(request_id), int(status), usage, bool(answered),
-                                         bool(disconnected)))
+                                         bool(disconnected), tail_s=tail if math.isfinite(tail) else 0.0))
         except (TypeError, ValueError) as err:
             log.warning("forwarded_completion_unreadable", error=str(err))
             return
@@ -842,6 +848,8 @@ class SharedStore:
             # spend budgets price cached prompt and reasoning tokens apart; a key of its own, which a
             # replica of an older version ignores (an event of another length it would drop)
             doc["u"] = [u.cached_tokens, u.reasoning_tokens]
+        if e.tail_s > 0:
+            doc["t"] = e.tail_s  # (the client's tail, ``Ended.tail_s``: a key of its own too)
         self._forward.append((owner, e.ticket, tenant or "-", budget, stretched, orjson.dumps(doc)))
 
     async def close(self) -> None:

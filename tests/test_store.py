@@ -298,10 +298,33 @@ def test_a_dead_replicas_running_requests_keep_their_slots_until_their_completio
     asyncio.run(run())
 
 
+def test_a_forwarded_completion_carries_its_clients_tail(server: RedisServer) -> None:
+    """An end forwarded to its owner keeps ``Ended.tail_s`` (the client holding its stream open after the node's
+    last byte): the owner's durations are the fleet's time without it, as at the replica Envoy's log reached."""
+    async def run() -> None:
+        cfg = config(server.url, max_concurrent=4, max_concurrent_stretch=2)
+        a, b = Replica(cfg), Replica(cfg)
+        await sync_all([a, b], 2)
+        for rid, usage in (("r0", None), ("r1", Usage(100, 10, cached_tokens=50))):  # (alone, and with "u")
+            got = await a.ask(rid)
+            assert isinstance(got, Answer) and got.decision.lease is not None
+            b.store.forward(Ended(got.decision.lease.ticket, rid, 200, usage, upstream_answered=True, tail_s=30.0))
+            await sync_all([b, a], 1)
+            assert a.tenant.mean_seconds == 0.0, "held 30 s by its client, not by the fleet"
+        got = await a.ask("r2")
+        assert isinstance(got, Answer) and got.decision.lease is not None
+        b.store.forward(Ended(got.decision.lease.ticket, "r2", 200, None, upstream_answered=True))
+        await sync_all([b, a], 1)
+        assert a.tenant.mean_seconds > 0.0  # (without a tail: the time it ran)
+        await close_all([a, b])
+
+    asyncio.run(run())
+
+
 def slowed(r: Replica, factor: float = 3.0) -> None:
     """The fleet serves the replica's tenant ``factor`` times slower than usual, renewed just now."""
     s = r.tenant
-    s.mean_seconds, s.norm_seconds, s.paced, s.norm_paced = factor, 1.0, (factor, 10.0), (1.0, 10.0)
+    s.mean_seconds, s.norm_seconds, s.paced = factor, 1.0, (factor, 1.0)
     s.paced_at = time.monotonic()
 
 
