@@ -35,7 +35,6 @@ from .budgets import BudgetBook, Refusal
 from .config import Config, Mode, ModelBudget, ProtectiveLimit, Tenant
 from .estimate import Estimate
 from .limits import Credit, TokenBucket, default_burst
-from .pace import MAX_WEIGHT, ShapeFit
 from .pools import DEFAULT_POOL, PoolSpec, Router, pools_of
 from .prices import Spent
 from .queue import Entry, FairQueue, TierSpec
@@ -121,14 +120,14 @@ class TenantState:
     """Requests per second decided for the tenant (an exponentially decayed count, ``STRETCH_RATE_TAU_S``),
     and when it last changed; kept only for a tenant with a ``max_concurrent_stretch``."""
     paced: tuple[float, float] | None = None
-    shape_fit: ShapeFit | None = None
+    norm_paced: tuple[float, float] | None = None
     paced_at: float = -math.inf
-    """Its answered requests' seconds and the seconds its usual cost of each one's shape expected of it
-    (``shape_fit``: its norm, ``pace.py``), each summed with the recent mean's weights, and when they last
-    moved: their ratio is its *pace* (``pace``; 1: as usual), with the duration whether the fleet serves the
-    tenant slower than usual (``max_concurrent_stretch``). A ratio of sums, not an average of each answer's
-    ratio: one short answer moved that by its own (recheck108 F1); and against each shape's own cost, not its
-    output tokens: long prompts, or one long answer then short ones, read as a slower fleet (attack110 M1)."""
+    """(seconds, output tokens) of its answered requests, each an average, recent and usual (the alphas of
+    ``mean_seconds`` / ``norm_seconds``), and when they last moved: their ratio is its *pace* (``mean_pace``,
+    ``norm_pace``), with the duration whether the fleet serves the tenant slower than usual
+    (``max_concurrent_stretch``). A ratio of averages, not an average of each request's ratio: one short answer
+    moved that by its own pace (a 1-token answer lasting 0.5 s is 0.5 s a token), and on a healthy fleet answers
+    of 1-200 tokens opened the stretch after one completion in nine (recheck108 F1)."""
     slots: int | None = None
     """With several replicas: this replica's slice of ``max_concurrent`` (``share.py``); None: all of it."""
     fleet_free: int = 0
@@ -175,9 +174,14 @@ class TenantState:
         return len(self.on_stretch)
 
     @property
-    def pace(self) -> float | None:
-        """Recent seconds over what the usual cost of their shapes expected (``paced``; 1: as usual)."""
+    def mean_pace(self) -> float | None:
+        """Recent seconds per output token (``paced``)."""
         return None if self.paced is None else self.paced[0] / self.paced[1]
+
+    @property
+    def norm_pace(self) -> float | None:
+        """Usual seconds per output token (``norm_paced``)."""
+        return None if self.norm_paced is None else self.norm_paced[0] / self.norm_paced[1]
 
     @property
     def orphanable(self) -> int:
@@ -1293,13 +1297,13 @@ class Admission:
         cap allows at its usual duration, the cap grows by the slowdown, up to the configured factor.
 
         *Slower* is judged on two signals that must agree, each recent over its norm: the request duration
-        (``_slowed``'s) and the *pace*, seconds over what each answer's shape usually costs the tenant
-        (``pace.py``). Duration alone also grows when the tenant sends longer requests (its own doing: on the
-        ``mixed`` family, whose tenants' long share shifts, it stretched caps where the fleet was not slower, at
-        the interactive tier's cost); seconds per output token, the pace before, also grew when the tenant asked
-        for shorter answers (attack106 F1) or sent long prompts (attack110 M1). Both are timed to the node's last
-        byte, not the client's: a client that holds its stream open lengthens only its own request
-        (``Ended.tail_s``). The slowdown is the smaller of the two, and none counts that no answered request
+        (``_slowed``'s) and the *pace*, seconds per output token. Duration alone also grows when the tenant
+        sends longer requests (its own doing: on the ``mixed`` family, whose tenants' long share shifts, it
+        stretched caps where the fleet was not slower, at the interactive tier's cost); pace alone also
+        grows when the tenant asks for shorter answers (one answered 1-token request made it 10x,
+        attack106 F1). Both are timed to the node's last byte, not the client's: a client that holds its stream
+        open lengthens only its own request (``Ended.tail_s``; attack110 M1: one answer held 30 s opened the whole
+        stretch). The slowdown is the smaller of the two, and none counts that no answered request
         has renewed for ``STRETCH_STALE_S``. *No faster*: its arrival rate (about the last 10 s) x its usual
         duration below the cap — or this replica's slice of it, with several replicas, each of which sees
         only its own arrivals (attack106 F4): a tenant whose own burst is over its cap gets no more of it.
@@ -1313,9 +1317,9 @@ class Admission:
         factor = s.config.max_concurrent_stretch
         if factor <= 1.0 or s.model is not None or now - s.paced_at > STRETCH_STALE_S:
             return False
-        if s.pace is None or s.mean_seconds is None or s.norm_seconds is None:
+        if s.mean_pace is None or s.norm_pace is None or s.mean_seconds is None or s.norm_seconds is None:
             return False
-        slowdown = min(s.pace, s.mean_seconds / s.norm_seconds)
+        slowdown = min(s.mean_pace / s.norm_pace, s.mean_seconds / s.norm_seconds)
         limit = _slot_limit(s, cap)
         if slowdown <= SLOWED or _arrival_rate(s, now) * s.norm_seconds >= limit:
             return False
@@ -1462,8 +1466,8 @@ class Admission:
                 if lease.on_split:
                     self.quota.settled(b, lease.reserved_tokens - charged_tokens)
         seconds = now - lease.started
-        if responded:
-            self._served(s, lease, usage, max(0.0, seconds - max(0.0, tail_s)), now)
+        if responded and seconds > tail_s:  # (a tail as long as its time here says nothing of the fleet: none)
+            self._served(s, lease, usage, seconds - max(0.0, tail_s), now)
         w_out = self.config.queue.output_token_weight
         if usage is not None:
             served = usage.prompt_tokens + w_out * usage.completion_tokens
@@ -1479,30 +1483,24 @@ class Admission:
         return Completion(lease, charged_tokens, usage, seconds, served)
 
     def _served(self, s: TenantState, lease: Lease, usage: Usage | None, seconds: float, now: float) -> None:
-        """An answered request's duration on the fleet: the tenant's recent and usual durations, its pace."""
+        """An answered request's time on the fleet: the tenant's recent and usual durations, its pace."""
         s.mean_seconds = _ewma(s.mean_seconds, seconds)
         rises = s.norm_seconds is not None and seconds > s.norm_seconds
         s.norm_seconds = _ewma(s.norm_seconds, seconds, NORM_RISE_ALPHA if rises else NORM_ALPHA)
         if lease.budget is not None:  # its Retry-After when its own cap refuses
             lease.budget.mean_seconds = _ewma(lease.budget.mean_seconds, seconds)
         self._mean_seconds = _ewma(self._mean_seconds, seconds)
-        if usage is None or s.config.max_concurrent_stretch <= 1.0:
-            return
-        fit = s.shape_fit
-        if fit is None:
-            fit = s.shape_fit = ShapeFit()
-        computed = max(0, usage.prompt_tokens - usage.cached_tokens)
-        expected = fit.expect(computed, usage.completion_tokens)
-        if expected is not None:
-            seconds = min(seconds, MAX_WEIGHT * expected)  # one answer weighs at most so much
-            if now - s.paced_at > STRETCH_STALE_S or s.paced is None:
-                # back after a quiet spell (or the first): what was recent then says nothing of the fleet now —
-                # one answer at the usual speed reopened last hour's slowdown (attack106 F7); from the norm
-                s.paced = (expected, expected)
-            s.paced = _ewma2(s.paced, seconds, expected, EWMA_ALPHA)
+        if usage is not None and usage.completion_tokens > 0 and s.config.max_concurrent_stretch > 1.0:
+            tokens = float(usage.completion_tokens)
+            norm = s.norm_pace
+            if now - s.paced_at > STRETCH_STALE_S:
+                # back after a quiet spell: what was recent then says nothing of the fleet now — one answer
+                # at the usual speed reopened last hour's slowdown (attack106 F7)
+                s.paced = s.norm_paced
+            s.paced = _ewma2(s.paced, seconds, tokens, EWMA_ALPHA)
+            s.norm_paced = _ewma2(s.norm_paced, seconds, tokens, NORM_RISE_ALPHA if norm is not None and
+                                  seconds > norm * tokens else NORM_ALPHA)
             s.paced_at = now
-        fit.observe(computed, usage.completion_tokens, seconds, NORM_RISE_ALPHA if expected is not None and
-                    seconds > expected else NORM_ALPHA)
 
     def reclaim_expired(self) -> list[Completion]:
         """Release leases whose completion never arrived (lost access log): the last line of defence."""

@@ -164,8 +164,8 @@ class Stats:
             "kvgate_concurrency_stretched_admissions_total",
             "Requests admitted past their tenant's max_concurrent on the cap's stretch "
             "(tenants[i].max_concurrent_stretch): the fleet served the tenant slower than usual (request duration "
-            "and seconds per answer's usual cost) while it sent no faster than its cap allows; ordinary requests of "
-            "its tier otherwise", ["tenant", "tier", "pool"])
+            "and seconds per output token) while it sent no faster than its cap allows; ordinary requests of its "
+            "tier otherwise", ["tenant", "tier", "pool"])
         self._allowed: frozenset[str] = frozenset()
         self._max = max_tenant_labels
         self._state: _State | None = None

@@ -609,10 +609,11 @@ class SharedStore:
             got = doc.get("u")
             parts = got if isinstance(got, list) and len(got) == 2 else None
             tail = doc.get("t")
-            if len(fwd) == 1 and (parts is not None or isinstance(tail, int | float)):
+            tail = tail if isinstance(tail, int | float) and not isinstance(tail, bool) else None
+            if len(fwd) == 1 and (parts is not None or tail is not None):
                 # (one forwarded completion: its cached and reasoning tokens, its client's tail)
                 cached, reasoning = (int(parts[0]), int(parts[1])) if parts is not None else (0, 0)
-                fwd = [[*fwd[0], cached, reasoning, float(tail) if isinstance(tail, int | float) else 0.0]]
+                fwd = [[*fwd[0], cached, reasoning, float(tail) if tail is not None else 0.0]]
             gone = [str(g) for g in doc.get("g") or [] if isinstance(g, str)]
         except (TypeError, ValueError, IndexError, AttributeError):
             log.warning("store_event_unreadable", entry=eid)
