@@ -1466,7 +1466,7 @@ class Admission:
                 if lease.on_split:
                     self.quota.settled(b, lease.reserved_tokens - charged_tokens)
         seconds = now - lease.started
-        if responded and seconds > tail_s:  # (a tail as long as its time here says nothing of the fleet: none)
+        if responded and (tail_s <= 0.0 or seconds > tail_s):  # (a tail as long as its time here: nothing known)
             self._served(s, lease, usage, seconds - max(0.0, tail_s), now)
         w_out = self.config.queue.output_token_weight
         if usage is not None:
