@@ -154,6 +154,10 @@ class TenantState:
     mean_seconds: float | None = None
     norm_seconds: float | None = None
     """The tenant's usual request duration (a slow EWMA): what ``mean_seconds`` is compared with."""
+    fleet_seconds: tuple[float, float] | None = None
+    """``mean_seconds`` and ``norm_seconds`` timed to the node's last byte, without the client's tail
+    (``Ended.tail_s``): what the fleet took, which ``_slowed`` and the stretch read. The others are how long a slot
+    was held (a client that holds its stream open holds its slot), which Retry-After and Little's law read."""
     mean_output: float | None = None
     """Output tokens per request, as reported: the fair-share counters charge this, not max_tokens."""
     model: str | None = None
@@ -1317,9 +1321,10 @@ class Admission:
         factor = s.config.max_concurrent_stretch
         if factor <= 1.0 or s.model is not None or now - s.paced_at > STRETCH_STALE_S:
             return False
-        if s.mean_pace is None or s.norm_pace is None or s.mean_seconds is None or s.norm_seconds is None:
+        f = s.fleet_seconds
+        if s.mean_pace is None or s.norm_pace is None or f is None or s.norm_seconds is None:
             return False
-        slowdown = min(s.mean_pace / s.norm_pace, s.mean_seconds / s.norm_seconds)
+        slowdown = min(s.mean_pace / s.norm_pace, f[0] / f[1])
         limit = _slot_limit(s, cap)
         if slowdown <= SLOWED or _arrival_rate(s, now) * s.norm_seconds >= limit:
             return False
@@ -1438,8 +1443,8 @@ class Admission:
         reported (a stream cut by the client): then the whole reservation is charged, so cutting a
         stream never makes a request cheaper. With no response at all nothing is charged.
         Returns None for a ticket that is unknown or already released. ``tail_s``: how long the client took
-        to take the answer after the node's last byte (``Ended.tail_s``); the tenant's durations and pace are the
-        fleet's time, without it.
+        to take the answer after the node's last byte (``Ended.tail_s``): what the fleet served the tenant at
+        (``fleet_seconds``, the pace) is timed without it.
         """
         lease = self._leases.pop(ticket, None)
         if lease is None:
@@ -1466,8 +1471,8 @@ class Admission:
                 if lease.on_split:
                     self.quota.settled(b, lease.reserved_tokens - charged_tokens)
         seconds = now - lease.started
-        if responded and (tail_s <= 0.0 or seconds > tail_s):  # (a tail as long as its time here: nothing known)
-            self._served(s, lease, usage, seconds - max(0.0, tail_s), now)
+        if responded:
+            self._served(s, lease, usage, seconds, tail_s, now)
         w_out = self.config.queue.output_token_weight
         if usage is not None:
             served = usage.prompt_tokens + w_out * usage.completion_tokens
@@ -1482,14 +1487,22 @@ class Admission:
             self.service_out[key] = self.service_out.get(key, 0.0) + served - lease.service
         return Completion(lease, charged_tokens, usage, seconds, served)
 
-    def _served(self, s: TenantState, lease: Lease, usage: Usage | None, seconds: float, now: float) -> None:
-        """An answered request's time on the fleet: the tenant's recent and usual durations, its pace."""
-        s.mean_seconds = _ewma(s.mean_seconds, seconds)
-        rises = s.norm_seconds is not None and seconds > s.norm_seconds
-        s.norm_seconds = _ewma(s.norm_seconds, seconds, NORM_RISE_ALPHA if rises else NORM_ALPHA)
+    def _served(self, s: TenantState, lease: Lease, usage: Usage | None, seconds: float, tail_s: float,
+                now: float) -> None:
+        """An answered request: how long its slot was held (the tenant's durations: its Retry-After, its arrival
+        rate's Little's law) and how long the fleet took (``fleet_seconds`` and the pace: whether the fleet
+        serves it slower than usual) — the same less the client's tail after the node's last byte. A tail as long
+        as the time here says nothing of the fleet: nothing of it is taught (attack112 L2)."""
+        s.mean_seconds, s.norm_seconds = _durations(s.mean_seconds, s.norm_seconds, seconds)
         if lease.budget is not None:  # its Retry-After when its own cap refuses
             lease.budget.mean_seconds = _ewma(lease.budget.mean_seconds, seconds)
         self._mean_seconds = _ewma(self._mean_seconds, seconds)
+        if tail_s > 0.0:
+            if seconds <= tail_s:
+                return
+            seconds -= tail_s
+        f = s.fleet_seconds
+        s.fleet_seconds = _durations(None, None, seconds) if f is None else _durations(f[0], f[1], seconds)
         if usage is not None and usage.completion_tokens > 0 and s.config.max_concurrent_stretch > 1.0:
             tokens = float(usage.completion_tokens)
             norm = s.norm_pace
@@ -1591,8 +1604,10 @@ _NOTHING = Estimate(0, 0, parsed=True)
 
 
 def _slowed(s: TenantState) -> bool:
-    """The tenant's requests now last clearly longer than its own norm (a slower fleet holds each longer)."""
-    return s.mean_seconds is not None and s.norm_seconds is not None and s.mean_seconds > SLOWED * s.norm_seconds
+    """The tenant's requests now last clearly longer than its own norm on the fleet (a slower fleet holds each
+    longer; timed to the node's last byte: ``TenantState.fleet_seconds``)."""
+    f = s.fleet_seconds
+    return f is not None and f[0] > SLOWED * f[1]
 
 
 def _slot_limit(s: TenantState, cap: int) -> int:
@@ -1680,6 +1695,11 @@ def _service_key(pool: str, tenant: str) -> str:
 
 def _ewma(prev: float | None, x: float, alpha: float = EWMA_ALPHA) -> float:
     return x if prev is None else prev + alpha * (x - prev)
+
+
+def _durations(mean: float | None, norm: float | None, x: float) -> tuple[float, float]:
+    """A recent mean and a norm of durations moved by one: the norm follows slowly, and rises slower still."""
+    return _ewma(mean, x), _ewma(norm, x, NORM_RISE_ALPHA if norm is not None and x > norm else NORM_ALPHA)
 
 
 def _ewma2(prev: tuple[float, float] | None, x: float, y: float, alpha: float) -> tuple[float, float]:

@@ -314,6 +314,7 @@ def test_a_lagging_tiers_concurrency_caps_stay_exact() -> None:
     b = core.admission.tenant_state("b")
     assert b is not None
     b.norm_seconds, b.mean_seconds = 1.0, 1.8
+    b.fleet_seconds = (1.8, 1.0)  # (the fleet serves it 1.8x slower than usual)
     q = core.admission.queue_of("default")
     tally(q, "interactive", 100, 0, core.now())
     tally(q, "batch", 50, 50, core.now())

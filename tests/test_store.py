@@ -310,12 +310,13 @@ def test_a_forwarded_completion_carries_its_clients_tail(server: RedisServer) ->
             assert isinstance(got, Answer) and got.decision.lease is not None
             b.store.forward(Ended(got.decision.lease.ticket, rid, 200, usage, upstream_answered=True, tail_s=30.0))
             await sync_all([b, a], 1)
-            assert a.tenant.mean_seconds is None, "held 30 s by its client (longer than it ran): nothing of the fleet"
+            assert a.tenant.fleet_seconds is None, "held 30 s by its client (longer than it ran): nothing of the fleet"
+            assert a.tenant.mean_seconds is not None  # (how long its slot was held: counted)
         got = await a.ask("r2")
         assert isinstance(got, Answer) and got.decision.lease is not None
         b.store.forward(Ended(got.decision.lease.ticket, "r2", 200, None, upstream_answered=True))
         await sync_all([b, a], 1)
-        assert a.tenant.mean_seconds > 0.0  # (without a tail: the time it ran)
+        assert a.tenant.fleet_seconds is not None  # (without a tail: the time it ran)
         await close_all([a, b])
 
     asyncio.run(run())
@@ -325,6 +326,7 @@ def slowed(r: Replica, factor: float = 3.0) -> None:
     """The fleet serves the replica's tenant ``factor`` times slower than usual, renewed just now."""
     s = r.tenant
     s.mean_seconds, s.norm_seconds, s.paced, s.norm_paced = factor, 1.0, (factor, 10.0), (1.0, 10.0)
+    s.fleet_seconds = (factor, 1.0)
     s.paced_at = time.monotonic()
 
 
