@@ -72,7 +72,13 @@ NORM_RISE_ALPHA = 0.002
 the tenant's duration on a healthy fleet. Rising as fast as it falls, a fleet slowed for a few dozen of
 the tenant's requests became its norm — a bursty trace where slow, busy nodes held every request longer
 refused 14% as concurrency 429s that no longer counted as the fleet's doing, and the scaler never
-scaled (issue 30 §4)."""
+scaled (issue 30 §4). Only while the tenant reads slowed (its recent mean past ``SLOWED`` x the norm): chosen
+by each answer's own side of the norm, the norm settled at a low expectile instead of the mean, and answers
+varying as LLM requests do (lognormal, sigma 0.35) read slowed on a healthy fleet after about a quarter of
+them (review112 H3; 0.1% now, a fleet slowed 2x still read within a few answers)."""
+NORM_HELD = 1.2
+"""A recent mean past this many times its norm holds the norm to ``NORM_RISE_ALPHA`` (a slowdown must not become
+the norm); below it the norm follows at ``NORM_ALPHA`` either way."""
 FLEET_CAP = "\x00fleet.max_inflight"
 """``_room_refused``'s key for refusals by the cap over every pool (no pool's name: names are DNS labels)."""
 SPARE_TRIES = 8
@@ -91,6 +97,12 @@ AS_HELD_S = 1e-6
 the lowest tier's TTFT target, not within its max wait (``core.Core._pick``); ``_spare_waited`` asks more."""
 SLOWED = 1.5
 """Recent mean over norm at which a tenant's concurrency-cap 429s count as the fleet's doing."""
+STRETCH_SLOWED = 1.3
+"""The slowdown (``_may_stretch``'s, the smaller of its two ratios) past which a tenant's cap stretches — by that
+slowdown, so a false reading costs little — below ``SLOWED``, at which a concurrency 429 counts as the fleet's
+doing and scales it. With norms that stay near the mean (``NORM_RISE_ALPHA``), 1.3 is about where 1.5 was on the
+low norms before; answers varying as LLM requests do (lognormal, sigma 0.35) read it on a healthy fleet after
+0.6-1% of them (25% before, at 1.5), a fleet slowed 2x within a few."""
 STRETCH_RATE_TAU_S = 10.0
 """Time constant of a tenant's arrival rate (``max_concurrent_stretch``): whether it sends faster than its cap
 allows at its usual request duration is judged over about the last ten seconds."""
@@ -1297,7 +1309,7 @@ class Admission:
 
         A cap sized by Little's law (rate x usual duration) refuses the same traffic once the fleet holds
         every request longer; that 429 is the fleet's doing, not the tenant's excess. So while the fleet
-        serves the tenant more than ``SLOWED`` x slower than usual, and the tenant sends no faster than its
+        serves the tenant more than ``STRETCH_SLOWED`` x slower than usual, and the tenant sends no faster than its
         cap allows at its usual duration, the cap grows by the slowdown, up to the configured factor.
 
         *Slower* is judged on two signals that must agree, each recent over its norm: the request duration
@@ -1326,7 +1338,7 @@ class Admission:
             return False
         slowdown = min(s.mean_pace / s.norm_pace, f[0] / f[1])
         limit = _slot_limit(s, cap)
-        if slowdown <= SLOWED or _arrival_rate(s, now) * s.norm_seconds >= limit:
+        if slowdown <= STRETCH_SLOWED or _arrival_rate(s, now) * s.norm_seconds >= limit:
             return False
         return s.inflight + s.stretched < int(limit * min(factor, slowdown))
 
@@ -1510,9 +1522,10 @@ class Admission:
                 # back after a quiet spell: what was recent then says nothing of the fleet now — one answer
                 # at the usual speed reopened last hour's slowdown (attack106 F7)
                 s.paced = s.norm_paced
+            rise = norm is not None and s.mean_pace is not None and s.mean_pace > NORM_HELD * norm \
+                and seconds > norm * tokens  # (reading slowed: a slowdown must not become the norm)
             s.paced = _ewma2(s.paced, seconds, tokens, EWMA_ALPHA)
-            s.norm_paced = _ewma2(s.norm_paced, seconds, tokens, NORM_RISE_ALPHA if norm is not None and
-                                  seconds > norm * tokens else NORM_ALPHA)
+            s.norm_paced = _ewma2(s.norm_paced, seconds, tokens, NORM_RISE_ALPHA if rise else NORM_ALPHA)
             s.paced_at = now
 
     def reclaim_expired(self) -> list[Completion]:
@@ -1698,8 +1711,10 @@ def _ewma(prev: float | None, x: float, alpha: float = EWMA_ALPHA) -> float:
 
 
 def _durations(mean: float | None, norm: float | None, x: float) -> tuple[float, float]:
-    """A recent mean and a norm of durations moved by one: the norm follows slowly, and rises slower still."""
-    return _ewma(mean, x), _ewma(norm, x, NORM_RISE_ALPHA if norm is not None and x > norm else NORM_ALPHA)
+    """A recent mean and a norm of durations moved by one: the norm follows slowly, and rises slower still
+    while the recent mean reads slowed."""
+    rise = mean is not None and norm is not None and mean > NORM_HELD * norm and x > norm
+    return _ewma(mean, x), _ewma(norm, x, NORM_RISE_ALPHA if rise else NORM_ALPHA)
 
 
 def _ewma2(prev: tuple[float, float] | None, x: float, y: float, alpha: float) -> tuple[float, float]:

@@ -4,6 +4,7 @@ slowdown up to the factor; what goes on the stretch holds no slot and is given b
 
 from __future__ import annotations
 
+import math
 import random
 from typing import Any
 
@@ -78,7 +79,7 @@ def test_a_slowed_fleet_stretches_the_cap_by_the_slowdown_up_to_the_factor() -> 
 def test_the_stretch_follows_the_slowdown_below_the_factor() -> None:
     a, clock = admission(4.0, cap=10)
     t = a.config.tenant("t")
-    history(a, clock, t, STEADY + [1.8] * 8, gap=4.0)
+    history(a, clock, t, STEADY + [1.9] * 8, gap=4.0)
     state = a.tenant_state("t")
     assert state is not None and state.mean_seconds is not None and state.norm_seconds is not None
     ratio = state.mean_seconds / state.norm_seconds
@@ -538,3 +539,38 @@ def test_the_tail_is_read_from_envoys_access_log() -> None:
     gw.on_access_log(entry)
     state = gw.core.admission.tenant_state("t")
     assert state is not None and state.fleet_seconds is None  # (a tail longer than its time here: says nothing)
+
+
+def test_a_noisy_healthy_fleet_opens_no_stretch_and_a_slowed_one_still_does() -> None:
+    """Each norm rises at its slow rate only while the tenant reads slowed. Chosen by each answer's own side of the
+    norm, the norms settled at a low expectile rather than the mean: with answers varying as LLM requests do
+    (lognormal noise, sigma 0.35, around a healthy line of their shape), both signals read over 1.5x after about a
+    quarter of completions (review112 H3; about 1% now, at ``STRETCH_SLOWED``). A fleet slowed 2x is still read
+    within a few answers."""
+    for slow in (1.0, 2.0):
+        a, clock = admission(2.0, cap=4)
+        t = a.config.tenant("t")
+        rng = random.Random(11)
+        opened = 0
+        for i in range(700):
+            out, prompt = rng.randint(1, 400), int(math.exp(rng.uniform(math.log(50), math.log(8000))))
+            lease = a.decide(t, f"w{i}", E(prompt, out), 10).lease
+            assert lease is not None
+            f = slow if i >= 500 else 1.0
+            clock.advance((0.4 + 0.02 * out + 0.0002 * prompt) * math.exp(rng.gauss(0, 0.35)) * f)
+            a.complete(lease.ticket, Usage(prompt, out), responded=True)
+            clock.advance(4.0)
+            if i < 100 or (slow == 1.0 and i % 10) or (slow != 1.0 and i < 510):
+                continue
+            held = fill(a, t, f"h{i}-", 4)
+            d = a.decide(t, f"x{i}", E(), 10)
+            if d.lease is not None:
+                opened += 1
+                a.complete(d.lease.ticket, None, responded=False)
+            for x in held:
+                a.complete(x.ticket, None, responded=False)
+        if slow == 1.0:
+            assert opened <= 3, f"healthy: the stretch read open at {opened} of 60 checks"
+        else:  # (read open at most checks from ten answers into the slowdown on: 125 of 190 here, the duration of
+            # answers this varied dipping under the bar now and then; 23 with the norms held only at SLOWED's 1.5)
+            assert opened >= 0.5 * 190, opened
