@@ -121,7 +121,8 @@ class Tenant(Quota):
         "best_effort.default); None: best_effort.default")
     max_concurrent_stretch: Annotated[float, Field(ge=1, le=4, allow_inf_nan=False, strict=True)] = Field(
         default=1.0, description="how far max_concurrent stretches while the fleet serves this tenant slower than "
-        "usual (its recent request duration and seconds per output token both more than 1.5x their norms) and "
+        "usual (its recent request duration and seconds per output token both more than 1.3x their norms, timed "
+        "to the node's last byte) and "
         "it sends no faster than the cap allows at its usual duration: the cap times the slowdown, up to this "
         "factor. A cap sized on a healthy fleet's durations (docs/concepts/tenants.md, Sizing max_concurrent) "
         "otherwise refuses the same traffic once the fleet slows. Requests on the stretch hold no slot of the "

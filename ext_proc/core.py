@@ -147,7 +147,8 @@ class Ended:
     tail_s: float = 0.0
     """Seconds between the node's last byte and the client's (Envoy's time to its last byte sent downstream less
     its time to the last byte received upstream): a client that reads its stream slowly, or holds it open,
-    lengthens its own request, not the fleet's time the tenant's durations and pace read (attack110 M1)."""
+    holds its slot longer (the tenant's durations count it) but is not the fleet's time, which its
+    ``fleet_seconds`` and pace read without it (attack110 M1)."""
 
 
 @dataclass(slots=True)

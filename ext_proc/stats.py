@@ -148,7 +148,8 @@ class Stats:
         self.fleet_caused = Counts(
             "kvgate_fleet_caused_rejections_total",
             "429s the fleet caused: a concurrency-cap rejection of a tenant inside its request and token "
-            "budgets whose requests last clearly longer than its own norm (unmet demand for the scaler)",
+            "budgets whose requests last clearly longer than its own norm, timed to the node's last byte (unmet "
+            "demand for the scaler)",
             ["tenant", "tier", "pool"])
         self.slo_misses = Counts(
             "kvgate_predicted_slo_misses_total",

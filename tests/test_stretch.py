@@ -12,6 +12,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from prometheus_client import generate_latest
 
+from ext_proc.admission import SLOWED as SLOWED_AT
+from ext_proc.admission import STRETCH_SLOWED as STRETCH_AT
 from ext_proc.admission import Admission, Usage
 from ext_proc.config import ConfigError, parse_config
 from ext_proc.core import Core, Held, Request, null_logger
@@ -505,9 +507,14 @@ def test_a_stream_its_client_holds_open_is_not_the_fleets_time() -> None:
     assert state is not None and state.fleet_seconds is not None and state.mean_seconds is not None
     assert state.fleet_seconds[0] < 1.1 * state.fleet_seconds[1]
     assert state.mean_seconds > 2.0  # (its slot was held all along: Retry-After and Little's law count the tail)
+    assert state.mean_pace is not None and state.norm_pace is not None
+    assert state.mean_pace < 1.1 * state.norm_pace  # (each signal on its own: the stretch reads the smaller)
     held = [lease(f"h{i}") for i in range(4)]
     assert all(x is not None and not x.stretched for x in held)
-    assert lease("x") is None  # (without the tail: admitted on the stretch)
+    a = core.decide(Request("/v1/chat/completions", "x", "Bearer k", estimate=E(), body_bytes=10))
+    assert not isinstance(a, Held) and a.decision.rejection is not None  # (without the tail: on the stretch)
+    assert not a.decision.rejection.fleet_caused  # (nor a 429 of the fleet's doing, scaling it)
+    assert a.decision.rejection.retry_after >= 1  # (from how long its slots are held, the tail counted)
 
 
 def test_the_tail_is_read_from_envoys_access_log() -> None:
@@ -551,7 +558,7 @@ def test_a_noisy_healthy_fleet_opens_no_stretch_and_a_slowed_one_still_does() ->
         a, clock = admission(2.0, cap=4)
         t = a.config.tenant("t")
         rng = random.Random(11)
-        opened = 0
+        opened = fleet_slowed = pace_slowed = 0
         for i in range(700):
             out, prompt = rng.randint(1, 400), int(math.exp(rng.uniform(math.log(50), math.log(8000))))
             lease = a.decide(t, f"w{i}", E(prompt, out), 10).lease
@@ -569,8 +576,34 @@ def test_a_noisy_healthy_fleet_opens_no_stretch_and_a_slowed_one_still_does() ->
                 a.complete(d.lease.ticket, None, responded=False)
             for x in held:
                 a.complete(x.ticket, None, responded=False)
+            if slow == 1.0:
+                state = a.tenant_state("t")
+                assert state is not None and state.fleet_seconds is not None and state.norm_pace is not None
+                fleet_slowed += state.fleet_seconds[0] > SLOWED_AT * state.fleet_seconds[1]
+                pace_slowed += (state.mean_pace or 0.0) > STRETCH_AT * state.norm_pace
         if slow == 1.0:
             assert opened <= 3, f"healthy: the stretch read open at {opened} of 60 checks"
+            # (24 of 60 with each answer choosing its norm's rate by its own side of it) and each signal on its own
+            # (the stretch reads the smaller, the fleet-caused 429 the duration alone): 1 and 1 of 60 here
+            assert fleet_slowed <= 6 and pace_slowed <= 6, (fleet_slowed, pace_slowed)
         else:  # (read open at most checks from ten answers into the slowdown on: 125 of 190 here, the duration of
             # answers this varied dipping under the bar now and then; 23 with the norms held only at SLOWED's 1.5)
             assert opened >= 0.5 * 190, opened
+
+
+def test_a_slowdown_between_the_stretchs_bar_and_the_fleet_caused_one_stretches_and_scales_nothing() -> None:
+    """A fleet 1.4x slower than usual: past ``STRETCH_SLOWED`` (1.3), so the cap grows by that slowdown; short of
+    ``SLOWED`` (1.5), so the 429 past the stretch is the tenant's own, not the fleet's doing."""
+    a, clock = admission(2.0, cap=10)
+    t = a.config.tenant("t")
+    history(a, clock, t, STEADY + [1.45] * 12, gap=4.0)
+    state = a.tenant_state("t")
+    assert state is not None and state.fleet_seconds is not None
+    ratio = state.fleet_seconds[0] / state.fleet_seconds[1]
+    assert 1.3 < ratio < 1.5
+    fill(a, t, "h", 10)
+    stretched = 0
+    while (d := a.decide(t, f"s{stretched}", E(), 10)).lease is not None:
+        stretched += 1
+    assert stretched == int(10 * ratio) - 10 > 0
+    assert d.rejection is not None and d.rejection.reason == "tenant-concurrency" and not d.rejection.fleet_caused
