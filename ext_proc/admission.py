@@ -1516,8 +1516,8 @@ class Admission:
             if seconds <= tail_s:
                 return
             seconds -= tail_s
-        f = s.fleet_seconds
-        s.fleet_seconds = _durations(None, None, seconds) if f is None else _durations(f[0], f[1], seconds)
+        fleet_mean, fleet_norm = s.fleet_seconds or (None, None)
+        s.fleet_seconds = _durations(fleet_mean, fleet_norm, seconds)
         if usage is not None and usage.completion_tokens > 0 and s.config.max_concurrent_stretch > 1.0:
             tokens = float(usage.completion_tokens)
             norm = s.norm_pace

@@ -58,6 +58,21 @@ def fill(a: Admission, t: Any, prefix: str, n: int) -> list[Any]:
     return out
 
 
+def keyed(cap: int) -> Any:
+    """Tenant ``t`` behind API key ``k``: ``cap`` slots stretching up to 2x, no gateway queue (for a Core)."""
+    return parse_config({"tenants": [{"name": "t", "api_key_sha256": [hash_key("k")], "max_concurrent": cap,
+                                      "max_concurrent_stretch": 2}], "queue": {"enabled": False}})
+
+
+def asker(core: Core) -> Any:
+    """``ask(rid)``: the core's decision for one request of tenant ``t`` (never held: no queue)."""
+    def ask(rid: str) -> Any:
+        a = core.decide(Request("/v1/chat/completions", rid, "Bearer k", estimate=E(), body_bytes=10))
+        assert not isinstance(a, Held)
+        return a.decision
+    return ask
+
+
 def test_a_slowed_fleet_stretches_the_cap_by_the_slowdown_up_to_the_factor() -> None:
     a, clock = admission(2.0)
     t = a.config.tenant("t")
@@ -185,14 +200,8 @@ def test_the_factor_is_bounded_and_named_in_errors() -> None:
 
 def test_the_counter_of_stretched_admissions_moves() -> None:
     clock = FakeClock()
-    cfg = parse_config({"tenants": [{"name": "t", "api_key_sha256": [hash_key("k")], "max_concurrent": 2,
-                                     "max_concurrent_stretch": 2}], "queue": {"enabled": False}})
-    core = Core(cfg, clock, random.Random(1), log=null_logger())
-
-    def ask(rid: str) -> Any:
-        a = core.decide(Request("/v1/chat/completions", rid, "Bearer k", estimate=E(), body_bytes=10))
-        assert not isinstance(a, Held)
-        return a.decision
+    core = Core(keyed(2), clock, random.Random(1), log=null_logger())
+    ask = asker(core)
 
     from ext_proc.core import Ended
 
@@ -488,17 +497,11 @@ def test_a_stream_its_client_holds_open_is_not_the_fleets_time() -> None:
     from ext_proc.core import Ended
 
     clock = FakeClock()
-    cfg = parse_config({"tenants": [{"name": "t", "api_key_sha256": [hash_key("k")], "max_concurrent": 4,
-                                     "max_concurrent_stretch": 2}], "queue": {"enabled": False}})
-    core = Core(cfg, clock, random.Random(1), log=null_logger())
-
-    def lease(rid: str) -> Any:
-        a = core.decide(Request("/v1/chat/completions", rid, "Bearer k", estimate=E(), body_bytes=10))
-        assert not isinstance(a, Held)
-        return a.decision.lease
+    core = Core(keyed(4), clock, random.Random(1), log=null_logger())
+    ask = asker(core)
 
     for i in range(30):
-        x = lease(f"w{i}")
+        x = ask(f"w{i}").lease
         clock.advance(1.0 if i < 29 else 31.0)  # the last one held 30 s by its client after the node's last byte
         core.ended(Ended(x.ticket, f"w{i}", 200, Usage(10, 100), upstream_answered=True,
                          tail_s=30.0 if i == 29 else 0.0))
@@ -509,12 +512,12 @@ def test_a_stream_its_client_holds_open_is_not_the_fleets_time() -> None:
     assert state.mean_seconds > 2.0  # (its slot was held all along: Retry-After and Little's law count the tail)
     assert state.mean_pace is not None and state.norm_pace is not None
     assert state.mean_pace < 1.1 * state.norm_pace  # (each signal on its own: the stretch reads the smaller)
-    held = [lease(f"h{i}") for i in range(4)]
+    held = [ask(f"h{i}").lease for i in range(4)]
     assert all(x is not None and not x.stretched for x in held)
-    a = core.decide(Request("/v1/chat/completions", "x", "Bearer k", estimate=E(), body_bytes=10))
-    assert not isinstance(a, Held) and a.decision.rejection is not None  # (without the tail: on the stretch)
-    assert not a.decision.rejection.fleet_caused  # (nor a 429 of the fleet's doing, scaling it)
-    assert a.decision.rejection.retry_after >= 1  # (from how long its slots are held, the tail counted)
+    refused = ask("x").rejection
+    assert refused is not None  # (without the tail: on the stretch)
+    assert not refused.fleet_caused  # (nor a 429 of the fleet's doing, scaling it)
+    assert refused.retry_after >= 1  # (from how long its slots are held, the tail counted)
 
 
 def test_the_tail_is_read_from_envoys_access_log() -> None:
@@ -533,16 +536,14 @@ def test_the_tail_is_read_from_envoys_access_log() -> None:
     assert abs(_tail(c) - 29.75) < 1e-9
     c.time_to_last_downstream_tx_byte.FromMilliseconds(1000)
     assert _tail(c) == 0.0
-    cfg = parse_config({"tenants": [{"name": "t", "api_key_sha256": [hash_key("k")], "max_concurrent": 4,
-                                     "max_concurrent_stretch": 2}], "queue": {"enabled": False}})
-    gw = Gateway(cfg)
-    got = gw.core.decide(Request("/v1/chat/completions", "r", "Bearer k", estimate=E(), body_bytes=10))
-    assert not isinstance(got, Held) and got.decision.lease is not None
+    gw = Gateway(keyed(4))
+    lease = asker(gw.core)("r").lease
+    assert lease is not None
     entry.request.request_id = "r"
     entry.response.response_code.value = 200
     c.time_to_first_upstream_rx_byte.FromMilliseconds(100)
     c.time_to_last_downstream_tx_byte.FromMilliseconds(31250)
-    c.metadata.filter_metadata[META_NS].update({"ticket": got.decision.lease.ticket})
+    c.metadata.filter_metadata[META_NS].update({"ticket": lease.ticket})
     gw.on_access_log(entry)
     state = gw.core.admission.tenant_state("t")
     assert state is not None and state.fleet_seconds is None  # (a tail longer than its time here: says nothing)
